@@ -1,0 +1,2 @@
+pub mod hjson;
+pub mod value;
