@@ -1,1 +1,829 @@
-//! (being written)
+//! Reads DeepSpeed config files into [`Value`]s. DeepSpeed parses them as Hjson (JSON plus
+//! comments, optional quotes and optional commas) with Python's hjson 3.1.0, called as
+//! `hjson.load(open(path), object_pairs_hook=dict_raise_error_on_duplicate_keys)`; this module
+//! follows that call exactly, oddities included (a quoteless value runs to the end of its line,
+//! a broken one-line document falls back to being one string).
+//!
+//! It is hand-written because the serde-based hjson crates give none of what that needs:
+//! duplicate keys detected on the ordered pairs (DeepSpeed's hook), Python's int/float rule
+//! (`5e8` is an int, `1e10` a float) and a nesting cap in place of a stack overflow.
+//!
+//! Deliberate departures from Python: integers beyond 64 bits, `\u` escapes that leave a lone
+//! surrogate, and nesting deeper than [`MAX_DEPTH`] are errors (Python keeps a big int, keeps
+//! the surrogate, and only fails near 500 levels, on its recursion limit); only ASCII digits
+//! are digits (Python's `\d` and `int()` also take e.g. Arabic-Indic ones).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use crate::value::{Dict, Value};
+
+/// The deepest nesting of objects and arrays the reader accepts.
+pub const MAX_DEPTH: usize = 256;
+
+/// Why a document was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum HjsonError {
+    /// A syntax error (for Python's `HjsonDecodeError`, the same message), at a 1-based line and
+    /// column counted in characters, as Python counts them.
+    #[error("{message}: line {line} column {column}")]
+    Syntax {
+        message: String,
+        line: usize,
+        column: usize,
+    },
+    /// DeepSpeed's `object_pairs_hook` rejects an object with a repeated key. `keys` lists each
+    /// repeated key once, in order of first appearance; `path` is where the object sits
+    /// (`the top level`, or e.g. `zero_optimization.offload_param`, `[0].a`).
+    #[error("duplicate keys {keys:?} in the object at {path}")]
+    DuplicateKeys { path: String, keys: Vec<String> },
+    /// The bytes are not UTF-8; `offset` is the first byte that is not.
+    #[error("the file is not valid UTF-8 (byte {offset})")]
+    NotUtf8 { offset: usize },
+}
+
+/// Reads the bytes of a config file: UTF-8 decoding, then [`parse`].
+pub fn parse_bytes(bytes: &[u8]) -> Result<Value, HjsonError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| HjsonError::NotUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    parse(text)
+}
+
+/// Reads the text of a config file. Line ends are first translated as Python's text-mode
+/// `open()` does (`\r\n` and a lone `\r` become `\n`), so lines and columns match Python's.
+pub fn parse(text: &str) -> Result<Value, HjsonError> {
+    let text = universal_newlines(text);
+    Parser::new(&text).document()
+}
+
+fn universal_newlines(text: &str) -> Cow<'_, str> {
+    if text.contains('\r') {
+        Cow::Owned(text.replace("\r\n", "\n").replace('\r', "\n"))
+    } else {
+        Cow::Borrowed(text)
+    }
+}
+
+/// A failure while scanning. `retry` marks Python's `HjsonDecodeError`, the only kind after
+/// which a document that is not an object without braces is retried as a single value; other
+/// Python exceptions (the hook's `ValueError`, `IndexError`, `OverflowError`, recursion)
+/// propagate at once.
+struct Fail {
+    error: HjsonError,
+    retry: bool,
+}
+
+type Scan<T> = Result<T, Fail>;
+
+/// One step of the path from the root to the value being read.
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+/// The four characters after a `\u`, as Python reads them.
+enum Hex4 {
+    /// Fewer than four characters, or an `x` second (`0x12`): rejected before `int()`.
+    Malformed,
+    /// Four characters that `int(s, 16)` rejects.
+    NotInt,
+    /// The value and the position after the four characters.
+    Value(i64, usize),
+}
+
+/// What `NUMBER_RE` matches at the start of a quoteless value.
+#[derive(Clone, Copy)]
+struct NumberMatch {
+    /// End of the number itself (integer, fraction and exponent parts).
+    digits_end: usize,
+    /// End of the match, after trailing blanks.
+    end: usize,
+    /// Whether there is a fraction or an exponent.
+    float: bool,
+}
+
+struct Parser<'a> {
+    src: &'a str,
+    depth: usize,
+    path: Vec<Step>,
+    /// Characters after the document's last `\n` (`None`: there is no `\n`); see `ml_indent`.
+    tail: Option<usize>,
+    /// `chars_back`'s last answer: position, characters, whether a `\n` precedes.
+    col_memo: (usize, usize, bool),
+}
+
+impl<'a> Parser<'a> {
+    fn new(src: &'a str) -> Self {
+        let bytes = src.as_bytes();
+        let tail = bytes
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map(|i| char_count(bytes.get(i + 1..).unwrap_or_default()));
+        Parser {
+            src,
+            depth: 0,
+            path: Vec::new(),
+            tail,
+            col_memo: (0, 0, false),
+        }
+    }
+
+    /// Python's `HjsonDecoder.decode`: one document, then only whitespace and comments.
+    fn document(&mut self) -> Result<Value, HjsonError> {
+        let (value, end) = self.root().map_err(|f| f.error)?;
+        let end = self.next(end).map_err(|f| f.error)?;
+        if end != self.src.len() {
+            return Err(self.syntax("Extra data", end));
+        }
+        Ok(value)
+    }
+
+    /// Python's `raw_decode`.
+    fn root(&mut self) -> Scan<(Value, usize)> {
+        let start = bom_len(self.src);
+        let idx = self.next(start)?;
+        match self.at(idx) {
+            // Blank or comments only: an empty object, but only when there is no BOM.
+            None if start == 0 => Ok((Value::Dict(Dict::default()), idx)),
+            Some(b'{' | b'[') => self.value(idx),
+            _ => match self.nested(idx, |p| p.object(idx, false)) {
+                // Not an object without braces: retried as a single value (`5`, `"text"`, or
+                // the first line as a quoteless string); if that fails too, the first error.
+                Err(first) if first.retry => self.value(idx).map_err(|_| first),
+                other => other,
+            },
+        }
+    }
+
+    /// Python's `_scan_once`: the value starting exactly at `idx`.
+    fn value(&mut self, idx: usize) -> Scan<(Value, usize)> {
+        match self.at(idx) {
+            None => Err(self.decode("Expecting value", idx)),
+            Some(b'\'') if self.starts(idx, b"'''") => {
+                let (text, end) = self.ml_string(idx)?;
+                Ok((Value::Str(text), end))
+            }
+            Some(quote @ (b'"' | b'\'')) => {
+                let (text, end) = self.string(idx, quote)?;
+                Ok((Value::Str(text), end))
+            }
+            Some(b'{') => self.nested(idx, |p| p.object(idx + 1, true)),
+            Some(b'[') => self.nested(idx, |p| p.array(idx + 1)),
+            Some(first) => self.quoteless(idx, first),
+        }
+    }
+
+    /// Runs `read` for an object or array opened at `open`, one level deeper.
+    fn nested(
+        &mut self,
+        open: usize,
+        read: impl FnOnce(&mut Self) -> Scan<(Value, usize)>,
+    ) -> Scan<(Value, usize)> {
+        if self.depth >= MAX_DEPTH {
+            let message = format!("nesting deeper than {MAX_DEPTH} levels");
+            return Err(self.fatal(message, open));
+        }
+        self.depth += 1;
+        let result = read(self);
+        self.depth -= 1;
+        result
+    }
+
+    /// The value at `idx`, read with `step` added to the path.
+    fn child(&mut self, step: Step, idx: usize) -> Scan<(Value, usize)> {
+        self.path.push(step);
+        let result = self.value(idx);
+        self.path.pop();
+        result
+    }
+
+    /// Python's `JSONObject`, from just after `{`, or from the first key of a root object
+    /// without braces (which ends at the end of the input instead of at `}`).
+    fn object(&mut self, start: usize, braces: bool) -> Scan<(Value, usize)> {
+        let mut pairs = Vec::new();
+        let mut end = self.next(start)?;
+        if braces && self.at(end) == Some(b'}') {
+            return Ok((Value::Dict(Dict::default()), end + 1));
+        }
+        loop {
+            let (key, after_key) = self.key(end)?;
+            end = self.next(after_key)?;
+            if self.at(end) != Some(b':') {
+                return Err(self.decode("Expecting ':' delimiter", end));
+            }
+            let at = self.next(end + 1)?;
+            let (value, after) = self.child(Step::Key(key.clone()), at)?;
+            pairs.push((key, value));
+            end = self.separator(after)?;
+            match (braces, self.at(end)) {
+                (true, Some(b'}')) => {
+                    end += 1;
+                    break;
+                }
+                (false, None) => break,
+                _ => {}
+            }
+        }
+        Ok((Value::Dict(self.dict(pairs)?), end))
+    }
+
+    /// Python's `JSONArray`, from just after `[`.
+    fn array(&mut self, start: usize) -> Scan<(Value, usize)> {
+        let mut items = Vec::new();
+        let mut end = self.next(start)?;
+        match self.at(end) {
+            Some(b']') => return Ok((Value::List(items), end + 1)),
+            None => {
+                let message = "End of input while parsing an array (did you forget a closing ']'?)";
+                return Err(self.decode(message, end));
+            }
+            Some(_) => {}
+        }
+        loop {
+            let (value, after) = self.child(Step::Index(items.len()), end)?;
+            items.push(value);
+            end = self.separator(after)?;
+            if self.at(end) == Some(b']') {
+                return Ok((Value::List(items), end + 1));
+            }
+        }
+    }
+
+    /// After a member: skips whitespace and comments, then at most one comma and what follows it.
+    fn separator(&self, pos: usize) -> Scan<usize> {
+        let end = self.next(pos)?;
+        if self.at(end) == Some(b',') {
+            self.next(end + 1)
+        } else {
+            Ok(end)
+        }
+    }
+
+    /// DeepSpeed's `dict_raise_error_on_duplicate_keys`, applied to every object.
+    fn dict(&self, pairs: Vec<(String, Value)>) -> Scan<Dict> {
+        let mut counts: HashMap<&str, usize> = HashMap::with_capacity(pairs.len());
+        for (key, _) in &pairs {
+            *counts.entry(key.as_str()).or_default() += 1;
+        }
+        if counts.len() == pairs.len() {
+            return Ok(Dict(pairs));
+        }
+        // Like the hook's `collections.Counter`: each repeated key once, by first appearance.
+        let mut keys = Vec::new();
+        for (key, _) in &pairs {
+            if counts.remove(key.as_str()).is_some_and(|n| n > 1) {
+                keys.push(key.clone());
+            }
+        }
+        let path = self.path_text();
+        let error = HjsonError::DuplicateKeys { path, keys };
+        Err(Fail {
+            error,
+            retry: false,
+        })
+    }
+
+    fn path_text(&self) -> String {
+        if self.path.is_empty() {
+            return "the top level".to_string();
+        }
+        let mut text = String::new();
+        for step in &self.path {
+            match step {
+                Step::Key(key) if text.is_empty() => text.push_str(key),
+                Step::Key(key) => {
+                    text.push('.');
+                    text.push_str(key);
+                }
+                Step::Index(i) => {
+                    let _ = write!(text, "[{i}]");
+                }
+            }
+        }
+        text
+    }
+
+    /// Python's `scanKeyName`: a quoted key, or the text before the next `:`.
+    fn key(&self, pos: usize) -> Scan<(String, usize)> {
+        let begin = self.next(pos)?;
+        if let Some(quote @ (b'"' | b'\'')) = self.at(begin) {
+            return self.string(begin, quote);
+        }
+        // Start of the blank run being tracked; only a run right before the ':' is allowed.
+        let mut space: Option<usize> = None;
+        let mut end = begin;
+        loop {
+            match self.at(end) {
+                None => return Err(self.decode("Bad key name (eof)", end)),
+                Some(b':') => return self.unquoted_key(begin, end, space),
+                Some(b' ' | b'\t' | b'\n' | b'\r') => {
+                    if space.map_or(true, |s| s + 1 == end) {
+                        space = Some(end);
+                    }
+                }
+                Some(c @ (b'{' | b'}' | b'[' | b']' | b',')) => {
+                    let message = format!(
+                        "Found '{}' where a key name was expected (check your syntax or use \
+                         quotes if the key name includes {{}}[],: or whitespace)",
+                        char::from(c)
+                    );
+                    return Err(self.decode(message, begin));
+                }
+                Some(_) => {}
+            }
+            end += 1;
+        }
+    }
+
+    fn unquoted_key(
+        &self,
+        begin: usize,
+        colon: usize,
+        space: Option<usize>,
+    ) -> Scan<(String, usize)> {
+        let text = self.src.get(begin..colon).unwrap_or_default();
+        match space {
+            _ if begin == colon => {
+                let message = "Found ':' but no key name (for an empty key name use quotes)";
+                Err(self.decode(message, begin))
+            }
+            Some(s) if s + 1 != colon => {
+                let message = "Found whitespace in your key name (use quotes to include)";
+                Err(self.decode(message, s))
+            }
+            // `str.rstrip()`: drops any Unicode whitespace before the blanks, too.
+            Some(_) => Ok((text.trim_end_matches(py_space).to_string(), colon)),
+            None => Ok((text.to_string(), colon)),
+        }
+    }
+
+    /// Python's `scanstring`: a `"..."` or `'...'` string whose opening quote is at `open`.
+    fn string(&self, open: usize, quote: u8) -> Scan<(String, usize)> {
+        let mut out = String::new();
+        let mut lone_surrogate = None;
+        let mut end = open + 1;
+        loop {
+            let special = |b: u8| b == b'"' || b == b'\'' || b == b'\\' || b < 0x20;
+            let Some(stop) = self.find(end, special) else {
+                return Err(self.decode("Unterminated string starting at", open));
+            };
+            out.push_str(self.src.get(end..stop).unwrap_or_default());
+            end = stop + 1;
+            match self.at(stop) {
+                Some(b) if b == quote => break,
+                Some(b @ (b'"' | b'\'')) => out.push(char::from(b)),
+                Some(b'\\') => end = self.escape(end, open, &mut out, &mut lone_surrogate)?,
+                // Python reports the position after the control character, and the one there.
+                _ => {
+                    let message = format!("Invalid control character {} at", self.repr_at(end));
+                    return Err(self.decode(message, end));
+                }
+            }
+        }
+        match lone_surrogate {
+            // Python keeps the lone surrogate; a Rust string cannot hold one.
+            Some(at) => Err(self.fatal("Unpaired surrogate in a \\uXXXX escape sequence", at)),
+            None => Ok((out, end)),
+        }
+    }
+
+    /// One escape sequence, `at` being just after the backslash; returns the position after it.
+    fn escape(
+        &self,
+        at: usize,
+        open: usize,
+        out: &mut String,
+        lone: &mut Option<usize>,
+    ) -> Scan<usize> {
+        let unescaped = match self.at(at) {
+            None => return Err(self.decode("Unterminated string starting at", open)),
+            Some(b'u') => return self.unicode_escape(at, out, lone),
+            Some(b'"') => '"',
+            Some(b'\'') => '\'',
+            Some(b'\\') => '\\',
+            Some(b'/') => '/',
+            Some(b'b') => '\u{8}',
+            Some(b'f') => '\u{c}',
+            Some(b'n') => '\n',
+            Some(b'r') => '\r',
+            Some(b't') => '\t',
+            Some(_) => {
+                let message = format!("Invalid \\X escape sequence {}", self.repr_at(at));
+                return Err(self.decode(message, at));
+            }
+        };
+        out.push(unescaped);
+        Ok(at + 1)
+    }
+
+    /// A `\uXXXX` escape (with `u` at `u`), joined with a following `\uXXXX` when the two make
+    /// a surrogate pair.
+    fn unicode_escape(&self, u: usize, out: &mut String, lone: &mut Option<usize>) -> Scan<usize> {
+        const MESSAGE: &str = "Invalid \\uXXXX escape sequence";
+        let backslash = u.saturating_sub(1);
+        let (mut code, mut end) = match self.hex4(u + 1) {
+            Hex4::Value(code, end) => (code, end),
+            Hex4::Malformed | Hex4::NotInt => return Err(self.decode(MESSAGE, backslash)),
+        };
+        if code & 0xfc00 == 0xd800 && self.starts(end, b"\\u") {
+            match self.hex4(end + 2) {
+                Hex4::Value(low, after) if low & 0xfc00 == 0xdc00 => {
+                    code = 0x10000 + (((code - 0xd800) << 10) | (low - 0xdc00));
+                    end = after;
+                }
+                Hex4::NotInt => return Err(self.decode(MESSAGE, end)),
+                // Not a pair: the next escape is read on its own.
+                Hex4::Value(..) | Hex4::Malformed => {}
+            }
+        }
+        let Ok(code) = u32::try_from(code) else {
+            // `int()` took a sign (`\u-001`); Python's chr() then raises ValueError.
+            let message = "Invalid \\uXXXX escape sequence (chr() arg not in range(0x110000))";
+            return Err(self.fatal(message, backslash));
+        };
+        match char::from_u32(code) {
+            Some(c) => out.push(c),
+            None => {
+                lone.get_or_insert(backslash);
+            }
+        }
+        Ok(end)
+    }
+
+    /// The four characters of a `\u` escape starting at `pos`, read as Python reads them.
+    fn hex4(&self, pos: usize) -> Hex4 {
+        let rest = self.src.get(pos..).unwrap_or_default();
+        let len = rest.char_indices().nth(4).map_or(rest.len(), |(i, _)| i);
+        let four = rest.get(..len).unwrap_or_default();
+        if four.chars().count() != 4 || matches!(four.chars().nth(1), Some('x' | 'X')) {
+            return Hex4::Malformed;
+        }
+        match py_int_base16(four) {
+            Some(code) => Hex4::Value(code, pos + len),
+            None => Hex4::NotInt,
+        }
+    }
+
+    /// Python's `mlscanstring`: a `'''` string opening at `at`. Lines after the first lose up
+    /// to as many leading blanks as the `'''` is indented; one final newline is dropped.
+    fn ml_string(&mut self, at: usize) -> Scan<(String, usize)> {
+        let indent = self.ml_indent(at)?;
+        let mut end = self.skip_indent(at + 3, usize::MAX);
+        match self.at(end) {
+            // Python indexes past the end here (IndexError).
+            None => return Err(self.fatal("Bad multiline string (end of input after ''')", end)),
+            Some(b'\n') => end = self.skip_indent(end + 1, indent),
+            Some(_) => {}
+        }
+        let mut out = String::new();
+        let mut quotes = 0;
+        loop {
+            let Some(byte) = self.at(end) else {
+                return Err(self.decode("Bad multiline string", end));
+            };
+            if byte == b'\'' {
+                quotes += 1;
+                end += 1;
+                if quotes == 3 {
+                    if out.ends_with('\n') {
+                        out.pop();
+                    }
+                    return Ok((out, end));
+                }
+                continue;
+            }
+            out.extend(std::iter::repeat('\'').take(std::mem::take(&mut quotes)));
+            end = self.ml_chunk(end, byte, indent, &mut out);
+        }
+    }
+
+    /// Copies the text at `pos` (starting with `byte`, not a quote) up to the next quote or
+    /// line end; returns where it stopped.
+    fn ml_chunk(&self, pos: usize, byte: u8, indent: usize, out: &mut String) -> usize {
+        match byte {
+            b'\n' => {
+                out.push('\n');
+                self.skip_indent(pos + 1, indent)
+            }
+            b'\r' => pos + 1,
+            _ => {
+                let stop = self.find(pos, |b| matches!(b, b'\'' | b'\n' | b'\r'));
+                let stop = stop.unwrap_or(self.src.len());
+                out.push_str(self.src.get(pos..stop).unwrap_or_default());
+                stop
+            }
+        }
+    }
+
+    /// The indentation of a `'''` at `at`: the characters back to the previous `\n`. On the
+    /// first line Python's negative index wraps around to the end of the document, so the
+    /// count goes on back from the end to the last `\n`; with no `\n` at all it fails
+    /// (IndexError).
+    fn ml_indent(&mut self, at: usize) -> Scan<usize> {
+        match (self.chars_back(at), self.tail) {
+            ((chars, true), _) => Ok(chars),
+            ((chars, false), Some(tail)) => Ok(chars + tail),
+            ((_, false), None) => {
+                let message =
+                    "Bad multiline string (''' on the first line of a file without a newline)";
+                Err(self.fatal(message, at))
+            }
+        }
+    }
+
+    /// Characters from the line start (the document start when no `\n` precedes) to `pos`,
+    /// and whether a `\n` precedes; remembered, so many `'''` on one line stay linear.
+    fn chars_back(&mut self, pos: usize) -> (usize, bool) {
+        let (from, mut chars, mut newline) = match self.col_memo {
+            (memo_pos, chars, newline) if memo_pos <= pos => (memo_pos, chars, newline),
+            _ => (0, 0, false),
+        };
+        let bytes = self.src.as_bytes().get(from..pos).unwrap_or_default();
+        match bytes.iter().rposition(|&b| b == b'\n') {
+            Some(i) => {
+                chars = char_count(bytes.get(i + 1..).unwrap_or_default());
+                newline = true;
+            }
+            None => chars += char_count(bytes),
+        }
+        self.col_memo = (pos, chars, newline);
+        (chars, newline)
+    }
+
+    /// Python's `scantfnns`: `null`, `true`, `false`, a number, or a quoteless string running
+    /// to the end of the line. At `,` `}` `]` `#` `//` `/*` the text so far ends the value only
+    /// if it is one of the first four; otherwise those characters belong to the string.
+    fn quoteless(&self, begin: usize, first: u8) -> Scan<(Value, usize)> {
+        // (Python first calls getNext, a no-op: callers already skipped blanks and comments.)
+        if b"{}[],:".contains(&first) {
+            let message =
+                "Found a punctuator character when expecting a quoteless string (check your syntax)";
+            return Err(self.decode(message, begin));
+        }
+        let number = match first {
+            b'-' | b'0'..=b'9' => number_match(self.src.as_bytes(), begin),
+            _ => None,
+        };
+        let mut end = begin;
+        loop {
+            let byte = self.at(end);
+            let eol = matches!(byte, None | Some(b'\n' | b'\r'));
+            let stop = matches!(byte, Some(b',' | b'}' | b']' | b'#'))
+                || (byte == Some(b'/') && matches!(self.at(end + 1), Some(b'/' | b'*')));
+            if eol || stop {
+                let text = self.src.get(begin..end).unwrap_or_default();
+                let number = number.filter(|m| m.end == end);
+                if let Some(value) = self.literal(first, text, begin, number)? {
+                    return Ok((value, end));
+                }
+                if eol {
+                    return Ok((Value::Str(py_strip(text).to_string()), end));
+                }
+            }
+            end += 1;
+        }
+    }
+
+    /// `text` as `null`, `true`, `false` or (given `NUMBER_RE`'s match ending with it) a number.
+    fn literal(
+        &self,
+        first: u8,
+        text: &str,
+        begin: usize,
+        number: Option<NumberMatch>,
+    ) -> Scan<Option<Value>> {
+        Ok(match first {
+            b'n' if py_strip(text) == "null" => Some(Value::Null),
+            b't' if py_strip(text) == "true" => Some(Value::Bool(true)),
+            b'f' if py_strip(text) == "false" => Some(Value::Bool(false)),
+            _ => match number {
+                Some(m) => Some(self.number(begin, m)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Python's `int(text)` or `float(text)`, then hjson's rule: a float that is a whole number
+    /// below 1e10 in magnitude becomes an int (`5e8`, `1.0`, `-0.0`; not `1e10` nor `0.5`).
+    fn number(&self, begin: usize, m: NumberMatch) -> Scan<Value> {
+        let text = self.src.get(begin..m.digits_end).unwrap_or_default();
+        if !m.float {
+            // Python would keep a big int here; ds-rs values are 64-bit.
+            let too_large = || self.fatal("Integer too large (beyond 64 bits)", begin);
+            return text.parse().map(Value::Int).map_err(|_| too_large());
+        }
+        let x: f64 = text
+            .parse()
+            .map_err(|_| self.fatal("Invalid number", begin))?;
+        if x.is_infinite() {
+            // hjson's `int(res)` on an infinite float raises OverflowError.
+            let message = "Number too large (cannot convert float infinity to integer)";
+            return Err(self.fatal(message, begin));
+        }
+        if x.fract() == 0.0 && x.abs() < 1e10 {
+            Ok(Value::Int(x as i64))
+        } else {
+            Ok(Value::Float(x))
+        }
+    }
+
+    /// Python's `getNext`: the position of the next character that is neither whitespace
+    /// (` \t\n\r`) nor in a comment (`#`, `//` to the end of the line, `/* */`).
+    fn next(&self, mut pos: usize) -> Scan<usize> {
+        loop {
+            while matches!(self.at(pos), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+                pos += 1;
+            }
+            match (self.at(pos), self.at(pos + 1)) {
+                (Some(b'#'), _) | (Some(b'/'), Some(b'/')) => {
+                    pos = self
+                        .find(pos, |b| b == b'\n' || b == b'\r')
+                        .unwrap_or(self.src.len());
+                }
+                (Some(b'/'), Some(b'*')) => pos = self.comment_end(pos)?,
+                _ => return Ok(pos),
+            }
+        }
+    }
+
+    /// The position after the `*/` closing the comment opened at `open`.
+    fn comment_end(&self, open: usize) -> Scan<usize> {
+        let body = self.src.as_bytes().get(open + 2..).unwrap_or_default();
+        match body.windows(2).position(|w| w == b"*/") {
+            Some(i) => Ok(open + 2 + i + 2),
+            // Python's getNext indexes past the end here: an IndexError, not a decode error.
+            None => Err(self.fatal("Unterminated /* comment", open)),
+        }
+    }
+
+    /// Python's `skipIndent`: skips at most `n` of ` \t\r`.
+    fn skip_indent(&self, mut pos: usize, n: usize) -> usize {
+        let mut left = n;
+        while left > 0 && matches!(self.at(pos), Some(b' ' | b'\t' | b'\r')) {
+            pos += 1;
+            left -= 1;
+        }
+        pos
+    }
+
+    fn at(&self, pos: usize) -> Option<u8> {
+        self.src.as_bytes().get(pos).copied()
+    }
+
+    fn starts(&self, pos: usize, prefix: &[u8]) -> bool {
+        self.src
+            .as_bytes()
+            .get(pos..)
+            .is_some_and(|rest| rest.starts_with(prefix))
+    }
+
+    fn find(&self, from: usize, pred: impl Fn(u8) -> bool) -> Option<usize> {
+        let rest = self.src.as_bytes().get(from..)?;
+        rest.iter().position(|&b| pred(b)).map(|i| from + i)
+    }
+
+    /// Python's `repr()` of the character at `pos` (`''` at the end), for messages.
+    fn repr_at(&self, pos: usize) -> String {
+        py_repr_char(self.src.get(pos..).and_then(|rest| rest.chars().next()))
+    }
+
+    /// An `HjsonDecodeError`: the root may still be retried as a single value.
+    fn decode(&self, message: impl Into<String>, pos: usize) -> Fail {
+        Fail {
+            error: self.syntax(message, pos),
+            retry: true,
+        }
+    }
+
+    /// Any other exception in Python: reported as it is.
+    fn fatal(&self, message: impl Into<String>, pos: usize) -> Fail {
+        Fail {
+            error: self.syntax(message, pos),
+            retry: false,
+        }
+    }
+
+    /// A syntax error at byte `pos`, with Python's line and column.
+    fn syntax(&self, message: impl Into<String>, pos: usize) -> HjsonError {
+        let bytes = self.src.as_bytes();
+        let before = bytes.get(..pos).unwrap_or(bytes);
+        let line_start = before
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        HjsonError::Syntax {
+            message: message.into(),
+            line: before.iter().filter(|&&b| b == b'\n').count() + 1,
+            column: char_count(before.get(line_start..).unwrap_or_default()) + 1,
+        }
+    }
+}
+
+/// `NUMBER_RE` (`[\t ]*(-?(?:0|[1-9]\d*))(\.\d+)?([eE][-+]?\d+)?[\t ]*`) matched at `begin`,
+/// which is never a blank.
+fn number_match(bytes: &[u8], begin: usize) -> Option<NumberMatch> {
+    let digit = |i: usize| bytes.get(i).is_some_and(u8::is_ascii_digit);
+    let digits_from = |mut i: usize| {
+        while digit(i) {
+            i += 1;
+        }
+        i
+    };
+    let mut pos = begin + usize::from(bytes.get(begin) == Some(&b'-'));
+    pos = match bytes.get(pos) {
+        Some(b'0') => pos + 1,
+        Some(b'1'..=b'9') => digits_from(pos),
+        _ => return None,
+    };
+    let int_end = pos;
+    if bytes.get(pos) == Some(&b'.') && digit(pos + 1) {
+        pos = digits_from(pos + 1);
+    }
+    if matches!(bytes.get(pos), Some(b'e' | b'E')) {
+        let sign = usize::from(matches!(bytes.get(pos + 1), Some(b'+' | b'-')));
+        if digit(pos + 1 + sign) {
+            pos = digits_from(pos + 1 + sign);
+        }
+    }
+    let digits_end = pos;
+    while matches!(bytes.get(pos), Some(b' ' | b'\t')) {
+        pos += 1;
+    }
+    Some(NumberMatch {
+        digits_end,
+        end: pos,
+        float: digits_end > int_end,
+    })
+}
+
+/// Python's `int(s, 16)` for the four characters of a `\u` escape: surrounding whitespace, a
+/// sign, a `0x` prefix and single underscores between digits are all accepted.
+fn py_int_base16(s: &str) -> Option<i64> {
+    // int() strips Unicode whitespace, but not \x1c..\x1f (unlike str.strip()).
+    let s = s.trim_matches(char::is_whitespace);
+    let (negative, s) = match s.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let s = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(rest) => rest.strip_prefix('_').unwrap_or(rest),
+        None => s,
+    };
+    if s.is_empty() || s.starts_with('_') || s.ends_with('_') || s.contains("__") {
+        return None;
+    }
+    let mut value = 0i64;
+    for c in s.chars().filter(|&c| c != '_') {
+        value = value * 16 + i64::from(c.to_digit(16)?);
+    }
+    Some(if negative { -value } else { value })
+}
+
+/// Bytes of a leading BOM, which Python skips: U+FEFF, or its UTF-8 bytes read as Latin-1.
+fn bom_len(text: &str) -> usize {
+    if text.starts_with('\u{feff}') {
+        '\u{feff}'.len_utf8()
+    } else if text.starts_with("\u{ef}\u{bb}\u{bf}") {
+        "\u{ef}\u{bb}\u{bf}".len()
+    } else {
+        0
+    }
+}
+
+/// Python's `str.isspace()`: Unicode whitespace plus the separators \x1c..\x1f.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.strip()`.
+fn py_strip(s: &str) -> &str {
+    s.trim_matches(py_space)
+}
+
+/// Characters (code points) in UTF-8 bytes: the bytes that do not continue a character.
+fn char_count(bytes: &[u8]) -> usize {
+    bytes.iter().filter(|&&b| b & 0xc0 != 0x80).count()
+}
+
+/// Python's `repr()` of a one-character string (approximate for unusual non-ASCII).
+fn py_repr_char(c: Option<char>) -> String {
+    let Some(c) = c else {
+        return "''".to_string();
+    };
+    match c {
+        '\'' => "\"'\"".to_string(),
+        '\\' => "'\\\\'".to_string(),
+        '\t' => "'\\t'".to_string(),
+        '\n' => "'\\n'".to_string(),
+        '\r' => "'\\r'".to_string(),
+        _ if c < ' ' || ('\u{7f}'..='\u{a0}').contains(&c) || c == '\u{ad}' => {
+            format!("'\\x{:02x}'", u32::from(c))
+        }
+        _ if (c.is_whitespace() && c != ' ') || c == '\u{feff}' => {
+            format!("'\\u{:04x}'", u32::from(c))
+        }
+        _ => format!("'{c}'"),
+    }
+}

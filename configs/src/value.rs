@@ -130,7 +130,11 @@ impl Value {
                 .unwrap_or_else(|| J::String(py_float_repr(*f))),
             Value::Str(s) => J::String(s.clone()),
             Value::List(l) => J::Array(l.iter().map(Value::to_json).collect()),
-            Value::Dict(d) => J::Object(d.iter().map(|(k, v)| (k.to_string(), v.to_json())).collect()),
+            Value::Dict(d) => J::Object(
+                d.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_json()))
+                    .collect(),
+            ),
         }
     }
 }
@@ -149,7 +153,11 @@ pub fn py_float_repr(f: f64) -> String {
         let s = format!("{f:e}");
         let (mantissa, exp) = s.split_once('e').expect("invariant: {:e} has an exponent");
         let exp: i32 = exp.parse().expect("invariant: exponent is an integer");
-        return format!("{mantissa}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+        return format!(
+            "{mantissa}e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        );
     }
     let s = format!("{f}");
     if s.contains('.') {

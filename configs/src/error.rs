@@ -1,0 +1,151 @@
+//! Errors of the config reader. Every variant names where the problem is (file or JSON path).
+
+use std::path::PathBuf;
+
+use crate::hjson::HjsonError;
+
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// One problem found in a ds_config.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {file}: {reason}")]
+    Io { file: PathBuf, reason: String },
+
+    #[error("{file}: {source}")]
+    Parse { file: PathBuf, source: HjsonError },
+
+    /// A value of the wrong type or out of range.
+    #[error("{path}: found {found}, expected {expected}")]
+    Invalid {
+        path: String,
+        found: String,
+        expected: String,
+    },
+
+    /// A key DeepSpeed does not know, in a section that forbids unknown keys.
+    #[error("{path}: unknown key{}", suggestion_text(.suggestion))]
+    Unknown {
+        path: String,
+        suggestion: Option<String>,
+    },
+
+    /// A section DeepSpeed 0.19.8 removed and now rejects.
+    #[error("{path}: {message}")]
+    Removed { path: String, message: String },
+
+    /// Two settings that cannot go together, or a rule across several keys.
+    #[error("{path}: {message}")]
+    Conflict { path: String, message: String },
+
+    /// Several problems in one section (pydantic reports them all at once).
+    #[error("{} problems:\n  {}", .0.len(), join_lines(.0))]
+    Many(Vec<ConfigError>),
+}
+
+impl ConfigError {
+    pub fn invalid(path: &str, found: impl ToString, expected: impl ToString) -> Self {
+        ConfigError::Invalid {
+            path: path.to_string(),
+            found: found.to_string(),
+            expected: expected.to_string(),
+        }
+    }
+
+    pub fn conflict(path: &str, message: impl ToString) -> Self {
+        ConfigError::Conflict {
+            path: path.to_string(),
+            message: message.to_string(),
+        }
+    }
+
+    /// The JSON path of the (first) problem.
+    pub fn path(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { path, .. }
+            | ConfigError::Unknown { path, .. }
+            | ConfigError::Removed { path, .. }
+            | ConfigError::Conflict { path, .. } => Some(path),
+            ConfigError::Many(all) => all.first().and_then(ConfigError::path),
+            ConfigError::Io { .. } | ConfigError::Parse { .. } => None,
+        }
+    }
+
+    /// All paths named by this error, in order.
+    pub fn paths(&self) -> Vec<&str> {
+        match self {
+            ConfigError::Many(all) => all.iter().flat_map(ConfigError::paths).collect(),
+            other => other.path().into_iter().collect(),
+        }
+    }
+
+    /// Folds a list of problems into one error (None when the list is empty).
+    pub fn from_list(mut errors: Vec<ConfigError>) -> Option<ConfigError> {
+        match errors.len() {
+            0 => None,
+            1 => errors.pop(),
+            _ => Some(ConfigError::Many(errors)),
+        }
+    }
+}
+
+fn suggestion_text(suggestion: &Option<String>) -> String {
+    match suggestion {
+        Some(s) => format!(" (did you mean `{s}`?)"),
+        None => String::new(),
+    }
+}
+
+fn join_lines(errors: &[ConfigError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n  ")
+}
+
+/// The closest known key to `key`, if one is close enough to be a likely typo.
+pub fn closest<'a>(key: &str, known: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    let key_l = key.to_lowercase();
+    known
+        .into_iter()
+        .map(|k| (strsim::damerau_levenshtein(&key_l, &k.to_lowercase()), k))
+        .filter(|(d, k)| *d <= (k.len().max(key.len()) / 3).max(2))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closest_finds_typos_and_ignores_strangers() {
+        let known = [
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "overlap_comm",
+        ];
+        assert_eq!(
+            closest("stage3_param_persitance_threshold", known).as_deref(),
+            Some("stage3_param_persistence_threshold")
+        );
+        assert_eq!(
+            closest("overlap_com", known).as_deref(),
+            Some("overlap_comm")
+        );
+        assert_eq!(closest("tensorboard", known), None);
+    }
+
+    #[test]
+    fn unknown_key_message_names_path_and_suggestion() {
+        let e = ConfigError::Unknown {
+            path: "zero_optimization.stagee".into(),
+            suggestion: Some("stage".into()),
+        };
+        assert_eq!(
+            e.to_string(),
+            "zero_optimization.stagee: unknown key (did you mean `stage`?)"
+        );
+    }
+}

@@ -1,0 +1,315 @@
+//! `resolve`: from the parsed document to the immutable `Config`, in DeepSpeed's order, so the
+//! first problem reported is the one DeepSpeed 0.19.8 would raise.
+
+use serde::Serialize;
+use serde_json::Value as Json;
+
+use crate::batch::{self, PyNum};
+use crate::error::{closest, ConfigError, Result};
+use crate::monitor::{CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig};
+use crate::optim::{self, OptimizerParams, SchedulerParams, TypedSection};
+use crate::precision::{Bf16Config, Fp16Config};
+use crate::runtime::{
+    ActivationCheckpointingConfig, AioConfig, AutotuningConfig, CheckpointConfig, DataTypesConfig,
+};
+use crate::section::Section;
+use crate::toplevel::{self, Scalars};
+use crate::value::{Dict, Value};
+use crate::zero::{ZeroConfig, ZeroStage};
+use crate::{extras, removed};
+
+/// The parallel layout a config is resolved for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ParallelDims {
+    pub world_size: usize,
+    pub tp: usize,
+    pub pp: usize,
+}
+
+impl ParallelDims {
+    /// Checks that tp * pp divides the world size; the error shows the product.
+    pub fn new(world_size: usize, tp: usize, pp: usize) -> Result<ParallelDims> {
+        if world_size == 0 || tp == 0 || pp == 0 || world_size % (tp * pp) != 0 {
+            return Err(ConfigError::conflict(
+                "world_size",
+                format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {}", tp * pp),
+            ));
+        }
+        Ok(ParallelDims { world_size, tp, pp })
+    }
+
+    pub fn dp(&self) -> usize {
+        self.world_size / (self.tp * self.pp)
+    }
+}
+
+/// The resolved configuration: DeepSpeed's defaults applied, the batch triad filled, every
+/// section checked. Immutable once built.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Config {
+    pub dims: ParallelDims,
+    /// The data-parallel size the batch rule used (a float only in DeepSpeed's
+    /// sequence-parallel corner, see `toplevel::data_parallel_size`).
+    pub data_parallel_size: PyNum,
+    pub train_batch_size: PyNum,
+    pub train_micro_batch_size_per_gpu: PyNum,
+    pub gradient_accumulation_steps: PyNum,
+    #[serde(flatten)]
+    pub scalars: Scalars,
+    pub zero_optimization: ZeroConfig,
+    pub fp16: Fp16Config,
+    pub bf16: Bf16Config,
+    pub optimizer: Option<TypedSection>,
+    pub scheduler: Option<TypedSection>,
+    pub activation_checkpointing: ActivationCheckpointingConfig,
+    pub comms_logger: Option<CommsLoggerConfig>,
+    pub monitor: MonitorConfig,
+    pub flops_profiler: FlopsProfilerConfig,
+    pub wall_clock_breakdown: bool,
+    pub pipeline: Json,
+    pub checkpoint: CheckpointConfig,
+    pub data_types: DataTypesConfig,
+    pub autotuning: AutotuningConfig,
+    pub aio: AioConfig,
+    pub warnings: Vec<String>,
+    /// What each "auto" became: filled by the training command, or DeepSpeed's default.
+    pub auto_filled: Vec<(String, Json)>,
+}
+
+impl Config {
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero_optimization.stage
+    }
+
+    /// The typed optimizer params `train` uses (None: no optimizer section).
+    pub fn optimizer_params(&self) -> Result<Option<OptimizerParams>> {
+        self.optimizer
+            .as_ref()
+            .map(OptimizerParams::parse)
+            .transpose()
+    }
+
+    pub fn scheduler_params(&self) -> Result<Option<SchedulerParams>> {
+        self.scheduler
+            .as_ref()
+            .map(SchedulerParams::parse)
+            .transpose()
+    }
+}
+
+/// What resolution collects besides the typed sections.
+#[derive(Default)]
+struct Notes {
+    warnings: Vec<String>,
+    autos: Vec<(String, Json)>,
+}
+
+/// Resolves a parsed document for a layout. `filled` lists the "auto" values the caller
+/// already replaced (see `auto::fill`).
+pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) -> Result<Config> {
+    let Value::Dict(root) = doc else {
+        return Err(ConfigError::invalid(
+            "(top level)",
+            doc.type_name(),
+            "an object ({...})",
+        ));
+    };
+    removed::reject(root)?;
+    let dp = toplevel::data_parallel_size(root, dims)?;
+    let mut notes = Notes {
+        autos: filled,
+        ..Notes::default()
+    };
+    let scalars = toplevel::Scalars::read(root)?;
+    let zero_optimization = read_zero(root, &mut notes)?;
+    let activation_checkpointing = ActivationCheckpointingConfig::read(root, &mut notes.warnings)?;
+    let comms_logger = read_comms_logger(root, &mut notes)?;
+    let monitor = MonitorConfig::read(root, &mut notes.autos)?;
+    let (fp16, bf16) = read_precision(root, &mut notes)?;
+    extras::torch_autocast(root)?;
+    let optimizer = optim::read_typed(root, "optimizer")?;
+    let scheduler = optim::read_typed(root, "scheduler")?;
+    let flops_profiler = FlopsProfilerConfig::read(root, &mut notes.warnings)?;
+    let wall_clock_breakdown = toplevel::wall_clock_breakdown(root)?;
+    let autotuning = AutotuningConfig::read(root, &mut notes.warnings)?;
+    let (pipeline, checkpoint, data_types, aio) = read_runtime(root, &mut notes)?;
+    let deepcompile = read_extras(root, &mut notes)?;
+    let triad = batch::resolve(root, dp)?;
+    let config = Config {
+        dims: *dims,
+        data_parallel_size: dp,
+        train_batch_size: triad.train_batch_size,
+        train_micro_batch_size_per_gpu: triad.micro_batch,
+        gradient_accumulation_steps: triad.grad_accum,
+        scalars,
+        zero_optimization,
+        fp16,
+        bf16,
+        optimizer,
+        scheduler,
+        activation_checkpointing,
+        comms_logger,
+        monitor,
+        wall_clock_breakdown: wall_clock_breakdown || flops_profiler.enabled,
+        flops_profiler,
+        pipeline,
+        checkpoint,
+        data_types,
+        autotuning,
+        aio,
+        warnings: Vec::new(),
+        auto_filled: Vec::new(),
+    };
+    sanity_check(&config, deepcompile)?;
+    notes
+        .warnings
+        .extend(toplevel::warning_checks(root, &config)?);
+    finish(config, root, notes)
+}
+
+fn read_zero(root: &Dict, notes: &mut Notes) -> Result<ZeroConfig> {
+    let zero = match root.get("zero_optimization") {
+        None => return Ok(ZeroConfig::defaults()),
+        Some(Value::Bool(on)) => toplevel::legacy_zero_bool(*on, root),
+        Some(v) if v.is_auto() => Value::Dict(Dict::default()),
+        Some(v) => v.clone(),
+    };
+    let mut s = Section::open("zero_optimization", &zero)?;
+    let z = ZeroConfig::read(&mut s);
+    notes.autos.extend(s.finish()?);
+    let z = z?;
+    z.validate("zero_optimization")?;
+    Ok(z)
+}
+
+fn read_comms_logger(root: &Dict, notes: &mut Notes) -> Result<Option<CommsLoggerConfig>> {
+    let Some(v) = root.get("comms_logger") else {
+        return Ok(None);
+    };
+    let mut s = Section::open("comms_logger", v)?;
+    let c = CommsLoggerConfig::read(&mut s);
+    notes.autos.extend(s.finish()?);
+    Ok(Some(c))
+}
+
+/// `fp16`, then `bf16` (or the old spelling `bfloat16` when `bf16` is absent or null).
+fn read_precision(root: &Dict, notes: &mut Notes) -> Result<(Fp16Config, Bf16Config)> {
+    let mut s = match root.get("fp16") {
+        None => Section::empty("fp16"),
+        Some(v) => Section::open("fp16", v)?,
+    };
+    let fp16 = Fp16Config::read(&mut s);
+    notes.autos.extend(s.finish()?);
+    fp16.validate()?;
+    let (key, bf) = match root.get("bf16") {
+        None | Some(Value::Null) => ("bfloat16", root.get("bfloat16")),
+        some => ("bf16", some),
+    };
+    let mut s = match bf {
+        None => Section::empty(key),
+        Some(v) => Section::open(key, v)?,
+    };
+    let bf16 = Bf16Config::read(&mut s);
+    notes.autos.extend(s.finish()?);
+    if fp16.enabled && bf16.enabled {
+        return Err(ConfigError::conflict(
+            &format!("{key}.enabled"),
+            "fp16 and bf16 cannot both be enabled",
+        ));
+    }
+    Ok((fp16, bf16))
+}
+
+type Runtime = (Json, CheckpointConfig, DataTypesConfig, AioConfig);
+
+fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
+    extras::hybrid_engine(root, &mut notes.autos)?;
+    let pipeline = crate::runtime::read_pipeline(root)?;
+    extras::data_efficiency(root)?;
+    let checkpoint = CheckpointConfig::read(root, &mut notes.warnings)?;
+    let data_types = DataTypesConfig::read(root, &mut notes.warnings)?;
+    let aio = AioConfig::read(root, &mut notes.warnings)?;
+    Ok((pipeline, checkpoint, data_types, aio))
+}
+
+/// The sections ds-rs checks but does not act on; returns `compile.deepcompile`.
+fn read_extras(root: &Dict, notes: &mut Notes) -> Result<bool> {
+    extras::weight_quantization(root, &mut notes.autos)?;
+    let deepcompile = extras::compile(root, &mut notes.autos)?;
+    extras::timers(root, &mut notes.autos)?;
+    extras::tensor_parallel(root, &mut notes.autos)?;
+    extras::expert_parallel(root)?;
+    Ok(deepcompile)
+}
+
+/// DeepSpeed's `_do_error_check`: rules across sections.
+fn sanity_check(c: &Config, deepcompile: bool) -> Result<()> {
+    let stage = c.zero_optimization.stage;
+    let sum = c.scalars.gradient_allreduce_op == "sum";
+    if sum && stage == ZeroStage::Weights {
+        return Err(ConfigError::conflict(
+            "gradient_allreduce_op",
+            "'sum' is not supported with ZeRO stage 3",
+        ));
+    }
+    if sum && c.zero_optimization.zenflow.is_some() {
+        return Err(ConfigError::conflict(
+            "gradient_allreduce_op",
+            "'sum' is not supported with ZenFlow",
+        ));
+    }
+    if sum && deepcompile {
+        return Err(ConfigError::conflict(
+            "gradient_allreduce_op",
+            "'sum' is not supported with DeepCompile",
+        ));
+    }
+    let zero_on = stage != ZeroStage::Disabled;
+    for (on, path) in [
+        (
+            c.fp16.fp16_master_weights_and_grads,
+            "fp16.fp16_master_weights_and_grads",
+        ),
+        (
+            c.bf16.bf16_master_weights_and_grads,
+            "bf16.bf16_master_weights_and_grads",
+        ),
+        (c.bf16.bf16_optimizer_states, "bf16.bf16_optimizer_states"),
+    ] {
+        if on && !zero_on {
+            return Err(ConfigError::conflict(
+                path,
+                "only supported with ZeRO stage 1, 2 or 3",
+            ));
+        }
+    }
+    if c.bf16.bf16_optimizer_states && !c.bf16.bf16_master_weights_and_grads {
+        return Err(ConfigError::conflict(
+            "bf16.bf16_optimizer_states",
+            "requires bf16_master_weights_and_grads",
+        ));
+    }
+    Ok(())
+}
+
+/// Adds the warnings (unknown top-level keys, "auto" left, features ds-rs lacks).
+fn finish(mut c: Config, root: &Dict, notes: Notes) -> Result<Config> {
+    let mut warnings = notes.warnings;
+    for key in root.keys().filter(|k| !toplevel::KNOWN_KEYS.contains(k)) {
+        let hint = closest(key, toplevel::KNOWN_KEYS.iter().copied())
+            .map_or(String::new(), |s| format!(" (did you mean `{s}`?)"));
+        warnings.push(format!("{key}: not a DeepSpeed key; ignored{hint}"));
+    }
+    warnings.extend(toplevel::unsupported_feature_warnings(root, &c));
+    for path in crate::auto::remaining(root) {
+        let defaulted = notes.autos.iter().any(|(p, _)| *p == path);
+        if !defaulted && !path.starts_with("zero_optimization") {
+            warnings.push(format!(
+                "{path}: \"auto\" is left for the training command to fill"
+            ));
+        }
+    }
+    c.warnings = warnings;
+    c.auto_filled = notes.autos;
+    Ok(c)
+}

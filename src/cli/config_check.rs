@@ -1,0 +1,121 @@
+//! `ds-rs config check FILE`: the verdict DeepSpeed 0.19.8 would give, and the resolved values.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ds_config::{AutoValues, Config, ParallelDims};
+
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// The ds_config file (JSON or hjson, as DeepSpeed reads it).
+    file: PathBuf,
+    /// Total number of ranks.
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    /// Tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Pipeline-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Print exactly one JSON object: {"ok": true, ...} or {"ok": false, "error": ...}.
+    #[arg(long)]
+    json: bool,
+    /// Fill "auto" values as `train` would, from a micro-batch size per rank.
+    #[arg(long)]
+    micro_batch: Option<i64>,
+    /// Fill "auto" values as `train` would, from gradient accumulation steps.
+    #[arg(long)]
+    grad_accum: Option<i64>,
+    /// Fill "auto" values as `train` would, from a learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Fill "auto" ZeRO bucket sizes from the model's hidden size, as the HF Trainer does.
+    #[arg(long)]
+    hidden_size: Option<i64>,
+}
+
+impl CheckArgs {
+    fn auto_values(&self, dp: usize) -> AutoValues {
+        AutoValues {
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum,
+            data_parallel: Some(dp as i64),
+            lr: self.lr,
+            hidden_size: self.hidden_size,
+            ..AutoValues::default()
+        }
+    }
+}
+
+pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
+    let result = ParallelDims::new(args.world_size, args.tp, args.pp).and_then(|dims| {
+        let doc = ds_config::load(&args.file)?;
+        ds_config::resolve_with_auto(&doc, &dims, &args.auto_values(dims.dp()))
+    });
+    if args.json {
+        println!("{}", ds_config::summary_json(&result));
+    } else {
+        match &result {
+            Ok(c) => print_human(c),
+            Err(e) => eprintln!("error: {}: {e}", args.file.display()),
+        }
+    }
+    Ok(if result.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn print_human(c: &Config) {
+    let z = &c.zero_optimization;
+    let dev = |d: Option<&'static str>| d.unwrap_or("none");
+    println!(
+        "ok: DeepSpeed 0.19.8 accepts this config at world size {} (tp {}, pp {})",
+        c.dims.world_size, c.dims.tp, c.dims.pp
+    );
+    println!(
+        "  batch        train_batch_size {} = micro {} x grad_accum {} x dp {}",
+        c.train_batch_size,
+        c.train_micro_batch_size_per_gpu,
+        c.gradient_accumulation_steps,
+        c.data_parallel_size
+    );
+    println!(
+        "  zero         stage {}, offload optimizer {}, offload param {}",
+        u8::from(z.stage),
+        dev(z.offload_optimizer.as_ref().and_then(|o| o.device.name())),
+        dev(z.offload_param.as_ref().and_then(|o| o.device.name()))
+    );
+    println!(
+        "  buckets      reduce {}, allgather {}, overlap_comm {}, contiguous_gradients {}",
+        z.reduce_bucket_size, z.allgather_bucket_size, z.overlap_comm, z.contiguous_gradients
+    );
+    let precision = if c.fp16.enabled {
+        "fp16"
+    } else if c.bf16.enabled {
+        "bf16"
+    } else {
+        "fp32"
+    };
+    println!(
+        "  precision    {precision}, gradient_clipping {}",
+        c.scalars.gradient_clipping
+    );
+    let name = |s: &Option<ds_config::optim::TypedSection>| {
+        s.as_ref()
+            .map_or("none".to_string(), |s| s.type_name.clone())
+    };
+    println!(
+        "  optimizer    {}, scheduler {}",
+        name(&c.optimizer),
+        name(&c.scheduler)
+    );
+    for (path, value) in &c.auto_filled {
+        println!("  auto         {path} = {value}");
+    }
+    for w in &c.warnings {
+        println!("warning: {w}");
+    }
+}

@@ -1,0 +1,68 @@
+//! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
+
+mod config_check;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ds-rs",
+    version,
+    about = "DeepSpeed-compatible distributed training on candle"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start the ranks of a job on this host or on the hosts of a hostfile.
+    Launch(Pending),
+    /// Train a model (one rank; run it under `launch` for several).
+    Train(Pending),
+    /// Search for the fastest configuration for a model on this cluster.
+    Autotune(Pending),
+    /// Inspect DeepSpeed config files.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Estimate the memory a model needs per rank for each ZeRO stage.
+    Estimate(Pending),
+    /// Measure communication, kernels and training throughput.
+    Bench(Pending),
+    /// Inspect, consolidate and reshard checkpoints.
+    Checkpoint(Pending),
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigCommand {
+    /// Read a ds_config as DeepSpeed 0.19.8 does and print the resolved configuration.
+    Check(config_check::CheckArgs),
+}
+
+/// The arguments of a command that a later release provides.
+#[derive(clap::Args, Debug)]
+struct Pending {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    rest: Vec<String>,
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let name = match cli.command {
+        Command::Config {
+            command: ConfigCommand::Check(args),
+        } => return config_check::run(&args),
+        Command::Launch(_) => "launch",
+        Command::Train(_) => "train",
+        Command::Autotune(_) => "autotune",
+        Command::Estimate(_) => "estimate",
+        Command::Bench(_) => "bench",
+        Command::Checkpoint(_) => "checkpoint",
+    };
+    eprintln!("error: `ds-rs {name}` is not available yet in this build");
+    Ok(ExitCode::from(2))
+}
