@@ -237,14 +237,11 @@ mod tests {
             triad(r#"{"train_micro_batch_size_per_gpu": 2}"#, 8).unwrap(),
             (I(16), I(2), I(1))
         );
-        assert_eq!(
-            triad(
-                r#"{"train_batch_size": 16.0, "train_micro_batch_size_per_gpu": 2}"#,
-                1
-            )
-            .unwrap(),
-            (F(16.0), I(2), F(8.0))
-        );
+        // hjson reads 16.0 as the int 16 but keeps 2e10 a float; Python's // then keeps floats.
+        let t = r#"{"train_batch_size": 16.0, "train_micro_batch_size_per_gpu": 2}"#;
+        assert_eq!(triad(t, 1).unwrap(), (I(16), I(2), I(8)));
+        let t = r#"{"train_batch_size": 2e10, "train_micro_batch_size_per_gpu": 2}"#;
+        assert_eq!(triad(t, 1).unwrap(), (F(2e10), I(2), F(1e10)));
     }
 
     #[test]
