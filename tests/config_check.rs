@@ -6,7 +6,10 @@ use std::process::{Command, Output};
 use serde_json::Value as Json;
 
 fn ds_rs(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ds-rs")).args(args).output().expect("ds-rs runs")
+    Command::new(env!("CARGO_BIN_EXE_ds-rs"))
+        .args(args)
+        .output()
+        .expect("ds-rs runs")
 }
 
 fn repo() -> &'static Path {
@@ -23,22 +26,50 @@ fn temp_file(name: &str, contents: &[u8]) -> PathBuf {
 
 /// Runs `config check --json` and returns (exit code, the one JSON object printed).
 fn check_json(file: &Path, extra: &[&str]) -> (i32, Json) {
-    let mut args = vec!["config", "check", file.to_str().expect("utf-8 path"), "--json"];
+    let mut args = vec![
+        "config",
+        "check",
+        file.to_str().expect("utf-8 path"),
+        "--json",
+    ];
     args.extend_from_slice(extra);
     let out = ds_rs(&args);
     let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "panic on {}: {stderr}", file.display());
-    assert_eq!(stdout.lines().count(), 1, "exactly one line of JSON: {stdout}");
+    assert!(
+        !stderr.contains("panicked"),
+        "panic on {}: {stderr}",
+        file.display()
+    );
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "exactly one line of JSON: {stdout}"
+    );
     let json = serde_json::from_str(&stdout).expect("stdout is one JSON object");
     (out.status.code().expect("exit code"), json)
 }
 
 const CONTRACT_KEYS: [&str; 19] = [
-    "ok", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_stage",
-    "zero_offload_optimizer", "zero_offload_param", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler",
-    "steps_per_print", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-    "warnings", "auto_filled",
+    "ok",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_stage",
+    "zero_offload_optimizer",
+    "zero_offload_param",
+    "fp16",
+    "bf16",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+    "steps_per_print",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "contiguous_gradients",
+    "warnings",
+    "auto_filled",
 ];
 
 #[test]
@@ -49,16 +80,38 @@ fn every_example_config_is_accepted_with_the_contract_keys() {
         let file = entry.expect("dir entry").path();
         for n in ["1", "2", "8"] {
             let (code, json) = check_json(&file, &["--world-size", n]);
-            assert_eq!((code, &json["ok"]), (0, &Json::Bool(true)), "{} at {n}: {json}", file.display());
-            let keys: Vec<&str> = json.as_object().expect("object").keys().map(String::as_str).collect();
+            assert_eq!(
+                (code, &json["ok"]),
+                (0, &Json::Bool(true)),
+                "{} at {n}: {json}",
+                file.display()
+            );
+            let keys: Vec<&str> = json
+                .as_object()
+                .expect("object")
+                .keys()
+                .map(String::as_str)
+                .collect();
             assert_eq!(keys, CONTRACT_KEYS, "{}", file.display());
-            let (t, m, g) = (&json["train_batch_size"], &json["train_micro_batch_size_per_gpu"], &json["gradient_accumulation_steps"]);
+            let (t, m, g) = (
+                &json["train_batch_size"],
+                &json["train_micro_batch_size_per_gpu"],
+                &json["gradient_accumulation_steps"],
+            );
             let dp: i64 = n.parse().expect("number");
-            assert_eq!(t.as_i64(), Some(m.as_i64().unwrap() * g.as_i64().unwrap() * dp), "{}: batch rule", file.display());
+            assert_eq!(
+                t.as_i64(),
+                Some(m.as_i64().unwrap() * g.as_i64().unwrap() * dp),
+                "{}: batch rule",
+                file.display()
+            );
         }
         seen += 1;
     }
-    assert!(seen >= 8, "the examples cover ZeRO 0-3, offload, bf16, fp16 and pipeline");
+    assert!(
+        seen >= 8,
+        "the examples cover ZeRO 0-3, offload, bf16, fp16 and pipeline"
+    );
 }
 
 #[test]
@@ -72,22 +125,44 @@ fn pipeline_example_resolves_for_a_pipeline_layout() {
 
 #[test]
 fn an_invalid_config_gives_one_json_error_naming_the_path() {
-    let file = temp_file("stage4.json", br#"{"train_batch_size": 8, "zero_optimization": {"stage": 4}}"#);
+    let file = temp_file(
+        "stage4.json",
+        br#"{"train_batch_size": 8, "zero_optimization": {"stage": 4}}"#,
+    );
     let (code, json) = check_json(&file, &[]);
     assert_eq!(code, 1);
     assert_eq!(json["ok"], false);
-    assert_eq!(json.as_object().map(|o| o.len()), Some(2), "only ok and error: {json}");
-    assert!(json["error"].as_str().unwrap().contains("zero_optimization.stage"), "{json}");
+    assert_eq!(
+        json.as_object().map(|o| o.len()),
+        Some(2),
+        "only ok and error: {json}"
+    );
+    assert!(
+        json["error"]
+            .as_str()
+            .unwrap()
+            .contains("zero_optimization.stage"),
+        "{json}"
+    );
 }
 
 #[test]
 fn human_output_says_what_is_wrong_without_a_backtrace() {
-    let file = temp_file("both.json", br#"{"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true}}"#);
+    let file = temp_file(
+        "both.json",
+        br#"{"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true}}"#,
+    );
     let out = ds_rs(&["config", "check", file.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr.starts_with("error: ") && stderr.contains("bf16.enabled"), "{stderr}");
-    assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("bf16.enabled"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -107,18 +182,32 @@ fn malformed_files_are_errors_never_panics() {
     for (name, bytes) in cases {
         let file = temp_file(name, &bytes);
         let (code, json) = check_json(&file, &[]);
-        assert_eq!((code, &json["ok"]), (1, &Json::Bool(false)), "{name}: {json}");
-        assert!(!json["error"].as_str().unwrap_or_default().is_empty(), "{name}");
+        assert_eq!(
+            (code, &json["ok"]),
+            (1, &Json::Bool(false)),
+            "{name}: {json}"
+        );
+        assert!(
+            !json["error"].as_str().unwrap_or_default().is_empty(),
+            "{name}"
+        );
     }
 }
 
 #[test]
 fn unknown_top_level_key_is_a_warning_with_a_suggestion() {
-    let file = temp_file("typo.json", br#"{"train_batch_size": 8, "gradient_clipings": 1.0}"#);
+    let file = temp_file(
+        "typo.json",
+        br#"{"train_batch_size": 8, "gradient_clipings": 1.0}"#,
+    );
     let (code, json) = check_json(&file, &[]);
     assert_eq!(code, 0, "DeepSpeed ignores unknown top-level keys: {json}");
     let warnings = json["warnings"].to_string();
-    assert!(warnings.contains("gradient_clipings") && warnings.contains("did you mean `gradient_clipping`"), "{warnings}");
+    assert!(
+        warnings.contains("gradient_clipings")
+            && warnings.contains("did you mean `gradient_clipping`"),
+        "{warnings}"
+    );
 }
 
 #[test]
@@ -129,13 +218,34 @@ fn auto_values_are_filled_from_the_training_arguments() {
             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}"#,
     );
     let (code, json) = check_json(&file, &["--world-size", "2"]);
-    assert_eq!(code, 1, "without training arguments a batch \"auto\" cannot be derived: {json}");
-    assert!(json["error"].as_str().unwrap().starts_with("train_batch_size"), "{json}");
-    let args = ["--world-size", "2", "--micro-batch", "4", "--grad-accum", "3", "--hidden-size", "512"];
+    assert_eq!(
+        code, 1,
+        "without training arguments a batch \"auto\" cannot be derived: {json}"
+    );
+    assert!(
+        json["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("train_batch_size"),
+        "{json}"
+    );
+    let args = [
+        "--world-size",
+        "2",
+        "--micro-batch",
+        "4",
+        "--grad-accum",
+        "3",
+        "--hidden-size",
+        "512",
+    ];
     let (code, json) = check_json(&file, &args);
     assert_eq!(code, 0, "{json}");
     assert_eq!(json["train_batch_size"], 24);
-    assert_eq!(json["auto_filled"]["zero_optimization.reduce_bucket_size"], 512 * 512);
+    assert_eq!(
+        json["auto_filled"]["zero_optimization.reduce_bucket_size"],
+        512 * 512
+    );
     assert_eq!(json["reduce_bucket_size"], 512 * 512);
 }
 
@@ -144,14 +254,27 @@ fn bad_layout_is_an_error() {
     let file = repo().join("configs/examples/zero1.json");
     let (code, json) = check_json(&file, &["--world-size", "6", "--tp", "4"]);
     assert_eq!(code, 1);
-    assert!(json["error"].as_str().unwrap().contains("tp * pp"), "{json}");
+    assert!(
+        json["error"].as_str().unwrap().contains("tp * pp"),
+        "{json}"
+    );
 }
 
 #[test]
 fn commands_of_later_releases_say_so_and_exit_2() {
-    for cmd in ["launch", "train", "autotune", "estimate", "bench", "checkpoint"] {
+    for cmd in [
+        "launch",
+        "train",
+        "autotune",
+        "estimate",
+        "bench",
+        "checkpoint",
+    ] {
         let out = ds_rs(&[cmd]);
         assert_eq!(out.status.code(), Some(2), "{cmd}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("not available yet"), "{cmd}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("not available yet"),
+            "{cmd}"
+        );
     }
 }

@@ -14,6 +14,8 @@ pub const GRAD_ACCUM: &str = "gradient_accumulation_steps";
 /// A Python number: DeepSpeed does its batch arithmetic on whatever the JSON held.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PyNum {
+    /// A JSON bool: an int in arithmetic, but reported as given when left untouched.
+    Bool(bool),
     Int(i64),
     Float(f64),
 }
@@ -21,19 +23,28 @@ pub enum PyNum {
 impl PyNum {
     fn f(self) -> f64 {
         match self {
+            PyNum::Bool(b) => f64::from(u8::from(b)),
             PyNum::Int(i) => i as f64,
             PyNum::Float(x) => x,
         }
     }
 
+    fn int(self) -> PyNum {
+        match self {
+            PyNum::Bool(b) => PyNum::Int(i64::from(b)),
+            other => other,
+        }
+    }
+
     fn floordiv(self, rhs: PyNum, what: &str) -> Result<PyNum> {
+        let (lhs, rhs) = (self.int(), rhs.int());
         if rhs.f() == 0.0 {
             return Err(ConfigError::conflict(
                 what,
                 "division by zero while deriving the batch triad",
             ));
         }
-        Ok(match (self, rhs) {
+        Ok(match (lhs, rhs) {
             (PyNum::Int(a), PyNum::Int(b)) => {
                 let q = a / b;
                 PyNum::Int(if a % b != 0 && ((a < 0) != (b < 0)) {
@@ -47,7 +58,7 @@ impl PyNum {
     }
 
     fn mul(self, rhs: PyNum) -> PyNum {
-        match (self, rhs) {
+        match (self.int(), rhs.int()) {
             (PyNum::Int(a), PyNum::Int(b)) => a
                 .checked_mul(b)
                 .map_or(PyNum::Float(a as f64 * b as f64), PyNum::Int),
@@ -57,6 +68,7 @@ impl PyNum {
 
     pub fn as_i64(self) -> Option<i64> {
         match self {
+            PyNum::Bool(b) => Some(i64::from(b)),
             PyNum::Int(i) => Some(i),
             PyNum::Float(x) if x.fract() == 0.0 && x.abs() < 9.0e18 => Some(x as i64),
             PyNum::Float(_) => None,
@@ -65,6 +77,7 @@ impl PyNum {
 
     pub fn to_json(self) -> serde_json::Value {
         match self {
+            PyNum::Bool(b) => b.into(),
             PyNum::Int(i) => i.into(),
             PyNum::Float(x) => {
                 serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
@@ -82,6 +95,7 @@ impl serde::Serialize for PyNum {
 impl fmt::Display for PyNum {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            PyNum::Bool(b) => write!(f, "{}", if *b { "True" } else { "False" }),
             PyNum::Int(i) => write!(f, "{i}"),
             PyNum::Float(x) => write!(f, "{}", py_float_repr(*x)),
         }
@@ -103,7 +117,7 @@ fn read_key(root: &Dict, key: &str) -> Option<Value> {
 
 fn as_num(key: &str, v: &Value) -> Result<PyNum> {
     match v {
-        Value::Bool(b) => Ok(PyNum::Int(i64::from(*b))),
+        Value::Bool(b) => Ok(PyNum::Bool(*b)),
         Value::Int(i) => Ok(PyNum::Int(*i)),
         Value::Float(x) => Ok(PyNum::Float(*x)),
         v if v.is_auto() => Err(ConfigError::invalid(

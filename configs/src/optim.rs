@@ -66,7 +66,10 @@ pub fn read_typed(root: &Dict, key: &str) -> Result<Option<TypedSection>> {
     };
     Ok(Some(TypedSection {
         type_name,
-        params: d.get("params").map(Value::to_json),
+        params: d
+            .get("params")
+            .filter(|p| **p != Value::Null)
+            .map(Value::to_json),
     }))
 }
 

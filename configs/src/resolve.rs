@@ -171,7 +171,6 @@ fn read_zero(root: &Dict, notes: &mut Notes) -> Result<ZeroConfig> {
     let zero = match root.get("zero_optimization") {
         None => return Ok(ZeroConfig::defaults()),
         Some(Value::Bool(on)) => toplevel::legacy_zero_bool(*on, root),
-        Some(v) if v.is_auto() => Value::Dict(Dict::default()),
         Some(v) => v.clone(),
     };
     let mut s = Section::open("zero_optimization", &zero)?;

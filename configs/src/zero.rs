@@ -177,11 +177,13 @@ impl ZenFlowConfig {
         }
         s.opt_int("steps_per_epoch");
         if !["auto", "step", "epoch"].contains(&z.select_strategy.as_str()) {
-            let path = s.key_path("select_strategy");
+            // ZenFlowConfig checks this in a model validator: pydantic reports it at the section.
+            let path = s.path().to_string();
+            let found = format!("select_strategy '{}'", z.select_strategy);
             s.error(ConfigError::invalid(
                 &path,
-                &z.select_strategy,
-                "\"auto\", \"step\" or \"epoch\"",
+                found,
+                "select_strategy \"auto\", \"step\" or \"epoch\"",
             ));
         }
         z
@@ -196,11 +198,12 @@ fn check_interval(s: &mut Section, key: &'static str) {
         v => coerce::to_int(v).is_ok_and(|n| key != "update_interval" || n >= 1),
     };
     if !ok {
-        let path = s.key_path(key);
+        // A model-validator check, reported at the section as pydantic does.
+        let path = s.path().to_string();
         s.error(ConfigError::invalid(
             &path,
-            &v,
-            "\"auto\" or an integer (update_interval >= 1)",
+            format!("{key} {v}"),
+            format!("{key} \"auto\" or an integer (update_interval >= 1)"),
         ));
     }
 }

@@ -48,8 +48,13 @@ fn model_prefix(model: &str) -> &'static str {
 #[derive(Debug, PartialEq)]
 enum Expected {
     Paths(BTreeSet<String>),
-    /// A TypeError in the batch arithmetic: "auto" or a string in a batch key.
-    BatchKey,
+    /// A Python TypeError: a value of the wrong type somewhere; `section` is named when the
+    /// error says which section could not be unpacked (`Model() argument after ** ...`).
+    TypeError {
+        section: Option<&'static str>,
+    },
+    /// A path ending as given (DeepSpeed's message does not say which of two keys).
+    PathSuffix(&'static str),
     AnyRejection,
 }
 
@@ -58,8 +63,16 @@ fn expected_from(error: &str) -> Expected {
     if let Some(rest) = error.strip_prefix("ValidationError: ") {
         return pydantic_paths(rest);
     }
-    if error.starts_with("TypeError") {
-        return Expected::BatchKey;
+    if let Some(rest) = error.strip_prefix("TypeError: ") {
+        let section = rest.split_once("() argument after **").map(|(model, _)| {
+            model_prefix(model.rsplit('.').next().unwrap_or_default()).trim_end_matches('.')
+        });
+        return Expected::TypeError {
+            section: section.filter(|s| !s.is_empty()),
+        };
+    }
+    if error.contains("Invalid communication_data_type") {
+        return Expected::PathSuffix("communication_data_type");
     }
     for (needle, path) in [
         ("Either train_batch_size", "train_batch_size"),
@@ -67,7 +80,6 @@ fn expected_from(error: &str) -> Expected {
         ("Gradient accumulation steps", "gradient_accumulation_steps"),
         ("Micro batch size per gpu", "train_micro_batch_size_per_gpu"),
         ("Train batch size", "train_batch_size"),
-        ("communication_data_type", "communication_data_type"),
         ("bfloat16 and fp16", "bf16.enabled"),
     ] {
         if error.contains(needle) {
@@ -142,16 +154,12 @@ fn check_one(
 
 fn same_reason(e: &ConfigError, ds_error: &str) -> Result<(), String> {
     let ours = our_paths(e);
-    let batch_keys = [
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-    ];
     let ok = match expected_from(ds_error) {
         Expected::Paths(want) => want == ours,
-        Expected::BatchKey => {
-            ours.iter().all(|p| batch_keys.contains(&p.as_str())) && !ours.is_empty()
-        }
+        Expected::TypeError { section: Some(sec) } => ours.iter().all(|p| p == sec),
+        // DeepSpeed's TypeError names no key; ours must name one.
+        Expected::TypeError { section: None } => !ours.is_empty(),
+        Expected::PathSuffix(end) => !ours.is_empty() && ours.iter().all(|p| p.ends_with(end)),
         Expected::AnyRejection => true,
     };
     if ok {
