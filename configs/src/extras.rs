@@ -85,20 +85,22 @@ fn check_passes(s: &mut Section) {
     let Some(v) = s.raw("passes").cloned() else {
         return;
     };
-    let ok = match &v {
-        Value::Null => true,
-        Value::List(items) => items
-            .iter()
-            .all(|i| i.as_str().is_some_and(|p| PASSES.contains(&p))),
-        _ => false,
-    };
-    if !ok {
-        let path = s.key_path("passes");
-        s.error(ConfigError::invalid(
-            &path,
-            &v,
-            "null or a list of \"z1\", \"z3\", \"autosp\", \"autotp\"",
-        ));
+    let expected = "null or a list of \"z1\", \"z3\", \"autosp\", \"autotp\"";
+    match &v {
+        Value::Null => {}
+        Value::List(items) => {
+            // pydantic names each bad item by its index.
+            for (i, item) in items.iter().enumerate() {
+                if !item.as_str().is_some_and(|p| PASSES.contains(&p)) {
+                    let path = format!("{}.{i}", s.key_path("passes"));
+                    s.error(ConfigError::invalid(&path, item, expected));
+                }
+            }
+        }
+        other => {
+            let path = s.key_path("passes");
+            s.error(ConfigError::invalid(&path, other, expected));
+        }
     }
 }
 

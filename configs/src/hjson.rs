@@ -76,12 +76,22 @@ struct Fail {
     retry: bool,
 }
 
-type Scan<T> = Result<T, Fail>;
+// Boxed: a small `Err` keeps the frames of the recursive descent small.
+type Scan<T> = Result<T, Box<Fail>>;
 
 /// One step of the path from the root to the value being read.
 enum Step {
     Key(String),
     Index(usize),
+}
+
+/// What `Parser::container` reads.
+#[derive(Clone, Copy)]
+enum Container {
+    Braces,
+    /// The root object without braces, which ends at the end of the input.
+    NoBraces,
+    Array,
 }
 
 /// The four characters after a `\u`, as Python reads them.
@@ -156,7 +166,7 @@ impl<'a> Parser<'a> {
             // Blank or comments only: an empty object, but only when there is no BOM.
             None if start == 0 => Ok((Value::Dict(Dict::default()), idx)),
             Some(b'{' | b'[') => self.value(idx),
-            _ => match self.nested(idx, |p| p.object(idx, false)) {
+            _ => match self.container(idx, Container::NoBraces) {
                 // Not an object without braces: retried as a single value (`5`, `"text"`, or
                 // the first line as a quoteless string); if that fails too, the first error.
                 Err(first) if first.retry => {
@@ -180,33 +190,26 @@ impl<'a> Parser<'a> {
                 let (text, end) = self.string(idx, quote)?;
                 Ok((Value::Str(text), end))
             }
-            Some(b'{') => self.nested(idx, |p| p.object(idx + 1, true)),
-            Some(b'[') => self.nested(idx, |p| p.array(idx + 1)),
+            Some(b'{') => self.container(idx, Container::Braces),
+            Some(b'[') => self.container(idx, Container::Array),
             Some(first) => self.quoteless(idx, first),
         }
     }
 
-    /// Runs `read` for an object or array opened at `open`, one level deeper.
-    fn nested(
-        &mut self,
-        open: usize,
-        read: impl FnOnce(&mut Self) -> Scan<(Value, usize)>,
-    ) -> Scan<(Value, usize)> {
+    /// An object or array one level deeper; `open` is its `{` or `[` (for a root object
+    /// without braces, its first key).
+    fn container(&mut self, open: usize, kind: Container) -> Scan<(Value, usize)> {
         if self.depth >= MAX_DEPTH {
             let message = format!("nesting deeper than {MAX_DEPTH} levels");
             return Err(self.fatal(message, open));
         }
         self.depth += 1;
-        let result = read(self);
+        let result = match kind {
+            Container::Braces => self.object(open + 1, true),
+            Container::NoBraces => self.object(open, false),
+            Container::Array => self.array(open + 1),
+        };
         self.depth -= 1;
-        result
-    }
-
-    /// The value at `idx`, read with `step` added to the path.
-    fn child(&mut self, step: Step, idx: usize) -> Scan<(Value, usize)> {
-        self.path.push(step);
-        let result = self.value(idx);
-        self.path.pop();
         result
     }
 
@@ -225,7 +228,10 @@ impl<'a> Parser<'a> {
                 return Err(self.decode("Expecting ':' delimiter", end));
             }
             let at = self.next(end + 1)?;
-            let (value, after) = self.child(Step::Key(key.clone()), at)?;
+            self.path.push(Step::Key(key.clone()));
+            let result = self.value(at);
+            self.path.pop();
+            let (value, after) = result?;
             pairs.push((key, value));
             end = self.separator(after)?;
             match (braces, self.at(end)) {
@@ -253,7 +259,10 @@ impl<'a> Parser<'a> {
             Some(_) => {}
         }
         loop {
-            let (value, after) = self.child(Step::Index(items.len()), end)?;
+            self.path.push(Step::Index(items.len()));
+            let result = self.value(end);
+            self.path.pop();
+            let (value, after) = result?;
             items.push(value);
             end = self.separator(after)?;
             if self.at(end) == Some(b']') {
@@ -290,10 +299,10 @@ impl<'a> Parser<'a> {
         }
         let path = self.path_text();
         let error = HjsonError::DuplicateKeys { path, keys };
-        Err(Fail {
+        Err(Box::new(Fail {
             error,
             retry: false,
-        })
+        }))
     }
 
     fn path_text(&self) -> String {
@@ -694,19 +703,15 @@ impl<'a> Parser<'a> {
     }
 
     /// An `HjsonDecodeError`: the root may still be retried as a single value.
-    fn decode(&self, message: impl Into<String>, pos: usize) -> Fail {
-        Fail {
-            error: self.syntax(message, pos),
-            retry: true,
-        }
+    fn decode(&self, message: impl Into<String>, pos: usize) -> Box<Fail> {
+        let error = self.syntax(message, pos);
+        Box::new(Fail { error, retry: true })
     }
 
     /// Any other exception in Python: reported as it is.
-    fn fatal(&self, message: impl Into<String>, pos: usize) -> Fail {
-        Fail {
-            error: self.syntax(message, pos),
-            retry: false,
-        }
+    fn fatal(&self, message: impl Into<String>, pos: usize) -> Box<Fail> {
+        let error = self.syntax(message, pos);
+        Box::new(Fail { error, retry: false })
     }
 
     /// A syntax error at byte `pos`, with Python's line and column.

@@ -290,6 +290,18 @@ pub struct DataTypesConfig {
 impl DataTypesConfig {
     pub fn read(root: &Dict, warnings: &mut Vec<String>) -> Result<Self> {
         let mut r = Lenient::open(root, "data_types", warnings)?;
+        if let Some(v) = r.get("keep_in_fp32_modules") {
+            let names =
+                matches!(v, Value::List(items) if items.iter().all(|i| i.as_str().is_some()));
+            if !v.is_auto() && !names {
+                let expected = "\"auto\" or a list of module name patterns";
+                return Err(ConfigError::invalid(
+                    "data_types.keep_in_fp32_modules",
+                    v,
+                    expected,
+                ));
+            }
+        }
         Ok(DataTypesConfig {
             grad_accum_dtype: r.text("grad_accum_dtype"),
             param_dtype: r.text("param_dtype"),

@@ -53,6 +53,8 @@ enum Expected {
     TypeError {
         section: Option<&'static str>,
     },
+    /// A DeepSpeedConfigError: its message mentions the key it is about.
+    Mentions(String),
     /// A path ending as given (DeepSpeed's message does not say which of two keys).
     PathSuffix(&'static str),
     AnyRejection,
@@ -87,9 +89,7 @@ fn expected_from(error: &str) -> Expected {
         }
     }
     if error.starts_with("DeepSpeedConfigError") {
-        if let Some(key) = error.split('\'').nth(1) {
-            return batch(key);
-        }
+        return Expected::Mentions(error.replace("::", ".").to_lowercase());
     }
     Expected::AnyRejection
 }
@@ -160,6 +160,10 @@ fn same_reason(e: &ConfigError, ds_error: &str) -> Result<(), String> {
         // DeepSpeed's TypeError names no key; ours must name one.
         Expected::TypeError { section: None } => !ours.is_empty(),
         Expected::PathSuffix(end) => !ours.is_empty() && ours.iter().all(|p| p.ends_with(end)),
+        Expected::Mentions(msg) => {
+            let last = |p: &String| p.rsplit('.').next().unwrap_or_default().to_lowercase();
+            !ours.is_empty() && ours.iter().all(|p| msg.contains(&last(p)))
+        }
         Expected::AnyRejection => true,
     };
     if ok {
@@ -199,6 +203,26 @@ fn real_configs_get_deepspeeds_verdict() {
     );
 }
 
+/// Cases where ds-rs knowingly differs from DeepSpeed, and why (ARCHITECTURE.md, Decisions).
+const KNOWN_DEVIATIONS: [(&str, &str); 4] = [
+    (
+        "633_file_root_base64.json",
+        "a file holding a base64-encoded config is not decoded",
+    ),
+    (
+        "646_file_lone_surrogate.json",
+        "a lone UTF-16 surrogate cannot be held in a Rust string",
+    ),
+    (
+        "047_batch_tbs_huge.json",
+        "integers beyond 64 bits are rejected; Python keeps a big int",
+    ),
+    (
+        "201_zero_s3_model_persist_2p64.json",
+        "integers beyond 64 bits are rejected; Python keeps a big int",
+    ),
+];
+
 #[test]
 fn synthetic_configs_get_deepspeeds_verdict() {
     let verdicts = fixtures().join("oracle/verdicts.jsonl");
@@ -214,8 +238,14 @@ fn synthetic_configs_get_deepspeeds_verdict() {
             panic!("bad layout in {line}")
         };
         let file = fixtures().join("oracle/cases").join(name);
-        if let Err(why) = check_one(&file, n as usize, tp as usize, pp as usize, &v["deepspeed"]) {
-            failures.push(format!("{name} at ws={n} tp={tp} pp={pp}: {why}"));
+        let outcome = check_one(&file, n as usize, tp as usize, pp as usize, &v["deepspeed"]);
+        let known = KNOWN_DEVIATIONS.iter().any(|(f, _)| *f == name);
+        match (outcome, known) {
+            (Err(why), false) => failures.push(format!("{name} at ws={n} tp={tp} pp={pp}: {why}")),
+            (Ok(()), true) => failures.push(format!(
+                "{name} now matches DeepSpeed: remove it from KNOWN_DEVIATIONS"
+            )),
+            _ => {}
         }
         checked += 1;
     }
