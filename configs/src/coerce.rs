@@ -48,7 +48,7 @@ fn float_to_int(f: f64) -> Result<i64, &'static str> {
         return Err("an integer (a number without fractional part)");
     }
     // i64::MAX as f64 rounds up to 2^63, so the bound is exclusive.
-    if f.abs() >= 9.223_372_036_854_775_808e18 {
+    if f.abs() >= 9.223_372_036_854_776e18 {
         return Err("an integer that fits in 64 bits");
     }
     Ok(f as i64)

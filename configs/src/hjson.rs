@@ -11,7 +11,9 @@
 //! Deliberate departures from Python: integers beyond 64 bits, `\u` escapes that leave a lone
 //! surrogate, and nesting deeper than [`MAX_DEPTH`] are errors (Python keeps a big int, keeps
 //! the surrogate, and only fails near 500 levels, on its recursion limit); only ASCII digits
-//! are digits (Python's `\d` and `int()` also take e.g. Arabic-Indic ones).
+//! are digits (Python's `\d` and `int()` also take e.g. Arabic-Indic ones). Where hjson-py
+//! crashes instead (IndexError on an unclosed `/*`, OverflowError on `1e400`), the error is a
+//! [`HjsonError::Syntax`] with a message of ours.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -222,12 +224,7 @@ impl<'a> Parser<'a> {
             return Ok((Value::Dict(Dict::default()), end + 1));
         }
         loop {
-            let (key, after_key) = self.key(end)?;
-            end = self.next(after_key)?;
-            if self.at(end) != Some(b':') {
-                return Err(self.decode("Expecting ':' delimiter", end));
-            }
-            let at = self.next(end + 1)?;
+            let (key, at) = self.key_and_colon(end)?;
             self.path.push(Step::Key(key.clone()));
             let result = self.value(at);
             self.path.pop();
@@ -244,6 +241,16 @@ impl<'a> Parser<'a> {
             }
         }
         Ok((Value::Dict(self.dict(pairs)?), end))
+    }
+
+    /// A member's key and its `:`; returns the key and where its value starts.
+    fn key_and_colon(&self, pos: usize) -> Scan<(String, usize)> {
+        let (key, after_key) = self.key(pos)?;
+        let colon = self.next(after_key)?;
+        if self.at(colon) != Some(b':') {
+            return Err(self.decode("Expecting ':' delimiter", colon));
+        }
+        Ok((key, self.next(colon + 1)?))
     }
 
     /// Python's `JSONArray`, from just after `[`.
@@ -331,7 +338,7 @@ impl<'a> Parser<'a> {
         if let Some(quote @ (b'"' | b'\'')) = self.at(begin) {
             return self.string(begin, quote);
         }
-        // Start of the blank run being tracked; only a run right before the ':' is allowed.
+        // The last blank of the first run of blanks: a key may only have blanks before its ':'.
         let mut space: Option<usize> = None;
         let mut end = begin;
         loop {
@@ -711,7 +718,10 @@ impl<'a> Parser<'a> {
     /// Any other exception in Python: reported as it is.
     fn fatal(&self, message: impl Into<String>, pos: usize) -> Box<Fail> {
         let error = self.syntax(message, pos);
-        Box::new(Fail { error, retry: false })
+        Box::new(Fail {
+            error,
+            retry: false,
+        })
     }
 
     /// A syntax error at byte `pos`, with Python's line and column.
@@ -1269,10 +1279,9 @@ mod tests {
         }
         if expected["type"] == "HjsonDecodeError" {
             // Same message, line and column as Python's.
-            assert!(
-                python.starts_with(&error.to_string()),
-                "{name}: {error} vs {python}"
-            );
+            let rest = python.strip_prefix(&error.to_string()).unwrap_or_default();
+            let same = rest.starts_with(" (char") || rest.starts_with(" - line");
+            assert!(same, "{name}: {error} vs {python}");
         }
         if expected["type"] == "UnicodeDecodeError" {
             let offset = python

@@ -29,7 +29,7 @@ pub struct ParallelDims {
 impl ParallelDims {
     /// Checks that tp * pp divides the world size; the error shows the product.
     pub fn new(world_size: usize, tp: usize, pp: usize) -> Result<ParallelDims> {
-        if world_size == 0 || tp == 0 || pp == 0 || world_size % (tp * pp) != 0 {
+        if world_size == 0 || tp == 0 || pp == 0 || !world_size.is_multiple_of(tp * pp) {
             return Err(ConfigError::conflict(
                 "world_size",
                 format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {}", tp * pp),
