@@ -42,8 +42,8 @@ pub fn hybrid_engine(root: &Dict, autos: &mut Autos) -> Result<bool> {
     })
 }
 
-const COMPILE_FLAGS: [(&str, bool); 17] = [
-    ("deepcompile", false),
+/// The bool fields of CompileConfig besides `deepcompile`, with their defaults.
+const COMPILE_FLAGS: [(&str, bool); 15] = [
     ("autoep_non_moe", false),
     ("free_activation", false),
     ("offload_activation", false),
@@ -59,22 +59,16 @@ const COMPILE_FLAGS: [(&str, bool); 17] = [
     ("sync_after_allgather", false),
     ("keep_int_input_tensors", true),
     ("keep_all_input_tensors", false),
-    ("free_activation_threshold", false), // an int field, read below
 ];
 
 /// `compile.deepcompile`.
 pub fn compile(root: &Dict, autos: &mut Autos) -> Result<bool> {
     typed(root, "compile", autos, |s| {
-        let mut deepcompile = false;
+        let deepcompile = s.bool("deepcompile", false);
         for (key, default) in COMPILE_FLAGS {
-            if key == "free_activation_threshold" {
-                s.int(key, 10 * 1024 * 1024, Bound::None);
-            } else if key == "deepcompile" {
-                deepcompile = s.bool(key, default);
-            } else {
-                s.bool(key, default);
-            }
+            s.bool(key, default);
         }
+        s.int("free_activation_threshold", 10 * 1024 * 1024, Bound::None);
         check_passes(s);
         deepcompile
     })

@@ -199,6 +199,18 @@ impl Section {
         }
     }
 
+    /// Reads the nested section `key` (null or absent: `None`) with `read`, keeping its problems.
+    pub fn nested<T>(
+        &mut self,
+        key: &'static str,
+        read: impl FnOnce(&mut Section) -> T,
+    ) -> Option<T> {
+        let mut sub = self.sub(key, true)?;
+        let out = read(&mut sub);
+        self.absorb(sub);
+        Some(out)
+    }
+
     /// Takes over the problems and auto defaults of a nested section.
     pub fn absorb(&mut self, child: Section) {
         let (errors, autos) = child.into_parts();

@@ -520,21 +520,9 @@ type Subsections = (
 );
 
 fn read_subsections(s: &mut Section) -> Subsections {
-    let offload_param = s.sub("offload_param", true).map(|mut sub| {
-        let c = OffloadParamConfig::read(&mut sub);
-        s.absorb(sub);
-        c
-    });
-    let offload_optimizer = s.sub("offload_optimizer", true).map(|mut sub| {
-        let c = OffloadOptimizerConfig::read(&mut sub);
-        s.absorb(sub);
-        c
-    });
-    let zenflow = s.sub("zenflow", true).map(|mut sub| {
-        let c = ZenFlowConfig::read(&mut sub);
-        s.absorb(sub);
-        c
-    });
+    let offload_param = s.nested("offload_param", OffloadParamConfig::read);
+    let offload_optimizer = s.nested("offload_optimizer", OffloadOptimizerConfig::read);
+    let zenflow = s.nested("zenflow", ZenFlowConfig::read);
     (offload_param, offload_optimizer, zenflow)
 }
 
