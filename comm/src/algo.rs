@@ -1,0 +1,372 @@
+//! Collective algorithms over the links of a group: ring reduce-scatter and all-gather for
+//! large messages (bandwidth-optimal: each rank sends 2(n-1)/n of the data for an
+//! all-reduce), direct exchanges for small ones (one round of latency), a pipelined chain
+//! for broadcast and a dissemination barrier. Every step is chunked by the links, so
+//! sending, receiving and reducing overlap.
+
+use crate::dtype::{combine, scale_in_place, Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::exchange::{exchange, Deadline, RecvOp, SendOp};
+use crate::link::Links;
+use std::ops::Range;
+
+/// Below this many bytes per rank a direct exchange beats the ring's 2(n-1) steps.
+const DIRECT_MAX_BYTES: usize = 64 << 10;
+/// Largest group that uses direct exchanges (they cost n messages per rank).
+const DIRECT_MAX_RANKS: usize = 16;
+/// Broadcast forwards in pieces of this size so that a chain of ranks works at once.
+const CHAIN_CHUNK_BYTES: usize = 1 << 20;
+
+/// One rank's view of a group while it runs a collective.
+pub(crate) struct Ctx<'a> {
+    pub links: &'a mut Links,
+    /// Global ranks of the group, in group order.
+    pub ranks: &'a [usize],
+    /// This rank's index in `ranks`.
+    pub me: usize,
+    pub deadline: Deadline,
+}
+
+impl Ctx<'_> {
+    fn n(&self) -> usize {
+        self.ranks.len()
+    }
+    /// The global rank `k` places after this one in group order (k may be negative).
+    fn at(&self, k: isize) -> usize {
+        let n = self.n() as isize;
+        self.ranks[(self.me as isize + k).rem_euclid(n) as usize]
+    }
+    fn idx(&self, k: isize) -> usize {
+        (self.me as isize + k).rem_euclid(self.n() as isize) as usize
+    }
+    fn xchg(&mut self, sends: &mut [SendOp], recvs: &mut [RecvOp]) -> Result<()> {
+        exchange(self.links, sends, recvs, self.deadline)
+    }
+}
+
+/// Splits `len` elements into `n` contiguous parts, the first `len % n` one longer.
+pub(crate) fn even_counts(len: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|i| len / n + usize::from(i < len % n)).collect()
+}
+
+pub(crate) fn ranges(counts: &[usize]) -> Vec<Range<usize>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|c| {
+            start += c;
+            start - c..start
+        })
+        .collect()
+}
+
+fn bytes<T: Element>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+/// A shared view of `a` and a mutable one of `b`, two disjoint ranges of `buf`.
+fn split_two<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.len()], &mut lo[b])
+    }
+}
+
+/// Calls `f` with the received bytes viewed as elements (copying only if misaligned).
+fn as_elems<T: Element>(raw: &[u8], f: impl FnOnce(&[T])) {
+    match bytemuck::try_cast_slice::<u8, T>(raw) {
+        Ok(v) => f(v),
+        Err(_) => f(&bytemuck::pod_collect_to_vec::<u8, T>(raw)),
+    }
+}
+
+fn reduce_sink<T: Element>(
+    dst: &mut [T],
+    op: ReduceOp,
+    scale: Option<f32>,
+) -> impl FnMut(usize, &[u8]) + '_ {
+    move |off, raw| {
+        let at = off / std::mem::size_of::<T>();
+        as_elems::<T>(raw, |src| {
+            combine(&mut dst[at..at + src.len()], None, src, op, scale)
+        });
+    }
+}
+
+fn copy_sink(dst: &mut [u8]) -> impl FnMut(usize, &[u8]) + '_ {
+    move |off, raw| dst[off..off + raw.len()].copy_from_slice(raw)
+}
+
+fn avg_scale(op: ReduceOp, n: usize) -> Option<f32> {
+    (op == ReduceOp::Avg).then_some(1.0 / n as f32)
+}
+
+pub(crate) fn all_reduce<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    let n = cx.n();
+    if n == 1 {
+        if let Some(k) = avg_scale(op, 1) {
+            scale_in_place(buf, k);
+        }
+        return Ok(());
+    }
+    if std::mem::size_of_val(buf) <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+        return all_reduce_direct(cx, buf, op);
+    }
+    let counts = even_counts(buf.len(), n);
+    reduce_scatter_v(cx, buf, &counts, op)?;
+    all_gather_v(cx, buf, &counts)
+}
+
+/// Every rank sends its whole buffer to every other and reduces all of them in group order,
+/// so that every rank computes the bit-identical result.
+fn all_reduce_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let mut inbox: Vec<Vec<T>> = (0..n)
+        .map(|i| {
+            if i == me {
+                Vec::new()
+            } else {
+                vec![T::default(); buf.len()]
+            }
+        })
+        .collect();
+    {
+        let peers: Vec<usize> = (1..n as isize).map(|k| cx.at(k)).collect();
+        let mut sends: Vec<SendOp> = peers.iter().map(|&p| SendOp::new(p, bytes(buf))).collect();
+        let mut sinks: Vec<_> = inbox
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| *i != me)
+            .map(|(i, v)| (cx.ranks[i], copy_sink(bytemuck::cast_slice_mut(v))))
+            .collect();
+        let len = std::mem::size_of_val(buf);
+        let mut recvs: Vec<RecvOp> = sinks
+            .iter_mut()
+            .map(|(p, s)| RecvOp::new(*p, len, s))
+            .collect();
+        cx.xchg(&mut sends, &mut recvs)?;
+    }
+    inbox[me] = buf.to_vec();
+    let (first, rest) = inbox.split_first().unwrap();
+    buf.copy_from_slice(first);
+    for (i, src) in rest.iter().enumerate() {
+        let scale = if i + 2 == n { avg_scale(op, n) } else { None };
+        combine(buf, None, src, op, scale);
+    }
+    Ok(())
+}
+
+/// Ring reduce-scatter in place: afterwards `buf[ranges(counts)[me]]` holds the reduction of
+/// that part over the group (other parts hold partial sums).
+pub(crate) fn reduce_scatter_v<T: Element>(
+    cx: &mut Ctx,
+    buf: &mut [T],
+    counts: &[usize],
+    op: ReduceOp,
+) -> Result<()> {
+    let n = cx.n();
+    check_counts(buf.len(), counts, n)?;
+    if n == 1 {
+        if let Some(k) = avg_scale(op, 1) {
+            scale_in_place(buf, k);
+        }
+        return Ok(());
+    }
+    let segs = ranges(counts);
+    let (next, prev) = (cx.at(1), cx.at(-1));
+    // Step s sends part me-s-1 and folds part me-s-2 into the local data; after n-1 steps
+    // this rank holds the full reduction of its own part.
+    for s in 0..n - 1 {
+        let send = segs[cx.idx(-(s as isize) - 1)].clone();
+        let recv = segs[cx.idx(-(s as isize) - 2)].clone();
+        let scale = if s == n - 2 { avg_scale(op, n) } else { None };
+        let (out, into) = split_two(buf, send, recv);
+        let len = std::mem::size_of_val(into);
+        let mut sink = reduce_sink(into, op, scale);
+        cx.xchg(
+            &mut [SendOp::new(next, bytes(out))],
+            &mut [RecvOp::new(prev, len, &mut sink)],
+        )?;
+    }
+    Ok(())
+}
+
+/// Ring all-gather in place: `buf[ranges(counts)[i]]` of every rank i ends up everywhere.
+pub(crate) fn all_gather_v<T: Element>(
+    cx: &mut Ctx,
+    buf: &mut [T],
+    counts: &[usize],
+) -> Result<()> {
+    let n = cx.n();
+    check_counts(buf.len(), counts, n)?;
+    if n == 1 {
+        return Ok(());
+    }
+    if std::mem::size_of_val(buf) <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+        return all_gather_direct(cx, buf, counts);
+    }
+    let segs = ranges(counts);
+    let (next, prev) = (cx.at(1), cx.at(-1));
+    for s in 0..n - 1 {
+        let send = segs[cx.idx(-(s as isize))].clone();
+        let recv = segs[cx.idx(-(s as isize) - 1)].clone();
+        let (out, into) = split_two(buf, send, recv);
+        let into: &mut [u8] = bytemuck::cast_slice_mut(into);
+        let len = into.len();
+        let mut sink = copy_sink(into);
+        cx.xchg(
+            &mut [SendOp::new(next, bytes(out))],
+            &mut [RecvOp::new(prev, len, &mut sink)],
+        )?;
+    }
+    Ok(())
+}
+
+fn all_gather_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], counts: &[usize]) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let segs = ranges(counts);
+    let mine = buf[segs[me].clone()].to_vec();
+    let peers: Vec<usize> = (1..n as isize).map(|k| cx.at(k)).collect();
+    let mut sends: Vec<SendOp> = peers
+        .iter()
+        .map(|&p| SendOp::new(p, bytes(&mine)))
+        .collect();
+    let mut parts: Vec<&mut [T]> = Vec::with_capacity(n);
+    let mut rest = buf;
+    for c in counts {
+        let (head, tail) = rest.split_at_mut(*c);
+        parts.push(head);
+        rest = tail;
+    }
+    let mut sinks: Vec<(usize, usize, _)> = parts
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != me)
+        .map(|(i, p)| {
+            (
+                cx.ranks[i],
+                std::mem::size_of_val(p),
+                copy_sink(bytemuck::cast_slice_mut(p)),
+            )
+        })
+        .collect();
+    let mut recvs: Vec<RecvOp> = sinks
+        .iter_mut()
+        .map(|(p, len, s)| RecvOp::new(*p, *len, s))
+        .collect();
+    cx.xchg(&mut sends, &mut recvs)
+}
+
+fn check_counts(len: usize, counts: &[usize], n: usize) -> Result<()> {
+    if counts.len() != n || counts.iter().sum::<usize>() != len {
+        return Err(CommError::Invalid(format!(
+            "counts {:?} do not split {len} elements over a group of {n}",
+            if counts.len() > 8 {
+                &counts[..8]
+            } else {
+                counts
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// Broadcast from group index `root`: small messages go straight from the root to everyone,
+/// large ones down a chain in pieces, each rank forwarding a piece while the next arrives.
+pub(crate) fn broadcast<T: Element>(cx: &mut Ctx, buf: &mut [T], root: usize) -> Result<()> {
+    let n = cx.n();
+    if n == 1 {
+        return Ok(());
+    }
+    let data: &mut [u8] = bytemuck::cast_slice_mut(buf);
+    if data.len() <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+        return broadcast_direct(cx, data, root);
+    }
+    let pos = (cx.me + n - root) % n;
+    let prev = (pos > 0).then(|| cx.at(-1));
+    let next = (pos + 1 < n).then(|| cx.at(1));
+    let Some(prev) = prev else {
+        return cx.xchg(&mut [SendOp::new(next.unwrap(), data)], &mut []);
+    };
+    let pieces: Vec<Range<usize>> = (0..data.len())
+        .step_by(CHAIN_CHUNK_BYTES)
+        .map(|s| s..(s + CHAIN_CHUNK_BYTES).min(data.len()))
+        .collect();
+    // Iteration c receives piece c and forwards piece c-1.
+    for c in 0..=pieces.len() {
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        let (fwd, into): (&[u8], &mut [u8]) = match (c.checked_sub(1), pieces.get(c)) {
+            (Some(f), Some(r)) => split_two(data, pieces[f].clone(), r.clone()),
+            (Some(f), None) => (&data[pieces[f].clone()], &mut []),
+            (None, Some(r)) => (&[], &mut data[r.clone()]),
+            (None, None) => (&[], &mut []),
+        };
+        if let (Some(next), true) = (next, c > 0) {
+            sends.push(SendOp::new(next, fwd));
+        }
+        let len = into.len();
+        let mut sink = copy_sink(into);
+        if c < pieces.len() {
+            recvs.push(RecvOp::new(prev, len, &mut sink));
+        }
+        cx.xchg(&mut sends, &mut recvs)?;
+    }
+    Ok(())
+}
+
+fn broadcast_direct(cx: &mut Ctx, data: &mut [u8], root: usize) -> Result<()> {
+    if cx.me == root {
+        let peers: Vec<usize> = (1..cx.n() as isize).map(|k| cx.at(k)).collect();
+        let mut sends: Vec<SendOp> = peers.iter().map(|&p| SendOp::new(p, data)).collect();
+        return cx.xchg(&mut sends, &mut []);
+    }
+    let (src, len) = (cx.ranks[root], data.len());
+    let mut sink = copy_sink(data);
+    cx.xchg(&mut [], &mut [RecvOp::new(src, len, &mut sink)])
+}
+
+/// Dissemination barrier: ceil(log2 n) rounds of one byte each way.
+pub(crate) fn barrier(cx: &mut Ctx) -> Result<()> {
+    let mut dist = 1;
+    while dist < cx.n() {
+        let (to, from) = (cx.at(dist as isize), cx.at(-(dist as isize)));
+        let mut sink = |_: usize, _: &[u8]| {};
+        cx.xchg(
+            &mut [SendOp::new(to, &[1u8])],
+            &mut [RecvOp::new(from, 1, &mut sink)],
+        )?;
+        dist *= 2;
+    }
+    Ok(())
+}
+
+/// Point-to-point: an 8-byte length header, then the data.
+pub(crate) fn send<T: Element>(cx: &mut Ctx, buf: &[T], to: usize) -> Result<()> {
+    let header = (buf.len() as u64).to_le_bytes();
+    cx.xchg(
+        &mut [SendOp::new(to, &header), SendOp::new(to, bytes(buf))],
+        &mut [],
+    )
+}
+
+pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Result<()> {
+    let mut header = [0u8; 8];
+    cx.xchg(
+        &mut [],
+        &mut [RecvOp::new(from, 8, &mut copy_sink(&mut header))],
+    )?;
+    let count = u64::from_le_bytes(header) as usize;
+    if count != buf.len() {
+        return Err(CommError::Invalid(format!(
+            "recv: rank {from} sent {count} elements, this rank expected {}",
+            buf.len()
+        )));
+    }
+    let data: &mut [u8] = bytemuck::cast_slice_mut(buf);
+    let len = data.len();
+    cx.xchg(&mut [], &mut [RecvOp::new(from, len, &mut copy_sink(data))])
+}

@@ -1,0 +1,422 @@
+//! The communicator of one rank and the groups it runs collectives on.
+//!
+//! All collectives of a rank, of any group, run one at a time in the order they were
+//! issued (like one NCCL stream): a blocking call runs on the caller's thread when its turn
+//! comes, an `_async` call runs on the communicator's worker thread and returns a [`Work`]
+//! handle. Every group member must issue the group's collectives in the same order.
+//! After a failure (a lost peer, a timeout) the communicator is broken: the links may hold a
+//! partial message, so every later collective returns the first error at once.
+
+use crate::algo::{self, even_counts, ranges, Ctx};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::exchange::Deadline;
+use crate::link::Links;
+use crate::logger::{CommsLogger, OpKind};
+use crate::store::{StoreClient, StoreServer};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Default time a collective waits for its peers, as torch.distributed's default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+type Job = Box<dyn FnOnce() + Send>;
+
+thread_local! {
+    /// The ticket an async collective reserved at submission, for the thread that runs it.
+    static RESERVED: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+pub(crate) struct Shared {
+    pub rank: usize,
+    pub world: usize,
+    pub timeout: Duration,
+    links: Mutex<Links>,
+    turns: Turns,
+    broken: Mutex<Option<String>>,
+    worker: Mutex<Option<mpsc::Sender<Job>>>,
+    logger: Option<Mutex<CommsLogger>>,
+    store: Option<StoreClient>,
+    /// Rank 0 hosts the store; it lives as long as rank 0's communicator.
+    _server: Option<StoreServer>,
+}
+
+/// Serves collectives in the order their tickets were taken.
+#[derive(Default)]
+struct Turns {
+    next_ticket: Mutex<u64>,
+    serving: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Turns {
+    fn take(&self) -> u64 {
+        let mut t = self.next_ticket.lock().unwrap();
+        *t += 1;
+        *t - 1
+    }
+    fn run<R>(&self, ticket: u64, f: impl FnOnce() -> R) -> R {
+        let mut serving = self.serving.lock().unwrap();
+        while *serving != ticket {
+            serving = self.cv.wait(serving).unwrap();
+        }
+        drop(serving);
+        // Advance even if `f` panics, so that later collectives are not stuck behind it.
+        struct Next<'a>(&'a Turns);
+        impl Drop for Next<'_> {
+            fn drop(&mut self) {
+                *self.0.serving.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                self.0.cv.notify_all();
+            }
+        }
+        let _next = Next(self);
+        f()
+    }
+}
+
+/// Everything a rank needs to join collectives: built by [`crate::init`].
+pub struct Communicator {
+    shared: Arc<Shared>,
+}
+
+pub(crate) struct Parts {
+    pub rank: usize,
+    pub world: usize,
+    pub timeout: Duration,
+    pub links: Links,
+    pub logger: Option<CommsLogger>,
+    pub store: Option<StoreClient>,
+    pub server: Option<StoreServer>,
+}
+
+impl Communicator {
+    pub(crate) fn new(p: Parts) -> Communicator {
+        let shared = Arc::new(Shared {
+            rank: p.rank,
+            world: p.world,
+            timeout: p.timeout,
+            links: Mutex::new(p.links),
+            turns: Turns::default(),
+            broken: Mutex::new(None),
+            worker: Mutex::new(None),
+            logger: p.logger.map(Mutex::new),
+            store: p.store,
+            _server: p.server,
+        });
+        Communicator { shared }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    /// The group of all ranks.
+    pub fn world(&self) -> Group {
+        Group {
+            shared: self.shared.clone(),
+            ranks: (0..self.shared.world).collect::<Vec<_>>().into(),
+            me: self.shared.rank,
+        }
+    }
+
+    /// A group of the given global ranks, in that order; this rank must be one of them.
+    pub fn group(&self, ranks: &[usize]) -> Result<Group> {
+        let mut seen = vec![false; self.shared.world];
+        for &r in ranks {
+            if r >= self.shared.world || std::mem::replace(&mut seen[r], true) {
+                return Err(CommError::Invalid(format!(
+                    "group {ranks:?}: rank {r} is out of range or repeated (world size {})",
+                    self.shared.world
+                )));
+            }
+        }
+        let me = ranks
+            .iter()
+            .position(|&r| r == self.shared.rank)
+            .ok_or_else(|| {
+                CommError::Invalid(format!(
+                    "group {ranks:?} does not contain this rank ({})",
+                    self.shared.rank
+                ))
+            })?;
+        Ok(Group {
+            shared: self.shared.clone(),
+            ranks: ranks.to_vec().into(),
+            me,
+        })
+    }
+
+    /// The rendezvous store (absent in a job of one rank).
+    pub fn store(&self) -> Option<&StoreClient> {
+        self.shared.store.as_ref()
+    }
+
+    /// The comms logger's end-of-run table, when `comms_logger.enabled`.
+    pub fn comms_summary(&self) -> Option<String> {
+        self.shared
+            .logger
+            .as_ref()
+            .map(|l| l.lock().unwrap().summary())
+    }
+}
+
+/// A set of ranks that run collectives together. Cheap to clone.
+#[derive(Clone)]
+pub struct Group {
+    shared: Arc<Shared>,
+    ranks: Arc<[usize]>,
+    me: usize,
+}
+
+/// A collective running on the worker thread.
+pub struct Work<R> {
+    rx: mpsc::Receiver<Result<R>>,
+}
+
+impl<R> Work<R> {
+    /// Waits for the collective and returns its buffer (or its error).
+    pub fn wait(self) -> Result<R> {
+        self.rx.recv().unwrap_or_else(|_| {
+            Err(CommError::Invalid(
+                "the communicator's worker stopped".into(),
+            ))
+        })
+    }
+}
+
+impl Group {
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.me
+    }
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let bytes = std::mem::size_of_val(buf) as u64;
+        self.run(OpKind::AllReduce, bytes, |cx| algo::all_reduce(cx, buf, op))
+    }
+
+    /// `input` holds one part per rank (`input.len() == size * output.len()`); this rank's
+    /// reduced part lands in `output`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.size();
+        if input.len() != n * output.len() {
+            return Err(CommError::Invalid(format!(
+                "reduce_scatter: input has {} elements, expected group size {n} x output {}",
+                input.len(),
+                output.len()
+            )));
+        }
+        let mut work = input.to_vec();
+        self.reduce_scatter_v(&mut work, &vec![output.len(); n], op)?;
+        output.copy_from_slice(&work[self.me * output.len()..][..output.len()]);
+        Ok(())
+    }
+
+    /// In place, with parts of any sizes (`counts[i]` elements for rank i, summing to
+    /// `buf.len()`): this rank's part of `buf` ends up reduced over the group.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        buf: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(buf) as u64;
+        self.run(OpKind::ReduceScatter, bytes, |cx| {
+            algo::reduce_scatter_v(cx, buf, counts, op)
+        })
+    }
+
+    /// Gathers every rank's `input` (all of one length) into `output`, in group order.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let n = self.size();
+        if output.len() != n * input.len() {
+            return Err(CommError::Invalid(format!(
+                "all_gather: output has {} elements, expected group size {n} x input {}",
+                output.len(),
+                input.len()
+            )));
+        }
+        output[self.me * input.len()..][..input.len()].copy_from_slice(input);
+        self.all_gather_v(output, &vec![input.len(); n])
+    }
+
+    /// In place, with parts of any sizes: rank i's part `counts[i]` is sent to everyone.
+    pub fn all_gather_v<T: Element>(&self, buf: &mut [T], counts: &[usize]) -> Result<()> {
+        let bytes = counts
+            .get(self.me)
+            .map_or(0, |c| (c * std::mem::size_of::<T>()) as u64);
+        self.run(OpKind::AllGather, bytes, |cx| {
+            algo::all_gather_v(cx, buf, counts)
+        })
+    }
+
+    /// Copies `buf` of global rank `root` into `buf` of every member.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let root = self.index_of(root)?;
+        let bytes = std::mem::size_of_val(buf) as u64;
+        self.run(OpKind::Broadcast, bytes, |cx| {
+            algo::broadcast(cx, buf, root)
+        })
+    }
+
+    /// Sends `buf` to global rank `to`, which must `recv` a buffer of the same length.
+    pub fn send<T: Element>(&self, buf: &[T], to: usize) -> Result<()> {
+        self.peer(to)?;
+        self.run(OpKind::Send, std::mem::size_of_val(buf) as u64, |cx| {
+            algo::send(cx, buf, to)
+        })
+    }
+
+    pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
+        self.peer(from)?;
+        let bytes = std::mem::size_of_val(buf) as u64;
+        self.run(OpKind::Recv, bytes, |cx| algo::recv(cx, buf, from))
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        self.run(OpKind::Barrier, 0, algo::barrier)
+    }
+
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.spawn(move |g| g.all_reduce(&mut buf, op).map(|_| buf))
+    }
+
+    /// Reduce-scatter of parts as even as possible; returns the whole buffer (this rank's part reduced).
+    pub fn reduce_scatter_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let counts = even_counts(buf.len(), self.size());
+        self.spawn(move |g| g.reduce_scatter_v(&mut buf, &counts, op).map(|_| buf))
+    }
+
+    /// All-gather in place of parts as even as possible.
+    pub fn all_gather_async<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        let counts = even_counts(buf.len(), self.size());
+        self.spawn(move |g| g.all_gather_v(&mut buf, &counts).map(|_| buf))
+    }
+
+    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        self.spawn(move |g| g.broadcast(&mut buf, root).map(|_| buf))
+    }
+
+    /// The range of this rank's part when `len` elements are split as evenly as possible.
+    pub fn my_part(&self, len: usize) -> std::ops::Range<usize> {
+        ranges(&even_counts(len, self.size()))[self.me].clone()
+    }
+
+    fn index_of(&self, global: usize) -> Result<usize> {
+        self.ranks.iter().position(|&r| r == global).ok_or_else(|| {
+            CommError::Invalid(format!(
+                "rank {global} is not in this group {:?}",
+                &self.ranks[..self.ranks.len().min(16)]
+            ))
+        })
+    }
+
+    fn peer(&self, global: usize) -> Result<()> {
+        match self.index_of(global)? == self.me {
+            true => Err(CommError::Invalid(format!(
+                "rank {global} cannot send to or receive from itself"
+            ))),
+            false => Ok(()),
+        }
+    }
+
+    /// Runs `f` on the worker thread in this rank's collective order.
+    fn spawn<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Group) -> Result<R> + Send + 'static,
+    ) -> Work<R> {
+        let (tx, rx) = mpsc::channel();
+        let ticket = self.shared.turns.take();
+        let g = self.clone();
+        let job: Job = Box::new(move || {
+            let _ = tx.send(g.run_ticketed(ticket, f));
+        });
+        if let Err(mpsc::SendError(job)) = self.worker().send(job) {
+            job(); // the worker is gone only while shutting down; run in place
+        }
+        Work { rx }
+    }
+
+    /// Runs `f`, whose one collective takes the ticket reserved when it was queued.
+    fn run_ticketed<R>(&self, ticket: u64, f: impl FnOnce(&Group) -> Result<R>) -> Result<R> {
+        RESERVED.with(|r| r.set(Some(ticket)));
+        let out = f(self);
+        RESERVED.with(|r| r.set(None));
+        out
+    }
+
+    fn worker(&self) -> mpsc::Sender<Job> {
+        let mut w = self.shared.worker.lock().unwrap();
+        w.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let _ = std::thread::Builder::new()
+                .name("ds-comm-worker".into())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                });
+            tx
+        })
+        .clone()
+    }
+
+    /// Runs one collective in turn: refuses on a broken communicator, times it for the
+    /// comms logger, and breaks the communicator on a transport failure.
+    fn run(&self, kind: OpKind, bytes: u64, f: impl FnOnce(&mut Ctx) -> Result<()>) -> Result<()> {
+        let ticket = RESERVED
+            .with(|r| r.take())
+            .unwrap_or_else(|| self.shared.turns.take());
+        self.shared.turns.run(ticket, || {
+            if let Some(first) = self.shared.broken.lock().unwrap().as_ref() {
+                return Err(CommError::Invalid(format!(
+                    "{}: communicator unusable after an earlier failure: {first}",
+                    kind.ds_name()
+                )));
+            }
+            let start = Instant::now();
+            let mut links = self.shared.links.lock().unwrap();
+            let mut cx = Ctx {
+                links: &mut links,
+                ranks: &self.ranks,
+                me: self.me,
+                deadline: Deadline::after(self.shared.timeout),
+            };
+            let result = f(&mut cx).map_err(|e| e.during(kind.ds_name()));
+            drop(links);
+            match &result {
+                Err(e @ (CommError::PeerLost { .. } | CommError::Timeout { .. })) => {
+                    *self.shared.broken.lock().unwrap() = Some(e.to_string());
+                }
+                Ok(()) => self.log(kind, bytes, start.elapsed()),
+                Err(_) => {}
+            }
+            result
+        })
+    }
+
+    fn log(&self, kind: OpKind, bytes: u64, latency: Duration) {
+        if let Some(l) = &self.shared.logger {
+            let mut l = l.lock().unwrap();
+            if l.wants(kind) {
+                l.record(kind, bytes, latency, self.size());
+            }
+        }
+    }
+}

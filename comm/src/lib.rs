@@ -1,0 +1,134 @@
+//! ds-comm: how the ranks of a ds-rs job find each other and move data.
+//!
+//! - [`init`] / [`init_from_env`]: rendezvous through a key-value [`store`] hosted by rank 0,
+//!   then persistent links between every pair of ranks (shared memory within a host, TCP
+//!   between hosts).
+//! - [`Communicator`] and [`Group`]: all_reduce, reduce_scatter, all_gather, broadcast,
+//!   send/recv and barrier on f32, bf16 and f16, blocking or async, on the world, any
+//!   sub-group, or the groups of a 3D [`topology`].
+//! - [`logger`]: DeepSpeed's comms logger. `nccl` (feature): the same collectives on GPUs.
+
+mod algo;
+pub mod dtype;
+pub mod error;
+mod exchange;
+mod frame;
+mod group;
+mod link;
+pub mod logger;
+mod mesh;
+pub mod store;
+pub mod topology;
+
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{CommError, Result};
+pub use group::{Communicator, Group, Work, DEFAULT_TIMEOUT};
+pub use mesh::Transport;
+
+use ds_config::monitor::CommsLoggerConfig;
+use group::Parts;
+use link::Links;
+use logger::CommsLogger;
+use std::time::Duration;
+use store::{StoreClient, StoreServer};
+
+/// Where this rank stands in the job and how to reach the others.
+#[derive(Debug, Clone)]
+pub struct InitOptions {
+    pub rank: usize,
+    pub world_size: usize,
+    /// Host name or address of rank 0's store.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Rank 0 starts the store itself (false when the caller hosts one, as tests do).
+    pub host_store: bool,
+    /// The job's secret; the store and the peers refuse connections without it.
+    pub token: Option<String>,
+    /// How long any wait (rendezvous or collective) may take before it fails.
+    pub timeout: Duration,
+    pub transport: Transport,
+    pub comms_logger: Option<CommsLoggerConfig>,
+}
+
+impl InitOptions {
+    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16) -> InitOptions {
+        InitOptions {
+            rank,
+            world_size,
+            master_addr: master_addr.to_string(),
+            master_port,
+            host_store: true,
+            token: None,
+            timeout: DEFAULT_TIMEOUT,
+            transport: Transport::Auto,
+            comms_logger: None,
+        }
+    }
+}
+
+/// Joins the job: rendezvous, then connections to every other rank.
+pub fn init(opts: &InitOptions) -> Result<Communicator> {
+    if opts.world_size == 0 || opts.rank >= opts.world_size {
+        return Err(CommError::Env(format!(
+            "rank {} is not within world size {}",
+            opts.rank, opts.world_size
+        )));
+    }
+    let logger = opts
+        .comms_logger
+        .as_ref()
+        .filter(|c| c.enabled)
+        .map(|c| CommsLogger::new(c).with_rank(opts.rank));
+    if opts.world_size == 1 {
+        let links = Links { links: vec![None] };
+        let parts = Parts {
+            rank: 0,
+            world: 1,
+            timeout: opts.timeout,
+            links,
+            logger,
+            store: None,
+            server: None,
+        };
+        return Ok(Communicator::new(parts));
+    }
+    let master = format!("{}:{}", opts.master_addr, opts.master_port);
+    let token = opts.token.as_deref();
+    let server = match opts.host_store && opts.rank == 0 {
+        true => Some(StoreServer::bind(
+            bind_addr(&opts.master_addr, opts.master_port),
+            token,
+        )?),
+        false => None,
+    };
+    let store = StoreClient::connect(&master, token, opts.timeout)?;
+    let spec = mesh::MeshSpec {
+        rank: opts.rank,
+        world: opts.world_size,
+        token: token.unwrap_or(""),
+        transport: opts.transport,
+        timeout: opts.timeout,
+    };
+    let links = mesh::connect_mesh(&store, &spec, &master)?;
+    let parts = Parts {
+        rank: opts.rank,
+        world: opts.world_size,
+        timeout: opts.timeout,
+        links,
+        logger,
+        store: Some(store),
+        server,
+    };
+    let comm = Communicator::new(parts);
+    // Nobody leaves the rendezvous (and rank 0 keeps its store) until everyone is connected.
+    comm.world().barrier()?;
+    Ok(comm)
+}
+
+/// The store listens on the master address when it is local, else on every interface.
+fn bind_addr(master: &str, port: u16) -> String {
+    match std::net::TcpListener::bind((master, 0)) {
+        Ok(_) => format!("{master}:{port}"),
+        Err(_) => format!("0.0.0.0:{port}"),
+    }
+}

@@ -1,0 +1,211 @@
+//! A shared-memory link between two ranks of one host: two single-producer single-consumer
+//! byte rings in one file under /dev/shm (NCCL's SHM transport and DeepSpeed's CPU shm
+//! all-reduce do the same). The rings are small so that a chunk a rank writes is still in
+//! the shared cache when its peer reads it. The pair's TCP connection stays open beside it
+//! only to notice a peer that dies: the kernel closes its socket.
+
+use super::{round8, socket_closed, Link, LinkKind, LinkResult};
+use memmap2::MmapMut;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Bytes of data per ring (per direction).
+const CAP: usize = 1 << 20;
+/// Header page per ring: head, tail and closed on separate cache lines.
+const HEADER: usize = 4096;
+const RING: usize = HEADER + CAP;
+/// The file holds both directions: the lower rank's outgoing ring first.
+pub(crate) const FILE_SIZE: usize = 2 * RING;
+
+struct Ring {
+    base: *mut u8,
+}
+
+impl Ring {
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: base points at a live, page-aligned mapping of RING bytes (see ShmLink).
+        unsafe { &*(self.base as *const AtomicU64) }
+    }
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: as above; offset 128 is 8-aligned and inside the header.
+        unsafe { &*(self.base.add(128) as *const AtomicU64) }
+    }
+    fn closed(&self) -> &AtomicU32 {
+        // SAFETY: as above; offset 256 is inside the header.
+        unsafe { &*(self.base.add(256) as *const AtomicU32) }
+    }
+    fn data(&self, pos: u64) -> *mut u8 {
+        // SAFETY: pos % CAP < CAP, inside the data area.
+        unsafe { self.base.add(HEADER + (pos as usize % CAP)) }
+    }
+
+    /// Writes up to `bytes.len()` bytes; returns how many (a multiple of 8 unless all of them).
+    fn push(&self, bytes: &[u8]) -> usize {
+        let head = self.head().load(Ordering::Relaxed);
+        let free = CAP - (head - self.tail().load(Ordering::Acquire)) as usize;
+        let n = if bytes.len() <= free {
+            bytes.len()
+        } else {
+            free
+        };
+        if n == 0 {
+            return 0;
+        }
+        let first = n.min(CAP - head as usize % CAP);
+        // SAFETY: the region [head, head+n) is free (the consumer is behind `free`), and the
+        // two pieces lie inside the data area; source and ring never overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data(head), first);
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr().add(first),
+                self.data(head + first as u64),
+                n - first,
+            );
+        }
+        // Positions stay multiples of 8: a message's unaligned end is padded.
+        self.head()
+            .store(head + round8(n) as u64, Ordering::Release);
+        n
+    }
+
+    /// Hands up to `want` readable bytes to `sink` in contiguous pieces; returns how many.
+    fn pop(&self, want: usize, offset: usize, sink: &mut dyn FnMut(usize, &[u8])) -> usize {
+        let tail = self.tail().load(Ordering::Relaxed);
+        let avail = (self.head().load(Ordering::Acquire) - tail) as usize;
+        let n = want.min(avail);
+        if n == 0 {
+            return 0;
+        }
+        let first = n.min(CAP - tail as usize % CAP);
+        // SAFETY: [tail, tail+n) was published by the producer's Release store of head and is
+        // not rewritten until we advance tail.
+        unsafe {
+            sink(offset, std::slice::from_raw_parts(self.data(tail), first));
+            if n > first {
+                sink(
+                    offset + first,
+                    std::slice::from_raw_parts(self.data(tail + first as u64), n - first),
+                );
+            }
+        }
+        let advance = if n == want { round8(n) } else { n };
+        self.tail().store(tail + advance as u64, Ordering::Release);
+        n
+    }
+}
+
+pub(crate) struct ShmLink {
+    _map: MmapMut,
+    tx: Ring,
+    rx: Ring,
+    control: TcpStream,
+}
+
+// SAFETY: the rings point into `_map`, which the link owns and which lives as long as it;
+// each ring end is used by one thread at a time (the link is not Sync).
+unsafe impl Send for ShmLink {}
+
+impl ShmLink {
+    /// Creates the pair's file (the lower rank does); the caller unlinks it once both mapped it.
+    pub fn create(path: &Path, control: TcpStream) -> std::io::Result<ShmLink> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)?;
+        file.set_len(FILE_SIZE as u64)?;
+        Self::map(&file, control, true)
+    }
+
+    /// Maps the file its lower-ranked peer created. (The caller makes `control` non-blocking
+    /// once the pair's handshake on it is over.)
+    pub fn open(path: &Path, control: TcpStream) -> std::io::Result<ShmLink> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        if file.metadata()?.len() != FILE_SIZE as u64 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "shared-memory file has the wrong size",
+            ));
+        }
+        Self::map(&file, control, false)
+    }
+
+    fn map(file: &std::fs::File, control: TcpStream, lower: bool) -> std::io::Result<ShmLink> {
+        // SAFETY: the file is private to this job (0600, random name) and is only accessed
+        // through the atomics and the ring protocol above.
+        let mut map = unsafe { MmapMut::map_mut(file)? };
+        let base = map.as_mut_ptr();
+        // SAFETY: RING < FILE_SIZE; both rings are inside the mapping.
+        let (first, second) = (
+            Ring { base },
+            Ring {
+                base: unsafe { base.add(RING) },
+            },
+        );
+        let (tx, rx) = if lower {
+            (first, second)
+        } else {
+            (second, first)
+        };
+        Ok(ShmLink {
+            _map: map,
+            tx,
+            rx,
+            control,
+        })
+    }
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.tx.closed().store(1, Ordering::Release);
+        self.rx.closed().store(1, Ordering::Release);
+    }
+}
+
+impl Link for ShmLink {
+    fn kind(&self) -> LinkKind {
+        LinkKind::Shm
+    }
+
+    fn fd(&self) -> RawFd {
+        self.control.as_raw_fd()
+    }
+
+    fn try_send(&mut self, msg: &[u8], done: &mut usize) -> LinkResult<bool> {
+        if self.tx.closed().load(Ordering::Acquire) != 0 {
+            return Err("peer closed its shared-memory link".into());
+        }
+        let n = self.tx.push(&msg[*done..]);
+        *done += n;
+        Ok(n > 0)
+    }
+
+    fn try_recv(
+        &mut self,
+        len: usize,
+        done: &mut usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> LinkResult<bool> {
+        let n = self.rx.pop(len - *done, *done, sink);
+        *done += n;
+        if n == 0 && self.rx.closed().load(Ordering::Acquire) != 0 {
+            return Err("peer closed its shared-memory link".into());
+        }
+        Ok(n > 0)
+    }
+
+    fn check_alive(&mut self) -> LinkResult<()> {
+        match socket_closed(self.control.as_raw_fd()) {
+            true => Err("peer's connection closed (process gone?)".into()),
+            false => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! Every collective, on every dtype, for world sizes 1-8 (threads over loopback, shared
+//! memory and TCP), with lengths 0, 1, primes and large, checked against a serial reference
+//! computed here in f64.
+
+mod common;
+
+use common::{run_ranks, value};
+use ds_comm::{Element, ReduceOp, Transport};
+use half::{bf16, f16};
+
+const LENGTHS: [usize; 6] = [0, 1, 7, 1009, 20_011, 300_007];
+
+fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
+    (0..len).map(|i| T::from_f32(value(rank, i))).collect()
+}
+
+/// The reduction of element i over `ranks`, in f64.
+fn reference(ranks: &[usize], i: usize, op: ReduceOp) -> f64 {
+    let vals = ranks.iter().map(|&r| value(r, i) as f64);
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<f64>() / ranks.len() as f64,
+        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+    }
+}
+
+/// Sums and maxima of these small integers are exact in every dtype; an average is the one
+/// rounding of sum * (1/n) into the dtype, so it may be off by about one unit in the last place.
+fn tolerance<T: Element>(op: ReduceOp, expect: f64) -> f64 {
+    let ulp = match T::DTYPE {
+        ds_comm::DType::F32 => 2f64.powi(-23),
+        ds_comm::DType::BF16 => 2f64.powi(-7),
+        ds_comm::DType::F16 => 2f64.powi(-10),
+    };
+    match op {
+        ReduceOp::Avg => 2.0 * ulp * expect.abs().max(1e-30),
+        _ => 0.0,
+    }
+}
+
+fn check<T: Element>(
+    what: &str,
+    got: &[T],
+    ranks: &[usize],
+    op: ReduceOp,
+    index: impl Fn(usize) -> usize,
+) {
+    for (k, v) in got.iter().enumerate() {
+        let expect = reference(ranks, index(k), op);
+        let err = (v.to_f32() as f64 - expect).abs();
+        assert!(
+            err <= tolerance::<T>(op, expect),
+            "{what}: element {k}: got {}, expected {expect}",
+            v.to_f32()
+        );
+    }
+}
+
+fn all_reduce_case<T: Element>(world: usize, transport: Transport) {
+    run_ranks(world, transport, move |comm| {
+        let g = comm.world();
+        let ranks: Vec<usize> = (0..g.size()).collect();
+        for len in LENGTHS {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let mut buf = input::<T>(comm.rank(), len);
+                g.all_reduce(&mut buf, op).unwrap();
+                let what = format!(
+                    "all_reduce {op:?} {:?} ws{world} len {len} rank {}",
+                    T::DTYPE,
+                    comm.rank()
+                );
+                check(&what, &buf, &ranks, op, |k| k);
+            }
+        }
+    });
+}
+
+fn reduce_scatter_and_all_gather_case<T: Element>(world: usize, transport: Transport) {
+    run_ranks(world, transport, move |comm| {
+        let (g, me) = (comm.world(), comm.rank());
+        let ranks: Vec<usize> = (0..world).collect();
+        for part in [0, 1, 13, 40_009] {
+            let mut out = vec![T::default(); part];
+            g.reduce_scatter(&input::<T>(me, part * world), &mut out, ReduceOp::Sum)
+                .unwrap();
+            check(
+                &format!("reduce_scatter {:?} ws{world} part {part}", T::DTYPE),
+                &out,
+                &ranks,
+                ReduceOp::Sum,
+                |k| me * part + k,
+            );
+
+            let mine: Vec<T> = (0..part)
+                .map(|k| T::from_f32(value(me, me * part + k)))
+                .collect();
+            let mut all = vec![T::default(); part * world];
+            g.all_gather(&mine, &mut all).unwrap();
+            for (k, v) in all.iter().enumerate() {
+                let owner = k / part.max(1);
+                assert_eq!(
+                    v.to_f32(),
+                    value(owner, k),
+                    "all_gather {:?} ws{world} element {k}",
+                    T::DTYPE
+                );
+            }
+        }
+        // Parts of different sizes, the length prime: the _v forms.
+        for len in [5usize, 1009, 100_003] {
+            let counts: Vec<usize> = (0..world)
+                .map(|r| len / world + usize::from(r < len % world))
+                .collect();
+            let start: usize = counts[..me].iter().sum();
+            let mut buf = input::<T>(me, len);
+            g.reduce_scatter_v(&mut buf, &counts, ReduceOp::Max)
+                .unwrap();
+            let mine = &buf[start..start + counts[me]];
+            check(
+                &format!("reduce_scatter_v ws{world} len {len}"),
+                mine,
+                &ranks,
+                ReduceOp::Max,
+                |k| start + k,
+            );
+
+            let mut buf: Vec<T> = (0..len)
+                .map(|k| {
+                    T::from_f32(if (start..start + counts[me]).contains(&k) {
+                        value(me, k)
+                    } else {
+                        99.0
+                    })
+                })
+                .collect();
+            g.all_gather_v(&mut buf, &counts).unwrap();
+            let owner = |k: usize| (0..world).find(|&r| k < counts[..=r].iter().sum()).unwrap();
+            assert!(
+                buf.iter()
+                    .enumerate()
+                    .all(|(k, v)| v.to_f32() == value(owner(k), k)),
+                "all_gather_v ws{world} len {len}"
+            );
+        }
+    });
+}
+
+fn broadcast_send_recv_barrier_case<T: Element>(world: usize, transport: Transport) {
+    run_ranks(world, transport, move |comm| {
+        let (g, me) = (comm.world(), comm.rank());
+        for len in LENGTHS.into_iter().chain([3 << 20]) {
+            let root = len % world;
+            let mut buf = if me == root {
+                input::<T>(root, len)
+            } else {
+                vec![T::default(); len]
+            };
+            g.broadcast(&mut buf, root).unwrap();
+            assert!(
+                buf.iter()
+                    .enumerate()
+                    .all(|(i, v)| v.to_f32() == value(root, i)),
+                "broadcast ws{world} len {len} root {root}"
+            );
+        }
+        if world > 1 {
+            // A ring of sends: rank r sends to r+1 and receives from r-1; odd ranks receive first.
+            let (to, from) = ((me + 1) % world, (me + world - 1) % world);
+            let out = input::<T>(me, 1009);
+            let mut got = vec![T::default(); 1009];
+            if me % 2 == 0 {
+                g.send(&out, to).unwrap();
+                g.recv(&mut got, from).unwrap();
+            } else {
+                g.recv(&mut got, from).unwrap();
+                g.send(&out, to).unwrap();
+            }
+            assert!(
+                got.iter()
+                    .enumerate()
+                    .all(|(i, v)| v.to_f32() == value(from, i)),
+                "send/recv ws{world}"
+            );
+        }
+        g.barrier().unwrap();
+    });
+}
+
+fn every_op(world: usize, transport: Transport) {
+    all_reduce_case::<f32>(world, transport);
+    all_reduce_case::<bf16>(world, transport);
+    all_reduce_case::<f16>(world, transport);
+    reduce_scatter_and_all_gather_case::<f32>(world, transport);
+    reduce_scatter_and_all_gather_case::<bf16>(world, transport);
+    reduce_scatter_and_all_gather_case::<f16>(world, transport);
+    broadcast_send_recv_barrier_case::<f32>(world, transport);
+    broadcast_send_recv_barrier_case::<bf16>(world, transport);
+}
+
+#[test]
+fn world_1() {
+    every_op(1, Transport::Auto);
+}
+
+#[test]
+fn world_2_shared_memory() {
+    every_op(2, Transport::Auto);
+}
+
+#[test]
+fn world_2_tcp() {
+    every_op(2, Transport::Tcp);
+}
+
+#[test]
+fn world_3_shared_memory() {
+    every_op(3, Transport::Auto);
+}
+
+#[test]
+fn world_3_tcp() {
+    every_op(3, Transport::Tcp);
+}
+
+#[test]
+fn world_4_shared_memory() {
+    every_op(4, Transport::Auto);
+}
+
+#[test]
+fn world_4_tcp() {
+    every_op(4, Transport::Tcp);
+}
+
+#[test]
+fn world_8_shared_memory() {
+    every_op(8, Transport::Auto);
+}
+
+#[test]
+fn world_8_tcp() {
+    every_op(8, Transport::Tcp);
+}
+
+/// Random floats: the ring's per-hop f32 sums differ from a serial sum only by rounding, and
+/// every rank must get the bit-identical result (ZeRO relies on replicas staying equal).
+#[test]
+fn random_f32_all_reduce_is_accurate_and_identical_on_every_rank() {
+    let world = 4;
+    let len = 250_007;
+    let data = move |r: usize| -> Vec<f32> {
+        let mut s = 0x9E3779B97F4A7C15u64 ^ (r as u64 * 0x2545F4914F6CDD1D);
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    };
+    let results = run_ranks(world, Transport::Auto, move |comm| {
+        let mut buf = data(comm.rank());
+        comm.world().all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        buf
+    });
+    let inputs: Vec<Vec<f32>> = (0..world).map(data).collect();
+    for i in 0..len {
+        let exact: f64 = inputs.iter().map(|v| v[i] as f64).sum();
+        let magnitude: f64 = inputs.iter().map(|v| v[i].abs() as f64).sum();
+        // world-1 additions, each rounding by at most half an ulp of a partial sum <= magnitude.
+        let bound = (world - 1) as f64 * 2f64.powi(-24) * magnitude;
+        assert!((results[0][i] as f64 - exact).abs() <= bound, "element {i}");
+    }
+    assert!(results.iter().all(|r| r == &results[0]), "ranks disagree");
+}
