@@ -10,6 +10,7 @@
 
 mod algo;
 pub mod dtype;
+pub mod env;
 pub mod error;
 mod exchange;
 mod frame;
@@ -17,6 +18,8 @@ mod group;
 mod link;
 pub mod logger;
 mod mesh;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod store;
 pub mod topology;
 
@@ -131,4 +134,57 @@ fn bind_addr(master: &str, port: u16) -> String {
         Ok(_) => format!("{master}:{port}"),
         Err(_) => format!("0.0.0.0:{port}"),
     }
+}
+
+/// Variable naming how long any wait may take, in seconds (default 300).
+pub const TIMEOUT_VAR: &str = "DS_RS_COMM_TIMEOUT";
+/// Variable forcing the transport: `tcp` or `auto`.
+pub const TRANSPORT_VAR: &str = "DS_RS_TRANSPORT";
+
+/// Joins the job the environment describes (torchrun, the ds-rs launcher, OpenMPI, Slurm,
+/// Azure ML); a process with no such environment is a job of one rank. `transport`
+/// overrides DS_RS_TRANSPORT.
+pub fn init_from_env(transport: Option<Transport>) -> Result<Communicator> {
+    let get = |k: &str| std::env::var(k).ok();
+    let env = env::RankEnv::from_env().map_err(|e| CommError::Env(e.to_string()))?;
+    let mut opts = match env {
+        Some(e) => InitOptions::new(e.rank, e.world_size, &e.master_addr, e.master_port),
+        None => InitOptions::new(0, 1, "127.0.0.1", env::DEFAULT_MASTER_PORT),
+    };
+    opts.token = env::job_token(&get);
+    opts.transport = match (transport, get(TRANSPORT_VAR).as_deref()) {
+        (Some(t), _) => t,
+        (None, None | Some("auto") | Some("")) => Transport::Auto,
+        (None, Some("tcp")) => Transport::Tcp,
+        (None, Some(other)) => {
+            return Err(CommError::Env(format!(
+                "{TRANSPORT_VAR}={other:?}: expected \"tcp\" or \"auto\""
+            )))
+        }
+    };
+    if let Some(raw) = get(TIMEOUT_VAR) {
+        let secs: f64 = raw
+            .trim()
+            .parse()
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s > 0.0)
+            .ok_or_else(|| {
+                CommError::Env(format!(
+                    "{TIMEOUT_VAR}={raw:?}: expected a positive number of seconds"
+                ))
+            })?;
+        opts.timeout = Duration::from_secs_f64(secs);
+    }
+    if opts.token.is_none() && opts.world_size > 1 && !is_loopback(&opts.master_addr) {
+        eprintln!("warning: no job token (DS_RS_JOB_TOKEN): any host that reaches {}:{} can join this job", opts.master_addr, opts.master_port);
+    }
+    init(&opts)
+}
+
+fn is_loopback(host: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    (host, 0)
+        .to_socket_addrs()
+        .map(|mut a| a.all(|a| a.ip().is_loopback()))
+        .unwrap_or(false)
 }

@@ -1,6 +1,8 @@
 //! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
 
+mod bench_comm;
 mod config_check;
+mod local_ranks;
 
 use std::process::ExitCode;
 
@@ -33,7 +35,10 @@ enum Command {
     /// Estimate the memory a model needs per rank for each ZeRO stage.
     Estimate(Pending),
     /// Measure communication, kernels and training throughput.
-    Bench(Pending),
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
     /// Inspect, consolidate and reshard checkpoints.
     Checkpoint(Pending),
 }
@@ -42,6 +47,12 @@ enum Command {
 enum ConfigCommand {
     /// Read a ds_config as DeepSpeed 0.19.8 does and print the resolved configuration.
     Check(config_check::CheckArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Bandwidth and latency of the collectives, as nccl-tests prints them.
+    Comm(bench_comm::CommArgs),
 }
 
 /// The arguments of a command that a later release provides.
@@ -60,7 +71,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Train(_) => "train",
         Command::Autotune(_) => "autotune",
         Command::Estimate(_) => "estimate",
-        Command::Bench(_) => "bench",
+        Command::Bench {
+            command: BenchCommand::Comm(args),
+        } => return bench_comm::run(&args),
         Command::Checkpoint(_) => "checkpoint",
     };
     eprintln!("error: `ds-rs {name}` is not available yet in this build");
