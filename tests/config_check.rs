@@ -267,7 +267,6 @@ fn commands_of_later_releases_say_so_and_exit_2() {
         "train",
         "autotune",
         "estimate",
-        "bench",
         "checkpoint",
     ] {
         let out = ds_rs(&[cmd]);

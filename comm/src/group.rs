@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 /// Default time a collective waits for its peers, as torch.distributed's default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long a rank that lost a peer looks for that peer's own failure note.
+const FAILURE_NOTE_WAIT: Duration = Duration::from_millis(500);
+
 type Job = Box<dyn FnOnce() + Send>;
 
 thread_local! {
@@ -400,15 +403,47 @@ impl Group {
             };
             let result = f(&mut cx).map_err(|e| e.during(kind.ds_name()));
             drop(links);
-            match &result {
+            match result {
                 Err(e @ (CommError::PeerLost { .. } | CommError::Timeout { .. })) => {
+                    let e = self.root_cause(e);
                     *self.shared.broken.lock().unwrap() = Some(e.to_string());
+                    Err(e)
                 }
-                Ok(()) => self.log(kind, bytes, start.elapsed()),
-                Err(_) => {}
+                Ok(()) => {
+                    self.log(kind, bytes, start.elapsed());
+                    Ok(())
+                }
+                Err(e) => Err(e),
             }
-            result
         })
+    }
+
+    /// Failures cascade: a rank that loses its peer stops, and its own peers then lose it.
+    /// Each failing rank leaves its cause in the store first, so that a rank that lost a peer
+    /// can tell whether that peer merely failed because of another, and name the first.
+    fn root_cause(&self, e: CommError) -> CommError {
+        let Some(store) = &self.shared.store else {
+            return e;
+        };
+        let _ = store.set(
+            &format!("failed/{}", self.shared.rank),
+            e.to_string().as_bytes(),
+        );
+        let CommError::PeerLost { what, peer, cause } = e else {
+            return e;
+        };
+        let theirs = store
+            .get_within(&format!("failed/{peer}"), FAILURE_NOTE_WAIT)
+            .ok()
+            .flatten();
+        match theirs.map(|t| String::from_utf8_lossy(&t).into_owned()) {
+            Some(t) => CommError::PeerLost {
+                what,
+                peer,
+                cause: format!("{cause}; rank {peer} had failed first: {t}"),
+            },
+            None => CommError::PeerLost { what, peer, cause },
+        }
     }
 
     fn log(&self, kind: OpKind, bytes: u64, latency: Duration) {

@@ -46,7 +46,6 @@ struct PeerInfo {
 
 pub(crate) fn connect_mesh(store: &StoreClient, spec: &MeshSpec, master: &str) -> Result<Links> {
     let deadline = Instant::now() + spec.timeout;
-    let nonce = job_nonce(store, spec.rank)?;
     let listener = bind_listener(master)?;
     let me = PeerInfo {
         addr: listener
@@ -54,6 +53,10 @@ pub(crate) fn connect_mesh(store: &StoreClient, spec: &MeshSpec, master: &str) -
             .map_err(|e| CommError::io("peer listener", e))?,
         host: host_id(),
     };
+    if spec.rank == 0 {
+        // Before rank 0's address, so whoever has seen every address can read it.
+        new_job_nonce(store)?;
+    }
     store.set(
         &format!("peer/{}", spec.rank),
         format!("{}\n{}", me.addr, me.host).as_bytes(),
@@ -62,6 +65,8 @@ pub(crate) fn connect_mesh(store: &StoreClient, spec: &MeshSpec, master: &str) -
     store.wait_ranks("rendezvous: waiting for every rank to join", &all, |r| {
         format!("peer/{r}")
     })?;
+    let nonce = String::from_utf8(store.get("job/nonce")?)
+        .map_err(|_| CommError::Invalid("store: job nonce is not UTF-8".into()))?;
     let infos: Vec<PeerInfo> = all
         .iter()
         .map(|&r| peer_info(store, r))
@@ -89,17 +94,13 @@ pub(crate) fn connect_mesh(store: &StoreClient, spec: &MeshSpec, master: &str) -
     build_links(spec, streams, &shm_peers, &nonce)
 }
 
-fn job_nonce(store: &StoreClient, rank: usize) -> Result<String> {
-    if rank == 0 {
-        let mut bytes = [0u8; 12];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
-            .map_err(|e| CommError::io("reading /dev/urandom", e))?;
-        let nonce: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        store.set("job/nonce", nonce.as_bytes())?;
-    }
-    let raw = store.get("job/nonce")?;
-    String::from_utf8(raw).map_err(|_| CommError::Invalid("store: job nonce is not UTF-8".into()))
+fn new_job_nonce(store: &StoreClient) -> Result<()> {
+    let mut bytes = [0u8; 12];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .map_err(|e| CommError::io("reading /dev/urandom", e))?;
+    let nonce: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    store.set("job/nonce", nonce.as_bytes())
 }
 
 /// Listens on the address this host uses to reach the master (port chosen by the kernel).

@@ -315,6 +315,22 @@ impl StoreClient {
         }
     }
 
+    /// The value of `key` if it appears within `timeout`.
+    pub fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        let req = Encoder::default()
+            .u8(GET)
+            .str(key)
+            .u64(timeout.as_millis() as u64);
+        match self.call(req, timeout)? {
+            Ok(reply) => Ok(Some(
+                Decoder(&reply)
+                    .bytes()
+                    .map_err(|e| self.error(e.to_string()))?,
+            )),
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Adds `delta` to the integer at `key` (0 when absent) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let reply = self.call(
