@@ -96,10 +96,6 @@ fn reduce_sink<T: Element>(
     }
 }
 
-fn copy_sink(dst: &mut [u8]) -> impl FnMut(usize, &[u8]) + '_ {
-    move |off, raw| dst[off..off + raw.len()].copy_from_slice(raw)
-}
-
 fn avg_scale(op: ReduceOp, n: usize) -> Option<f32> {
     (op == ReduceOp::Avg).then_some(1.0 / n as f32)
 }
@@ -136,16 +132,11 @@ fn all_reduce_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> R
     {
         let peers: Vec<usize> = (1..n as isize).map(|k| cx.at(k)).collect();
         let mut sends: Vec<SendOp> = peers.iter().map(|&p| SendOp::new(p, bytes(buf))).collect();
-        let mut sinks: Vec<_> = inbox
+        let mut recvs: Vec<RecvOp> = inbox
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| *i != me)
-            .map(|(i, v)| (cx.ranks[i], copy_sink(bytemuck::cast_slice_mut(v))))
-            .collect();
-        let len = std::mem::size_of_val(buf);
-        let mut recvs: Vec<RecvOp> = sinks
-            .iter_mut()
-            .map(|(p, s)| RecvOp::new(*p, len, s))
+            .map(|(i, v)| RecvOp::to(cx.ranks[i], bytemuck::cast_slice_mut(v)))
             .collect();
         cx.xchg(&mut sends, &mut recvs)?;
     }
@@ -214,12 +205,9 @@ pub(crate) fn all_gather_v<T: Element>(
         let send = segs[cx.idx(-(s as isize))].clone();
         let recv = segs[cx.idx(-(s as isize) - 1)].clone();
         let (out, into) = split_two(buf, send, recv);
-        let into: &mut [u8] = bytemuck::cast_slice_mut(into);
-        let len = into.len();
-        let mut sink = copy_sink(into);
         cx.xchg(
             &mut [SendOp::new(next, bytes(out))],
-            &mut [RecvOp::new(prev, len, &mut sink)],
+            &mut [RecvOp::to(prev, bytemuck::cast_slice_mut(into))],
         )?;
     }
     Ok(())
@@ -241,21 +229,11 @@ fn all_gather_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], counts: &[usize]) 
         parts.push(head);
         rest = tail;
     }
-    let mut sinks: Vec<(usize, usize, _)> = parts
+    let mut recvs: Vec<RecvOp> = parts
         .into_iter()
         .enumerate()
         .filter(|(i, _)| *i != me)
-        .map(|(i, p)| {
-            (
-                cx.ranks[i],
-                std::mem::size_of_val(p),
-                copy_sink(bytemuck::cast_slice_mut(p)),
-            )
-        })
-        .collect();
-    let mut recvs: Vec<RecvOp> = sinks
-        .iter_mut()
-        .map(|(p, len, s)| RecvOp::new(*p, *len, s))
+        .map(|(i, p)| RecvOp::to(cx.ranks[i], bytemuck::cast_slice_mut(p)))
         .collect();
     cx.xchg(&mut sends, &mut recvs)
 }
@@ -308,10 +286,8 @@ pub(crate) fn broadcast<T: Element>(cx: &mut Ctx, buf: &mut [T], root: usize) ->
         if let (Some(next), true) = (next, c > 0) {
             sends.push(SendOp::new(next, fwd));
         }
-        let len = into.len();
-        let mut sink = copy_sink(into);
         if c < pieces.len() {
-            recvs.push(RecvOp::new(prev, len, &mut sink));
+            recvs.push(RecvOp::to(prev, into));
         }
         cx.xchg(&mut sends, &mut recvs)?;
     }
@@ -324,9 +300,7 @@ fn broadcast_direct(cx: &mut Ctx, data: &mut [u8], root: usize) -> Result<()> {
         let mut sends: Vec<SendOp> = peers.iter().map(|&p| SendOp::new(p, data)).collect();
         return cx.xchg(&mut sends, &mut []);
     }
-    let (src, len) = (cx.ranks[root], data.len());
-    let mut sink = copy_sink(data);
-    cx.xchg(&mut [], &mut [RecvOp::new(src, len, &mut sink)])
+    cx.xchg(&mut [], &mut [RecvOp::to(cx.ranks[root], data)])
 }
 
 /// Dissemination barrier: ceil(log2 n) rounds of one byte each way.
@@ -357,7 +331,7 @@ pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Resu
     let mut header = [0u8; 8];
     cx.xchg(
         &mut [],
-        &mut [RecvOp::new(from, 8, &mut copy_sink(&mut header))],
+        &mut [RecvOp::to(from, &mut header)],
     )?;
     let count = u64::from_le_bytes(header) as usize;
     if count != buf.len() {
@@ -366,7 +340,5 @@ pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Resu
             buf.len()
         )));
     }
-    let data: &mut [u8] = bytemuck::cast_slice_mut(buf);
-    let len = data.len();
-    cx.xchg(&mut [], &mut [RecvOp::new(from, len, &mut copy_sink(data))])
+    cx.xchg(&mut [], &mut [RecvOp::to(from, bytemuck::cast_slice_mut(buf))])
 }

@@ -2,7 +2,7 @@
 //! done, never blocking on one while another could move, and never longer than the deadline.
 
 use crate::error::{CommError, Result};
-use crate::link::{LinkKind, Links};
+use crate::link::{LinkKind, Links, Sink};
 use std::time::{Duration, Instant};
 
 pub(crate) struct SendOp<'a> {
@@ -15,8 +15,7 @@ pub(crate) struct RecvOp<'a> {
     pub peer: usize,
     pub len: usize,
     pub done: usize,
-    /// Gets (offset in the message, bytes) as they arrive.
-    pub sink: &'a mut dyn FnMut(usize, &[u8]),
+    pub sink: Sink<'a>,
 }
 
 impl<'a> SendOp<'a> {
@@ -30,13 +29,14 @@ impl<'a> SendOp<'a> {
 }
 
 impl<'a> RecvOp<'a> {
-    pub fn new(peer: usize, len: usize, sink: &'a mut dyn FnMut(usize, &[u8])) -> Self {
-        RecvOp {
-            peer,
-            len,
-            done: 0,
-            sink,
-        }
+    /// Hands (offset in the message, bytes) to `fold` as they arrive.
+    pub fn new(peer: usize, len: usize, fold: &'a mut dyn FnMut(usize, &[u8])) -> Self {
+        RecvOp { peer, len, done: 0, sink: Sink::Fold(fold) }
+    }
+
+    /// Receives `dst.len()` bytes into `dst`.
+    pub fn to(peer: usize, dst: &'a mut [u8]) -> Self {
+        RecvOp { peer, len: dst.len(), done: 0, sink: Sink::Into(dst) }
     }
 }
 
@@ -74,7 +74,7 @@ pub(crate) fn exchange(
         for r in recvs.iter_mut().filter(|r| r.done < r.len) {
             progress |= links
                 .get(r.peer)
-                .try_recv(r.len, &mut r.done, r.sink)
+                .try_recv(r.len, &mut r.done, &mut r.sink)
                 .map_err(|c| lost(r.peer, c))?;
         }
         let pending = Pending::of(sends, recvs);

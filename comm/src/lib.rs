@@ -142,9 +142,13 @@ pub const TIMEOUT_VAR: &str = "DS_RS_COMM_TIMEOUT";
 pub const TRANSPORT_VAR: &str = "DS_RS_TRANSPORT";
 
 /// Joins the job the environment describes (torchrun, the ds-rs launcher, OpenMPI, Slurm,
-/// Azure ML); a process with no such environment is a job of one rank. `transport`
-/// overrides DS_RS_TRANSPORT.
-pub fn init_from_env(transport: Option<Transport>) -> Result<Communicator> {
+/// Azure ML); a process with no such environment is a job of one rank.
+pub fn init_from_env() -> Result<Communicator> {
+    init(&options_from_env()?)
+}
+
+/// The options [`init_from_env`] uses, for a caller to adjust (transport, comms logger).
+pub fn options_from_env() -> Result<InitOptions> {
     let get = |k: &str| std::env::var(k).ok();
     let env = env::RankEnv::from_env().map_err(|e| CommError::Env(e.to_string()))?;
     let mut opts = match env {
@@ -152,11 +156,10 @@ pub fn init_from_env(transport: Option<Transport>) -> Result<Communicator> {
         None => InitOptions::new(0, 1, "127.0.0.1", env::DEFAULT_MASTER_PORT),
     };
     opts.token = env::job_token(&get);
-    opts.transport = match (transport, get(TRANSPORT_VAR).as_deref()) {
-        (Some(t), _) => t,
-        (None, None | Some("auto") | Some("")) => Transport::Auto,
-        (None, Some("tcp")) => Transport::Tcp,
-        (None, Some(other)) => {
+    opts.transport = match get(TRANSPORT_VAR).as_deref() {
+        None | Some("auto") | Some("") => Transport::Auto,
+        Some("tcp") => Transport::Tcp,
+        Some(other) => {
             return Err(CommError::Env(format!(
                 "{TRANSPORT_VAR}={other:?}: expected \"tcp\" or \"auto\""
             )))
@@ -178,7 +181,7 @@ pub fn init_from_env(transport: Option<Transport>) -> Result<Communicator> {
     if opts.token.is_none() && opts.world_size > 1 && !is_loopback(&opts.master_addr) {
         eprintln!("warning: no job token (DS_RS_JOB_TOKEN): any host that reaches {}:{} can join this job", opts.master_addr, opts.master_port);
     }
-    init(&opts)
+    Ok(opts)
 }
 
 fn is_loopback(host: &str) -> bool {

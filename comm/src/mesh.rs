@@ -79,8 +79,8 @@ pub(crate) fn connect_mesh(store: &StoreClient, spec: &MeshSpec, master: &str) -
     };
     let accepted = accept_peers(listener, &hello, spec, deadline);
     let mut streams: HashMap<usize, TcpStream> = HashMap::new();
-    for lower in 0..spec.rank {
-        streams.insert(lower, dial(&infos[lower].addr, &hello, lower, deadline)?);
+    for (lower, info) in infos.iter().enumerate().take(spec.rank) {
+        streams.insert(lower, dial(&info.addr, &hello, lower, deadline)?);
     }
     for (peer, stream) in accepted.recv().unwrap_or_else(|_| Ok(Vec::new()))? {
         streams.insert(peer, stream);

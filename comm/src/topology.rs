@@ -279,7 +279,7 @@ fn prime_factors(mut n: usize) -> Vec<usize> {
             primes.push(n);
             break;
         }
-        if n % candidate == 0 {
+        if n.is_multiple_of(candidate) {
             primes.push(candidate);
             n /= candidate;
         } else {

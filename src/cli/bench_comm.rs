@@ -2,7 +2,7 @@
 //! `--nproc` local ranks itself, or runs as one rank inside `ds-rs launch`.
 
 use anyhow::{bail, Context};
-use ds_comm::{init_from_env, DType, Element, Group, ReduceOp, Transport};
+use ds_comm::{init, options_from_env, DType, Element, Group, ReduceOp, Transport};
 use half::{bf16, f16};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -32,6 +32,9 @@ pub struct CommArgs {
     /// One JSON object per size instead of the table.
     #[arg(long)]
     json: bool,
+    /// A ds_config whose `comms_logger` section applies (its summary is printed at the end).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq)]
@@ -99,11 +102,12 @@ fn transport_env(t: TransportArg) -> &'static str {
 }
 
 fn run_rank(args: &CommArgs) -> anyhow::Result<ExitCode> {
-    let transport = match args.transport {
-        TransportArg::Tcp => Some(Transport::Tcp),
-        TransportArg::Auto => None,
-    };
-    let comm = init_from_env(transport).context("joining the job")?;
+    let mut opts = options_from_env().context("reading the rank environment")?;
+    if args.transport == TransportArg::Tcp {
+        opts.transport = Transport::Tcp;
+    }
+    opts.comms_logger = comms_logger(args, opts.world_size)?;
+    let comm = init(&opts).context("joining the job")?;
     let g = comm.world();
     let rank0 = comm.rank() == 0;
     if rank0 && !args.json {
@@ -123,10 +127,21 @@ fn run_rank(args: &CommArgs) -> anyhow::Result<ExitCode> {
         }
         bytes *= 2;
     }
+    if let (true, Some(summary)) = (rank0, comm.comms_summary()) {
+        eprintln!("{summary}");
+    }
     if wrong_total > 0 {
         bail!("rank {}: {wrong_total} wrong results", comm.rank());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn comms_logger(args: &CommArgs, world: usize) -> anyhow::Result<Option<ds_config::monitor::CommsLoggerConfig>> {
+    let Some(path) = &args.config else { return Ok(None) };
+    let doc = ds_config::load(path)?;
+    let dims = ds_config::ParallelDims::new(world, 1, 1)?;
+    let config = ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    Ok(config.comms_logger)
 }
 
 struct Row {

@@ -29,10 +29,26 @@ pub(crate) trait Link: Send {
         &mut self,
         len: usize,
         done: &mut usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
+        sink: &mut Sink,
     ) -> LinkResult<bool>;
     /// Err when the peer is known to be gone (for links whose data path cannot see it).
     fn check_alive(&mut self) -> LinkResult<()>;
+}
+
+/// Where received bytes go: straight into a buffer (a TCP link then reads into it with no
+/// staging copy), or through a function (a reduction).
+pub(crate) enum Sink<'a> {
+    Into(&'a mut [u8]),
+    Fold(&'a mut dyn FnMut(usize, &[u8])),
+}
+
+impl Sink<'_> {
+    pub fn put(&mut self, offset: usize, bytes: &[u8]) {
+        match self {
+            Sink::Into(dst) => dst[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Sink::Fold(f) => f(offset, bytes),
+        }
+    }
 }
 
 /// The links of one rank, indexed by global peer rank (None for itself).

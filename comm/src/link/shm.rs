@@ -4,7 +4,7 @@
 //! the shared cache when its peer reads it. The pair's TCP connection stays open beside it
 //! only to notice a peer that dies: the kernel closes its socket.
 
-use super::{round8, socket_closed, Link, LinkKind, LinkResult};
+use super::{round8, socket_closed, Link, LinkKind, LinkResult, Sink};
 use memmap2::MmapMut;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
@@ -71,7 +71,7 @@ impl Ring {
     }
 
     /// Hands up to `want` readable bytes to `sink` in contiguous pieces; returns how many.
-    fn pop(&self, want: usize, offset: usize, sink: &mut dyn FnMut(usize, &[u8])) -> usize {
+    fn pop(&self, want: usize, offset: usize, sink: &mut Sink) -> usize {
         let tail = self.tail().load(Ordering::Relaxed);
         let avail = (self.head().load(Ordering::Acquire) - tail) as usize;
         let n = want.min(avail);
@@ -82,9 +82,9 @@ impl Ring {
         // SAFETY: [tail, tail+n) was published by the producer's Release store of head and is
         // not rewritten until we advance tail.
         unsafe {
-            sink(offset, std::slice::from_raw_parts(self.data(tail), first));
+            sink.put(offset, std::slice::from_raw_parts(self.data(tail), first));
             if n > first {
-                sink(
+                sink.put(
                     offset + first,
                     std::slice::from_raw_parts(self.data(tail + first as u64), n - first),
                 );
@@ -192,7 +192,7 @@ impl Link for ShmLink {
         &mut self,
         len: usize,
         done: &mut usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
+        sink: &mut Sink,
     ) -> LinkResult<bool> {
         let n = self.rx.pop(len - *done, *done, sink);
         *done += n;

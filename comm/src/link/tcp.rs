@@ -1,6 +1,6 @@
 //! A TCP link: one persistent, non-blocking connection per peer pair.
 
-use super::{Link, LinkKind, LinkResult};
+use super::{Link, LinkKind, LinkResult, Sink};
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
@@ -79,7 +79,7 @@ impl Link for TcpLink {
         &mut self,
         len: usize,
         done: &mut usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
+        sink: &mut Sink,
     ) -> LinkResult<bool> {
         let mut progress = false;
         while *done < len {
@@ -93,7 +93,7 @@ impl Link for TcpLink {
             if n > 0 {
                 let have = self.have;
                 let staging = self.staging();
-                sink(*done, &staging[..n]);
+                sink.put(*done, &staging[..n]);
                 staging.copy_within(n..have, 0);
                 self.have -= n;
                 *done += n;
@@ -101,11 +101,20 @@ impl Link for TcpLink {
                 continue;
             }
             let have = self.have;
-            let read = self
-                .stream
-                .read(&mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging)[have..]);
+            // A plain copy reads straight into its destination once the staging is drained.
+            let (read, direct) = match sink {
+                Sink::Into(dst) if have == 0 => (self.stream.read(&mut dst[*done..len]), true),
+                _ => {
+                    let staging = bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging);
+                    (self.stream.read(&mut staging[have..]), false)
+                }
+            };
             match read {
                 Ok(0) => return Err("connection closed".into()),
+                Ok(k) if direct => {
+                    *done += k;
+                    progress = true;
+                }
                 Ok(k) => self.have += k,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
