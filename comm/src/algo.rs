@@ -329,10 +329,7 @@ pub(crate) fn send<T: Element>(cx: &mut Ctx, buf: &[T], to: usize) -> Result<()>
 
 pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Result<()> {
     let mut header = [0u8; 8];
-    cx.xchg(
-        &mut [],
-        &mut [RecvOp::to(from, &mut header)],
-    )?;
+    cx.xchg(&mut [], &mut [RecvOp::to(from, &mut header)])?;
     let count = u64::from_le_bytes(header) as usize;
     if count != buf.len() {
         return Err(CommError::Invalid(format!(
@@ -340,5 +337,8 @@ pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Resu
             buf.len()
         )));
     }
-    cx.xchg(&mut [], &mut [RecvOp::to(from, bytemuck::cast_slice_mut(buf))])
+    cx.xchg(
+        &mut [],
+        &mut [RecvOp::to(from, bytemuck::cast_slice_mut(buf))],
+    )
 }

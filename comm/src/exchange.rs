@@ -31,12 +31,22 @@ impl<'a> SendOp<'a> {
 impl<'a> RecvOp<'a> {
     /// Hands (offset in the message, bytes) to `fold` as they arrive.
     pub fn new(peer: usize, len: usize, fold: &'a mut dyn FnMut(usize, &[u8])) -> Self {
-        RecvOp { peer, len, done: 0, sink: Sink::Fold(fold) }
+        RecvOp {
+            peer,
+            len,
+            done: 0,
+            sink: Sink::Fold(fold),
+        }
     }
 
     /// Receives `dst.len()` bytes into `dst`.
     pub fn to(peer: usize, dst: &'a mut [u8]) -> Self {
-        RecvOp { peer, len: dst.len(), done: 0, sink: Sink::Into(dst) }
+        RecvOp {
+            peer,
+            len: dst.len(),
+            done: 0,
+            sink: Sink::Into(dst),
+        }
     }
 }
 

@@ -136,8 +136,13 @@ fn run_rank(args: &CommArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn comms_logger(args: &CommArgs, world: usize) -> anyhow::Result<Option<ds_config::monitor::CommsLoggerConfig>> {
-    let Some(path) = &args.config else { return Ok(None) };
+fn comms_logger(
+    args: &CommArgs,
+    world: usize,
+) -> anyhow::Result<Option<ds_config::monitor::CommsLoggerConfig>> {
+    let Some(path) = &args.config else {
+        return Ok(None);
+    };
     let doc = ds_config::load(path)?;
     let dims = ds_config::ParallelDims::new(world, 1, 1)?;
     let config = ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;

@@ -25,12 +25,7 @@ pub(crate) trait Link: Send {
     /// Writes more of `msg` from `*done` on, without blocking; true when it made progress.
     fn try_send(&mut self, msg: &[u8], done: &mut usize) -> LinkResult<bool>;
     /// Hands more of a `len`-byte message to `sink(offset, bytes)`, without blocking.
-    fn try_recv(
-        &mut self,
-        len: usize,
-        done: &mut usize,
-        sink: &mut Sink,
-    ) -> LinkResult<bool>;
+    fn try_recv(&mut self, len: usize, done: &mut usize, sink: &mut Sink) -> LinkResult<bool>;
     /// Err when the peer is known to be gone (for links whose data path cannot see it).
     fn check_alive(&mut self) -> LinkResult<()>;
 }

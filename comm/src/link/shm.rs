@@ -188,12 +188,7 @@ impl Link for ShmLink {
         Ok(n > 0)
     }
 
-    fn try_recv(
-        &mut self,
-        len: usize,
-        done: &mut usize,
-        sink: &mut Sink,
-    ) -> LinkResult<bool> {
+    fn try_recv(&mut self, len: usize, done: &mut usize, sink: &mut Sink) -> LinkResult<bool> {
         let n = self.rx.pop(len - *done, *done, sink);
         *done += n;
         if n == 0 && self.rx.closed().load(Ordering::Acquire) != 0 {

@@ -75,12 +75,7 @@ impl Link for TcpLink {
         Ok(progress)
     }
 
-    fn try_recv(
-        &mut self,
-        len: usize,
-        done: &mut usize,
-        sink: &mut Sink,
-    ) -> LinkResult<bool> {
+    fn try_recv(&mut self, len: usize, done: &mut usize, sink: &mut Sink) -> LinkResult<bool> {
         let mut progress = false;
         while *done < len {
             let want = len - *done;
