@@ -4,7 +4,7 @@
 //! for broadcast and a dissemination barrier. Every step is chunked by the links, so
 //! sending, receiving and reducing overlap.
 
-use crate::dtype::{combine, scale_in_place, Element, ReduceOp};
+use crate::dtype::{combine, Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::exchange::{exchange, Deadline, RecvOp, SendOp};
 use crate::link::Links;
@@ -96,6 +96,11 @@ fn reduce_sink<T: Element>(
     }
 }
 
+/// Whether a message of `bytes` per rank in a group of `n` takes the direct (one-round) path.
+fn goes_direct(bytes: usize, n: usize) -> bool {
+    bytes <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS
+}
+
 fn avg_scale(op: ReduceOp, n: usize) -> Option<f32> {
     (op == ReduceOp::Avg).then_some(1.0 / n as f32)
 }
@@ -103,12 +108,9 @@ fn avg_scale(op: ReduceOp, n: usize) -> Option<f32> {
 pub(crate) fn all_reduce<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
     let n = cx.n();
     if n == 1 {
-        if let Some(k) = avg_scale(op, 1) {
-            scale_in_place(buf, k);
-        }
-        return Ok(());
+        return Ok(()); // a group of one: sum, max and avg (divided by 1) are the input
     }
-    if std::mem::size_of_val(buf) <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+    if goes_direct(std::mem::size_of_val(buf), n) {
         return all_reduce_direct(cx, buf, op);
     }
     let counts = even_counts(buf.len(), n);
@@ -161,10 +163,7 @@ pub(crate) fn reduce_scatter_v<T: Element>(
     let n = cx.n();
     check_counts(buf.len(), counts, n)?;
     if n == 1 {
-        if let Some(k) = avg_scale(op, 1) {
-            scale_in_place(buf, k);
-        }
-        return Ok(());
+        return Ok(()); // a group of one: sum, max and avg (divided by 1) are the input
     }
     let segs = ranges(counts);
     let (next, prev) = (cx.at(1), cx.at(-1));
@@ -196,7 +195,7 @@ pub(crate) fn all_gather_v<T: Element>(
     if n == 1 {
         return Ok(());
     }
-    if std::mem::size_of_val(buf) <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+    if goes_direct(std::mem::size_of_val(buf), n) {
         return all_gather_direct(cx, buf, counts);
     }
     let segs = ranges(counts);
@@ -260,7 +259,7 @@ pub(crate) fn broadcast<T: Element>(cx: &mut Ctx, buf: &mut [T], root: usize) ->
         return Ok(());
     }
     let data: &mut [u8] = bytemuck::cast_slice_mut(buf);
-    if data.len() <= DIRECT_MAX_BYTES && n <= DIRECT_MAX_RANKS {
+    if goes_direct(data.len(), n) {
         return broadcast_direct(cx, data, root);
     }
     let pos = (cx.me + n - root) % n;

@@ -130,12 +130,6 @@ fn load<T: Element>(acc: &mut [f32], from: &[T]) {
     acc.iter_mut().zip(from).for_each(|(x, v)| *x = v.to_f32());
 }
 
-/// Multiply every element by `k` (Avg when no hop reduced: a group of one).
-pub(crate) fn scale_in_place<T: Element>(buf: &mut [T], k: f32) {
-    buf.iter_mut()
-        .for_each(|v| *v = T::from_f32(v.to_f32() * k));
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
