@@ -66,7 +66,8 @@ fn bytes<T: Element>(v: &[T]) -> &[u8] {
 
 /// A shared view of `a` and a mutable one of `b`, two disjoint ranges of `buf`.
 fn split_two<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
-    if a.start < b.start {
+    // Compare ends, not starts: an empty part (a zero count) may start where the other does.
+    if a.end <= b.start {
         let (lo, hi) = buf.split_at_mut(b.start);
         (&lo[a], &mut hi[..b.len()])
     } else {

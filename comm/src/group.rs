@@ -312,6 +312,25 @@ impl Group {
         self.spawn(move |g| g.all_gather_v(&mut buf, &counts).map(|_| buf))
     }
 
+    /// Reduce-scatter in place with parts of the given sizes (see `reduce_scatter_v`).
+    pub fn reduce_scatter_v_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        self.spawn(move |g| g.reduce_scatter_v(&mut buf, &counts, op).map(|_| buf))
+    }
+
+    /// All-gather in place with parts of the given sizes (see `all_gather_v`).
+    pub fn all_gather_v_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        counts: Vec<usize>,
+    ) -> Work<Vec<T>> {
+        self.spawn(move |g| g.all_gather_v(&mut buf, &counts).map(|_| buf))
+    }
+
     pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         self.spawn(move |g| g.broadcast(&mut buf, root).map(|_| buf))
     }

@@ -21,6 +21,7 @@ mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod store;
+pub mod testkit;
 pub mod topology;
 
 pub use dtype::{DType, Element, ReduceOp};

@@ -107,9 +107,24 @@ fn reduce_scatter_and_all_gather_case<T: Element>(world: usize, transport: Trans
             }
         }
         // Parts of different sizes, the length prime: the _v forms.
-        for len in [5usize, 1009, 100_003] {
+        // Also parts of zero length (only odd ranks own data): the shape of a flat range
+        // that lies inside a few ZeRO shards.
+        for (len, skewed) in [
+            (5usize, false),
+            (1009, false),
+            (100_003, false),
+            (1009, true),
+        ] {
+            let owners: Vec<usize> = match skewed && world > 1 {
+                true => (0..world).filter(|r| r % 2 == 1).collect(),
+                false => (0..world).collect(),
+            };
+            let n = owners.len();
             let counts: Vec<usize> = (0..world)
-                .map(|r| len / world + usize::from(r < len % world))
+                .map(|r| match owners.iter().position(|&o| o == r) {
+                    Some(i) => len / n + usize::from(i < len % n),
+                    None => 0,
+                })
                 .collect();
             let start: usize = counts[..me].iter().sum();
             let mut buf = input::<T>(me, len);

@@ -1,0 +1,265 @@
+//! `Engine`: DeepSpeed's engine API for a custom training loop: `initialize`, `forward`,
+//! `backward`, `step` (which knows accumulation boundaries), `train_batch`, `eval_batch`,
+//! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
+
+mod layers;
+mod settings;
+mod trainer;
+mod update;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_core::Device;
+use ds_comm::{Communicator, ReduceOp};
+use ds_config::Config;
+use ds_partition::{FlatIndex, MemoryReport};
+use half::{bf16, f16};
+
+use crate::data::Batch;
+use crate::loss_scale::LossScaler;
+use crate::model::{init_values, weights, Model, ParamSpec};
+use crate::schedule::LrSchedule;
+use crate::{EngineError, Result};
+pub use layers::Dtype;
+pub use settings::{Precision, Settings};
+use trainer::Trainer;
+pub use update::StepOutcome;
+
+/// Choices that are not in ds_config.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Seed of the initial weights (with each parameter's name).
+    pub seed: u64,
+    /// Start from these weights (safetensors under the model's parameter names).
+    pub init: Option<PathBuf>,
+    pub device: Device,
+    /// Recompute layer internals in backward (ds_config's `activation_checkpointing`
+    /// section turns this on; ZeRO-3 always recomputes).
+    pub activation_checkpointing: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        EngineOptions {
+            seed: 0,
+            init: None,
+            device: Device::Cpu,
+            activation_checkpointing: false,
+        }
+    }
+}
+
+/// Time spent since the last `take_timings` (ds_config `wall_clock_breakdown`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    pub forward: Duration,
+    pub backward: Duration,
+    pub step: Duration,
+}
+
+enum Core {
+    F32(Trainer<f32>),
+    Bf16(Trainer<bf16>),
+    F16(Trainer<f16>),
+}
+
+macro_rules! each {
+    ($core:expr, $t:ident => $body:expr) => {
+        match $core {
+            Core::F32($t) => $body,
+            Core::Bf16($t) => $body,
+            Core::F16($t) => $body,
+        }
+    };
+}
+
+/// One rank's training engine.
+pub struct Engine {
+    core: Core,
+    settings: Settings,
+    specs: Vec<ParamSpec>,
+}
+
+impl Engine {
+    /// Builds the engine for `model` from a resolved ds_config; the data-parallel group is the
+    /// whole world of `comm`.
+    pub fn initialize(
+        model: Model,
+        config: &Config,
+        comm: &Communicator,
+        opts: &EngineOptions,
+    ) -> Result<Engine> {
+        if config.dims.tp > 1 || config.dims.pp > 1 {
+            return Err(EngineError::Invalid(format!(
+                "tensor and pipeline parallelism (tp={}, pp={}) are not implemented yet; use tp=1, pp=1",
+                config.dims.tp, config.dims.pp
+            )));
+        }
+        let settings = Settings::from_config(config, opts.activation_checkpointing)?;
+        let specs = model.params();
+        let mut index = FlatIndex::new();
+        for s in &specs {
+            index.push(&s.name, &s.shape)?;
+        }
+        let values = initial_values(&specs, opts)?;
+        let section = config
+            .optimizer
+            .clone()
+            .ok_or_else(|| EngineError::Invalid("ds_config has no `optimizer` section".into()))?;
+        let base_lr = base_lr(&section)?;
+        let schedule = match config.scheduler_params()? {
+            Some(p) => LrSchedule::new(&p, base_lr)?,
+            None => LrSchedule::constant(base_lr),
+        };
+        let scaler = LossScaler::new(&settings.fp16, settings.zero_stage)?;
+        let updater = move |shard_len: usize| -> Result<update::Updater> {
+            let opt = crate::optim::build_from_section(&section, shard_len)?;
+            Ok(update::Updater::new(opt, schedule, scaler))
+        };
+        let (dp, dev, s) = (comm.world(), opts.device.clone(), settings.clone());
+        let core = match settings.precision {
+            Precision::F32 => Core::F32(Trainer::new(model, index, values, updater, s, dp, dev)?),
+            Precision::BF16 => Core::Bf16(Trainer::new(
+                model,
+                index,
+                convert(&values),
+                updater,
+                s,
+                dp,
+                dev,
+            )?),
+            Precision::F16 => Core::F16(Trainer::new(
+                model,
+                index,
+                convert(&values),
+                updater,
+                s,
+                dp,
+                dev,
+            )?),
+        };
+        Ok(Engine {
+            core,
+            settings,
+            specs,
+        })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    /// The model's parameters, in flat order.
+    pub fn param_specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// Forward of one micro-batch; returns this rank's loss of it.
+    pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
+        each!(&mut self.core, t => t.forward(batch))
+    }
+
+    /// Backward of the last forward; gradients are reduced at accumulation boundaries
+    /// (ZeRO-2/3: at every micro-step).
+    pub fn backward(&mut self) -> Result<()> {
+        each!(&mut self.core, t => t.backward())
+    }
+
+    /// The optimizer step when an accumulation window is complete; `None` otherwise.
+    pub fn step(&mut self) -> Result<Option<StepOutcome>> {
+        each!(&mut self.core, t => t.step())
+    }
+
+    pub fn is_gradient_accumulation_boundary(&self) -> bool {
+        each!(&self.core, t => t.is_boundary())
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches from `next`;
+    /// returns the loss averaged over the micro-batches and the data-parallel ranks.
+    pub fn train_batch(
+        &mut self,
+        mut next: impl FnMut(usize) -> Result<Batch>,
+    ) -> Result<(f32, StepOutcome)> {
+        let ga = self.settings.grad_accum;
+        let mut sum = 0.0f32;
+        for k in 0..ga {
+            sum += self.forward(&next(k)?)?;
+            self.backward()?;
+        }
+        let outcome = self
+            .step()?
+            .expect("invariant: the last micro-step ends the window");
+        Ok((self.mean_over_ranks(sum / ga as f32)?, outcome))
+    }
+
+    /// The loss of a batch without gradients, averaged over the data-parallel ranks.
+    pub fn eval_batch(&mut self, batch: &Batch) -> Result<f32> {
+        let loss = self.forward(batch)?;
+        each!(&mut self.core, t => t.drop_saved());
+        self.mean_over_ranks(loss)
+    }
+
+    fn mean_over_ranks(&self, v: f32) -> Result<f32> {
+        let mut buf = [v];
+        each!(&self.core, t => t.dp().all_reduce(&mut buf, ReduceOp::Avg))?;
+        Ok(buf[0])
+    }
+
+    /// The learning rate the next optimizer step will use.
+    pub fn get_lr(&self) -> f64 {
+        each!(&self.core, t => t.updater().lr())
+    }
+    pub fn global_steps(&self) -> u64 {
+        each!(&self.core, t => t.updater().global_steps())
+    }
+    pub fn skipped_steps(&self) -> u64 {
+        each!(&self.core, t => t.updater().skipped_steps())
+    }
+    pub fn loss_scale(&self) -> f64 {
+        each!(&self.core, t => t.updater().loss_scale())
+    }
+
+    /// Bytes this rank holds for parameters, gradients and optimizer states.
+    pub fn memory_report(&self) -> MemoryReport {
+        each!(&self.core, t => t.memory_report())
+    }
+
+    /// Forward/backward/step time since the last call.
+    pub fn take_timings(&mut self) -> Timings {
+        each!(&mut self.core, t => t.take_timings())
+    }
+
+    /// Every parameter's fp32 master value by name, whole (a collective: all ranks call it).
+    pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let flat = each!(&self.core, t => t.gather_master())?;
+        let index = each!(&self.core, t => t.index());
+        Ok(index
+            .entries()
+            .iter()
+            .map(|e| (e.name.clone(), flat[e.range()].to_vec()))
+            .collect())
+    }
+}
+
+/// The whole initial parameters in flat order: from `--init`, else from (seed, name).
+fn initial_values(specs: &[ParamSpec], opts: &EngineOptions) -> Result<Vec<f32>> {
+    let per_param = match &opts.init {
+        Some(path) => weights::load(path, specs)?,
+        None => specs.iter().map(|s| init_values(s, opts.seed)).collect(),
+    };
+    Ok(per_param.concat())
+}
+
+fn convert<T: Dtype>(values: &[f32]) -> Vec<T> {
+    values.iter().map(|v| T::from_f32(*v)).collect()
+}
+
+/// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).
+fn base_lr(section: &ds_config::optim::TypedSection) -> Result<f64> {
+    match section.params.as_ref().and_then(|p| p.get("lr")) {
+        None => Ok(1e-3),
+        Some(v) => v.as_f64().ok_or_else(|| {
+            EngineError::Invalid(format!("optimizer.params.lr: expected a number, got {v}"))
+        }),
+    }
+}

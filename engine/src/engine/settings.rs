@@ -1,0 +1,113 @@
+//! What the engine takes from a resolved ds_config, read once at initialisation.
+
+use ds_config::precision::Fp16Config;
+use ds_config::{Config, ZeroStage};
+use ds_partition::{ReduceConfig, Stage3Config, ZeroOptions};
+use serde_json::Value as Json;
+
+use crate::{EngineError, Result};
+
+/// The dtype parameters, gradients and activations are computed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    BF16,
+    F16,
+}
+
+/// The training settings of one run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub precision: Precision,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    /// Global gradient-norm clipping threshold (0: off).
+    pub clip: f64,
+    pub zero: ZeroOptions,
+    /// Recompute layer internals in backward (ds_config `activation_checkpointing`).
+    pub recompute: bool,
+    pub fp16: Fp16Config,
+    pub zero_stage: ZeroStage,
+    pub wall_clock_breakdown: bool,
+}
+
+impl Settings {
+    pub fn from_config(cfg: &Config, recompute: bool) -> Result<Settings> {
+        let precision = match (cfg.fp16.enabled, cfg.bf16.enabled) {
+            (true, _) => Precision::F16,
+            (_, true) => Precision::BF16,
+            _ => Precision::F32,
+        };
+        Ok(Settings {
+            precision,
+            micro_batch: positive(
+                cfg.train_micro_batch_size_per_gpu.as_i64(),
+                "train_micro_batch_size_per_gpu",
+            )?,
+            grad_accum: positive(
+                cfg.gradient_accumulation_steps.as_i64(),
+                "gradient_accumulation_steps",
+            )?,
+            clip: number(&cfg.scalars.gradient_clipping, "gradient_clipping", 0.0)?,
+            zero: zero_options(cfg)?,
+            recompute,
+            fp16: cfg.fp16.clone(),
+            zero_stage: cfg.zero_stage(),
+            wall_clock_breakdown: cfg.wall_clock_breakdown,
+        })
+    }
+}
+
+fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
+    let z = &cfg.zero_optimization;
+    let predivide = number(
+        &cfg.scalars.gradient_predivide_factor,
+        "gradient_predivide_factor",
+        1.0,
+    )?;
+    let prescale = cfg.scalars.prescale_gradients.as_bool().unwrap_or(false);
+    Ok(ZeroOptions {
+        stage: u8::from(z.stage),
+        reduce: ReduceConfig {
+            bucket_size: elements(z.reduce_bucket_size, "zero_optimization.reduce_bucket_size")?,
+            // Stages 0-1 reduce once per step, after backward, so there is nothing to overlap.
+            overlap_comm: z.overlap_comm && z.stage >= ZeroStage::Gradients,
+            // DeepSpeed applies the predivide factor only with prescale_gradients.
+            predivide_factor: if prescale { predivide } else { 1.0 },
+        },
+        stage3: Stage3Config {
+            prefetch_bucket_size: elements(
+                z.stage3_prefetch_bucket_size,
+                "zero_optimization.stage3_prefetch_bucket_size",
+            )?,
+            max_live_parameters: elements(
+                z.stage3_max_live_parameters,
+                "zero_optimization.stage3_max_live_parameters",
+            )?,
+        },
+    })
+}
+
+fn positive(v: Option<i64>, path: &str) -> Result<usize> {
+    match v {
+        Some(n) if n > 0 => Ok(n as usize),
+        _ => Err(EngineError::Invalid(format!(
+            "{path}: must be a positive integer, got {v:?}"
+        ))),
+    }
+}
+
+fn elements(v: i64, path: &str) -> Result<usize> {
+    usize::try_from(v)
+        .map_err(|_| EngineError::Invalid(format!("{path}: must not be negative, got {v}")))
+}
+
+fn number(v: &Json, path: &str, default: f64) -> Result<f64> {
+    match v {
+        Json::Null => Ok(default),
+        Json::Bool(b) => Ok(f64::from(u8::from(*b))),
+        v => v
+            .as_f64()
+            .ok_or_else(|| EngineError::Invalid(format!("{path}: expected a number, got {v}"))),
+    }
+}

@@ -1,0 +1,243 @@
+//! The training loop of one rank in one compute dtype: layer-wise forward and backward over
+//! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, WithDType};
+use ds_comm::Group;
+use ds_partition::{FlatIndex, MemoryReport, Zero};
+
+use super::layers::{self, Dtype, LayerParams};
+use super::update::{StepOutcome, Updater};
+use super::{Settings, Timings};
+use crate::data::Batch;
+use crate::model::{Context, Model};
+use crate::{EngineError, Result};
+
+/// What forward keeps of a layer for its backward.
+enum Saved {
+    /// The whole autograd graph: parameters and internals stay alive until backward.
+    Graph {
+        input: Tensor,
+        params: LayerParams,
+        output: Tensor,
+    },
+    /// Only the input: backward gathers the parameters again and recomputes the layer.
+    Input(Tensor),
+}
+
+pub(crate) struct Trainer<T: Dtype> {
+    model: Model,
+    index: FlatIndex,
+    /// Per layer: its parameters' ids and their flat range.
+    layer_ids: Vec<Range<usize>>,
+    layer_flat: Vec<Range<usize>>,
+    zero: Zero<T>,
+    updater: Updater,
+    settings: Settings,
+    recompute: bool,
+    dev: Device,
+    dp: Group,
+    saved: Vec<Saved>,
+    targets: Option<Tensor>,
+    micro_steps: u64,
+    timings: Timings,
+}
+
+impl<T: Dtype> Trainer<T> {
+    pub fn new(
+        model: Model,
+        index: FlatIndex,
+        values: Vec<T>,
+        updater: impl FnOnce(usize) -> Result<Updater>,
+        settings: Settings,
+        dp: Group,
+        dev: Device,
+    ) -> Result<Trainer<T>> {
+        let mut layer_ids = Vec::new();
+        let mut next = 0;
+        for l in model.layers() {
+            let n = l.params().len();
+            layer_ids.push(next..next + n);
+            next += n;
+        }
+        let layer_flat = layer_ids.iter().map(|r| index.span(r.clone())).collect();
+        let zero = Zero::new(values, settings.zero, dp.clone())?;
+        let updater = updater(zero.owned().len())?;
+        // ZeRO-3 releases a layer's parameters after forward, so backward must recompute.
+        let recompute = settings.recompute || settings.zero.stage == 3;
+        Ok(Trainer {
+            model,
+            index,
+            layer_ids,
+            layer_flat,
+            zero,
+            updater,
+            settings,
+            recompute,
+            dev,
+            dp,
+            saved: Vec::new(),
+            targets: None,
+            micro_steps: 0,
+            timings: Timings::default(),
+        })
+    }
+
+    /// Materialises layer `i`'s parameters and starts gathering layer `next`'s.
+    fn materialise(&mut self, i: usize, next: Option<usize>) -> Result<LayerParams> {
+        let range = self.layer_flat[i].clone();
+        let values = if range.is_empty() {
+            Vec::new()
+        } else {
+            self.zero.params(range.clone())?.into_owned()
+        };
+        if let Some(n) = next {
+            self.zero.prefetch(self.layer_flat[n].clone())?;
+        }
+        LayerParams::new(
+            &self.index,
+            self.layer_ids[i].clone(),
+            range.start,
+            &values,
+            &self.dev,
+        )
+    }
+
+    fn run_layer(&self, i: usize, params: &LayerParams, input: &Tensor) -> Result<Tensor> {
+        let targets = self
+            .targets
+            .as_ref()
+            .expect("invariant: forward set the targets");
+        let cx = Context { targets };
+        layers::forward(
+            &self.model.layers()[i],
+            params,
+            input,
+            &cx,
+            <T as WithDType>::DTYPE,
+        )
+    }
+
+    /// Forward of one micro-batch; returns its loss.
+    pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
+        let t0 = Instant::now();
+        let shape = (batch.batch, batch.seq);
+        let mut x = Tensor::from_slice(&batch.inputs, shape, &self.dev)?;
+        self.targets = Some(Tensor::from_slice(&batch.targets, shape, &self.dev)?);
+        self.saved.clear();
+        let n = self.model.layers().len();
+        for i in 0..n {
+            let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
+            let input = if i == 0 {
+                x
+            } else {
+                layers::leaf(&x)?.into_inner()
+            };
+            let y = self.run_layer(i, &params, &input)?;
+            self.saved.push(match self.recompute {
+                true => Saved::Input(input),
+                false => Saved::Graph {
+                    input,
+                    params,
+                    output: y.clone(),
+                },
+            });
+            x = y;
+        }
+        let loss = x.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        self.timings.forward += t0.elapsed();
+        Ok(loss)
+    }
+
+    /// Whether the backward about to run ends an accumulation window.
+    pub fn is_boundary(&self) -> bool {
+        (self.micro_steps + 1) % self.settings.grad_accum as u64 == 0
+    }
+
+    /// Backward of the last forward, layer by layer from the loss.
+    pub fn backward(&mut self) -> Result<()> {
+        if self.saved.len() != self.model.layers().len() {
+            return Err(EngineError::Invalid(
+                "backward() needs a forward() first".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let seed = self.updater.loss_scale() / self.settings.grad_accum as f64;
+        let mut dy: Option<Tensor> = None;
+        for i in (0..self.saved.len()).rev() {
+            let (input, params, y) = match self.saved.pop().expect("invariant: one per layer") {
+                Saved::Graph {
+                    input,
+                    params,
+                    output,
+                } => (input, params, output),
+                Saved::Input(input) => {
+                    let params = self.materialise(i, i.checked_sub(1))?;
+                    let y = self.run_layer(i, &params, &input)?;
+                    (input, params, y)
+                }
+            };
+            let grads = layers::backward(&y, dy.as_ref(), seed)?;
+            if !params.vars.is_empty() {
+                let g = params.flat_grads::<T>(&grads)?;
+                self.zero.add_grad(self.layer_flat[i].clone(), &g)?;
+            }
+            dy = match i {
+                0 => None,
+                _ => Some(grads.get(&input).cloned().ok_or_else(|| {
+                    EngineError::Invalid(format!("layer {i}'s output does not depend on its input"))
+                })?),
+            };
+        }
+        let boundary = self.is_boundary();
+        self.zero.finish_backward(boundary)?;
+        self.micro_steps += 1;
+        self.timings.backward += t0.elapsed();
+        Ok(())
+    }
+
+    /// The optimizer step at an accumulation boundary; `None` between boundaries.
+    pub fn step(&mut self) -> Result<Option<StepOutcome>> {
+        if self.micro_steps == 0 || self.micro_steps % self.settings.grad_accum as u64 != 0 {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let outcome = self.updater.step(&mut self.zero, self.settings.clip)?;
+        self.timings.step += t0.elapsed();
+        Ok(Some(outcome))
+    }
+
+    pub fn memory_report(&self) -> MemoryReport {
+        self.zero.memory(self.updater.state_bytes())
+    }
+
+    pub fn updater(&self) -> &Updater {
+        &self.updater
+    }
+
+    pub fn dp(&self) -> &Group {
+        &self.dp
+    }
+
+    pub fn take_timings(&mut self) -> Timings {
+        std::mem::take(&mut self.timings)
+    }
+
+    /// Every parameter's fp32 master value, whole, in flat order (a collective).
+    pub fn gather_master(&self) -> Result<Vec<f32>> {
+        Ok(self.zero.gather_master()?)
+    }
+
+    pub fn index(&self) -> &FlatIndex {
+        &self.index
+    }
+}
+
+impl<T: Dtype> Trainer<T> {
+    /// Forgets a forward that will not be followed by backward (evaluation).
+    pub fn drop_saved(&mut self) {
+        self.saved.clear();
+    }
+}

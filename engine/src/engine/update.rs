@@ -1,0 +1,107 @@
+//! The optimizer step on this rank's shard: overflow check and loss-scale update, global-norm
+//! clipping, the scheduled learning rate, the update, and publishing the new parameters.
+
+use ds_comm::Element;
+use ds_partition::Zero;
+
+use crate::loss_scale::LossScaler;
+use crate::optim::Optimizer;
+use crate::schedule::LrSchedule;
+use crate::{EngineError, Result};
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    /// The learning rate used (the one the step would have used when skipped).
+    pub lr: f64,
+    /// Global gradient norm before clipping, unscaled (inf/NaN on overflow).
+    pub grad_norm: f64,
+    /// The step was skipped because a gradient overflowed (fp16).
+    pub skipped: bool,
+    /// The loss scale the gradients were computed with.
+    pub loss_scale: f64,
+    /// What DeepSpeed's rank 0 would log about the loss scale at this step.
+    pub messages: Vec<String>,
+}
+
+/// Optimizer, LR schedule and loss scaler, with the step counters DeepSpeed keeps.
+pub struct Updater {
+    optimizer: Box<dyn Optimizer>,
+    schedule: LrSchedule,
+    scaler: LossScaler,
+    /// Optimizer steps attempted (DeepSpeed's global_steps: skipped ones count).
+    global_steps: u64,
+    skipped_steps: u64,
+}
+
+impl Updater {
+    pub fn new(optimizer: Box<dyn Optimizer>, schedule: LrSchedule, scaler: LossScaler) -> Updater {
+        Updater {
+            optimizer,
+            schedule,
+            scaler,
+            global_steps: 0,
+            skipped_steps: 0,
+        }
+    }
+
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale()
+    }
+    pub fn global_steps(&self) -> u64 {
+        self.global_steps
+    }
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+    pub fn state_bytes(&self) -> usize {
+        self.optimizer.state_bytes()
+    }
+
+    /// The learning rate of the next step. The schedule advances only on steps taken, as
+    /// DeepSpeed does not call `lr_scheduler.step()` after an overflow.
+    pub fn lr(&self) -> f64 {
+        self.schedule.lr_at(self.global_steps - self.skipped_steps)
+    }
+
+    pub fn step<T: Element>(&mut self, zero: &mut Zero<T>, clip: f64) -> Result<StepOutcome> {
+        let scale = self.scaler.scale();
+        let lr = self.lr();
+        let norm = zero.grad_norm_sq()?.sqrt() / scale;
+        let overflow = !norm.is_finite();
+        self.global_steps += 1;
+        let scaled = self
+            .scaler
+            .update(overflow)
+            .map_err(|e| EngineError::Invalid(format!("fp16: {e} (loss scale {})", e.cur_scale)))?;
+        let messages = scaled.log.into_iter().map(|l| l.text).collect();
+        let outcome = StepOutcome {
+            lr,
+            grad_norm: norm,
+            skipped: scaled.skipped,
+            loss_scale: scale,
+            messages,
+        };
+        if scaled.skipped {
+            self.skipped_steps += 1;
+            zero.zero_grads();
+            return Ok(outcome);
+        }
+        // torch's clip_grad_norm_ and DeepSpeed: scale by max / (norm + 1e-6) when above max.
+        let clip_coef = match clip > 0.0 && norm + 1e-6 > clip {
+            true => clip / (norm + 1e-6),
+            false => 1.0,
+        };
+        let k = (clip_coef / scale) as f32;
+        let grads: Vec<f32> = zero.owned_grads().iter().map(|g| g.to_f32() * k).collect();
+        if let Some(m) = self
+            .schedule
+            .momentum_at(self.global_steps - 1 - self.skipped_steps)
+        {
+            self.optimizer.set_momentum(m);
+        }
+        self.optimizer.step(zero.master_mut(), &grads, lr);
+        zero.publish()?;
+        Ok(outcome)
+    }
+}

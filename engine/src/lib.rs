@@ -1,0 +1,20 @@
+//! The ds-rs engine: the model API and the built-in GPT, data, the training loop over ZeRO
+//! stages 0-3 (`Engine`), optimizers, LR schedules and mixed precision with loss scaling.
+//!
+//! It owns every parameter (DESIGN.md invariant 1): layers read their weights from a
+//! `VarBuilder` the engine fills, and forward and backward run layer by layer, so gathering,
+//! recomputation and communication happen between layers, never inside user code. Where a
+//! parameter lives and how gradients are reduced is ds-partition's business; how ranks talk is
+//! ds-comm's.
+
+mod error;
+pub mod model;
+
+pub use error::{EngineError, Result};
+pub mod data;
+mod engine;
+pub mod loss_scale;
+pub mod optim;
+pub mod schedule;
+
+pub use engine::{Dtype, Engine, EngineOptions, Precision, Settings, StepOutcome, Timings};

@@ -1,0 +1,114 @@
+//! The model API: a model is an ordered list of layers; a layer declares its parameters
+//! (`ParamSpec`) and computes its output from a `VarBuilder` the engine fills with the values
+//! it has materialised for that layer at that moment (DESIGN.md invariant 1). The loss is the
+//! last layer. The engine runs forward and backward layer by layer, so it can gather (ZeRO-3),
+//! recompute (activation checkpointing) and, later, slice (TP) or place (PP) each layer
+//! without hooks into the layer's code.
+
+pub mod gpt;
+mod init;
+pub mod nn;
+pub mod weights;
+
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+pub use init::init_values;
+
+/// How a parameter's initial value is drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Const(f64),
+    Normal { mean: f64, std: f64 },
+    Uniform { lo: f64, hi: f64 },
+}
+
+/// A logical parameter: full name, full shape and initialiser, whatever the layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+}
+
+impl ParamSpec {
+    pub fn new(name: &str, shape: &[usize], init: Init) -> ParamSpec {
+        ParamSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            init,
+        }
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// What a layer sees of the current micro-batch besides its input.
+pub struct Context<'a> {
+    /// Target token ids [batch, seq] (u32), for the loss layer.
+    pub targets: &'a Tensor,
+}
+
+/// One layer: an ordinary candle computation over parameters the engine provides.
+pub trait Layer: Send + Sync {
+    /// The parameters this layer reads from its `VarBuilder`, with names relative to it.
+    fn params(&self) -> Vec<ParamSpec>;
+    /// The layer's output. The first layer gets the input token ids [batch, seq] (u32); the
+    /// last returns the scalar loss.
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> candle_core::Result<Tensor>;
+}
+
+/// A layer placed in the model under a name prefix ("" for top-level names).
+pub struct NamedLayer {
+    pub prefix: String,
+    pub layer: Box<dyn Layer>,
+}
+
+impl NamedLayer {
+    /// The layer's parameters with their full names.
+    pub fn params(&self) -> Vec<ParamSpec> {
+        self.layer
+            .params()
+            .into_iter()
+            .map(|mut p| {
+                if !self.prefix.is_empty() {
+                    p.name = format!("{}.{}", self.prefix, p.name);
+                }
+                p
+            })
+            .collect()
+    }
+}
+
+/// An ordered list of layers, the last of which computes the loss.
+#[derive(Default)]
+pub struct Model {
+    layers: Vec<NamedLayer>,
+}
+
+impl Model {
+    pub fn new() -> Model {
+        Model::default()
+    }
+
+    /// Appends a layer whose parameter names start with `prefix` ("" for none).
+    pub fn layer(mut self, prefix: &str, layer: impl Layer + 'static) -> Model {
+        self.layers.push(NamedLayer {
+            prefix: prefix.to_string(),
+            layer: Box::new(layer),
+        });
+        self
+    }
+
+    pub fn layers(&self) -> &[NamedLayer] {
+        &self.layers
+    }
+
+    /// Every parameter in layer order.
+    pub fn params(&self) -> Vec<ParamSpec> {
+        self.layers.iter().flat_map(|l| l.params()).collect()
+    }
+}

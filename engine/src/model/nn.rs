@@ -1,0 +1,48 @@
+//! Differentiable building blocks candle-nn lacks on CPU: candle-nn's fused LayerNorm and
+//! last-dim softmax have no backward, so training through them fails. These are written
+//! with candle's primitive ops, which all have one.
+
+use candle_core::{DType, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+/// LayerNorm over the last dimension with weight and bias (computed in f32).
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: vb.get(dim, "weight")?,
+            bias: vb.get(dim, "bias")?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let centered = x.broadcast_sub(&mean)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        normed
+            .to_dtype(dtype)?
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+/// Softmax over the last dimension, stabilised by the row maximum.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32), in f32.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}

@@ -1,0 +1,152 @@
+//! `optim`: the optimizers that update one rank's shard of the flat fp32 master buffer.
+//!
+//! ZeRO gives each rank a contiguous range of the flat fp32 master parameters; the engine hands
+//! that range, its (averaged, unscaled, clipped) gradient and the scheduler's learning rate to an
+//! [`Optimizer`], which owns the moment buffers for exactly that range. This module owns the
+//! update rules (Adam/AdamW as DeepSpeed's CPU Adam computes them, torch's SGD), their state
+//! for checkpoints, and the `ds-rs bench adam` micro-benchmark. It knows nothing of ranks,
+//! partitioning or schedules: the learning rate and (for OneCycle) the momentum come from outside.
+//!
+//! Each update is one fused pass over the shard, cut into [`BLOCK`]-element blocks that rayon
+//! spreads over its threads; inside a block the loop runs over fixed [`LANES`]-wide chunks so that
+//! LLVM vectorises it without bounds checks.
+
+mod adam;
+mod bench;
+mod sgd;
+#[cfg(test)]
+mod tests;
+
+use ds_config::optim::{OptimizerParams, TypedSection};
+use ds_config::ConfigError;
+
+pub use adam::{Adam, AdamParams};
+pub use bench::{bench_adam, BenchResult};
+pub use sgd::{Sgd, SgdParams};
+
+/// Elements per rayon task: 64K f32 = 256 KiB per buffer, large enough that scheduling costs
+/// nothing next to the memory traffic, small enough to balance two to a few dozen threads.
+pub const BLOCK: usize = 1 << 16;
+
+/// Elements per inner chunk: a fixed width the vectoriser unrolls into 4/8/16-wide SIMD
+/// (SSE2 by default, AVX2/AVX-512 with `-C target-cpu=native`).
+pub const LANES: usize = 16;
+
+/// An optimizer acting on one flat fp32 shard, whose length is fixed at construction.
+pub trait Optimizer: Send {
+    /// One update of `params` (the fp32 master shard) from `grads` (same length, fp32, already
+    /// averaged, unscaled and clipped) at learning rate `lr`.
+    ///
+    /// # Panics
+    /// If `params` or `grads` is not [`Optimizer::shard_len`] long: a bug in the caller, never
+    /// a consequence of user input.
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);
+
+    /// The shard length the state was allocated for.
+    fn shard_len(&self) -> usize;
+
+    /// Bytes of optimizer state held (moment buffers), for the engine's memory report.
+    fn state_bytes(&self) -> usize;
+
+    /// The named state buffers (torch's names: `exp_avg`, `exp_avg_sq`, `momentum_buffer`)
+    /// and the number of steps taken, for checkpoints.
+    fn state(&self) -> OptimizerState<'_>;
+
+    /// Restores what [`Optimizer::state`] gave; an error names the offending buffer.
+    fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError>;
+
+    /// Sets Adam's beta1 / SGD's momentum, for schedules that cycle momentum (OneCycle).
+    fn set_momentum(&mut self, momentum: f64);
+}
+
+/// A view of an optimizer's state: steps taken and named fp32 buffers of the shard's length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerState<'a> {
+    pub step: u64,
+    pub buffers: Vec<(&'a str, &'a [f32])>,
+}
+
+/// What can go wrong building an optimizer or loading its state.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OptimError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+
+    #[error("optimizer state '{name}': {found} values, expected {expected} (the shard length)")]
+    StateLength {
+        name: String,
+        expected: usize,
+        found: usize,
+    },
+
+    #[error("optimizer state '{name}': missing from the checkpoint")]
+    MissingState { name: &'static str },
+
+    #[error("optimizer state '{name}': not a buffer of {optimizer}")]
+    UnknownState {
+        name: String,
+        optimizer: &'static str,
+    },
+}
+
+/// The optimizer for typed config params, with state for `shard_len` elements.
+/// `lr` is not kept: the engine passes the scheduled rate to every [`Optimizer::step`].
+pub fn build(params: &OptimizerParams, shard_len: usize) -> Result<Box<dyn Optimizer>, OptimError> {
+    match params {
+        OptimizerParams::Adam {
+            betas,
+            eps,
+            weight_decay,
+            adam_w_mode,
+            ..
+        } => {
+            let hp = AdamParams {
+                betas: *betas,
+                eps: *eps,
+                weight_decay: *weight_decay,
+                adam_w_mode: *adam_w_mode,
+            };
+            Ok(Box::new(Adam::new(hp, shard_len)))
+        }
+        other => Err(ConfigError::invalid(
+            "optimizer.type",
+            format!("'{}'", type_name(other)),
+            "adam, adamw or SGD (ds-rs has no update rule for it yet)",
+        )
+        .into()),
+    }
+}
+
+/// The optimizer of a config's `optimizer` section, including torch's `SGD`, which DeepSpeed
+/// takes from `torch.optim` by its exact name.
+pub fn build_from_section(
+    section: &TypedSection,
+    shard_len: usize,
+) -> Result<Box<dyn Optimizer>, OptimError> {
+    if section.type_name == "SGD" {
+        let hp = SgdParams::parse(section.params.as_ref())?;
+        return Ok(Box::new(Sgd::new(hp, shard_len)));
+    }
+    build(&OptimizerParams::parse(section)?, shard_len)
+}
+
+fn type_name(params: &OptimizerParams) -> &'static str {
+    match params {
+        OptimizerParams::Adam { .. } => "adam",
+        OptimizerParams::Lamb { .. } => "lamb",
+        OptimizerParams::Adagrad { .. } => "adagrad",
+        OptimizerParams::Lion { .. } => "lion",
+    }
+}
+
+/// Checks a loaded buffer's length against the shard; the error names the buffer.
+fn check_len(name: &str, buf: &[f32], shard_len: usize) -> Result<(), OptimError> {
+    if buf.len() == shard_len {
+        return Ok(());
+    }
+    Err(OptimError::StateLength {
+        name: name.to_string(),
+        expected: shard_len,
+        found: buf.len(),
+    })
+}

@@ -1,0 +1,312 @@
+//! SGD with momentum, as torch.optim.SGD computes it (DeepSpeed takes `"type": "SGD"` from
+//! torch.optim): `d = g + wd * p`; with momentum, `buf = d` on the first step and
+//! `buf = momentum * buf + (1 - dampening) * d` after; `d = d + momentum * buf` (Nesterov) or
+//! `d = buf`; `p -= lr * d`.
+
+use rayon::prelude::*;
+use serde_json::{Map, Value as Json};
+
+use super::{check_len, OptimError, Optimizer, OptimizerState, BLOCK, LANES};
+use ds_config::error::closest;
+use ds_config::ConfigError;
+
+const PATH: &str = "optimizer.params";
+
+/// torch.optim.SGD's hyper-parameters other than the learning rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdParams {
+    /// The config's lr (torch's default 1e-3); the engine's scheduler starts from it.
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+impl SgdParams {
+    /// The `optimizer.params` of `"type": "SGD"`, with torch's defaults and checks. Keys are
+    /// passed to torch as keyword arguments, so unknown ones are an error, as in DeepSpeed.
+    pub fn parse(params: Option<&Json>) -> Result<SgdParams, ConfigError> {
+        let empty = Map::new();
+        let map = match params {
+            None | Some(Json::Null) => &empty,
+            Some(Json::Object(m)) => m,
+            Some(other) => return Err(ConfigError::invalid(PATH, other, "an object")),
+        };
+        check_keys(map)?;
+        let p = SgdParams {
+            lr: number(map, "lr", 1e-3)?,
+            momentum: number(map, "momentum", 0.0)?,
+            dampening: number(map, "dampening", 0.0)?,
+            weight_decay: number(map, "weight_decay", 0.0)?,
+            nesterov: boolean(map, "nesterov", false)?,
+        };
+        if boolean(map, "maximize", false)? {
+            return Err(ConfigError::invalid(
+                "optimizer.params.maximize",
+                true,
+                "false",
+            ));
+        }
+        p.check()?;
+        Ok(p)
+    }
+
+    /// torch's constructor checks, each naming its key.
+    fn check(&self) -> Result<(), ConfigError> {
+        for (key, x) in [
+            ("lr", self.lr),
+            ("momentum", self.momentum),
+            ("weight_decay", self.weight_decay),
+        ] {
+            if x.is_nan() || x < 0.0 {
+                return Err(ConfigError::invalid(
+                    &format!("{PATH}.{key}"),
+                    x,
+                    "a number >= 0",
+                ));
+            }
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            let why = "Nesterov momentum requires a momentum > 0 and zero dampening";
+            return Err(ConfigError::conflict(&format!("{PATH}.nesterov"), why));
+        }
+        Ok(())
+    }
+}
+
+/// torch.optim.SGD's keyword arguments; foreach / fused / differentiable only pick torch's
+/// implementation and do not change the result.
+const KEYS: [&str; 9] = [
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "nesterov",
+    "maximize",
+    "foreach",
+    "fused",
+    "differentiable",
+];
+
+fn check_keys(map: &Map<String, Json>) -> Result<(), ConfigError> {
+    match map.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        None => Ok(()),
+        Some(k) => Err(ConfigError::Unknown {
+            path: format!("{PATH}.{k}"),
+            suggestion: closest(k, KEYS),
+        }),
+    }
+}
+
+fn number(map: &Map<String, Json>, key: &str, default: f64) -> Result<f64, ConfigError> {
+    match map.get(key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| ConfigError::invalid(&format!("{PATH}.{key}"), v, "a number")),
+    }
+}
+
+fn boolean(map: &Map<String, Json>, key: &str, default: bool) -> Result<bool, ConfigError> {
+    match map.get(key) {
+        None | Some(Json::Null) => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| ConfigError::invalid(&format!("{PATH}.{key}"), v, "true or false")),
+    }
+}
+
+/// SGD over one shard. As in torch, the momentum buffer is set to the first gradient (not
+/// decayed from zero) on the first step taken with momentum != 0; `live` says that happened.
+#[derive(Debug, Clone)]
+pub struct Sgd {
+    hp: SgdParams,
+    shard_len: usize,
+    step: u64,
+    /// Allocated at construction when momentum != 0 (so the memory report is right before the
+    /// first step), else on the first step with momentum != 0 (OneCycle may raise it from 0).
+    buf: Vec<f32>,
+    live: bool,
+}
+
+/// The per-step scalars in f32, computed once.
+#[derive(Clone, Copy)]
+struct Consts {
+    weight_decay: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    neg_lr: f32,
+}
+
+impl Sgd {
+    pub fn new(hp: SgdParams, shard_len: usize) -> Sgd {
+        let len = if hp.momentum != 0.0 { shard_len } else { 0 };
+        Sgd {
+            hp,
+            shard_len,
+            step: 0,
+            buf: vec![0.0; len],
+            live: false,
+        }
+    }
+
+    fn consts(&self, lr: f64) -> Consts {
+        Consts {
+            weight_decay: self.hp.weight_decay as f32,
+            momentum: self.hp.momentum as f32,
+            one_minus_dampening: (1.0 - self.hp.dampening) as f32,
+            neg_lr: -lr as f32,
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        let n = self.shard_len;
+        assert_eq!(params.len(), n, "Sgd::step: params length != shard length");
+        assert_eq!(grads.len(), n, "Sgd::step: grads length != shard length");
+        self.step += 1;
+        let k = self.consts(lr);
+        if self.hp.momentum == 0.0 {
+            return for_blocks(params, grads, &mut [], |p, g, _| plain(&k, p, g));
+        }
+        self.buf.resize(n, 0.0);
+        let (first, nesterov) = (!self.live, self.hp.nesterov);
+        self.live = true;
+        let buf = &mut self.buf[..];
+        match (first, nesterov) {
+            (true, true) => for_blocks(params, grads, buf, |p, g, b| {
+                momentum::<true, true>(&k, p, g, b)
+            }),
+            (true, false) => for_blocks(params, grads, buf, |p, g, b| {
+                momentum::<true, false>(&k, p, g, b)
+            }),
+            (false, true) => for_blocks(params, grads, buf, |p, g, b| {
+                momentum::<false, true>(&k, p, g, b)
+            }),
+            (false, false) => for_blocks(params, grads, buf, |p, g, b| {
+                momentum::<false, false>(&k, p, g, b)
+            }),
+        }
+    }
+
+    fn shard_len(&self) -> usize {
+        self.shard_len
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.buf.len() * std::mem::size_of::<f32>()
+    }
+
+    fn state(&self) -> OptimizerState<'_> {
+        let buffers = match self.live {
+            true => vec![("momentum_buffer", &self.buf[..])],
+            false => Vec::new(),
+        };
+        OptimizerState {
+            step: self.step,
+            buffers,
+        }
+    }
+
+    /// A checkpoint without `momentum_buffer` is torch's state before any momentum step.
+    fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError> {
+        let mut loaded = None;
+        for &(name, buf) in &state.buffers {
+            if name != "momentum_buffer" {
+                let optimizer = "SGD";
+                return Err(OptimError::UnknownState {
+                    name: name.to_string(),
+                    optimizer,
+                });
+            }
+            check_len(name, buf, self.shard_len)?;
+            loaded = Some(buf);
+        }
+        match loaded {
+            Some(buf) => self.buf = buf.to_vec(),
+            None => self.buf.iter_mut().for_each(|b| *b = 0.0),
+        }
+        self.live = loaded.is_some();
+        self.step = state.step;
+        Ok(())
+    }
+
+    fn set_momentum(&mut self, momentum: f64) {
+        self.hp.momentum = momentum;
+    }
+}
+
+/// Runs `f` over matching BLOCK-sized pieces of the shard, on rayon's threads when there is
+/// more than one block. `buf` is empty when SGD has no momentum.
+fn for_blocks<F>(p: &mut [f32], g: &[f32], buf: &mut [f32], f: F)
+where
+    F: Fn(&mut [f32], &[f32], &mut [f32]) + Sync,
+{
+    if p.len() <= BLOCK {
+        return f(p, g, buf);
+    }
+    if buf.is_empty() {
+        let blocks = p.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK));
+        return blocks.for_each(|(p, g)| f(p, g, &mut []));
+    }
+    let blocks = p.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK));
+    blocks
+        .zip(buf.par_chunks_mut(BLOCK))
+        .for_each(|((p, g), b)| f(p, g, b));
+}
+
+/// `p -= lr * (g + wd * p)`: no buffer to read or write.
+fn plain(k: &Consts, p: &mut [f32], g: &[f32]) {
+    let mut pc = p.chunks_exact_mut(LANES);
+    let mut gc = g.chunks_exact(LANES);
+    for (p, g) in (&mut pc).zip(&mut gc) {
+        for i in 0..LANES {
+            p[i] += k.neg_lr * (g[i] + k.weight_decay * p[i]);
+        }
+    }
+    for (p, g) in pc.into_remainder().iter_mut().zip(gc.remainder()) {
+        *p += k.neg_lr * (g + k.weight_decay * *p);
+    }
+}
+
+/// The momentum update of one block; FIRST and NESTEROV are constants so each of the four
+/// loops is branch-free.
+fn momentum<const FIRST: bool, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    let mut pc = p.chunks_exact_mut(LANES);
+    let mut gc = g.chunks_exact(LANES);
+    let mut bc = b.chunks_exact_mut(LANES);
+    for ((p, g), b) in (&mut pc).zip(&mut gc).zip(&mut bc) {
+        for i in 0..LANES {
+            update::<FIRST, NESTEROV>(k, &mut p[i], g[i], &mut b[i]);
+        }
+    }
+    let tail = pc.into_remainder().iter_mut().zip(gc.remainder());
+    for ((p, g), b) in tail.zip(bc.into_remainder()) {
+        update::<FIRST, NESTEROV>(k, p, *g, b);
+    }
+}
+
+/// One element, in torch's order of operations.
+#[inline(always)]
+fn update<const FIRST: bool, const NESTEROV: bool>(k: &Consts, p: &mut f32, g: f32, b: &mut f32) {
+    let d = g + k.weight_decay * *p;
+    let b_new = if FIRST {
+        d
+    } else {
+        *b * k.momentum + k.one_minus_dampening * d
+    };
+    let d = if NESTEROV {
+        d + k.momentum * b_new
+    } else {
+        b_new
+    };
+    *p += k.neg_lr * d;
+    *b = b_new;
+}

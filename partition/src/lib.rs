@@ -1,0 +1,27 @@
+//! ZeRO partitioning: where each parameter, gradient and optimizer-state element lives.
+//!
+//! All parameters of a model sit in one flat buffer, in layer order (`FlatIndex`). A
+//! `ShardLayout` cuts that buffer into one equal, padded shard per data-parallel rank. A ZeRO
+//! stage is a pair of stores behind small traits: a `ParamStore` (whole parameters on every
+//! rank, or only this rank's shard gathered per layer) and a `GradStore` (whole gradients
+//! all-reduced, or buckets reduce-scattered into the owning shard). `Zero` combines the pair
+//! the stage asks for and keeps the fp32 master copy of the owned range.
+//!
+//! This crate knows flat ranges, dtypes and groups; it never sees a candle tensor, a layer or an
+//! optimizer formula (those live in ds-engine).
+
+mod error;
+mod flat;
+mod grads;
+mod layout;
+mod memory;
+mod params;
+mod zero;
+
+pub use error::{PartitionError, Result};
+pub use flat::{FlatEntry, FlatIndex, ParamId};
+pub use grads::{GradStore, ReduceConfig};
+pub use layout::ShardLayout;
+pub use memory::MemoryReport;
+pub use params::{ParamStore, Stage3Config};
+pub use zero::{Zero, ZeroOptions};

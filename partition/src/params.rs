@@ -1,0 +1,173 @@
+//! Where parameter values live between steps: whole on every rank, or one shard per rank.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use ds_comm::{Element, Group, Work};
+
+use crate::{Result, ShardLayout};
+
+/// The parameters of one flat buffer, in the compute dtype.
+pub trait ParamStore<T: Element>: Send {
+    /// The whole values of flat `range`, for a layer's compute.
+    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>>;
+    /// `range` will be asked for next: a sharded store starts gathering it now.
+    fn prefetch(&mut self, range: Range<usize>) -> Result<()>;
+    /// Writes the updated fp32 master values of this rank's owned range back and makes the
+    /// parameters whole again where the store keeps them whole.
+    fn publish(&mut self, owned: Range<usize>, master: &[f32]) -> Result<()>;
+    /// The current values of `range` (within this rank's keeping) as f32.
+    fn values_f32(&self, range: Range<usize>) -> Vec<f32>;
+    /// Bytes held between steps.
+    fn bytes(&self) -> usize;
+}
+
+/// Stages 0-2: every rank keeps all parameters. When `partitioned` (stages 1-2) each rank
+/// updates only its shard and an all-gather makes them whole again.
+pub struct ReplicatedParams<T: Element> {
+    values: Vec<T>,
+    layout: ShardLayout,
+    group: Group,
+    partitioned: bool,
+}
+
+impl<T: Element> ReplicatedParams<T> {
+    pub fn new(mut values: Vec<T>, layout: ShardLayout, group: Group, partitioned: bool) -> Self {
+        values.resize(layout.padded(), T::default());
+        ReplicatedParams {
+            values,
+            layout,
+            group,
+            partitioned,
+        }
+    }
+}
+
+impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
+    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+        Ok(Cow::Borrowed(&self.values[range]))
+    }
+
+    fn prefetch(&mut self, _range: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+
+    fn publish(&mut self, owned: Range<usize>, master: &[f32]) -> Result<()> {
+        convert_into(&mut self.values[owned], master);
+        if self.partitioned && self.layout.world() > 1 {
+            let counts = vec![self.layout.shard_len(); self.layout.world()];
+            self.group.all_gather_v(&mut self.values, &counts)?;
+        }
+        Ok(())
+    }
+
+    fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
+        self.values[range].iter().map(|v| v.to_f32()).collect()
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.values.as_slice())
+    }
+}
+
+/// Limits of stage 3's gathering, in elements (ds_config `stage3_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct Stage3Config {
+    /// Largest range gathered ahead of its use (`stage3_prefetch_bucket_size`).
+    pub prefetch_bucket_size: usize,
+    /// Most gathered elements alive at once, prefetch included (`stage3_max_live_parameters`).
+    pub max_live_parameters: usize,
+}
+
+/// Stage 3: each rank keeps its shard; a layer's range is all-gathered when asked for and
+/// dropped by the caller after use.
+pub struct ShardedParams<T: Element> {
+    shard: Vec<T>,
+    layout: ShardLayout,
+    group: Group,
+    limits: Stage3Config,
+    in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
+}
+
+impl<T: Element> ShardedParams<T> {
+    /// `values` are the whole initial parameters; only this rank's shard is kept.
+    pub fn new(values: &[T], layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
+        let mine = layout.shard(group.rank());
+        let mut shard = vec![T::default(); layout.shard_len()];
+        let have = mine.start.min(values.len())..mine.end.min(values.len());
+        shard[..have.len()].copy_from_slice(&values[have]);
+        ShardedParams {
+            shard,
+            layout,
+            group,
+            limits,
+            in_flight: None,
+        }
+    }
+
+    /// A buffer for `range` holding this rank's part in place, with the parts' counts.
+    fn gather_input(&self, range: &Range<usize>) -> (Vec<T>, Vec<usize>) {
+        let me = self.group.rank();
+        let mine = self.layout.owned_within(range, me);
+        let shard_start = self.layout.shard(me).start;
+        let mut buf = vec![T::default(); range.len()];
+        if mine.is_empty() {
+            return (buf, self.layout.counts_within(range));
+        }
+        buf[mine.start - range.start..mine.end - range.start]
+            .copy_from_slice(&self.shard[mine.start - shard_start..mine.end - shard_start]);
+        (buf, self.layout.counts_within(range))
+    }
+}
+
+impl<T: Element> ParamStore<T> for ShardedParams<T> {
+    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+        if let Some((r, work)) = self.in_flight.take() {
+            let gathered = work.wait()?;
+            if r == range {
+                return Ok(Cow::Owned(gathered));
+            }
+        }
+        let (mut buf, counts) = self.gather_input(&range);
+        self.group.all_gather_v(&mut buf, &counts)?;
+        Ok(Cow::Owned(buf))
+    }
+
+    fn prefetch(&mut self, range: Range<usize>) -> Result<()> {
+        // The caller holds at most one gathered layer while this one is in flight.
+        let fits = range.len() <= self.limits.prefetch_bucket_size
+            && 2 * range.len() <= self.limits.max_live_parameters;
+        if self.in_flight.is_none() && fits && !range.is_empty() {
+            let (buf, counts) = self.gather_input(&range);
+            let work = self.group.all_gather_v_async(buf, counts);
+            self.in_flight = Some((range, work));
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, _owned: Range<usize>, master: &[f32]) -> Result<()> {
+        if let Some((_, work)) = self.in_flight.take() {
+            work.wait()?; // a stale prefetch: finish it so the collective order stays aligned
+        }
+        convert_into(&mut self.shard, master);
+        Ok(())
+    }
+
+    fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
+        let start = self.layout.shard(self.group.rank()).start;
+        self.shard[range.start - start..range.end - start]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.shard.as_slice())
+    }
+}
+
+pub(crate) fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, s)| *d = T::from_f32(*s));
+}
