@@ -20,10 +20,16 @@ pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
     let token = fresh_token()?;
     let exe = std::env::current_exe().context("locating the ds-rs executable")?;
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // Each rank gets its share of the cores for its compute threads (rayon: candle's matmul
+    // and the optimizer), unless the user chose.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .unwrap_or_else(|_| (cores / nproc).max(1).to_string());
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..nproc {
         let child = Command::new(&exe)
             .args(&args)
+            .env("RAYON_NUM_THREADS", &threads)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())

@@ -1,6 +1,7 @@
 //! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
 
 mod bench_comm;
+mod bench_train;
 mod config_check;
 mod local_ranks;
 
@@ -53,6 +54,8 @@ enum ConfigCommand {
 enum BenchCommand {
     /// Bandwidth and latency of the collectives, as nccl-tests prints them.
     Comm(bench_comm::CommArgs),
+    /// Training throughput of the built-in GPT, as the peer benchmark measures it.
+    Train(bench_train::TrainBenchArgs),
 }
 
 /// The arguments of a command that a later release provides.
@@ -74,6 +77,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             command: BenchCommand::Comm(args),
         } => return bench_comm::run(&args),
+        Command::Bench {
+            command: BenchCommand::Train(args),
+        } => return bench_train::run(&args),
         Command::Checkpoint(_) => "checkpoint",
     };
     eprintln!("error: `ds-rs {name}` is not available yet in this build");

@@ -1,6 +1,15 @@
-//! Training data: one micro-batch of token windows.
+//! Training data: token sources (the peer benchmark's synthetic stream, memory-mapped token
+//! files, plain text as bytes) and the sample order, which depends on (seed, step) and never
+//! on the parallel layout, so every layout trains on the same global batches.
+
+mod order;
+mod source;
+
+pub use order::SampleOrder;
+pub use source::{SyntheticTokens, TextBytes, TokenFile, TokenSource, TokenWidth};
 
 /// One micro-batch: `batch` rows of `seq` input tokens and their next-token targets.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,

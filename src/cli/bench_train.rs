@@ -1,0 +1,119 @@
+//! `ds-rs bench train`: the peer benchmark's training measurement (../shared/bench:
+//! train_ds.py) for ds-rs: the same model preset, ds_config, token stream and sample order,
+//! 3 warm-up + 20 timed steps, median step time on rank 0, tokens/s and peak RSS per rank.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Context;
+use ds_comm::{init, options_from_env, Group};
+use ds_config::{load, resolve, ParallelDims};
+use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
+use ds_engine::model::gpt::GptConfig;
+use ds_engine::{Engine, EngineOptions};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainBenchArgs {
+    /// Model preset: tiny, small or gpt2.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// The ds_config (e.g. ../shared/bench/configs/zero2.json).
+    #[arg(long)]
+    config: PathBuf,
+    /// Ranks to start on this host (ignored inside `ds-rs launch`).
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Initial weights (safetensors under the model's parameter names).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
+    if std::env::var_os("RANK").is_some() || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some() {
+        return run_rank(args);
+    }
+    crate::cli::local_ranks::spawn_local(args.nproc, "auto")
+}
+
+fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
+    let model = GptConfig::preset(&args.preset)
+        .with_context(|| format!("--preset {}: expected tiny, small or gpt2", args.preset))?;
+    let comm = init(&options_from_env().context("reading the rank environment")?)
+        .context("joining the job")?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let doc = load(&args.config)?;
+    let cfg = resolve(&doc, &ParallelDims::new(world, 1, 1)?)
+        .with_context(|| format!("{}", args.config.display()))?;
+    let opts = EngineOptions { init: args.init.clone(), ..EngineOptions::default() };
+    let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
+    let s = engine.settings().clone();
+    // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
+    let source = SyntheticTokens::new(model.V, 1 << 20, 1234);
+    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, rank, world);
+    let (mut times, mut losses) = (Vec::new(), Vec::new());
+    for step in 0..(args.warmup + args.steps) as u64 {
+        let batches: Vec<Batch> = (0..s.grad_accum)
+            .map(|k| order.micro_batch(&source, step, k))
+            .collect::<Result<_, _>>()?;
+        let t0 = Instant::now();
+        let (loss, _) = engine.train_batch(|k| Ok(batches[k].clone()))?;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(loss);
+    }
+    let rss = gather_rss(&comm.world())?;
+    if rank == 0 {
+        report(args, &s, world, model.T, &times, &losses, &rss);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every rank's peak resident set (VmHWM) in MiB, in rank order.
+fn gather_rss(g: &Group) -> anyhow::Result<Vec<f32>> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: f32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(f32::NAN);
+    let mut all = vec![0f32; g.size()];
+    g.all_gather(&[kib / 1024.0], &mut all)?;
+    Ok(all)
+}
+
+fn report(
+    args: &TrainBenchArgs,
+    s: &ds_engine::Settings,
+    world: usize,
+    seq: usize,
+    times: &[f64],
+    losses: &[f32],
+    rss: &[f32],
+) {
+    let mut timed = times[args.warmup.min(times.len())..].to_vec();
+    timed.sort_by(f64::total_cmp);
+    let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
+    let tokens = (world * s.micro_batch * s.grad_accum * seq) as f64;
+    let row = serde_json::json!({
+        "preset": args.preset, "config": args.config.display().to_string(),
+        "zero_stage": s.zero.stage, "nproc": world,
+        "step_ms_median": 1e3 * median,
+        "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
+        "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),
+        "tokens_per_s": tokens / median,
+        "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
+        "peak_rss_mib": rss,
+    });
+    if args.json {
+        println!("{row}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&row).expect("invariant: plain JSON"));
+    }
+}
