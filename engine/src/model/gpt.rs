@@ -5,11 +5,12 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{linear, linear_no_bias, Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::nn::{cross_entropy, softmax_last_dim, LayerNorm};
+use super::nn::{cross_entropy, LayerNorm};
+use super::ops::{causal_softmax, gelu};
 use super::{Context, Init, Layer, Model, ParamSpec};
 
 const LN_EPS: f64 = 1e-5;
@@ -174,7 +175,7 @@ impl Layer for Block {
         let ln_2 = LayerNorm::new(d, LN_EPS, vb.pp("ln_2"))?;
         let c_fc = linear(d, 4 * d, vb.pp("mlp.c_fc"))?;
         let c_proj = linear(4 * d, d, vb.pp("mlp.c_proj"))?;
-        let h = c_fc.forward(&ln_2.forward(&x)?)?.gelu()?;
+        let h = gelu(&c_fc.forward(&ln_2.forward(&x)?)?)?;
         x + c_proj.forward(&h)?
     }
 }
@@ -192,24 +193,9 @@ fn attention(c: GptConfig, x: &Tensor, vb: &VarBuilder) -> Result<Tensor> {
     };
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
     let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), x.device())?)?;
-    let y = softmax_last_dim(&scores)?.matmul(&v)?;
+    let y = causal_softmax(&scores)?.matmul(&v)?;
     let y = y.transpose(1, 2)?.reshape((b, t, d))?;
     linear(d, d, vb.pp("c_proj"))?.forward(&y)
-}
-
-/// 0 on and below the diagonal, -inf above: row i attends to positions 0..=i.
-fn causal_mask(t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(mask, (t, t), dev)?.to_dtype(dtype)
 }
 
 /// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V].

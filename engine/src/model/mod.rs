@@ -5,9 +5,11 @@
 //! recompute (activation checkpointing) and, later, slice (TP) or place (PP) each layer
 //! without hooks into the layer's code.
 
+mod fused_norm_loss;
 pub mod gpt;
 mod init;
 pub mod nn;
+pub mod ops;
 pub mod weights;
 
 use candle_core::Tensor;

@@ -22,6 +22,9 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cpu() {
+            return super::fused_norm_loss::layer_norm(x, &self.weight, &self.bias, self.eps);
+        }
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let mean = x.mean_keepdim(D::Minus1)?;
@@ -44,5 +47,9 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 /// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32), in f32.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+    let logits = logits.to_dtype(DType::F32)?;
+    match logits.device().is_cpu() {
+        true => super::fused_norm_loss::cross_entropy(&logits, targets),
+        false => candle_nn::loss::cross_entropy(&logits, targets),
+    }
 }

@@ -1,0 +1,221 @@
+//! Fused CPU kernels with backward for LayerNorm and the cross-entropy loss. As primitives
+//! LayerNorm is ~10 passes forward and ~20 backward, and the loss materialises several
+//! [tokens, vocab] temporaries; each is one or two passes here.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::ops::{from_f32, to_f32};
+
+/// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    x.apply_op3(weight, bias, LayerNorm { eps: eps as f32 })
+}
+
+/// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropy)
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+/// Gradients of LayerNorm packed in one flat tensor: dx (n*d), then dweight (d), dbias (d).
+struct LayerNormGrad {
+    eps: f32,
+}
+struct CrossEntropy;
+struct CrossEntropyGrad {
+    /// The upstream gradient of the mean loss divided by the row count.
+    scale: f32,
+}
+
+/// Mean and 1/std of one row.
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "ds-layer-norm"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (mut x, w, b) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
+        for row in x.chunks_exact_mut(w.len()) {
+            let (mean, rstd) = moments(row, self.eps);
+            for ((v, w), b) in row.iter_mut().zip(&w).zip(&b) {
+                *v = (*v - mean) * rstd * w + b;
+            }
+        }
+        Ok((from_f32(s1.dtype(), x), l1.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let (n, d) = (x.elem_count(), w.elem_count());
+        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = packed.narrow(0, n, d)?.to_dtype(w.dtype())?;
+        let db = packed.narrow(0, n + d, d)?.to_dtype(w.dtype())?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "ds-layer-norm-grad"
+    }
+    /// Per row, with xhat = (x - mean) * rstd and g = dy * w:
+    /// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dy * xhat; db += dy.
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
+        let d = w.len();
+        let mut out = vec![0f32; x.len() + 2 * d];
+        let (dx, dwb) = out.split_at_mut(x.len());
+        let (dw, db) = dwb.split_at_mut(d);
+        let mut xhat = vec![0f32; d];
+        for ((xr, gr), dxr) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+            let (mean, rstd) = moments(xr, self.eps);
+            let (mut g_mean, mut gx_mean) = (0f32, 0f32);
+            for i in 0..d {
+                xhat[i] = (xr[i] - mean) * rstd;
+                let g = gr[i] * w[i];
+                g_mean += g;
+                gx_mean += g * xhat[i];
+                dw[i] += gr[i] * xhat[i];
+                db[i] += gr[i];
+            }
+            let (g_mean, gx_mean) = (g_mean / d as f32, gx_mean / d as f32);
+            for i in 0..d {
+                dxr[i] = rstd * (gr[i] * w[i] - g_mean - xhat[i] * gx_mean);
+            }
+        }
+        let dtype = s1.dtype();
+        let n = out.len();
+        // dx keeps x's dtype; dw and db are converted by the caller to the weight's dtype.
+        Ok((from_f32(dtype, out), Shape::from(n)))
+    }
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "ds-cross-entropy"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
+        let v = logits.len() / targets.len().max(1);
+        let mut total = 0f64;
+        for (row, &t) in logits.chunks_exact(v).zip(&targets) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+            let lse = row.iter().map(|x| (x - max).exp()).sum::<f32>().ln() + max;
+            total += (lse - row[t as usize]) as f64;
+        }
+        let loss = (total / targets.len().max(1) as f64) as f32;
+        Ok((from_f32(s1.dtype(), vec![loss]), Shape::from(())))
+    }
+    fn bwd(&self, logits: &Tensor, targets: &Tensor, _loss: &Tensor, dloss: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = dloss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let n = targets.elem_count().max(1) as f32;
+        let grad = logits.apply_op2_no_bwd(targets, &CrossEntropyGrad { scale: g / n })?;
+        Ok((Some(grad), None))
+    }
+}
+
+impl CustomOp2 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "ds-cross-entropy-grad"
+    }
+    /// (softmax(row) - onehot(target)) * scale.
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (mut logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
+        let v = logits.len() / targets.len().max(1);
+        for (row, &t) in logits.chunks_exact_mut(v).zip(&targets) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+            let mut sum = 0f32;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let k = self.scale / sum;
+            row.iter_mut().for_each(|x| *x *= k);
+            row[t as usize] -= self.scale;
+        }
+        Ok((from_f32(s1.dtype(), logits), l1.shape().clone()))
+    }
+}
+
+fn targets(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("cross entropy: targets must be contiguous")
+    };
+    match s {
+        CpuStorage::U32(v) => Ok(v[a..b].to_vec()),
+        other => candle_core::bail!("cross entropy: targets must be u32, got {:?}", other.dtype()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn grads_of(f: impl Fn(&[&Tensor]) -> Result<Tensor>, inputs: &[Var], w: &Tensor) -> Vec<Vec<f32>> {
+        let ts: Vec<&Tensor> = inputs.iter().map(|v| v.as_tensor()).collect();
+        let y = f(&ts).unwrap();
+        let mut out = vec![y.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
+        let seed = match y.rank() { 0 => (&y * 3.0).unwrap(), _ => (&y * w).unwrap().sum_all().unwrap() };
+        let g = seed.backward().unwrap();
+        for v in inputs {
+            out.push(g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        out
+    }
+
+    fn close(a: &[Vec<f32>], b: &[Vec<f32>]) {
+        for (x, y) in a.iter().zip(b) {
+            for (p, q) in x.iter().zip(y) {
+                // two f32 evaluations of one formula, different summation orders
+                assert!((p - q).abs() <= 2e-5 * (1.0 + q.abs()), "{p} vs {q}");
+            }
+        }
+    }
+
+    fn vals(n: usize, k: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * k % 97) as f32 - 48.0) / 13.0).collect()
+    }
+
+    #[test]
+    fn layer_norm_matches_the_primitive_composition() {
+        let dev = Device::Cpu;
+        let x = Var::from_slice(&vals(5 * 16, 37), (5, 16), &dev).unwrap();
+        let w = Var::from_slice(&vals(16, 11), 16, &dev).unwrap();
+        let b = Var::from_slice(&vals(16, 5), 16, &dev).unwrap();
+        let up = Tensor::from_vec(vals(5 * 16, 23), (5, 16), &dev).unwrap();
+        let inputs = [x, w, b];
+        let fused = grads_of(|t| layer_norm(t[0], t[1], t[2], 1e-5), &inputs, &up);
+        let prim = grads_of(
+            |t| {
+                let c = t[0].broadcast_sub(&t[0].mean_keepdim(D::Minus1)?)?;
+                let var = c.sqr()?.mean_keepdim(D::Minus1)?;
+                c.broadcast_div(&(var + 1e-5)?.sqrt()?)?.broadcast_mul(t[1])?.broadcast_add(t[2])
+            },
+            &inputs,
+            &up,
+        );
+        close(&fused, &prim);
+    }
+
+    #[test]
+    fn cross_entropy_matches_candle_nn() {
+        let dev = Device::Cpu;
+        let logits = Var::from_slice(&vals(6 * 10, 41), (6, 10), &dev).unwrap();
+        let t = Tensor::new(&[3u32, 0, 9, 4, 4, 7], &dev).unwrap();
+        let none = Tensor::zeros((), DType::F32, &dev).unwrap();
+        let inputs = [logits];
+        let fused = grads_of(|x| cross_entropy(x[0], &t), &inputs, &none);
+        let reference = grads_of(|x| candle_nn::loss::cross_entropy(x[0], &t), &inputs, &none);
+        close(&fused, &reference);
+    }
+}

@@ -1,0 +1,196 @@
+//! Fused CPU kernels with their backward for the GPT's hot elementwise work: tanh-GELU and
+//! the causal softmax. Composed of candle's primitive ops, each of these takes 5-10 passes
+//! over memory forward and as many backward (GELU's backward alone calls `powf`); here each is
+//! one pass. On other devices the primitive composition runs instead (same function).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use half::{bf16, f16};
+
+/// tanh-approximated GELU, as torch's `gelu(approximate="tanh")`.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    match x.device().is_cpu() {
+        true => x.apply_op1(Gelu),
+        false => x.gelu(),
+    }
+}
+
+/// Softmax over the last dimension of square [.., T, T] scores where row i only sees columns
+/// 0..=i (later columns get probability 0, as with a -inf mask).
+pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        return x.contiguous()?.apply_op1(CausalSoftmax);
+    }
+    let t = x.dim(D::Minus1)?;
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), x.device())?.to_dtype(x.dtype())?;
+    super::nn::softmax_last_dim(&x.broadcast_add(&mask)?)
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+/// tanh through one `exp` (libm's tanhf goes through expm1f, which cost more than the rest of
+/// GELU together); |u| > 9 is +-1 in f32 anyway and keeps exp from overflowing.
+fn tanh(u: f32) -> f32 {
+    let u = u.clamp(-9.0, 9.0);
+    let e = (2.0 * u).exp();
+    (e - 1.0) / (e + 1.0)
+}
+
+struct Gelu;
+struct GeluGrad;
+struct CausalSoftmax;
+struct CausalSoftmaxGrad;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "ds-gelu"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = to_f32(s, l)?;
+        let y = x
+            .iter()
+            .map(|&v| 0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v))))
+            .collect();
+        Ok((from_f32(s.dtype(), y), l.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad)?))
+    }
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "ds-gelu-grad"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
+        let dx = x
+            .iter()
+            .zip(&dy)
+            .map(|(&v, &g)| {
+                let u = SQRT_2_OVER_PI * (v + GELU_C * v * v * v);
+                let t = tanh(u);
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+                g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du)
+            })
+            .collect();
+        Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "ds-causal-softmax"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let t = square_last_dims(l)?;
+        let mut y = to_f32(s, l)?;
+        for (r, row) in y.chunks_exact_mut(t).enumerate() {
+            let (seen, masked) = row.split_at_mut(r % t + 1);
+            let max = seen.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let mut sum = 0.0;
+            for v in seen.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            seen.iter_mut().for_each(|v| *v *= inv);
+            masked.fill(0.0);
+        }
+        Ok((from_f32(s.dtype(), y), l.shape().clone()))
+    }
+    fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &CausalSoftmaxGrad)?))
+    }
+}
+
+impl CustomOp2 for CausalSoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "ds-causal-softmax-grad"
+    }
+    /// dx = y * (dy - sum(dy * y)) per row.
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let t = square_last_dims(l1)?;
+        let (y, mut dx) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
+        for (yr, gr) in y.chunks_exact(t).zip(dx.chunks_exact_mut(t)) {
+            let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
+            gr.iter_mut().zip(yr).for_each(|(g, y)| *g = y * (*g - dot));
+        }
+        Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
+    }
+}
+
+fn square_last_dims(l: &Layout) -> Result<usize> {
+    match l.dims() {
+        [.., a, b] if a == b => Ok(*b),
+        d => candle_core::bail!("causal softmax needs square [.., T, T] scores, got {d:?}"),
+    }
+}
+
+/// The contiguous elements of `s` as f32.
+pub(crate) fn to_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("fused op: input must be contiguous")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => v[a..b].to_vec(),
+        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        other => candle_core::bail!("fused op: unsupported dtype {:?}", other.dtype()),
+    })
+}
+
+pub(crate) fn from_f32(dtype: DType, v: Vec<f32>) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Forward and gradient against candle's own primitive composition of the same function.
+    fn check(fused: impl Fn(&Tensor) -> Result<Tensor>, reference: impl Fn(&Tensor) -> Result<Tensor>, shape: &[usize]) {
+        let n: usize = shape.iter().product();
+        let vals: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let w: Vec<f32> = (0..n).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+        let w = Tensor::from_vec(w, shape, &Device::Cpu).unwrap();
+        let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+            let x = Var::from_slice(&vals, shape, &Device::Cpu).unwrap();
+            let y = f(x.as_tensor()).unwrap();
+            let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), dx)
+        };
+        let (y1, g1) = run(&fused);
+        let (y2, g2) = run(&reference);
+        // both are f32 evaluations of one formula; they differ by a few ulps
+        for (a, b) in y1.iter().zip(&y2).chain(g1.iter().zip(&g2)) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn gelu_matches_candles_composition() {
+        check(gelu, |x| x.gelu(), &[3, 50]);
+    }
+
+    #[test]
+    fn causal_softmax_matches_masked_softmax() {
+        let masked = |x: &Tensor| {
+            let t = x.dim(D::Minus1)?;
+            let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+            let m = Tensor::from_vec(m, (t, t), x.device())?;
+            super::super::nn::softmax_last_dim(&x.broadcast_add(&m)?)
+        };
+        check(causal_softmax, masked, &[2, 3, 7, 7]);
+    }
+}
