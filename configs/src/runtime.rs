@@ -11,6 +11,10 @@ use crate::value::{Dict, Value};
 /// `activation_checkpointing`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationCheckpointingConfig {
+    /// The section is in the file: ds-rs then recomputes layer internals in backward (a
+    /// DeepSpeed model opts in by calling `checkpoint()`; a ds-rs model is its layer list).
+    #[serde(skip)]
+    pub in_config: bool,
     pub partition_activations: bool,
     pub contiguous_memory_optimization: bool,
     pub cpu_checkpointing: bool,
@@ -27,6 +31,7 @@ impl ActivationCheckpointingConfig {
             Some(_) => Some(r.integer("number_checkpoints", 0)),
         };
         Ok(ActivationCheckpointingConfig {
+            in_config: matches!(root.get("activation_checkpointing"), Some(Value::Dict(_))),
             partition_activations: r.flag("partition_activations", false),
             contiguous_memory_optimization: r.flag("contiguous_memory_optimization", false),
             cpu_checkpointing: r.flag("cpu_checkpointing", false),

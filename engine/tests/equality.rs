@@ -66,11 +66,11 @@ struct Run {
     params: Vec<(String, Vec<f32>)>,
 }
 
-fn train(world: usize, stage: u8, ga: usize) -> Run {
+fn train(world: usize, stage: u8, ga: usize, extra: &'static str) -> Run {
     let micro = GLOBAL_BATCH / world / ga;
     let c = GptConfig::preset("tiny").unwrap();
     let runs = run_ranks(world, Duration::from_secs(120), move |comm| {
-        let cfg = config(world, micro, ga, stage, "");
+        let cfg = config(world, micro, ga, stage, extra);
         let mut engine = Engine::initialize(c.build(), &cfg, &comm, &EngineOptions::default())?;
         let r = comm.rank();
         let mut losses = Vec::new();
@@ -116,7 +116,7 @@ fn assert_same(base: &Run, run: &Run, what: &str) {
 
 #[test]
 fn every_layout_trains_like_one_rank() {
-    let base = train(1, 0, 1);
+    let base = train(1, 0, 1, "");
     eprintln!("baseline losses {:?}", base.losses);
     assert!(
         base.losses[STEPS as usize - 1] < base.losses[0],
@@ -128,9 +128,16 @@ fn every_layout_trains_like_one_rank() {
                 if GLOBAL_BATCH % (world * ga) != 0 {
                     continue;
                 }
-                let run = train(world, stage, ga);
+                let run = train(world, stage, ga, "");
                 assert_same(&base, &run, &format!("dp={world} stage={stage} ga={ga}"));
             }
         }
     }
+    // activation checkpointing: layer internals recomputed in backward
+    let ckpt = r#", "activation_checkpointing": {"partition_activations": false}"#;
+    assert_same(
+        &base,
+        &train(2, 1, 1, ckpt),
+        "dp=2 stage=1 activation checkpointing",
+    );
 }

@@ -22,12 +22,20 @@ fn config(world: usize, stage: u8, extra: &str) -> ds_config::Config {
 }
 
 /// A small GPT and a learnable token stream (16 symbols with a fixed successor rule).
-const SMALL: GptConfig = GptConfig { V: 64, T: 32, d: 64, H: 4, L: 2 };
+const SMALL: GptConfig = GptConfig {
+    V: 64,
+    T: 32,
+    d: 64,
+    H: 4,
+    L: 2,
+};
 
 fn batch(step: u64, rank: usize) -> Batch {
     let t = SMALL.T;
     let start = (step as usize * 7 + rank * 3) % 16;
-    let w: Vec<u32> = (0..2 * (t + 1)).map(|i| ((start + i * 5) % 16) as u32).collect();
+    let w: Vec<u32> = (0..2 * (t + 1))
+        .map(|i| ((start + i * 5) % 16) as u32)
+        .collect();
     let (a, b) = w.split_at(t + 1);
     Batch {
         inputs: [&a[..t], &b[..t]].concat(),
@@ -77,13 +85,21 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale() {
         assert!(out.skipped && !out.grad_norm.is_finite(), "{out:?}");
         assert_eq!((e.global_steps(), e.skipped_steps()), (1, 1));
         assert_eq!(e.loss_scale(), 2f64.powi(29));
-        assert_eq!(e.gather_params()?, before, "a skipped step changed the parameters");
+        assert_eq!(
+            e.gather_params()?,
+            before,
+            "a skipped step changed the parameters"
+        );
         // the scale keeps halving until the gradients fit, then steps are taken
         let mut taken = 0;
         for s in 1..40 {
             taken += usize::from(!e.train_batch(|_| Ok(batch(s, 0)))?.1.skipped);
         }
-        assert!(taken > 0 && e.loss_scale() < 2f64.powi(20), "scale {}", e.loss_scale());
+        assert!(
+            taken > 0 && e.loss_scale() < 2f64.powi(20),
+            "scale {}",
+            e.loss_scale()
+        );
         Ok::<_, ds_engine::EngineError>(())
     })
     .unwrap();
@@ -111,9 +127,21 @@ fn memory_report_follows_the_zero_formulas() {
             _ => (2 * shard, 2 * shard, 12 * shard),
         };
         for r in reports {
-            assert_eq!((r.params, r.grads, r.optimizer_states), (p, g, o), "stage {stage}");
-            let formula = [16 * psi, 4 * psi + 12 * psi / n, 2 * psi + 14 * psi / n, 16 * psi / n];
-            assert!(r.total().abs_diff(formula[stage as usize]) <= 16 * n, "stage {stage}");
+            assert_eq!(
+                (r.params, r.grads, r.optimizer_states),
+                (p, g, o),
+                "stage {stage}"
+            );
+            let formula = [
+                16 * psi,
+                4 * psi + 12 * psi / n,
+                2 * psi + 14 * psi / n,
+                16 * psi / n,
+            ];
+            assert!(
+                r.total().abs_diff(formula[stage as usize]) <= 16 * n,
+                "stage {stage}"
+            );
         }
     }
 }

@@ -52,7 +52,10 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let doc = load(&args.config)?;
     let cfg = resolve(&doc, &ParallelDims::new(world, 1, 1)?)
         .with_context(|| format!("{}", args.config.display()))?;
-    let opts = EngineOptions { init: args.init.clone(), ..EngineOptions::default() };
+    let opts = EngineOptions {
+        init: args.init.clone(),
+        ..EngineOptions::default()
+    };
     let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
     let s = engine.settings().clone();
     // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
@@ -114,6 +117,9 @@ fn report(
     if args.json {
         println!("{row}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&row).expect("invariant: plain JSON"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&row).expect("invariant: plain JSON")
+        );
     }
 }

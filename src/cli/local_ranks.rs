@@ -23,8 +23,8 @@ pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
     // Each rank gets its share of the cores for its compute threads (rayon: candle's matmul
     // and the optimizer), unless the user chose.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = std::env::var("RAYON_NUM_THREADS")
-        .unwrap_or_else(|_| (cores / nproc).max(1).to_string());
+    let threads =
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| (cores / nproc).max(1).to_string());
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..nproc {
         let child = Command::new(&exe)

@@ -19,8 +19,20 @@ pub struct SampleOrder {
 }
 
 impl SampleOrder {
-    pub fn new(seq: usize, micro_batch: usize, grad_accum: usize, dp_rank: usize, dp_size: usize) -> SampleOrder {
-        SampleOrder { seq, micro_batch, grad_accum, dp_rank, dp_size }
+    pub fn new(
+        seq: usize,
+        micro_batch: usize,
+        grad_accum: usize,
+        dp_rank: usize,
+        dp_size: usize,
+    ) -> SampleOrder {
+        SampleOrder {
+            seq,
+            micro_batch,
+            grad_accum,
+            dp_rank,
+            dp_size,
+        }
     }
 
     /// The global index of row `b` of micro-step `k` of step `step` on this rank.
@@ -48,7 +60,12 @@ impl SampleOrder {
             inputs.extend_from_slice(&window[..t]);
             targets.extend_from_slice(&window[1..]);
         }
-        Ok(Batch { inputs, targets, batch: self.micro_batch, seq: t })
+        Ok(Batch {
+            inputs,
+            targets,
+            batch: self.micro_batch,
+            seq: t,
+        })
     }
 }
 
@@ -61,7 +78,13 @@ mod tests {
         // the peer's rule, written independently: g = (s*W + r)*B + b
         let o = SampleOrder::new(8, 4, 1, 1, 2);
         assert_eq!(o.sample(3, 0, 2), (3 * 2 + 1) * 4 + 2);
-        for (b, ga, w) in [(8usize, 1usize, 1usize), (4, 1, 2), (2, 2, 2), (1, 2, 4), (2, 1, 4)] {
+        for (b, ga, w) in [
+            (8usize, 1usize, 1usize),
+            (4, 1, 2),
+            (2, 2, 2),
+            (1, 2, 4),
+            (2, 1, 4),
+        ] {
             let mut seen: Vec<u64> = (0..w)
                 .flat_map(|r| {
                     let o = SampleOrder::new(8, b, ga, r, w);

@@ -28,7 +28,9 @@ impl SyntheticTokens {
         let mut x = seed;
         let tokens = (0..n)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((x >> 33) % vocab as u64) as u32
             })
             .collect();
@@ -73,10 +75,18 @@ impl TokenFile {
         if map.len() % size != 0 {
             return Err(EngineError::file(
                 path,
-                format!("{} bytes is not a whole number of {size}-byte tokens", map.len()),
+                format!(
+                    "{} bytes is not a whole number of {size}-byte tokens",
+                    map.len()
+                ),
             ));
         }
-        Ok(TokenFile { path: path.to_path_buf(), map, width, vocab })
+        Ok(TokenFile {
+            path: path.to_path_buf(),
+            map,
+            width,
+            vocab,
+        })
     }
 }
 
@@ -102,7 +112,12 @@ impl TokenSource for TokenFile {
             if *o as usize >= self.vocab {
                 return Err(EngineError::file(
                     &self.path,
-                    format!("token {} at position {} is not below the vocabulary size {}", o, start + i, self.vocab),
+                    format!(
+                        "token {} at position {} is not below the vocabulary size {}",
+                        o,
+                        start + i,
+                        self.vocab
+                    ),
                 ));
             }
         }
@@ -146,12 +161,21 @@ mod tests {
         // ../shared/bench/README.md, "Token data"
         let n = 1_048_576;
         let t = SyntheticTokens::new(4096, n, 1234);
-        assert_eq!(&t.tokens[..8], &[3821, 1406, 3006, 3056, 1447, 2549, 3229, 2885]);
+        assert_eq!(
+            &t.tokens[..8],
+            &[3821, 1406, 3006, 3056, 1447, 2549, 3229, 2885]
+        );
         let sum = t.tokens.iter().fold(0u32, |s, v| s.wrapping_add(*v));
         assert_eq!(sum, 2148886286);
         let t = SyntheticTokens::new(8192, n, 1234);
-        assert_eq!(&t.tokens[..8], &[7917, 5502, 3006, 7152, 1447, 6645, 3229, 2885]);
-        assert_eq!(t.tokens.iter().fold(0u32, |s, v| s.wrapping_add(*v)), 1025806);
+        assert_eq!(
+            &t.tokens[..8],
+            &[7917, 5502, 3006, 7152, 1447, 6645, 3229, 2885]
+        );
+        assert_eq!(
+            t.tokens.iter().fold(0u32, |s, v| s.wrapping_add(*v)),
+            1025806
+        );
     }
 
     fn temp_file(name: &str, bytes: &[u8]) -> PathBuf {
@@ -163,18 +187,45 @@ mod tests {
     #[test]
     fn token_files_read_back_and_bad_ones_are_named() {
         let vals: [u32; 4] = [1, 300, 65535, 7];
-        let p16 = temp_file("u16.bin", &vals.iter().flat_map(|v| (*v as u16).to_le_bytes()).collect::<Vec<_>>());
-        let p32 = temp_file("u32.bin", &vals.iter().flat_map(|v| (v * 3).to_le_bytes()).collect::<Vec<_>>());
+        let p16 = temp_file(
+            "u16.bin",
+            &vals
+                .iter()
+                .flat_map(|v| (*v as u16).to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let p32 = temp_file(
+            "u32.bin",
+            &vals
+                .iter()
+                .flat_map(|v| (v * 3).to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
         let mut out = [0u32; 4];
-        TokenFile::open(&p16, TokenWidth::U16, 1 << 16).unwrap().read(0, &mut out).unwrap();
+        TokenFile::open(&p16, TokenWidth::U16, 1 << 16)
+            .unwrap()
+            .read(0, &mut out)
+            .unwrap();
         assert_eq!(out, vals);
-        TokenFile::open(&p32, TokenWidth::U32, 1 << 20).unwrap().read(0, &mut out).unwrap();
+        TokenFile::open(&p32, TokenWidth::U32, 1 << 20)
+            .unwrap()
+            .read(0, &mut out)
+            .unwrap();
         assert_eq!(out, vals.map(|v| v * 3));
-        let e = TokenFile::open(&p16, TokenWidth::U16, 1000).unwrap().read(0, &mut out).unwrap_err();
-        assert!(e.to_string().contains("u16.bin") && e.to_string().contains("position 2"), "{e}");
+        let e = TokenFile::open(&p16, TokenWidth::U16, 1000)
+            .unwrap()
+            .read(0, &mut out)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("u16.bin") && e.to_string().contains("position 2"),
+            "{e}"
+        );
         let odd = temp_file("odd.bin", &[1, 2, 3]);
         let e = TokenFile::open(&odd, TokenWidth::U16, 10).err().unwrap();
-        assert!(e.to_string().contains("odd.bin") && e.to_string().contains("3 bytes"), "{e}");
+        assert!(
+            e.to_string().contains("odd.bin") && e.to_string().contains("3 bytes"),
+            "{e}"
+        );
         for p in [p16, p32, odd] {
             std::fs::remove_file(p).unwrap();
         }

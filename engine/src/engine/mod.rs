@@ -34,8 +34,8 @@ pub struct EngineOptions {
     /// Start from these weights (safetensors under the model's parameter names).
     pub init: Option<PathBuf>,
     pub device: Device,
-    /// Recompute layer internals in backward (ds_config's `activation_checkpointing`
-    /// section turns this on; ZeRO-3 always recomputes).
+    /// Recompute layer internals in backward (also on when ds_config has an
+    /// `activation_checkpointing` section; ZeRO-3 always recomputes).
     pub activation_checkpointing: bool,
 }
 

@@ -33,6 +33,7 @@ pub struct Settings {
 
 impl Settings {
     pub fn from_config(cfg: &Config, recompute: bool) -> Result<Settings> {
+        let recompute = recompute || cfg.activation_checkpointing.in_config;
         let precision = match (cfg.fp16.enabled, cfg.bf16.enabled) {
             (true, _) => Precision::F16,
             (_, true) => Precision::BF16,

@@ -15,7 +15,9 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 
 /// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropy)
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropy)
 }
 
 struct LayerNorm {
@@ -43,7 +45,15 @@ impl CustomOp3 for LayerNorm {
     fn name(&self) -> &'static str {
         "ds-layer-norm"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (mut x, w, b) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
         for row in x.chunks_exact_mut(w.len()) {
             let (mean, rstd) = moments(row, self.eps);
@@ -53,7 +63,14 @@ impl CustomOp3 for LayerNorm {
         }
         Ok((from_f32(s1.dtype(), x), l1.shape().clone()))
     }
-    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let packed = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
         let (n, d) = (x.elem_count(), w.elem_count());
         let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
@@ -69,14 +86,26 @@ impl CustomOp3 for LayerNormGrad {
     }
     /// Per row, with xhat = (x - mean) * rstd and g = dy * w:
     /// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += dy * xhat; db += dy.
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, w, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
         let d = w.len();
         let mut out = vec![0f32; x.len() + 2 * d];
         let (dx, dwb) = out.split_at_mut(x.len());
         let (dw, db) = dwb.split_at_mut(d);
         let mut xhat = vec![0f32; d];
-        for ((xr, gr), dxr) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+        for ((xr, gr), dxr) in x
+            .chunks_exact(d)
+            .zip(dy.chunks_exact(d))
+            .zip(dx.chunks_exact_mut(d))
+        {
             let (mean, rstd) = moments(xr, self.eps);
             let (mut g_mean, mut gx_mean) = (0f32, 0f32);
             for i in 0..d {
@@ -103,7 +132,13 @@ impl CustomOp2 for CrossEntropy {
     fn name(&self) -> &'static str {
         "ds-cross-entropy"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
         let v = logits.len() / targets.len().max(1);
         let mut total = 0f64;
@@ -115,7 +150,13 @@ impl CustomOp2 for CrossEntropy {
         let loss = (total / targets.len().max(1) as f64) as f32;
         Ok((from_f32(s1.dtype(), vec![loss]), Shape::from(())))
     }
-    fn bwd(&self, logits: &Tensor, targets: &Tensor, _loss: &Tensor, dloss: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        dloss: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = dloss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let n = targets.elem_count().max(1) as f32;
         let grad = logits.apply_op2_no_bwd(targets, &CrossEntropyGrad { scale: g / n })?;
@@ -128,7 +169,13 @@ impl CustomOp2 for CrossEntropyGrad {
         "ds-cross-entropy-grad"
     }
     /// (softmax(row) - onehot(target)) * scale.
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (mut logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
         let v = logits.len() / targets.len().max(1);
         for (row, &t) in logits.chunks_exact_mut(v).zip(&targets) {
@@ -152,7 +199,10 @@ fn targets(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
     };
     match s {
         CpuStorage::U32(v) => Ok(v[a..b].to_vec()),
-        other => candle_core::bail!("cross entropy: targets must be u32, got {:?}", other.dtype()),
+        other => candle_core::bail!(
+            "cross entropy: targets must be u32, got {:?}",
+            other.dtype()
+        ),
     }
 }
 
@@ -161,14 +211,28 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var, D};
 
-    fn grads_of(f: impl Fn(&[&Tensor]) -> Result<Tensor>, inputs: &[Var], w: &Tensor) -> Vec<Vec<f32>> {
+    fn grads_of(
+        f: impl Fn(&[&Tensor]) -> Result<Tensor>,
+        inputs: &[Var],
+        w: &Tensor,
+    ) -> Vec<Vec<f32>> {
         let ts: Vec<&Tensor> = inputs.iter().map(|v| v.as_tensor()).collect();
         let y = f(&ts).unwrap();
         let mut out = vec![y.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
-        let seed = match y.rank() { 0 => (&y * 3.0).unwrap(), _ => (&y * w).unwrap().sum_all().unwrap() };
+        let seed = match y.rank() {
+            0 => (&y * 3.0).unwrap(),
+            _ => (&y * w).unwrap().sum_all().unwrap(),
+        };
         let g = seed.backward().unwrap();
         for v in inputs {
-            out.push(g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            out.push(
+                g.get(v.as_tensor())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            );
         }
         out
     }
@@ -183,7 +247,9 @@ mod tests {
     }
 
     fn vals(n: usize, k: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * k % 97) as f32 - 48.0) / 13.0).collect()
+        (0..n)
+            .map(|i| ((i * k % 97) as f32 - 48.0) / 13.0)
+            .collect()
     }
 
     #[test]
@@ -199,7 +265,9 @@ mod tests {
             |t| {
                 let c = t[0].broadcast_sub(&t[0].mean_keepdim(D::Minus1)?)?;
                 let var = c.sqr()?.mean_keepdim(D::Minus1)?;
-                c.broadcast_div(&(var + 1e-5)?.sqrt()?)?.broadcast_mul(t[1])?.broadcast_add(t[2])
+                c.broadcast_div(&(var + 1e-5)?.sqrt()?)?
+                    .broadcast_mul(t[1])?
+                    .broadcast_add(t[2])
             },
             &inputs,
             &up,

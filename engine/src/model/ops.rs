@@ -23,7 +23,13 @@ pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
     }
     let t = x.dim(D::Minus1)?;
     let mask: Vec<f32> = (0..t * t)
-        .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
     let mask = Tensor::from_vec(mask, (t, t), x.device())?.to_dtype(x.dtype())?;
     super::nn::softmax_last_dim(&x.broadcast_add(&mask)?)
@@ -66,7 +72,13 @@ impl CustomOp2 for GeluGrad {
     fn name(&self) -> &'static str {
         "ds-gelu-grad"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
         let dx = x
             .iter()
@@ -104,7 +116,9 @@ impl CustomOp1 for CausalSoftmax {
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &CausalSoftmaxGrad)?))
+        Ok(Some(
+            y.apply_op2_no_bwd(&dy.contiguous()?, &CausalSoftmaxGrad)?,
+        ))
     }
 }
 
@@ -113,7 +127,13 @@ impl CustomOp2 for CausalSoftmaxGrad {
         "ds-causal-softmax-grad"
     }
     /// dx = y * (dy - sum(dy * y)) per row.
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let t = square_last_dims(l1)?;
         let (y, mut dx) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
         for (yr, gr) in y.chunks_exact(t).zip(dx.chunks_exact_mut(t)) {
@@ -158,16 +178,30 @@ mod tests {
     use candle_core::{Device, Var};
 
     /// Forward and gradient against candle's own primitive composition of the same function.
-    fn check(fused: impl Fn(&Tensor) -> Result<Tensor>, reference: impl Fn(&Tensor) -> Result<Tensor>, shape: &[usize]) {
+    fn check(
+        fused: impl Fn(&Tensor) -> Result<Tensor>,
+        reference: impl Fn(&Tensor) -> Result<Tensor>,
+        shape: &[usize],
+    ) {
         let n: usize = shape.iter().product();
-        let vals: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        let w: Vec<f32> = (0..n).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+        let vals: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        let w: Vec<f32> = (0..n)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
+            .collect();
         let w = Tensor::from_vec(w, shape, &Device::Cpu).unwrap();
         let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
             let x = Var::from_slice(&vals, shape, &Device::Cpu).unwrap();
             let y = f(x.as_tensor()).unwrap();
             let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let dx = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let dx = g
+                .get(x.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
             (y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), dx)
         };
         let (y1, g1) = run(&fused);
@@ -187,7 +221,15 @@ mod tests {
     fn causal_softmax_matches_masked_softmax() {
         let masked = |x: &Tensor| {
             let t = x.dim(D::Minus1)?;
-            let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+            let m: Vec<f32> = (0..t * t)
+                .map(|i| {
+                    if i % t > i / t {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
             let m = Tensor::from_vec(m, (t, t), x.device())?;
             super::super::nn::softmax_last_dim(&x.broadcast_add(&m)?)
         };
