@@ -27,6 +27,13 @@ pub enum Init {
     Uniform { lo: f64, hi: f64 },
 }
 
+impl Init {
+    /// Normal with mean 0.
+    pub fn normal(std: f64) -> Init {
+        Init::Normal { mean: 0.0, std }
+    }
+}
+
 /// A logical parameter: full name, full shape and initialiser, whatever the layout.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSpec {
