@@ -20,11 +20,16 @@ const STEPS: u64 = 10;
 const GLOBAL_BATCH: usize = 4;
 
 fn config(world: usize, micro: usize, ga: usize, stage: u8, extra: &str) -> ds_config::Config {
+    // extras for zero_optimization start with "z:"
+    let (zero_extra, extra) = match extra.strip_prefix("z:") {
+        Some(z) => (z, ""),
+        None => ("", extra),
+    };
     let text = format!(
         r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {ga},
         "gradient_clipping": 1.0,
         "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 300000, "stage3_param_persistence_threshold": 0}}
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 300000{zero_extra}}}
         {extra}}}"#
     );
     let doc = hjson::parse_bytes(text.as_bytes()).unwrap();

@@ -77,6 +77,9 @@ pub struct Stage3Config {
     pub prefetch_bucket_size: usize,
     /// Most gathered elements alive at once, prefetch included (`stage3_max_live_parameters`).
     pub max_live_parameters: usize,
+    /// Ranges this small stay whole once gathered, until the next step changes them
+    /// (`stage3_param_persistence_threshold`): they cost a collective each for little memory.
+    pub param_persistence_threshold: usize,
 }
 
 /// Stage 3: each rank keeps its shard; a layer's range is all-gathered when asked for and
@@ -87,6 +90,7 @@ pub struct ShardedParams<T: Element> {
     group: Group,
     limits: Stage3Config,
     in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
+    persistent: Vec<(Range<usize>, Vec<T>)>,
 }
 
 impl<T: Element> ShardedParams<T> {
@@ -102,6 +106,7 @@ impl<T: Element> ShardedParams<T> {
             group,
             limits,
             in_flight: None,
+            persistent: Vec::new(),
         }
     }
 
@@ -122,22 +127,34 @@ impl<T: Element> ShardedParams<T> {
 
 impl<T: Element> ParamStore<T> for ShardedParams<T> {
     fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
-        if let Some((r, work)) = self.in_flight.take() {
-            let gathered = work.wait()?;
-            if r == range {
-                return Ok(Cow::Owned(gathered));
-            }
+        if let Some(i) = self.persistent.iter().position(|(r, _)| *r == range) {
+            return Ok(Cow::Borrowed(&self.persistent[i].1));
         }
-        let (mut buf, counts) = self.gather_input(&range);
-        self.group.all_gather_v(&mut buf, &counts)?;
-        Ok(Cow::Owned(buf))
+        let gathered = match self.in_flight.take() {
+            Some((r, work)) if r == range => work.wait()?,
+            other => {
+                if let Some((_, work)) = other {
+                    work.wait()?; // not what was prefetched: finish it to keep collectives aligned
+                }
+                let (mut buf, counts) = self.gather_input(&range);
+                self.group.all_gather_v(&mut buf, &counts)?;
+                buf
+            }
+        };
+        if range.len() <= self.limits.param_persistence_threshold {
+            self.persistent.push((range, gathered));
+            let kept = &self.persistent.last().expect("invariant: just pushed").1;
+            return Ok(Cow::Borrowed(kept));
+        }
+        Ok(Cow::Owned(gathered))
     }
 
     fn prefetch(&mut self, range: Range<usize>) -> Result<()> {
         // The caller holds at most one gathered layer while this one is in flight.
         let fits = range.len() <= self.limits.prefetch_bucket_size
             && 2 * range.len() <= self.limits.max_live_parameters;
-        if self.in_flight.is_none() && fits && !range.is_empty() {
+        let kept = self.persistent.iter().any(|(r, _)| *r == range);
+        if self.in_flight.is_none() && fits && !kept && !range.is_empty() {
             let (buf, counts) = self.gather_input(&range);
             let work = self.group.all_gather_v_async(buf, counts);
             self.in_flight = Some((range, work));
@@ -150,6 +167,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             work.wait()?; // a stale prefetch: finish it so the collective order stays aligned
         }
         convert_into(&mut self.shard, master);
+        self.persistent.clear(); // the step changed them
         Ok(())
     }
 
@@ -162,7 +180,8 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.shard.as_slice())
+        let kept: usize = self.persistent.iter().map(|(_, v)| v.len()).sum();
+        (self.shard.len() + kept) * std::mem::size_of::<T>()
     }
 }
 

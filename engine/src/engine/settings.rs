@@ -85,6 +85,10 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
                 z.stage3_max_live_parameters,
                 "zero_optimization.stage3_max_live_parameters",
             )?,
+            param_persistence_threshold: elements(
+                z.stage3_param_persistence_threshold,
+                "zero_optimization.stage3_param_persistence_threshold",
+            )?,
         },
     })
 }
