@@ -59,8 +59,12 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
     let s = engine.settings().clone();
     // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
-    let source = SyntheticTokens::new(model.V, 1 << 20, 1234);
-    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, rank, world);
+    let source = SyntheticTokens::new(
+        model.V,
+        SyntheticTokens::PEER_LEN,
+        SyntheticTokens::PEER_SEED,
+    )?;
+    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, rank, world)?;
     let (mut times, mut losses) = (Vec::new(), Vec::new());
     for step in 0..(args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
@@ -112,6 +116,7 @@ fn report(
         "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),
         "tokens_per_s": tokens / median,
         "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
+        "losses": losses,
         "peak_rss_mib": rss,
     });
     if args.json {

@@ -1,15 +1,35 @@
-//! Training data: token sources (the peer benchmark's synthetic stream, memory-mapped token
-//! files, plain text as bytes) and the sample order, which depends on (seed, step) and never
-//! on the parallel layout, so every layout trains on the same global batches.
+//! Training data: where tokens come from and which of them each rank trains on.
+//!
+//! Token sources sit behind [`TokenSource`]: the peer benchmark's synthetic stream
+//! ([`SyntheticTokens`], bit-identical to `shared/bench/make_tokens.py`), memory-mapped token
+//! files ([`TokenFile`], nanoGPT's flat `.bin`), plain text as bytes ([`TextBytes`]) and a
+//! learnable Markov chain with a known entropy floor ([`MarkovTokens`]).
+//!
+//! [`SampleOrder`] maps (step, micro-step, row) to a sample, and a sample to a window of
+//! `seq + 1` tokens. It depends on the step, the global batch and the shuffle seed only, never
+//! on how the global batch is split into ranks and micro-steps, so every layout trains on the
+//! same samples per step. [`DataLoader`] binds a source to an order and hands out [`Batch`]es.
 
+mod error;
+mod file;
+mod loader;
+mod markov;
 mod order;
-mod source;
+mod shuffle;
+mod synthetic;
+#[cfg(test)]
+mod testing;
 
+pub use error::{DataError, Result};
+pub use file::{TextBytes, TokenFile, TokenWidth};
+pub use loader::DataLoader;
+pub use markov::MarkovTokens;
 pub use order::SampleOrder;
-pub use source::{SyntheticTokens, TextBytes, TokenFile, TokenSource, TokenWidth};
+pub use synthetic::SyntheticTokens;
 
-/// One micro-batch: `batch` rows of `seq` input tokens and their next-token targets.
-#[derive(Debug, Clone, PartialEq)]
+/// One micro-batch: `batch` rows of `seq` input tokens and their next-token targets, both
+/// row-major `[batch, seq]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,
@@ -29,4 +49,23 @@ impl Batch {
             seq,
         }
     }
+}
+
+/// A flat, random-access sequence of token ids, each below [`TokenSource::vocab`].
+///
+/// `Send + Sync` so one source can serve every thread of a rank behind an `Arc`.
+pub trait TokenSource: Send + Sync {
+    /// What the tokens are (a file's path, or a generator and its parameters), for errors
+    /// and logs.
+    fn name(&self) -> &str;
+    /// The number of tokens.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Every token id is below this.
+    fn vocab(&self) -> usize;
+    /// Tokens `start .. start + out.len()` into `out`. Errors name the source: a read past the
+    /// end, or (for files) a token not below the vocabulary.
+    fn read(&self, start: usize, out: &mut [u32]) -> Result<()>;
 }

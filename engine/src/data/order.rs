@@ -1,64 +1,140 @@
-//! Which samples a rank reads at each step.
+//! Which samples a rank reads at each step, and which window of tokens a sample is.
 //!
-//! Sample g is the non-overlapping window `tokens[g*(T+1) .. g*(T+1)+T+1]` (g modulo the
-//! number of whole windows); inputs are its first T tokens, targets its last T. Step s trains
-//! on the global batch of samples s*GB .. s*GB+GB-1; data-parallel rank r reads, at micro-step
-//! k, samples s*GB + (r*GA + k)*B + b. With GA = 1 that is the peer benchmark's
-//! (s*W + r)*B + b, and for any layout a step covers the same samples.
+//! Sample g is the non-overlapping window `tokens[w*(T+1) .. w*(T+1) + T+1]` with
+//! `w = g mod n_windows` (n_windows = N / (T+1)), or with shuffling `w = perm_e(g mod n)` for
+//! the epoch `e = g / n_windows`; inputs are its first T tokens, targets its last T.
+//! Step s trains on the global batch of samples `s*GB .. s*GB + GB` (GB = B * GA * DP);
+//! data-parallel rank r reads, at micro-step k, samples `s*GB + (r*GA + k)*B + b`, b < B.
+//! With GA = 1 that is the peer benchmark's `(s*W + r)*B + b` (shared/bench/gpt.py,
+//! TokenBatches), and for any split of GB into (B, GA, DP) a step covers the same samples.
 
+use super::error::{DataError, Result};
+use super::shuffle::permute;
 use super::{Batch, TokenSource};
-use crate::{EngineError, Result};
 
-#[derive(Debug, Clone, Copy)]
+/// The sample order of one data-parallel rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleOrder {
     seq: usize,
     micro_batch: usize,
     grad_accum: usize,
     dp_rank: usize,
     dp_size: usize,
+    global_batch: u64,
+    shuffle: Option<u64>,
 }
 
 impl SampleOrder {
+    /// Rank `dp_rank` of `dp_size`, reading `micro_batch` rows of `seq` tokens per micro-step
+    /// and `grad_accum` micro-steps per optimizer step; windows in file order until
+    /// [`SampleOrder::shuffled`].
     pub fn new(
         seq: usize,
         micro_batch: usize,
         grad_accum: usize,
         dp_rank: usize,
         dp_size: usize,
-    ) -> SampleOrder {
-        SampleOrder {
+    ) -> Result<SampleOrder> {
+        let invalid = |what: String| Err(DataError::Invalid(format!("sample order: {what}")));
+        if [seq, micro_batch, grad_accum, dp_size].contains(&0) {
+            return invalid(format!(
+                "seq {seq}, micro-batch {micro_batch}, gradient accumulation {grad_accum} and \
+                 data-parallel size {dp_size} must all be at least 1"
+            ));
+        }
+        if dp_rank >= dp_size {
+            return invalid(format!("rank {dp_rank} is not below the size {dp_size}"));
+        }
+        // One micro-batch of windows and the global batch must be countable without overflow.
+        let rows = (seq.checked_add(1)).and_then(|w| w.checked_mul(micro_batch));
+        let global = micro_batch
+            .checked_mul(grad_accum)
+            .and_then(|x| x.checked_mul(dp_size));
+        let (Some(_), Some(global_batch)) = (rows, global) else {
+            return invalid(format!("seq {seq} or the batch sizes overflow"));
+        };
+        Ok(SampleOrder {
             seq,
             micro_batch,
             grad_accum,
             dp_rank,
             dp_size,
+            global_batch: global_batch as u64,
+            shuffle: None,
+        })
+    }
+
+    /// The same order with every epoch's windows permuted by a permutation that depends on
+    /// (`seed`, epoch) only, so all ranks and layouts agree on it.
+    pub fn shuffled(self, seed: u64) -> SampleOrder {
+        SampleOrder {
+            shuffle: Some(seed),
+            ..self
         }
     }
 
-    /// The global index of row `b` of micro-step `k` of step `step` on this rank.
-    pub fn sample(&self, step: u64, k: usize, b: usize) -> u64 {
-        let global = (self.micro_batch * self.grad_accum * self.dp_size) as u64;
-        let local = (self.dp_rank * self.grad_accum + k) * self.micro_batch + b;
-        step * global + local as u64
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+    pub fn micro_batch_size(&self) -> usize {
+        self.micro_batch
+    }
+    pub fn grad_accum(&self) -> usize {
+        self.grad_accum
+    }
+    /// Samples per optimizer step over all ranks: micro-batch x accumulation x dp size.
+    pub fn global_batch(&self) -> u64 {
+        self.global_batch
     }
 
-    pub fn micro_batch(&self, source: &dyn TokenSource, step: u64, k: usize) -> Result<Batch> {
-        let t = self.seq;
-        let windows = source.len() / (t + 1);
-        if windows == 0 {
-            return Err(EngineError::Invalid(format!(
-                "the data has {} tokens, fewer than one window of T+1 = {}",
-                source.len(),
-                t + 1
+    /// The global index of row `b` of micro-step `micro` of `step` on this rank.
+    pub fn sample(&self, step: u64, micro: usize, b: usize) -> Result<u64> {
+        if micro >= self.grad_accum || b >= self.micro_batch {
+            return Err(DataError::Invalid(format!(
+                "sample order: micro-step {micro} row {b} outside {} x {}",
+                self.grad_accum, self.micro_batch
             )));
         }
-        let mut window = vec![0u32; t + 1];
-        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+        let local = ((self.dp_rank * self.grad_accum + micro) * self.micro_batch + b) as u64;
+        step.checked_mul(self.global_batch)
+            .and_then(|x| x.checked_add(local))
+            .ok_or_else(|| DataError::Invalid(format!("sample order: step {step} overflows")))
+    }
+
+    /// The window sample `g` reads, among `windows` (> 0, see [`SampleOrder::windows`]).
+    fn window(&self, g: u64, windows: u64) -> u64 {
+        let pos = g % windows;
+        match self.shuffle {
+            Some(seed) => permute(seed, g / windows, pos, windows),
+            None => pos,
+        }
+    }
+
+    /// The number of whole windows of `seq + 1` tokens in `source`; at least one, or an error
+    /// naming the source.
+    pub fn windows(&self, source: &dyn TokenSource) -> Result<u64> {
+        match source.len() / (self.seq + 1) {
+            0 => Err(DataError::TooShort {
+                name: source.name().to_string(),
+                tokens: source.len(),
+                needed: self.seq + 1,
+            }),
+            n => Ok(n as u64),
+        }
+    }
+
+    /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`.
+    pub fn micro_batch(&self, source: &dyn TokenSource, step: u64, micro: usize) -> Result<Batch> {
+        let (t, windows) = (self.seq, self.windows(source)?);
+        let mut buf = vec![0u32; t + 1];
+        let mut inputs = Vec::with_capacity(self.micro_batch * t);
+        let mut targets = Vec::with_capacity(self.micro_batch * t);
         for b in 0..self.micro_batch {
-            let g = (self.sample(step, k, b) % windows as u64) as usize;
-            source.read(g * (t + 1), &mut window)?;
-            inputs.extend_from_slice(&window[..t]);
-            targets.extend_from_slice(&window[1..]);
+            // window < windows <= len / (t+1), so the start fits a usize.
+            let w = self.window(self.sample(step, micro, b)?, windows) as usize;
+            source.read(w * (t + 1), &mut buf)?;
+            inputs.extend_from_slice(&buf[..t]);
+            targets.extend_from_slice(&buf[1..]);
         }
         Ok(Batch {
             inputs,
@@ -71,28 +147,153 @@ impl SampleOrder {
 
 #[cfg(test)]
 mod tests {
+    use super::super::SyntheticTokens;
     use super::*;
 
-    #[test]
-    fn ga1_is_the_peer_order_and_every_layout_covers_the_same_samples() {
-        // the peer's rule, written independently: g = (s*W + r)*B + b
-        let o = SampleOrder::new(8, 4, 1, 1, 2);
-        assert_eq!(o.sample(3, 0, 2), (3 * 2 + 1) * 4 + 2);
-        for (b, ga, w) in [
-            (8usize, 1usize, 1usize),
-            (4, 1, 2),
-            (2, 2, 2),
-            (1, 2, 4),
-            (2, 1, 4),
-        ] {
-            let mut seen: Vec<u64> = (0..w)
-                .flat_map(|r| {
-                    let o = SampleOrder::new(8, b, ga, r, w);
-                    (0..ga).flat_map(move |k| (0..b).map(move |i| o.sample(5, k, i)))
-                })
-                .collect();
-            seen.sort();
-            assert_eq!(seen, (40..48).collect::<Vec<u64>>(), "B={b} GA={ga} W={w}");
+    /// The tiny preset's stream and window: V = 4096, N = 2^20, T = 128 (8128 windows).
+    fn peer() -> SyntheticTokens {
+        SyntheticTokens::new(4096, 1 << 20, 1234).unwrap()
+    }
+
+    fn rows(b: &Batch) -> Vec<(Vec<u32>, Vec<u32>)> {
+        let (i, t) = (b.inputs.chunks(b.seq), b.targets.chunks(b.seq));
+        i.zip(t).map(|(i, t)| (i.to_vec(), t.to_vec())).collect()
+    }
+
+    /// Every row of `step` over all ranks and micro-steps of a (B, GA, DP) layout, in rank
+    /// then micro-step order.
+    fn step_rows(
+        b: usize,
+        ga: usize,
+        dp: usize,
+        shuffle: Option<u64>,
+        step: u64,
+    ) -> Vec<(Vec<u32>, Vec<u32>)> {
+        let src = SyntheticTokens::new(512, 20_000, 9).unwrap();
+        let mut out = Vec::new();
+        for r in 0..dp {
+            let mut o = SampleOrder::new(16, b, ga, r, dp).unwrap();
+            if let Some(seed) = shuffle {
+                o = o.shuffled(seed);
+            }
+            for k in 0..ga {
+                out.extend(rows(&o.micro_batch(&src, step, k).unwrap()));
+            }
         }
+        out
+    }
+
+    #[test]
+    fn ga1_reads_the_peer_windows() {
+        // The peer's TokenBatches, written out independently: a sequential LCG and
+        // g = ((s*W + r)*B + b) mod n_windows.
+        let mut x = 1234u64;
+        let tokens: Vec<u32> = (0..1 << 20)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % 4096) as u32
+            })
+            .collect();
+        let (t, bsz, w, src) = (128usize, 8usize, 2usize, peer());
+        let nwin = tokens.len() / (t + 1);
+        for r in 0..w {
+            let o = SampleOrder::new(t, bsz, 1, r, w).unwrap();
+            for s in [0usize, 1, 507, 508, 1000] {
+                let got = o.micro_batch(&src, s as u64, 0).unwrap();
+                for (b, (inp, tgt)) in rows(&got).into_iter().enumerate() {
+                    let g = ((s * w + r) * bsz + b) % nwin;
+                    let win = &tokens[g * (t + 1)..(g + 1) * (t + 1)];
+                    assert_eq!(
+                        (&inp[..], &tgt[..]),
+                        (&win[..t], &win[1..]),
+                        "s {s} r {r} b {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_layout_of_a_global_batch_reads_the_same_samples() {
+        for shuffle in [None, Some(5)] {
+            for step in [0u64, 3, 40] {
+                // GB = 8. dp=1 with GA=2 concatenates exactly as dp=2 with GA=1.
+                let base = step_rows(4, 2, 1, shuffle, step);
+                assert_eq!(base, step_rows(4, 1, 2, shuffle, step));
+                assert_eq!(base, step_rows(8, 1, 1, shuffle, step));
+                let mut sorted = base.clone();
+                sorted.sort();
+                for (b, ga, dp) in [(2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 1, 8), (1, 8, 1)] {
+                    let mut other = step_rows(b, ga, dp, shuffle, step);
+                    other.sort();
+                    assert_eq!(sorted, other, "B={b} GA={ga} DP={dp} shuffle {shuffle:?}");
+                }
+            }
+        }
+        let o = SampleOrder::new(8, 4, 1, 1, 2).unwrap();
+        assert_eq!(o.sample(3, 0, 2).unwrap(), (3 * 2 + 1) * 4 + 2);
+        assert_eq!(o.global_batch(), 8);
+        // GA = 2, DP = 2, B = 2: a rank's micro-steps are consecutive, ranks follow each other.
+        let r0 = SampleOrder::new(8, 2, 2, 0, 2).unwrap();
+        let r1 = SampleOrder::new(8, 2, 2, 1, 2).unwrap();
+        let at = |o: &SampleOrder, k, b| o.sample(3, k, b).unwrap();
+        assert_eq!(
+            [at(&r0, 0, 0), at(&r0, 1, 1), at(&r1, 0, 0), at(&r1, 1, 1)],
+            [24, 27, 28, 31]
+        );
+    }
+
+    #[test]
+    fn shuffling_permutes_each_epoch_differently() {
+        let n = 8128u64;
+        let epoch = |o: &SampleOrder, e: u64| -> Vec<u64> {
+            (e * n..(e + 1) * n).map(|g| o.window(g, n)).collect()
+        };
+        let plain = SampleOrder::new(128, 8, 1, 0, 1).unwrap();
+        assert_eq!(epoch(&plain, 2), (0..n).collect::<Vec<_>>());
+        let a = plain.shuffled(1);
+        let (e0, e1) = (epoch(&a, 0), epoch(&a, 1));
+        for e in [&e0, &e1] {
+            let mut s = e.clone();
+            s.sort_unstable();
+            assert_eq!(s, (0..n).collect::<Vec<_>>());
+        }
+        assert_ne!(e0, e1);
+        assert_ne!(e0, epoch(&plain.shuffled(2), 0));
+        assert_ne!(e0, (0..n).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn bad_parameters_are_errors() {
+        for (t, b, ga, r, w) in [
+            (0, 1, 1, 0, 1),
+            (8, 0, 1, 0, 1),
+            (8, 1, 0, 0, 1),
+            (8, 1, 1, 2, 2),
+        ] {
+            let e = SampleOrder::new(t, b, ga, r, w).unwrap_err();
+            assert!(matches!(e, DataError::Invalid(_)), "{e}");
+        }
+        assert!(SampleOrder::new(8, usize::MAX, 2, 0, 1).is_err());
+        assert!(SampleOrder::new(usize::MAX, 1, 1, 0, 1).is_err());
+        assert!(SampleOrder::new(usize::MAX / 2, 3, 1, 0, 1).is_err());
+        let o = SampleOrder::new(8, 4, 2, 0, 1).unwrap();
+        assert!(o.micro_batch(&peer(), 0, 2).is_err());
+        assert!(o.sample(u64::MAX / 4, 0, 0).is_err());
+        let tiny = SyntheticTokens::new(10, 8, 0).unwrap();
+        let e = o.micro_batch(&tiny, 0, 0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DataError::TooShort {
+                    tokens: 8,
+                    needed: 9,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
