@@ -153,7 +153,7 @@ impl<T: Dtype> Trainer<T> {
 
     /// Whether the backward about to run ends an accumulation window.
     pub fn is_boundary(&self) -> bool {
-        (self.micro_steps + 1) % self.settings.grad_accum as u64 == 0
+        (self.micro_steps + 1).is_multiple_of(self.settings.grad_accum as u64)
     }
 
     /// Backward of the last forward, layer by layer from the loss.
@@ -200,7 +200,11 @@ impl<T: Dtype> Trainer<T> {
 
     /// The optimizer step at an accumulation boundary; `None` between boundaries.
     pub fn step(&mut self) -> Result<Option<StepOutcome>> {
-        if self.micro_steps == 0 || self.micro_steps % self.settings.grad_accum as u64 != 0 {
+        if self.micro_steps == 0
+            || !self
+                .micro_steps
+                .is_multiple_of(self.settings.grad_accum as u64)
+        {
             return Ok(None);
         }
         let t0 = Instant::now();
