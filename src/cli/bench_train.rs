@@ -31,6 +31,9 @@ pub struct TrainBenchArgs {
     /// Initial weights (safetensors under the model's parameter names).
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Write the initial weights (safetensors, the model's parameter names) here first.
+    #[arg(long)]
+    save_init: Option<PathBuf>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -57,6 +60,9 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         ..EngineOptions::default()
     };
     let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
+    if let Some(path) = &args.save_init {
+        save_weights(&engine, path, rank)?;
+    }
     let s = engine.settings().clone();
     // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
     let source = SyntheticTokens::new(
@@ -80,6 +86,16 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         report(args, &s, world, model.T, &times, &losses, &rss);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Rank 0 writes the whole parameters (all ranks take part in gathering them).
+fn save_weights(engine: &Engine, path: &std::path::Path, rank: usize) -> anyhow::Result<()> {
+    let params = engine.gather_params()?;
+    if rank == 0 {
+        let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
+        ds_engine::model::weights::save(path, engine.param_specs(), &values)?;
+    }
+    Ok(())
 }
 
 /// Every rank's peak resident set (VmHWM) in MiB, in rank order.
