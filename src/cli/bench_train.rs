@@ -71,19 +71,20 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         SyntheticTokens::PEER_SEED,
     )?;
     let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, rank, world)?;
-    let (mut times, mut losses) = (Vec::new(), Vec::new());
+    let mut m = Measured::default();
     for step in 0..(args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
             .map(|k| order.micro_batch(&source, step, k))
             .collect::<Result<_, _>>()?;
         let t0 = Instant::now();
         let (loss, _) = engine.train_batch(|k| Ok(batches[k].clone()))?;
-        times.push(t0.elapsed().as_secs_f64());
-        losses.push(loss);
+        m.times.push(t0.elapsed().as_secs_f64());
+        m.losses.push(loss);
+        m.parts.push(engine.take_timings());
     }
-    let rss = gather_rss(&comm.world())?;
+    m.rss = gather_rss(&comm.world())?;
     if rank == 0 {
-        report(args, &s, world, model.T, &times, &losses, &rss);
+        report(args, &s, world, model.T, &m);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -111,15 +112,26 @@ fn gather_rss(g: &Group) -> anyhow::Result<Vec<f32>> {
     Ok(all)
 }
 
-fn report(
-    args: &TrainBenchArgs,
-    s: &ds_engine::Settings,
-    world: usize,
-    seq: usize,
-    times: &[f64],
-    losses: &[f32],
-    rss: &[f32],
-) {
+/// What the steps measured on this rank, and every rank's peak RSS.
+#[derive(Default)]
+struct Measured {
+    times: Vec<f64>,
+    losses: Vec<f32>,
+    parts: Vec<ds_engine::Timings>,
+    rss: Vec<f32>,
+}
+
+fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usize, m: &Measured) {
+    let (times, losses, parts, rss) = (&m.times, &m.losses, &m.parts, &m.rss);
+    // wall_clock_breakdown: median forward / backward / step time of the timed steps
+    let part_ms = |f: fn(&ds_engine::Timings) -> std::time::Duration| {
+        let mut v: Vec<f64> = parts[args.warmup.min(parts.len())..]
+            .iter()
+            .map(|t| 1e3 * f(t).as_secs_f64())
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
     let mut timed = times[args.warmup.min(times.len())..].to_vec();
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
@@ -134,6 +146,8 @@ fn report(
         "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
         "losses": losses,
         "peak_rss_mib": rss,
+        "forward_ms": part_ms(|t| t.forward), "backward_ms": part_ms(|t| t.backward),
+        "step_ms": part_ms(|t| t.step),
     });
     if args.json {
         println!("{row}");
