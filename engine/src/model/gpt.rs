@@ -6,10 +6,10 @@
 use std::path::Path;
 
 use candle_core::{Module, Result, Tensor, D};
-use candle_nn::{linear, linear_no_bias, Embedding, VarBuilder};
+use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::nn::{cross_entropy, LayerNorm};
+use super::nn::{cross_entropy, LayerNorm, Linear};
 use super::ops::{causal_softmax, gelu};
 use super::{Context, Init, Layer, Model, ParamSpec};
 
@@ -173,8 +173,8 @@ impl Layer for Block {
         let ln_1 = LayerNorm::new(d, LN_EPS, vb.pp("ln_1"))?;
         let x = (x + attention(self.0, &ln_1.forward(x)?, &vb.pp("attn"))?)?;
         let ln_2 = LayerNorm::new(d, LN_EPS, vb.pp("ln_2"))?;
-        let c_fc = linear(d, 4 * d, vb.pp("mlp.c_fc"))?;
-        let c_proj = linear(4 * d, d, vb.pp("mlp.c_proj"))?;
+        let c_fc = Linear::new(d, 4 * d, vb.pp("mlp.c_fc"))?;
+        let c_proj = Linear::new(4 * d, d, vb.pp("mlp.c_proj"))?;
         let h = gelu(&c_fc.forward(&ln_2.forward(&x)?)?)?;
         x + c_proj.forward(&h)?
     }
@@ -184,7 +184,7 @@ impl Layer for Block {
 fn attention(c: GptConfig, x: &Tensor, vb: &VarBuilder) -> Result<Tensor> {
     let (b, t, d) = x.dims3()?;
     let hd = d / c.H;
-    let qkv = linear(d, 3 * d, vb.pp("c_attn"))?.forward(x)?;
+    let qkv = Linear::new(d, 3 * d, vb.pp("c_attn"))?.forward(x)?;
     let heads = |i: usize| {
         qkv.narrow(2, i * d, d)?
             .reshape((b, t, c.H, hd))?
@@ -195,7 +195,7 @@ fn attention(c: GptConfig, x: &Tensor, vb: &VarBuilder) -> Result<Tensor> {
     let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
     let y = causal_softmax(&scores)?.matmul(&v)?;
     let y = y.transpose(1, 2)?.reshape((b, t, d))?;
-    linear(d, d, vb.pp("c_proj"))?.forward(&y)
+    Linear::new(d, d, vb.pp("c_proj"))?.forward(&y)
 }
 
 /// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V].
@@ -214,7 +214,7 @@ impl Layer for Head {
     fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
         let c = self.0;
         let ln_f = LayerNorm::new(c.d, LN_EPS, vb.pp("ln_f"))?;
-        linear_no_bias(c.d, c.V, vb.pp("lm_head"))?.forward(&ln_f.forward(x)?)
+        Linear::no_bias(c.d, c.V, vb.pp("lm_head"))?.forward(&ln_f.forward(x)?)
     }
 }
 

@@ -2,7 +2,7 @@
 //! last-dim softmax have no backward, so training through them fails. These are written
 //! with candle's primitive ops, which all have one.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// LayerNorm over the last dimension with weight and bias (computed in f32).
@@ -35,6 +35,37 @@ impl LayerNorm {
             .to_dtype(dtype)?
             .broadcast_mul(&self.weight)?
             .broadcast_add(&self.bias)
+    }
+}
+
+/// `x W^T + b` with candle-nn's Linear layout ([out, in] weight), the bias added by the fused
+/// `add_bias`.
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(inp: usize, out: usize, vb: VarBuilder) -> Result<Linear> {
+        Ok(Linear {
+            weight: vb.get((out, inp), "weight")?,
+            bias: Some(vb.get(out, "bias")?),
+        })
+    }
+
+    pub fn no_bias(inp: usize, out: usize, vb: VarBuilder) -> Result<Linear> {
+        Ok(Linear {
+            weight: vb.get((out, inp), "weight")?,
+            bias: None,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = candle_nn::Linear::new(self.weight.clone(), None).forward(x)?;
+        match &self.bias {
+            Some(b) => super::ops::add_bias(&y, b),
+            None => Ok(y),
+        }
     }
 }
 
