@@ -1,5 +1,6 @@
 //! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
 
+mod bench_adam;
 mod bench_comm;
 mod bench_train;
 mod config_check;
@@ -54,6 +55,8 @@ enum ConfigCommand {
 enum BenchCommand {
     /// Bandwidth and latency of the collectives, as nccl-tests prints them.
     Comm(bench_comm::CommArgs),
+    /// One fused AdamW step on CPU, as the peer's adam_cpu.py measures DeepSpeed's.
+    Adam(bench_adam::AdamArgs),
     /// Training throughput of the built-in GPT, as the peer benchmark measures it.
     Train(bench_train::TrainBenchArgs),
 }
@@ -77,6 +80,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             command: BenchCommand::Comm(args),
         } => return bench_comm::run(&args),
+        Command::Bench {
+            command: BenchCommand::Adam(args),
+        } => return bench_adam::run(&args),
         Command::Bench {
             command: BenchCommand::Train(args),
         } => return bench_train::run(&args),

@@ -26,8 +26,10 @@ pub struct Adam {
     exp_avg_sq: Vec<f32>,
 }
 
-/// The per-step scalars, computed once in f64 and rounded to f32 as DeepSpeed's AVX code
-/// broadcasts them, so the inner loop is pure f32 multiply/add/sqrt/div.
+/// The per-step scalars, as DeepSpeed's Adam kernels (CPU and CUDA) have them: the betas are
+/// C++ floats, so `1 - beta` is taken from the f32 beta (for beta2 = 0.999 that is 1.3e-5 off
+/// torch's double `1 - beta2`), and the bias corrections are powers of the f32 betas computed in
+/// double. Each scalar is rounded to f32 once; the inner loop is pure f32 mul/add/sqrt/div.
 #[derive(Clone, Copy)]
 struct Consts {
     beta1: f32,
@@ -47,23 +49,25 @@ struct Consts {
 
 impl Consts {
     fn new(hp: &AdamParams, step: u64, lr: f64) -> Consts {
-        let (b1, b2) = hp.betas;
+        let (b1, b2) = (hp.betas.0 as f32, hp.betas.1 as f32);
         // powi takes i32; beyond that beta^t has long been 0 for any beta < 1.
         let t = i32::try_from(step).unwrap_or(i32::MAX);
+        let bc1 = 1.0 - f64::from(b1).powi(t);
+        let bc2 = 1.0 - f64::from(b2).powi(t);
         let (l2, decay) = match hp.adam_w_mode {
             true => (0.0, 1.0 - lr * hp.weight_decay),
             false => (hp.weight_decay, 1.0),
         };
         Consts {
-            beta1: b1 as f32,
-            one_minus_beta1: (1.0 - b1) as f32,
-            beta2: b2 as f32,
-            one_minus_beta2: (1.0 - b2) as f32,
-            inv_sqrt_bc2: (1.0 / (1.0 - b2.powi(t)).sqrt()) as f32,
+            beta1: b1,
+            one_minus_beta1: 1.0 - b1,
+            beta2: b2,
+            one_minus_beta2: 1.0 - b2,
+            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             eps: hp.eps as f32,
             l2: l2 as f32,
             decay: decay as f32,
-            neg_step_size: (-lr / (1.0 - b1.powi(t))) as f32,
+            neg_step_size: (-lr / bc1) as f32,
         }
     }
 }
@@ -118,12 +122,13 @@ impl Optimizer for Adam {
         let n = self.exp_avg.len();
         let (mut m, mut v) = (None, None);
         for &(name, buf) in &state.buffers {
-            check_len(name, buf, n)?;
-            match name {
-                "exp_avg" => m = Some(buf),
-                "exp_avg_sq" => v = Some(buf),
+            let slot = match name {
+                "exp_avg" => &mut m,
+                "exp_avg_sq" => &mut v,
                 _ => return Err(unknown(name)),
-            }
+            };
+            check_len(name, buf, n)?;
+            *slot = Some(buf);
         }
         let m = m.ok_or(OptimError::MissingState { name: "exp_avg" })?;
         let v = v.ok_or(OptimError::MissingState { name: "exp_avg_sq" })?;
@@ -148,30 +153,42 @@ fn unknown(name: &str) -> OptimError {
 }
 
 /// One block through the widest kernel this CPU runs. Baseline x86-64 code is SSE2 only, and
-/// with 4-wide sqrt and div one thread is compute-bound (measured 20-30 % slower than
-/// DeepSpeed's AVX2 build); the AVX2 copy of the same code closes that. Both copies perform the
-/// same IEEE operations (no FMA contraction), so results are bitwise identical across CPUs.
+/// with 4-wide sqrt and div one thread is compute-bound, slower than DeepSpeed's AVX2 build (see
+/// NOTES.md); the AVX2 copy of the same code closes that. Both copies perform the same IEEE
+/// operations (no FMA contraction), so results are bitwise identical across CPUs.
 fn dispatch_block(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the only requirement of calling a target_feature function is that the CPU
-        // has the feature, which was just checked.
+        // SAFETY: the CPU has AVX2, checked just above.
         return unsafe { update_block_avx2(k, p, g, m, v) };
     }
     update_block(k, p, g, m, v)
 }
 
 /// `update_block` compiled with AVX2 enabled (it is inlined here, so LLVM uses 8-wide ops).
+///
+/// # Safety
+/// The CPU must support AVX2. (An `unsafe fn` rather than a safe `#[target_feature]` fn, which
+/// needs Rust 1.86; the workspace's rust-version is 1.80.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn update_block_avx2(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+unsafe fn update_block_avx2(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     update_block(k, p, g, m, v)
 }
 
-/// The fused update of one block: LANES-wide chunks the vectoriser turns into SIMD, then the
-/// (< LANES) tail through the same element function, so results do not depend on position.
+/// The fused update of one block: a short head up to a 32-byte boundary of `p`, LANES-wide
+/// chunks the vectoriser turns into SIMD, then the (< LANES) tail. Head and tail go through the
+/// same element function, so results do not depend on position. The head matters because
+/// malloc returns 16 mod 64 aligned buffers: without it every other 32-byte access in the
+/// AVX2 loop splits a cache line.
 #[inline(always)]
 fn update_block(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let head = p.as_ptr().align_offset(32).min(p.len());
+    let (p_head, p) = p.split_at_mut(head);
+    let (m_head, m) = m.split_at_mut(head);
+    let (v_head, v) = v.split_at_mut(head);
+    let (g_head, g) = g.split_at(head);
+    elementwise(k, p_head, g_head, m_head, v_head);
     let mut pc = p.chunks_exact_mut(LANES);
     let mut gc = g.chunks_exact(LANES);
     let mut mc = m.chunks_exact_mut(LANES);
@@ -181,9 +198,15 @@ fn update_block(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f3
             update(k, &mut p[i], g[i], &mut m[i], &mut v[i]);
         }
     }
-    let tail = pc.into_remainder().iter_mut().zip(gc.remainder());
-    let tail = tail.zip(mc.into_remainder()).zip(vc.into_remainder());
-    for (((p, g), m), v) in tail {
+    let (p, g) = (pc.into_remainder(), gc.remainder());
+    elementwise(k, p, g, mc.into_remainder(), vc.into_remainder());
+}
+
+/// Element by element, for the head and tail of a block.
+#[inline(always)]
+fn elementwise(k: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let all = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
+    for (((p, g), m), v) in all {
         update(k, p, *g, m, v);
     }
 }
@@ -199,4 +222,41 @@ fn update(k: &Consts, p: &mut f32, g: f32, m: &mut f32, v: &mut f32) {
     *p = *p * k.decay + k.neg_step_size * (m_new / denom);
     *m = m_new;
     *v = v_new;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 copy and the portable code give the same bits (no FMA contraction in either),
+    /// so a checkpoint continues identically on CPUs with and without AVX2.
+    #[test]
+    fn simd_dispatch_matches_portable_code_bitwise() {
+        let hp = AdamParams {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.1,
+            adam_w_mode: false,
+        };
+        let n = 1003;
+        let init: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let grad: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 997) as f32 / 997.0 - 0.5)
+            .collect();
+        let (mut a, mut b) = (
+            [init.clone(), vec![0.1; n], vec![0.2; n]],
+            [init, vec![0.1; n], vec![0.2; n]],
+        );
+        for step in 1..=5 {
+            let k = Consts::new(&hp, step, 1e-2);
+            let [p, m, v] = &mut a;
+            update_block(&k, p, &grad, m, v);
+            let [p, m, v] = &mut b;
+            dispatch_block(&k, p, &grad, m, v);
+        }
+        let bits = |x: &[Vec<f32>; 3]| x.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b));
+    }
 }

@@ -7,13 +7,14 @@
 //! for checkpoints, and the `ds-rs bench adam` micro-benchmark. It knows nothing of ranks,
 //! partitioning or schedules: the learning rate and (for OneCycle) the momentum come from outside.
 //!
-//! Each update is one fused pass over the shard, cut into [`BLOCK`]-element blocks that rayon
-//! spreads over its threads; inside a block the loop runs over fixed [`LANES`]-wide chunks so that
+//! Each update is one fused pass over the shard, cut into `BLOCK`-element blocks that rayon
+//! spreads over its threads; inside a block the loop runs over fixed `LANES`-wide chunks so that
 //! LLVM vectorises it without bounds checks.
 
 mod adam;
 mod bench;
 mod sgd;
+mod sgd_params;
 #[cfg(test)]
 mod tests;
 
@@ -22,15 +23,17 @@ use ds_config::ConfigError;
 
 pub use adam::{Adam, AdamParams};
 pub use bench::{bench_adam, BenchResult};
-pub use sgd::{Sgd, SgdParams};
+pub use sgd::Sgd;
+pub use sgd_params::SgdParams;
 
 /// Elements per rayon task: 64K f32 = 256 KiB per buffer, large enough that scheduling costs
 /// nothing next to the memory traffic, small enough to balance two to a few dozen threads.
-pub const BLOCK: usize = 1 << 16;
+const BLOCK: usize = 1 << 16;
 
 /// Elements per inner chunk: a fixed width the vectoriser unrolls into 4/8/16-wide SIMD
-/// (SSE2 by default, AVX2/AVX-512 with `-C target-cpu=native`).
-pub const LANES: usize = 16;
+/// (SSE2 in a default build, plus a run-time-selected AVX2 copy of the Adam kernel; whatever
+/// the CPU has with `-C target-cpu=native`).
+const LANES: usize = 16;
 
 /// An optimizer acting on one flat fp32 shard, whose length is fixed at construction.
 pub trait Optimizer: Send {

@@ -4,118 +4,8 @@
 //! `d = buf`; `p -= lr * d`.
 
 use rayon::prelude::*;
-use serde_json::{Map, Value as Json};
 
-use super::{check_len, OptimError, Optimizer, OptimizerState, BLOCK, LANES};
-use ds_config::error::closest;
-use ds_config::ConfigError;
-
-const PATH: &str = "optimizer.params";
-
-/// torch.optim.SGD's hyper-parameters other than the learning rate.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SgdParams {
-    /// The config's lr (torch's default 1e-3); the engine's scheduler starts from it.
-    pub lr: f64,
-    pub momentum: f64,
-    pub dampening: f64,
-    pub weight_decay: f64,
-    pub nesterov: bool,
-}
-
-impl SgdParams {
-    /// The `optimizer.params` of `"type": "SGD"`, with torch's defaults and checks. Keys are
-    /// passed to torch as keyword arguments, so unknown ones are an error, as in DeepSpeed.
-    pub fn parse(params: Option<&Json>) -> Result<SgdParams, ConfigError> {
-        let empty = Map::new();
-        let map = match params {
-            None | Some(Json::Null) => &empty,
-            Some(Json::Object(m)) => m,
-            Some(other) => return Err(ConfigError::invalid(PATH, other, "an object")),
-        };
-        check_keys(map)?;
-        let p = SgdParams {
-            lr: number(map, "lr", 1e-3)?,
-            momentum: number(map, "momentum", 0.0)?,
-            dampening: number(map, "dampening", 0.0)?,
-            weight_decay: number(map, "weight_decay", 0.0)?,
-            nesterov: boolean(map, "nesterov", false)?,
-        };
-        if boolean(map, "maximize", false)? {
-            return Err(ConfigError::invalid(
-                "optimizer.params.maximize",
-                true,
-                "false",
-            ));
-        }
-        p.check()?;
-        Ok(p)
-    }
-
-    /// torch's constructor checks, each naming its key.
-    fn check(&self) -> Result<(), ConfigError> {
-        for (key, x) in [
-            ("lr", self.lr),
-            ("momentum", self.momentum),
-            ("weight_decay", self.weight_decay),
-        ] {
-            if x.is_nan() || x < 0.0 {
-                return Err(ConfigError::invalid(
-                    &format!("{PATH}.{key}"),
-                    x,
-                    "a number >= 0",
-                ));
-            }
-        }
-        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            let why = "Nesterov momentum requires a momentum > 0 and zero dampening";
-            return Err(ConfigError::conflict(&format!("{PATH}.nesterov"), why));
-        }
-        Ok(())
-    }
-}
-
-/// torch.optim.SGD's keyword arguments; foreach / fused / differentiable only pick torch's
-/// implementation and do not change the result.
-const KEYS: [&str; 9] = [
-    "lr",
-    "momentum",
-    "dampening",
-    "weight_decay",
-    "nesterov",
-    "maximize",
-    "foreach",
-    "fused",
-    "differentiable",
-];
-
-fn check_keys(map: &Map<String, Json>) -> Result<(), ConfigError> {
-    match map.keys().find(|k| !KEYS.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(k) => Err(ConfigError::Unknown {
-            path: format!("{PATH}.{k}"),
-            suggestion: closest(k, KEYS),
-        }),
-    }
-}
-
-fn number(map: &Map<String, Json>, key: &str, default: f64) -> Result<f64, ConfigError> {
-    match map.get(key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| ConfigError::invalid(&format!("{PATH}.{key}"), v, "a number")),
-    }
-}
-
-fn boolean(map: &Map<String, Json>, key: &str, default: bool) -> Result<bool, ConfigError> {
-    match map.get(key) {
-        None | Some(Json::Null) => Ok(default),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| ConfigError::invalid(&format!("{PATH}.{key}"), v, "true or false")),
-    }
-}
+use super::{check_len, OptimError, Optimizer, OptimizerState, SgdParams, BLOCK, LANES};
 
 /// SGD over one shard. As in torch, the momentum buffer is set to the first gradient (not
 /// decayed from zero) on the first step taken with momentum != 0; `live` says that happened.
@@ -174,21 +64,13 @@ impl Optimizer for Sgd {
         self.buf.resize(n, 0.0);
         let (first, nesterov) = (!self.live, self.hp.nesterov);
         self.live = true;
-        let buf = &mut self.buf[..];
-        match (first, nesterov) {
-            (true, true) => for_blocks(params, grads, buf, |p, g, b| {
-                momentum::<true, true>(&k, p, g, b)
-            }),
-            (true, false) => for_blocks(params, grads, buf, |p, g, b| {
-                momentum::<true, false>(&k, p, g, b)
-            }),
-            (false, true) => for_blocks(params, grads, buf, |p, g, b| {
-                momentum::<false, true>(&k, p, g, b)
-            }),
-            (false, false) => for_blocks(params, grads, buf, |p, g, b| {
-                momentum::<false, false>(&k, p, g, b)
-            }),
-        }
+        let kernel: Kernel = match (first, nesterov) {
+            (true, true) => momentum::<true, true>,
+            (true, false) => momentum::<true, false>,
+            (false, true) => momentum::<false, true>,
+            (false, false) => momentum::<false, false>,
+        };
+        for_blocks(params, grads, &mut self.buf, |p, g, b| kernel(&k, p, g, b));
     }
 
     fn shard_len(&self) -> usize {
@@ -270,6 +152,8 @@ fn plain(k: &Consts, p: &mut [f32], g: &[f32]) {
         *p += k.neg_lr * (g + k.weight_decay * *p);
     }
 }
+
+type Kernel = fn(&Consts, &mut [f32], &[f32], &mut [f32]);
 
 /// The momentum update of one block; FIRST and NESTEROV are constants so each of the four
 /// loops is branch-free.
