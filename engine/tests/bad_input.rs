@@ -1,0 +1,102 @@
+//! Bad input to the engine gives an error that names what was wrong and where, never a panic.
+
+use std::time::Duration;
+
+use ds_comm::testkit::run_ranks;
+use ds_config::{hjson, resolve, ParallelDims};
+use ds_engine::model::gpt::GptConfig;
+use ds_engine::model::weights;
+use ds_engine::{Engine, EngineOptions};
+
+const MODEL: GptConfig = GptConfig {
+    V: 32,
+    T: 8,
+    d: 16,
+    H: 2,
+    L: 1,
+};
+
+fn config(json: &str, world: usize, tp: usize) -> ds_config::Config {
+    let doc = hjson::parse_bytes(json.as_bytes()).unwrap();
+    resolve(&doc, &ParallelDims::new(world, tp, 1).unwrap()).unwrap()
+}
+
+/// The first rank's error from initialising the engine with `cfg` and `opts`.
+fn init_error(cfg: ds_config::Config, opts: EngineOptions, world: usize) -> String {
+    run_ranks(world, Duration::from_secs(30), move |comm| {
+        Engine::initialize(MODEL.build(), &cfg, &comm, &opts).map(|_| ())
+    })
+    .unwrap_err()
+}
+
+const OK: &str = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}"#;
+
+#[test]
+fn configs_the_engine_cannot_run_are_named() {
+    let e = init_error(
+        config(r#"{"train_micro_batch_size_per_gpu": 1}"#, 2, 1),
+        EngineOptions::default(),
+        2,
+    );
+    assert!(e.contains("optimizer"), "{e}");
+    let lamb = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Lamb"}}"#;
+    let e = init_error(config(lamb, 2, 1), EngineOptions::default(), 2);
+    assert!(e.contains("optimizer.type") && e.contains("lamb"), "{e}");
+    let e = init_error(config(OK, 4, 2), EngineOptions::default(), 4);
+    assert!(e.contains("tp=2"), "{e}");
+}
+
+#[test]
+fn init_files_of_another_model_are_named() {
+    let dir = std::env::temp_dir().join(format!("ds-rs-bad-init-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut specs = MODEL.build().params();
+    let values: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.0; s.numel()]).collect();
+    // one parameter missing
+    let missing = dir.join("missing.safetensors");
+    weights::save(&missing, &specs[1..], &values[1..]).unwrap();
+    let opts = EngineOptions {
+        init: Some(missing),
+        ..EngineOptions::default()
+    };
+    let e = init_error(config(OK, 2, 1), opts, 2);
+    assert!(
+        e.contains("missing.safetensors") && e.contains("'wte.weight' is missing"),
+        "{e}"
+    );
+    // one parameter of another shape
+    specs[0].shape = vec![MODEL.V, MODEL.d + 1];
+    let mut values = values;
+    values[0] = vec![0.0; MODEL.V * (MODEL.d + 1)];
+    let shaped = dir.join("shape.safetensors");
+    weights::save(&shaped, &specs, &values).unwrap();
+    let opts = EngineOptions {
+        init: Some(shaped),
+        ..EngineOptions::default()
+    };
+    let e = init_error(config(OK, 2, 1), opts, 2);
+    assert!(
+        e.contains("shape.safetensors") && e.contains("[32, 17]"),
+        "{e}"
+    );
+    // not a safetensors file
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a tensor file").unwrap();
+    let opts = EngineOptions {
+        init: Some(garbage),
+        ..EngineOptions::default()
+    };
+    assert!(init_error(config(OK, 2, 1), opts, 2).contains("garbage.safetensors"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn backward_without_forward_is_an_error() {
+    let e = run_ranks(1, Duration::from_secs(30), |comm| {
+        let cfg = config(OK, 1, 1);
+        let mut engine = Engine::initialize(MODEL.build(), &cfg, &comm, &EngineOptions::default())?;
+        engine.backward()
+    })
+    .unwrap_err();
+    assert!(e.contains("forward"), "{e}");
+}
