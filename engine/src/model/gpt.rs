@@ -185,15 +185,14 @@ fn attention(c: GptConfig, x: &Tensor, vb: &VarBuilder) -> Result<Tensor> {
     let (b, t, d) = x.dims3()?;
     let hd = d / c.H;
     let qkv = Linear::new(d, 3 * d, vb.pp("c_attn"))?.forward(x)?;
-    let heads = |i: usize| {
-        qkv.narrow(2, i * d, d)?
-            .reshape((b, t, c.H, hd))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let y = causal_softmax(&scores)?.matmul(&v)?;
+    // [b, t, 3, H, hd] -> [3, b, H, t, hd] in one copy; q, k, v are views of it.
+    let heads = qkv
+        .reshape((b, t, 3, c.H, hd))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    let (q, k, v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
+    let scores = q.matmul(&k.t()?)?;
+    let y = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?.matmul(&v)?;
     let y = y.transpose(1, 2)?.reshape((b, t, d))?;
     Linear::new(d, d, vb.pp("c_proj"))?.forward(&y)
 }

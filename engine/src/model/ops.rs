@@ -15,12 +15,15 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Softmax over the last dimension of square [.., T, T] scores where row i only sees columns
-/// 0..=i (later columns get probability 0, as with a -inf mask).
-pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
+/// Softmax over the last dimension of square [.., T, T] scores times `scale`, where row i only
+/// sees columns 0..=i (later columns get probability 0, as with a -inf mask).
+pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
     if x.device().is_cpu() {
-        return x.contiguous()?.apply_op1(CausalSoftmax);
+        return x.contiguous()?.apply_op1(CausalSoftmax {
+            scale: scale as f32,
+        });
     }
+    let x = (x * scale)?;
     let t = x.dim(D::Minus1)?;
     let mask: Vec<f32> = (0..t * t)
         .map(|i| {
@@ -118,8 +121,12 @@ fn tanh(u: f32) -> f32 {
 
 struct Gelu;
 struct GeluGrad;
-struct CausalSoftmax;
-struct CausalSoftmaxGrad;
+struct CausalSoftmax {
+    scale: f32,
+}
+struct CausalSoftmaxGrad {
+    scale: f32,
+}
 
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
@@ -173,10 +180,11 @@ impl CustomOp1 for CausalSoftmax {
         let mut y = to_f32(s, l)?;
         for (r, row) in y.chunks_exact_mut(t).enumerate() {
             let (seen, masked) = row.split_at_mut(r % t + 1);
-            let max = seen.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let k = self.scale;
+            let max = seen.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v * k));
             let mut sum = 0.0;
             for v in seen.iter_mut() {
-                *v = (*v - max).exp();
+                *v = (*v * k - max).exp();
                 sum += *v;
             }
             let inv = 1.0 / sum;
@@ -186,9 +194,8 @@ impl CustomOp1 for CausalSoftmax {
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            y.apply_op2_no_bwd(&dy.contiguous()?, &CausalSoftmaxGrad)?,
-        ))
+        let grad = CausalSoftmaxGrad { scale: self.scale };
+        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &grad)?))
     }
 }
 
@@ -196,7 +203,7 @@ impl CustomOp2 for CausalSoftmaxGrad {
     fn name(&self) -> &'static str {
         "ds-causal-softmax-grad"
     }
-    /// dx = y * (dy - sum(dy * y)) per row.
+    /// dx = scale * y * (dy - sum(dy * y)) per row.
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -208,7 +215,10 @@ impl CustomOp2 for CausalSoftmaxGrad {
         let (y, mut dx) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
         for (yr, gr) in y.chunks_exact(t).zip(dx.chunks_exact_mut(t)) {
             let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
-            gr.iter_mut().zip(yr).for_each(|(g, y)| *g = y * (*g - dot));
+            let k = self.scale;
+            gr.iter_mut()
+                .zip(yr)
+                .for_each(|(g, y)| *g = k * y * (*g - dot));
         }
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
@@ -328,6 +338,10 @@ mod tests {
             let m = Tensor::from_vec(m, (t, t), x.device())?;
             super::super::nn::softmax_last_dim(&x.broadcast_add(&m)?)
         };
-        check(causal_softmax, masked, &[2, 3, 7, 7]);
+        check(
+            |x| causal_softmax(x, 0.37),
+            |x| masked(&(x * 0.37)?),
+            &[2, 3, 7, 7],
+        );
     }
 }
