@@ -117,27 +117,17 @@ impl Engine {
             let opt = crate::optim::build_from_section(&section, shard_len)?;
             Ok(update::Updater::new(opt, schedule, scaler))
         };
-        let (dp, dev, s) = (comm.world(), opts.device.clone(), settings.clone());
+        let parts = trainer::Parts {
+            model,
+            index,
+            settings: settings.clone(),
+            dp: comm.world(),
+            dev: opts.device.clone(),
+        };
         let core = match settings.precision {
-            Precision::F32 => Core::F32(Trainer::new(model, index, values, updater, s, dp, dev)?),
-            Precision::BF16 => Core::Bf16(Trainer::new(
-                model,
-                index,
-                convert(&values),
-                updater,
-                s,
-                dp,
-                dev,
-            )?),
-            Precision::F16 => Core::F16(Trainer::new(
-                model,
-                index,
-                convert(&values),
-                updater,
-                s,
-                dp,
-                dev,
-            )?),
+            Precision::F32 => Core::F32(Trainer::new(parts, values, updater)?),
+            Precision::BF16 => Core::Bf16(Trainer::new(parts, convert(&values), updater)?),
+            Precision::F16 => Core::F16(Trainer::new(parts, convert(&values), updater)?),
         };
         Ok(Engine {
             core,

@@ -45,16 +45,30 @@ pub(crate) struct Trainer<T: Dtype> {
     timings: Timings,
 }
 
+/// What a trainer is built from, whatever its dtype.
+pub(crate) struct Parts {
+    pub model: Model,
+    pub index: FlatIndex,
+    pub settings: Settings,
+    pub dp: Group,
+    pub dev: Device,
+}
+
 impl<T: Dtype> Trainer<T> {
+    /// `values` are the whole initial parameters; `updater` builds the optimizer for the
+    /// length of the shard this rank will own.
     pub fn new(
-        model: Model,
-        index: FlatIndex,
+        parts: Parts,
         values: Vec<T>,
         updater: impl FnOnce(usize) -> Result<Updater>,
-        settings: Settings,
-        dp: Group,
-        dev: Device,
     ) -> Result<Trainer<T>> {
+        let Parts {
+            model,
+            index,
+            settings,
+            dp,
+            dev,
+        } = parts;
         let mut layer_ids = Vec::new();
         let mut next = 0;
         for l in model.layers() {
