@@ -35,7 +35,8 @@ pub struct EngineOptions {
     pub init: Option<PathBuf>,
     pub device: Device,
     /// Recompute layer internals in backward (also on when ds_config has an
-    /// `activation_checkpointing` section; ZeRO-3 always recomputes).
+    /// `activation_checkpointing` section; ZeRO-3 recomputes the layers it releases, see
+    /// Note [ZeRO-3 reuse]).
     pub activation_checkpointing: bool,
 }
 

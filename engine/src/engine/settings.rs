@@ -26,6 +26,10 @@ pub struct Settings {
     pub zero: ZeroOptions,
     /// Recompute layer internals in backward (ds_config `activation_checkpointing`).
     pub recompute: bool,
+    /// ZeRO-3: a layer whose parameters are reused by backward within this many parameter
+    /// elements keeps them, with its graph, from forward to backward
+    /// (`stage3_max_reuse_distance`).
+    pub max_reuse_distance: usize,
     pub fp16: Fp16Config,
     pub zero_stage: ZeroStage,
     pub wall_clock_breakdown: bool,
@@ -52,6 +56,10 @@ impl Settings {
             clip: number(&cfg.scalars.gradient_clipping, "gradient_clipping", 0.0)?,
             zero: zero_options(cfg)?,
             recompute,
+            max_reuse_distance: elements(
+                cfg.zero_optimization.stage3_max_reuse_distance,
+                "zero_optimization.stage3_max_reuse_distance",
+            )?,
             fp16: cfg.fp16.clone(),
             zero_stage: cfg.zero_stage(),
             wall_clock_breakdown: cfg.wall_clock_breakdown,

@@ -36,7 +36,8 @@ pub(crate) struct Trainer<T: Dtype> {
     zero: Zero<T>,
     updater: Updater,
     settings: Settings,
-    recompute: bool,
+    /// Per layer: forward keeps its whole graph for backward (else backward recomputes it).
+    keep_graph: Vec<bool>,
     dev: Device,
     dp: Group,
     saved: Vec<Saved>,
@@ -79,8 +80,7 @@ impl<T: Dtype> Trainer<T> {
         let layer_flat = layer_ids.iter().map(|r| index.span(r.clone())).collect();
         let zero = Zero::new(values, settings.zero, dp.clone())?;
         let updater = updater(zero.owned().len())?;
-        // ZeRO-3 releases a layer's parameters after forward, so backward must recompute.
-        let recompute = settings.recompute || settings.zero.stage == 3;
+        let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
             model,
             index,
@@ -89,7 +89,7 @@ impl<T: Dtype> Trainer<T> {
             zero,
             updater,
             settings,
-            recompute,
+            keep_graph,
             dev,
             dp,
             saved: Vec::new(),
@@ -150,13 +150,13 @@ impl<T: Dtype> Trainer<T> {
                 layers::leaf(&x)?.into_inner()
             };
             let y = self.run_layer(i, &params, &input)?;
-            self.saved.push(match self.recompute {
-                true => Saved::Input(input),
-                false => Saved::Graph {
+            self.saved.push(match self.keep_graph[i] {
+                true => Saved::Graph {
                     input,
                     params,
                     output: y.clone(),
                 },
+                false => Saved::Input(input),
             });
             x = y;
         }
@@ -258,4 +258,32 @@ impl<T: Dtype> Trainer<T> {
     pub fn drop_saved(&mut self) {
         self.saved.clear();
     }
+}
+
+/// Which layers keep their graph from forward to backward.
+///
+/// Note [ZeRO-3 reuse]: candle's graph holds the tensors its ops saved (a matmul keeps its
+/// weight), so a layer whose gathered parameters are released after forward must be recomputed
+/// in backward. As DeepSpeed's coordinator does with `stage3_max_reuse_distance`, a layer is
+/// not released when the parameters used between its forward and its backward (those of the
+/// layers after it) number at most that distance, and the kept ones fit
+/// `stage3_max_live_parameters`. Stages 0-2 keep every graph; activation checkpointing none.
+fn keep_graph(settings: &Settings, index: &FlatIndex, layer_ids: &[Range<usize>]) -> Vec<bool> {
+    let numel = |ids: &Range<usize>| index.span(ids.clone()).len();
+    if settings.recompute {
+        return vec![false; layer_ids.len()];
+    }
+    if settings.zero.stage < 3 {
+        return vec![true; layer_ids.len()];
+    }
+    let (mut keep, mut after, mut live) = (vec![false; layer_ids.len()], 0, 0);
+    for (i, ids) in layer_ids.iter().enumerate().rev() {
+        live += numel(ids);
+        if after > settings.max_reuse_distance || live > settings.zero.stage3.max_live_parameters {
+            break;
+        }
+        keep[i] = true;
+        after += numel(ids);
+    }
+    keep
 }
