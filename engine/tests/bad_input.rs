@@ -100,3 +100,24 @@ fn backward_without_forward_is_an_error() {
     .unwrap_err();
     assert!(e.contains("forward"), "{e}");
 }
+
+#[test]
+fn train_batch_inside_an_open_accumulation_window_is_an_error() {
+    let ga2 = r#"{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW"}}"#;
+    let e = run_ranks(1, Duration::from_secs(30), move |comm| {
+        let mut engine = Engine::initialize(
+            MODEL.build(),
+            &config(ga2, 1, 1),
+            &comm,
+            &EngineOptions::default(),
+        )?;
+        let w: Vec<u32> = (0..=MODEL.T as u32).collect();
+        let batch = ds_engine::data::Batch::from_windows(&[w]);
+        engine.forward(&batch)?;
+        engine.backward()?;
+        engine.train_batch(|_| Ok(batch.clone())).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(e.contains("accumulation window"), "{e}");
+}

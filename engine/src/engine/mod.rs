@@ -177,9 +177,13 @@ impl Engine {
             sum += self.forward(&next(k)?)?;
             self.backward()?;
         }
-        let outcome = self
-            .step()?
-            .expect("invariant: the last micro-step ends the window");
+        let outcome = self.step()?.ok_or_else(|| {
+            EngineError::Invalid(
+                "train_batch: an accumulation window was already open (forward/backward \
+                 called without step); finish it with step() first"
+                    .into(),
+            )
+        })?;
         Ok((self.mean_over_ranks(sum / ga as f32)?, outcome))
     }
 
