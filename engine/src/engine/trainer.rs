@@ -101,22 +101,19 @@ impl<T: Dtype> Trainer<T> {
 
     /// Materialises layer `i`'s parameters and starts gathering layer `next`'s.
     fn materialise(&mut self, i: usize, next: Option<usize>) -> Result<LayerParams> {
-        let range = self.layer_flat[i].clone();
-        let values = if range.is_empty() {
-            Vec::new()
-        } else {
-            self.zero.params(range.clone())?.into_owned()
+        let (range, ids) = (self.layer_flat[i].clone(), self.layer_ids[i].clone());
+        let params = match range.is_empty() {
+            true => LayerParams::new::<T>(&self.index, ids, range.start, &[], &self.dev)?,
+            // the store's values are copied once, straight into the layer's variables
+            false => {
+                let values = self.zero.params(range.clone())?;
+                LayerParams::new(&self.index, ids, range.start, &values, &self.dev)?
+            }
         };
         if let Some(n) = next {
             self.zero.prefetch(self.layer_flat[n].clone())?;
         }
-        LayerParams::new(
-            &self.index,
-            self.layer_ids[i].clone(),
-            range.start,
-            &values,
-            &self.dev,
-        )
+        Ok(params)
     }
 
     fn run_layer(&self, i: usize, params: &LayerParams, input: &Tensor) -> Result<Tensor> {
