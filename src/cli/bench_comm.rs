@@ -88,7 +88,7 @@ pub fn run(args: &CommArgs) -> anyhow::Result<ExitCode> {
             args.max_bytes
         );
     }
-    if std::env::var_os("RANK").is_some() || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some() {
+    if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
     crate::cli::local_ranks::spawn_local(args.nproc, transport_env(args.transport))

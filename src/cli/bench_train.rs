@@ -40,7 +40,7 @@ pub struct TrainBenchArgs {
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
-    if std::env::var_os("RANK").is_some() || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some() {
+    if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
     crate::cli::local_ranks::spawn_local(args.nproc, "auto")

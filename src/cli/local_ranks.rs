@@ -9,6 +9,13 @@ use std::time::{Duration, Instant};
 /// How long the local ranks may run in all before they are stopped.
 const JOB_LIMIT: Duration = Duration::from_secs(3600);
 
+/// Whether this process is a rank of a job a launcher or scheduler started (torchrun, ds-rs
+/// launch, OpenMPI, Slurm, Azure ML); a malformed rank environment counts, so that joining
+/// reports it.
+pub fn inside_job() -> bool {
+    !matches!(ds_comm::env::RankEnv::from_env(), Ok(None))
+}
+
 pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
     if nproc == 0 {
         bail!("--nproc must be at least 1");
