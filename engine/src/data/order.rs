@@ -126,22 +126,16 @@ impl SampleOrder {
     /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`.
     pub fn micro_batch(&self, source: &dyn TokenSource, step: u64, micro: usize) -> Result<Batch> {
         let (t, windows) = (self.seq, self.windows(source)?);
-        let mut buf = vec![0u32; t + 1];
-        let mut inputs = Vec::with_capacity(self.micro_batch * t);
-        let mut targets = Vec::with_capacity(self.micro_batch * t);
-        for b in 0..self.micro_batch {
-            // window < windows <= len / (t+1), so the start fits a usize.
-            let w = self.window(self.sample(step, micro, b)?, windows) as usize;
-            source.read(w * (t + 1), &mut buf)?;
-            inputs.extend_from_slice(&buf[..t]);
-            targets.extend_from_slice(&buf[1..]);
-        }
-        Ok(Batch {
-            inputs,
-            targets,
-            batch: self.micro_batch,
-            seq: t,
-        })
+        let rows = (0..self.micro_batch)
+            .map(|b| {
+                // window < windows <= len / (t+1), so the start fits a usize.
+                let w = self.window(self.sample(step, micro, b)?, windows) as usize;
+                let mut row = vec![0u32; t + 1];
+                source.read(w * (t + 1), &mut row)?;
+                Ok(row)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Batch::from_windows(&rows))
     }
 }
 

@@ -5,7 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::ops::{from_f32, to_f32};
+use super::ops::{exp_shifted, from_f32, to_f32};
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -139,13 +139,13 @@ impl CustomOp2 for CrossEntropy {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
+        let (mut logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
         let v = logits.len() / targets.len().max(1);
         let mut total = 0f64;
-        for (row, &t) in logits.chunks_exact(v).zip(&targets) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
-            let lse = row.iter().map(|x| (x - max).exp()).sum::<f32>().ln() + max;
-            total += (lse - row[t as usize]) as f64;
+        for (row, &t) in logits.chunks_exact_mut(v).zip(&targets) {
+            let target = row[t as usize];
+            let (max, sum) = exp_shifted(row, 1.0);
+            total += (sum.ln() + max - target) as f64;
         }
         let loss = (total / targets.len().max(1) as f64) as f32;
         Ok((from_f32(s1.dtype(), vec![loss]), Shape::from(())))
@@ -179,12 +179,7 @@ impl CustomOp2 for CrossEntropyGrad {
         let (mut logits, targets) = (to_f32(s1, l1)?, targets(s2, l2)?);
         let v = logits.len() / targets.len().max(1);
         for (row, &t) in logits.chunks_exact_mut(v).zip(&targets) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
-            let mut sum = 0f32;
-            for x in row.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
+            let (_, sum) = exp_shifted(row, 1.0);
             let k = self.scale / sum;
             row.iter_mut().for_each(|x| *x *= k);
             row[t as usize] -= self.scale;

@@ -180,13 +180,7 @@ impl CustomOp1 for CausalSoftmax {
         let mut y = to_f32(s, l)?;
         for (r, row) in y.chunks_exact_mut(t).enumerate() {
             let (seen, masked) = row.split_at_mut(r % t + 1);
-            let k = self.scale;
-            let max = seen.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v * k));
-            let mut sum = 0.0;
-            for v in seen.iter_mut() {
-                *v = (*v * k - max).exp();
-                sum += *v;
-            }
+            let (_, sum) = exp_shifted(seen, self.scale);
             let inv = 1.0 / sum;
             seen.iter_mut().for_each(|v| *v *= inv);
             masked.fill(0.0);
@@ -222,6 +216,18 @@ impl CustomOp2 for CausalSoftmaxGrad {
         }
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
+}
+
+/// `row[i] = exp(scale * row[i] - max)` with `max` the row's largest `scale * row[i]` (so
+/// nothing overflows); returns `(max, sum of the new row)`.
+pub(crate) fn exp_shifted(row: &mut [f32], scale: f32) -> (f32, f32) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v * scale));
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v * scale - max).exp();
+        sum += *v;
+    }
+    (max, sum)
 }
 
 fn square_last_dims(l: &Layout) -> Result<usize> {
