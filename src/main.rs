@@ -2,6 +2,8 @@
 //! and failed (an invalid config, a failed job), 2 a usage error or a command not available yet.
 
 mod cli;
+mod launch;
+mod train;
 
 use std::process::ExitCode;
 

@@ -9,6 +9,7 @@
 
 mod error;
 pub mod model;
+pub mod monitor;
 
 pub use error::{EngineError, Result};
 pub mod data;
@@ -17,4 +18,5 @@ pub mod loss_scale;
 pub mod optim;
 pub mod schedule;
 
+pub use ds_partition::MemoryReport;
 pub use engine::{Dtype, Engine, EngineOptions, Precision, Settings, StepOutcome, Timings};

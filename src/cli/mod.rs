@@ -24,9 +24,9 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Start the ranks of a job on this host or on the hosts of a hostfile.
-    Launch(Pending),
+    Launch(crate::launch::LaunchArgs),
     /// Train a model (one rank; run it under `launch` for several).
-    Train(Pending),
+    Train(crate::train::TrainArgs),
     /// Search for the fastest configuration for a model on this cluster.
     Autotune(Pending),
     /// Inspect DeepSpeed config files.
@@ -73,8 +73,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config {
             command: ConfigCommand::Check(args),
         } => return config_check::run(&args),
-        Command::Launch(_) => "launch",
-        Command::Train(_) => "train",
+        Command::Launch(args) => return crate::launch::run(&args),
+        Command::Train(args) => return crate::train::run(&args),
         Command::Autotune(_) => "autotune",
         Command::Estimate(_) => "estimate",
         Command::Bench {

@@ -16,6 +16,7 @@ mod loader;
 mod markov;
 mod order;
 mod shuffle;
+mod slice;
 mod synthetic;
 #[cfg(test)]
 mod testing;
@@ -25,6 +26,7 @@ pub use file::{TextBytes, TokenFile, TokenWidth};
 pub use loader::DataLoader;
 pub use markov::MarkovTokens;
 pub use order::SampleOrder;
+pub use slice::Slice;
 pub use synthetic::SyntheticTokens;
 
 /// One micro-batch: `batch` rows of `seq` input tokens and their next-token targets, both

@@ -1,0 +1,444 @@
+//! `ds-rs launch`: DeepSpeed's launcher (deepspeed/launcher/runner.py and launch.py) for
+//! ds-rs. The head reads the hosts, checks the config and the program, then either starts the
+//! ranks of a one-host job itself or starts one node launcher per host, each of which starts
+//! its host's ranks. Any failure stops the whole job; --max_restarts starts it again.
+
+mod gang;
+mod hosts;
+mod relay;
+mod remote;
+pub mod signals;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+
+use gang::{Gang, Outcome, Spec};
+pub use hosts::Hosts;
+use relay::Sink;
+use remote::{Launcher, Remote};
+use signals::StopFlag;
+
+/// DeepSpeed's default hostfile, used when it exists and no other is named.
+const DEFAULT_HOSTFILE: &str = "/job/hostfile";
+/// torchrun's and DeepSpeed's rendezvous port for multi-host jobs.
+const DEFAULT_MASTER_PORT: u16 = 29500;
+/// ds-rs subcommands that `launch` runs with this same executable.
+const OWN_COMMANDS: [&str; 6] = [
+    "train",
+    "bench",
+    "autotune",
+    "estimate",
+    "checkpoint",
+    "config",
+];
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Hostfile of `hostname slots=N` lines (default: /job/hostfile if it exists, else this host).
+    #[arg(short = 'H', long)]
+    hostfile: Option<PathBuf>,
+    /// Only these hosts/slots: NAME[:SLOT[,SLOT...]][@NAME...].
+    #[arg(short = 'i', long, default_value = "")]
+    include: String,
+    /// All hosts/slots but these: NAME[:SLOT[,SLOT...]][@NAME...].
+    #[arg(short = 'e', long, default_value = "")]
+    exclude: String,
+    /// Use the first N hosts.
+    #[arg(long = "num_nodes", alias = "num-nodes")]
+    num_nodes: Option<usize>,
+    /// Ranks per host (GPUs; on CPU the same as --nproc_per_node).
+    #[arg(long = "num_gpus", alias = "num-gpus")]
+    num_gpus: Option<usize>,
+    /// Ranks per host.
+    #[arg(long = "nproc_per_node", alias = "nproc-per-node")]
+    nproc_per_node: Option<usize>,
+    /// Address of rank 0's host (default: 127.0.0.1 on one host, the first host otherwise).
+    #[arg(long = "master_addr", alias = "master-addr")]
+    master_addr: Option<String>,
+    /// Rendezvous port (default: a free port on one host, 29500 on several).
+    #[arg(long = "master_port", alias = "master-port")]
+    master_port: Option<u16>,
+    /// How to reach the other hosts.
+    #[arg(long, value_enum, default_value = "ssh")]
+    launcher: Launcher,
+    /// The remote-exec command for --launcher ssh; {host} is replaced by the host name and
+    /// the node's command line is appended as one argument.
+    #[arg(long = "ssh_template", alias = "ssh-template", default_value = remote::SSH_TEMPLATE)]
+    ssh_template: String,
+    /// Start the remote-host path even for one host.
+    #[arg(long = "force_multi", alias = "force-multi")]
+    force_multi: bool,
+    /// Restart the whole job up to this many times after a failure.
+    #[arg(long = "max_restarts", alias = "max-restarts", default_value_t = 0)]
+    max_restarts: u32,
+    /// Also write each rank's output to DIR/rank{N}.log.
+    #[arg(long = "log_dir", alias = "log-dir")]
+    log_dir: Option<PathBuf>,
+    /// Write each rank's output only to DIR/{time}_rank{N}.log, as DeepSpeed does.
+    #[arg(long = "enable_each_rank_log", alias = "enable-each-rank-log")]
+    enable_each_rank_log: Option<PathBuf>,
+    /// The ds_config every rank reads (passed as DS_RS_CONFIG).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Set by a head launcher on each host: this host's position.
+    #[arg(long = "node_rank", alias = "node-rank", hide = true)]
+    node_rank: Option<usize>,
+    /// Set by a head launcher: every host and its slots.
+    #[arg(long = "world_info", alias = "world-info", hide = true)]
+    world_info: Option<String>,
+    /// `train [ARGS]`, another ds-rs command, or any program that embeds the engine.
+    #[arg(required = true, trailing_var_arg = true)]
+    program: Vec<String>,
+}
+
+pub fn run(args: &LaunchArgs) -> anyhow::Result<ExitCode> {
+    let stop = StopFlag::on_signals()?;
+    if let (Some(node), Some(info)) = (args.node_rank, &args.world_info) {
+        // A node launcher: the head holds our stdin and closes it when it stops.
+        stop.watch_stdin();
+        let hosts = Hosts::from_spec(info).context("--world_info")?;
+        let job = Job::new(args, hosts)?;
+        return Ok(report(job.run_node(node, &stop)?, args));
+    }
+    let hosts = select_hosts(args)?;
+    let job = Job::new(args, hosts)?;
+    let mut attempt = 0;
+    loop {
+        let outcome = job.run_once(attempt, &stop)?;
+        let failed = matches!(outcome, Outcome::Failed { .. });
+        if failed && attempt < args.max_restarts && stop.get().is_none() {
+            eprintln!(
+                "{}; restarting the job ({} of {})",
+                describe(&outcome),
+                attempt + 1,
+                args.max_restarts
+            );
+            attempt += 1;
+            continue;
+        }
+        return Ok(report(outcome, args));
+    }
+}
+
+/// Everything the ranks of every host need to know, fixed at the head.
+struct Job<'a> {
+    args: &'a LaunchArgs,
+    hosts: Hosts,
+    program: PathBuf,
+    program_args: Vec<String>,
+    config: Option<PathBuf>,
+    master_addr: String,
+    master_port: u16,
+    token: String,
+}
+
+impl<'a> Job<'a> {
+    fn new(args: &'a LaunchArgs, hosts: Hosts) -> anyhow::Result<Job<'a>> {
+        let (program, program_args) = resolve_program(&args.program)?;
+        let config = match &args.config {
+            Some(c) => Some(check_config(c, hosts.world_size())?),
+            None => None,
+        };
+        let multi = hosts.0.len() > 1 || args.force_multi;
+        let master_addr = match &args.master_addr {
+            Some(a) => a.clone(),
+            None if multi => hosts.0[0].name.clone(),
+            None => "127.0.0.1".into(),
+        };
+        let master_port = match args.master_port {
+            Some(p) => p,
+            None if multi => DEFAULT_MASTER_PORT,
+            None => free_port()?,
+        };
+        let token = match std::env::var("DS_RS_JOB_TOKEN") {
+            Ok(t) if args.world_info.is_some() => t,
+            _ => fresh_token()?,
+        };
+        Ok(Job {
+            args,
+            hosts,
+            program,
+            program_args,
+            config,
+            master_addr,
+            master_port,
+            token,
+        })
+    }
+
+    fn run_once(&self, attempt: u32, stop: &StopFlag) -> anyhow::Result<Outcome> {
+        if self.hosts.0.len() == 1 && !self.args.force_multi {
+            return self.run_node_attempt(0, attempt, stop);
+        }
+        let specs = self
+            .remote()?
+            .commands()?
+            .into_iter()
+            .map(|(who, command)| Spec {
+                who,
+                command,
+                sink: Sink {
+                    prefix: String::new(),
+                    console: true,
+                    log: None,
+                },
+                hold_stdin: true,
+            });
+        Gang::start(specs.collect())?.supervise(stop)
+    }
+
+    fn run_node(&self, node: usize, stop: &StopFlag) -> anyhow::Result<Outcome> {
+        let attempt = std::env::var("DS_RS_RESTART_COUNT")
+            .ok()
+            .and_then(|c| c.parse().ok());
+        self.run_node_attempt(node, attempt.unwrap_or(0), stop)
+    }
+
+    /// Starts this host's ranks and supervises them.
+    fn run_node_attempt(
+        &self,
+        node: usize,
+        attempt: u32,
+        stop: &StopFlag,
+    ) -> anyhow::Result<Outcome> {
+        let host = self
+            .hosts
+            .0
+            .get(node)
+            .with_context(|| format!("--node_rank {node}: no such node"))?;
+        let local = host.slots.len();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (cores / local).max(1).to_string();
+        let slots: Vec<String> = host.slots.iter().map(usize::to_string).collect();
+        let stamp = chrono_stamp();
+        let mut specs = Vec::new();
+        for local_rank in 0..local {
+            let rank = self.hosts.first_rank(node) + local_rank;
+            let mut cmd = Command::new(&self.program);
+            cmd.args(&self.program_args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", local_rank.to_string())
+                .env("WORLD_SIZE", self.hosts.world_size().to_string())
+                .env("LOCAL_WORLD_SIZE", local.to_string())
+                .env("NODE_RANK", node.to_string())
+                .env("MASTER_ADDR", &self.master_addr)
+                .env("MASTER_PORT", self.master_port.to_string())
+                .env("DS_RS_JOB_TOKEN", &self.token)
+                .env("DS_RS_RESTART_COUNT", attempt.to_string())
+                .env("CUDA_VISIBLE_DEVICES", slots.join(","));
+            // Each rank's compute threads get its share of the cores unless the user chose.
+            for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+                if std::env::var_os(var).is_none() {
+                    cmd.env(var, &threads);
+                }
+            }
+            if let Some(c) = &self.config {
+                cmd.env("DS_RS_CONFIG", c);
+            }
+            specs.push(Spec {
+                who: format!("rank {rank} on host {}", host.name),
+                command: cmd,
+                sink: self.sink(rank, &stamp)?,
+                hold_stdin: false,
+            });
+        }
+        Gang::start(specs)?.supervise(stop)
+    }
+
+    fn sink(&self, rank: usize, stamp: &str) -> anyhow::Result<Sink> {
+        let (dir, name, console) = match (&self.args.enable_each_rank_log, &self.args.log_dir) {
+            (Some(d), _) => (d, format!("{stamp}_rank{rank}.log"), false),
+            (None, Some(d)) => (d, format!("rank{rank}.log"), true),
+            (None, None) => {
+                return Ok(Sink {
+                    prefix: format!("[rank{rank}] "),
+                    console: true,
+                    log: None,
+                })
+            }
+        };
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating log directory {}", dir.display()))?;
+        let path = dir.join(name);
+        let file =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Sink {
+            prefix: format!("[rank{rank}] "),
+            console,
+            log: Some(std::sync::Arc::new(std::sync::Mutex::new(file))),
+        })
+    }
+
+    fn remote(&self) -> anyhow::Result<Remote<'_>> {
+        let exe = std::env::current_exe().context("locating the ds-rs executable")?;
+        let exe = exe.to_string_lossy().into_owned();
+        let mut env = remote::exported_env();
+        env.retain(|(k, _)| k != "DS_RS_JOB_TOKEN" && k != "DS_RS_CONFIG");
+        env.push(("DS_RS_JOB_TOKEN".into(), self.token.clone()));
+        if let Some(c) = &self.config {
+            env.push(("DS_RS_CONFIG".into(), c.to_string_lossy().into_owned()));
+        }
+        let mut node_argv = vec![exe];
+        node_argv.extend(["--world_info".into(), self.hosts.to_spec()]);
+        node_argv.extend(["--master_addr".into(), self.master_addr.clone()]);
+        node_argv.extend(["--master_port".into(), self.master_port.to_string()]);
+        for (flag, dir) in [
+            ("--log_dir", &self.args.log_dir),
+            ("--enable_each_rank_log", &self.args.enable_each_rank_log),
+        ] {
+            if let Some(d) = dir {
+                node_argv.extend([
+                    flag.to_string(),
+                    absolute(d)?.to_string_lossy().into_owned(),
+                ]);
+            }
+        }
+        node_argv.extend(self.args.program.iter().cloned());
+        let mut rank_argv = vec![self.program.to_string_lossy().into_owned()];
+        rank_argv.extend(self.program_args.iter().cloned());
+        env.push(("MASTER_ADDR".into(), self.master_addr.clone()));
+        env.push(("MASTER_PORT".into(), self.master_port.to_string()));
+        Ok(Remote {
+            launcher: self.args.launcher,
+            ssh_template: &self.args.ssh_template,
+            hosts: &self.hosts,
+            env,
+            node_argv,
+            rank_argv,
+        })
+    }
+}
+
+/// The hosts after the hostfile, --include/--exclude and the per-node limits.
+fn select_hosts(args: &LaunchArgs) -> anyhow::Result<Hosts> {
+    let per_node = match (args.num_gpus, args.nproc_per_node) {
+        (Some(a), Some(b)) if a != b => bail!("--num_gpus {a} and --nproc_per_node {b} disagree"),
+        (a, b) => a.or(b),
+    };
+    if per_node == Some(0) || args.num_nodes == Some(0) {
+        bail!("--num_gpus, --nproc_per_node and --num_nodes must be at least 1");
+    }
+    let hostfile = args.hostfile.clone().or_else(|| {
+        Path::new(DEFAULT_HOSTFILE)
+            .exists()
+            .then(|| DEFAULT_HOSTFILE.into())
+    });
+    let mut hosts = match &hostfile {
+        Some(path) => Hosts::from_hostfile(path)?,
+        None => Hosts::single("localhost", per_node.unwrap_or(1)),
+    };
+    if !args.include.is_empty() && !args.exclude.is_empty() {
+        bail!("--include and --exclude are mutually exclusive");
+    }
+    if !args.include.is_empty() {
+        hosts = hosts.include(&args.include)?;
+    } else if !args.exclude.is_empty() {
+        hosts = hosts.exclude(&args.exclude)?;
+    }
+    let hosts = hosts.limit(args.num_nodes, per_node);
+    if hosts.world_size() == 0 {
+        bail!("no slots left to run on after --include/--exclude/--num_nodes");
+    }
+    Ok(hosts)
+}
+
+/// `train ...` and the other ds-rs commands run this executable; anything else is a program
+/// that must exist now, so that a typo fails once here rather than once per rank.
+fn resolve_program(words: &[String]) -> anyhow::Result<(PathBuf, Vec<String>)> {
+    let first = words
+        .first()
+        .context("no program given: expected `train [ARGS]` or a program")?;
+    if OWN_COMMANDS.contains(&first.as_str()) {
+        let exe = std::env::current_exe().context("locating the ds-rs executable")?;
+        return Ok((exe, words.to_vec()));
+    }
+    let path = which(first).with_context(|| {
+        format!(
+            "program {first:?} not found: expected a ds-rs command ({}) or an executable",
+            OWN_COMMANDS.join(", ")
+        )
+    })?;
+    Ok((path, words[1..].to_vec()))
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    let is_exec = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        return is_exec(&p).then(|| absolute(&p).unwrap_or(p));
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(program))
+        .find(|p| is_exec(p))
+}
+
+/// Reads and resolves the config for the job's world size once, so that a bad config is one
+/// error line here instead of one per rank.
+fn check_config(path: &Path, world: usize) -> anyhow::Result<PathBuf> {
+    let doc = ds_config::load(path)?;
+    let dims = ds_config::ParallelDims::new(world, 1, 1)?;
+    ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    absolute(path)
+}
+
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("resolving {}", path.display()))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .context("finding a free port for the rendezvous")
+}
+
+/// The job's shared secret: 128 random bits.
+pub fn fresh_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .context("reading /dev/urandom")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Seconds since the epoch, for log file names that do not overwrite an earlier run's.
+fn chrono_stamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    secs.to_string()
+}
+
+fn describe(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Done => "the job finished".into(),
+        Outcome::Failed { who, how, .. } => format!("{who} {how}"),
+        Outcome::Stopped { signal } => format!("stopped by {}", signals::name(*signal)),
+    }
+}
+
+/// One line on how the job ended, and the launcher's exit status.
+fn report(outcome: Outcome, args: &LaunchArgs) -> ExitCode {
+    let whole = if args.world_info.is_some() {
+        "this host's ranks"
+    } else {
+        "the job"
+    };
+    match &outcome {
+        Outcome::Done => ExitCode::SUCCESS,
+        Outcome::Failed { code, .. } => {
+            eprintln!("error: {}; stopped {whole}", describe(&outcome));
+            ExitCode::from(*code)
+        }
+        Outcome::Stopped { signal } => {
+            eprintln!("error: launcher {}; stopped {whole}", describe(&outcome));
+            ExitCode::from((128 + signal).min(255) as u8)
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! What `ds-rs train --data` reads: the default learnable Markov stream (its entropy rate is
+//! the loss floor), the peer benchmark's uniform tokens, a token .bin, or a text file as bytes.
+//! The tail of every source is held out for evaluation.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use ds_engine::data::{
+    DataLoader, MarkovTokens, SampleOrder, Slice, SyntheticTokens, TextBytes, TokenFile,
+    TokenSource, TokenWidth,
+};
+
+/// The Markov stream's size: enough windows that tiny/small models do not repeat data within
+/// a few thousand steps, and cheap to generate at start (about 0.1 s, 4 MiB).
+const MARKOV_TOKENS: usize = 1 << 20;
+/// Successors per state: the floor is then about 1/2 + 1/3 + 1/4 = 1.08 nats.
+const MARKOV_BRANCHING: usize = 4;
+/// States of the chain (at most the model's vocabulary): few enough that a tiny model learns
+/// the transition table within minutes on CPU.
+const MARKOV_STATES: usize = 512;
+/// Fraction of the tokens held out for evaluation.
+const HELD_OUT: usize = 20;
+
+/// The loaders of one rank, and what the data is.
+pub struct Data {
+    pub train: DataLoader,
+    pub eval: DataLoader,
+    pub name: String,
+    /// The lowest reachable mean loss in nats, when the source knows it.
+    pub floor: Option<f64>,
+}
+
+pub struct Layout {
+    pub seq: usize,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub rank: usize,
+    pub world: usize,
+    pub vocab: usize,
+    pub seed: u64,
+}
+
+/// Opens `--data` and splits it into a training and a held-out part.
+pub fn open(spec: &str, width: TokenWidth, l: &Layout) -> anyhow::Result<Data> {
+    let (source, floor): (Arc<dyn TokenSource>, Option<f64>) = match spec {
+        "markov" => {
+            let m = MarkovTokens::new(
+                l.vocab.min(MARKOV_STATES),
+                MARKOV_BRANCHING,
+                MARKOV_TOKENS,
+                l.seed,
+            )?;
+            let floor = m.entropy_rate_nats();
+            (Arc::new(m), Some(floor))
+        }
+        "uniform" => {
+            let s = SyntheticTokens::new(
+                l.vocab,
+                SyntheticTokens::PEER_LEN,
+                SyntheticTokens::PEER_SEED,
+            )?;
+            (Arc::new(s), Some((l.vocab as f64).ln()))
+        }
+        path if path.ends_with(".bin") => (
+            Arc::new(TokenFile::open(Path::new(path), width, l.vocab)?),
+            None,
+        ),
+        path => (Arc::new(TextBytes::open(Path::new(path))?), None),
+    };
+    let name = source.name().to_string();
+    let window = l.seq + 1;
+    let (train, eval) = Slice::split(source.clone(), source.len() / HELD_OUT, window)
+        .with_context(|| format!("--data {spec}"))?;
+    let order = SampleOrder::new(l.seq, l.micro_batch, l.grad_accum, l.rank, l.world)?;
+    let eval_order = SampleOrder::new(l.seq, l.micro_batch, 1, l.rank, l.world)?;
+    Ok(Data {
+        train: DataLoader::new(Arc::new(train), order, l.vocab)
+            .with_context(|| format!("--data {spec}"))?,
+        eval: DataLoader::new(Arc::new(eval), eval_order, l.vocab)
+            .with_context(|| format!("--data {spec}"))?,
+        name,
+        floor,
+    })
+}

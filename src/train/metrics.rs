@@ -1,0 +1,138 @@
+//! The metrics contract of `ds-rs train` that tools parse: DIR/metrics.jsonl, one JSON object
+//! per optimizer step, and DIR/summary.json with the run's totals. Only rank 0 writes them.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use ds_comm::Group;
+use serde::Serialize;
+
+/// One optimizer step, as metrics.jsonl holds it.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    pub step: u64,
+    /// Mean over the global batch.
+    pub loss: f32,
+    pub lr: f64,
+    pub loss_scale: f64,
+    pub skipped: bool,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub step_ms: f64,
+    /// Model FLOPs achieved per second over all ranks, in TFLOP/s.
+    pub tflops: f64,
+    /// Wall-clock time the step ended, in milliseconds since the Unix epoch.
+    pub unix_ms: u128,
+}
+
+/// One evaluation on held-out data.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalRecord {
+    pub step: u64,
+    pub eval_loss: f32,
+}
+
+/// Appends one line per record, flushed at once so a crash loses nothing written before it.
+pub struct MetricsFile {
+    out: BufWriter<File>,
+    path: PathBuf,
+}
+
+impl MetricsFile {
+    pub fn create(dir: &Path) -> anyhow::Result<MetricsFile> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating metrics directory {}", dir.display()))?;
+        let path = dir.join("metrics.jsonl");
+        let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(MetricsFile {
+            out: BufWriter::new(file),
+            path,
+        })
+    }
+
+    pub fn write(&mut self, record: &impl Serialize) -> anyhow::Result<()> {
+        serde_json::to_writer(&mut self.out, record)?;
+        self.out.write_all(b"\n")?;
+        self.out
+            .flush()
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+/// What one rank holds at the end of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub peak_rss_mib: f64,
+    pub params_bytes: u64,
+    pub grads_bytes: u64,
+    pub optimizer_states_bytes: u64,
+}
+
+/// Every rank's peak RSS and memory report, in rank order (a collective).
+pub fn gather_memory(
+    g: &Group,
+    report: &ds_engine::MemoryReport,
+) -> anyhow::Result<Vec<RankMemory>> {
+    let mine = [
+        peak_rss_kib(),
+        report.params as u64,
+        report.grads as u64,
+        report.optimizer_states as u64,
+    ];
+    let all = gather_u64(g, &mine)?;
+    Ok(all
+        .chunks(mine.len())
+        .enumerate()
+        .map(|(rank, v)| RankMemory {
+            rank,
+            peak_rss_mib: v[0] as f64 / 1024.0,
+            params_bytes: v[1],
+            grads_bytes: v[2],
+            optimizer_states_bytes: v[3],
+        })
+        .collect())
+}
+
+/// This process's peak resident set (VmHWM) in KiB; 0 where /proc does not tell.
+pub fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// All-gathers integers exactly: the collectives carry floats, and an f32 holds any 24-bit
+/// integer exactly, so each value travels as two 24-bit halves (values below 2^48).
+fn gather_u64(g: &Group, values: &[u64]) -> anyhow::Result<Vec<u64>> {
+    const HALF: u64 = 1 << 24;
+    let split: Vec<f32> = values
+        .iter()
+        .flat_map(|&v| [(v / HALF).min(HALF - 1) as f32, (v % HALF) as f32])
+        .collect();
+    let mut all = vec![0f32; split.len() * g.size()];
+    g.all_gather(&split, &mut all)?;
+    Ok(all
+        .chunks(2)
+        .map(|p| p[0] as u64 * HALF + p[1] as u64)
+        .collect())
+}
+
+/// Writes `summary` as DIR/summary.json.
+pub fn write_summary(dir: &Path, summary: &serde_json::Value) -> anyhow::Result<()> {
+    let path = dir.join("summary.json");
+    let text = serde_json::to_string_pretty(summary)?;
+    std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// The median of `v` (NaN when empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+}

@@ -1,0 +1,414 @@
+//! `ds-rs train`: trains the built-in GPT (a preset or a model JSON) with a ds_config, on one
+//! rank or as every rank of a job that `ds-rs launch` (or a scheduler) started. Rank 0 shows
+//! progress and writes the metrics contract (metrics.jsonl, summary.json) and a chart.
+
+mod chart;
+mod data;
+mod metrics;
+mod progress;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Context;
+use ds_comm::{init, options_from_env, Communicator};
+use ds_config::{load, resolve, Config, ParallelDims};
+use ds_engine::data::TokenWidth;
+use ds_engine::model::gpt::GptConfig;
+use ds_engine::monitor::Monitor;
+use ds_engine::{Engine, EngineOptions};
+
+use metrics::{EvalRecord, MetricsFile, StepRecord};
+use progress::Progress;
+
+/// The config of a run given none: AdamW with warmup and cosine decay, ZeRO-2 (see the file).
+const DEFAULT_CONFIG: &str = include_str!("../../configs/examples/zero2.json");
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The ds_config (default: configs/examples/zero2.json, built in).
+    #[arg(long, env = "DS_RS_CONFIG")]
+    config: Option<PathBuf>,
+    /// tiny, small, gpt2, or a model JSON {"V","T","d","H","L"}.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens),
+    /// a token file *.bin, or a text file read as bytes.
+    #[arg(long, default_value = "markov")]
+    data: String,
+    /// Token width of a .bin file: u16 or u32.
+    #[arg(long, default_value = "u16")]
+    token_width: String,
+    /// Optimizer steps to train (default 300; --epochs overrides).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Passes over the training data instead of --steps.
+    #[arg(long)]
+    epochs: Option<f64>,
+    /// Seed of the initial weights and of the Markov data.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Start from these weights (safetensors under the model's parameter names).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Where metrics.jsonl, summary.json and the chart go (default: a new folder under runs/).
+    #[arg(long)]
+    metrics_dir: Option<PathBuf>,
+    /// Evaluate on held-out data every N steps (0: only at the end).
+    #[arg(long, default_value_t = 100)]
+    eval_interval: u64,
+    /// Micro-batches per rank in each evaluation.
+    #[arg(long, default_value_t = 4)]
+    eval_batches: u64,
+}
+
+const DEFAULT_STEPS: u64 = 300;
+
+pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let model = model_config(&args.model)?;
+    let comm = init(&options_from_env().context("reading the rank environment")?)
+        .context("joining the job")?;
+    let cfg = read_config(args.config.as_deref(), comm.world_size())?;
+    let opts = EngineOptions {
+        seed: args.seed,
+        init: args.init.clone(),
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
+    let s = engine.settings().clone();
+    let width = match args.token_width.as_str() {
+        "u16" => TokenWidth::U16,
+        "u32" => TokenWidth::U32,
+        w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
+    };
+    let data = data::open(
+        &args.data,
+        width,
+        &data::Layout {
+            seq: model.T,
+            micro_batch: s.micro_batch,
+            grad_accum: s.grad_accum,
+            rank: comm.rank(),
+            world: comm.world_size(),
+            vocab: model.V,
+            seed: args.seed,
+        },
+    )?;
+    let steps = match (args.epochs, args.steps) {
+        (Some(e), _) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
+        (None, Some(n)) => n,
+        (None, None) => DEFAULT_STEPS,
+    };
+    let run = Run {
+        args,
+        model,
+        cfg: &cfg,
+        steps,
+        dir: metrics_dir(args, comm.rank())?,
+    };
+    run.train(&mut engine, &data, &comm, started)
+}
+
+struct Run<'a> {
+    args: &'a TrainArgs,
+    model: GptConfig,
+    cfg: &'a Config,
+    steps: u64,
+    dir: PathBuf,
+}
+
+impl Run<'_> {
+    fn train(
+        &self,
+        engine: &mut Engine,
+        data: &data::Data,
+        comm: &Communicator,
+        started: Instant,
+    ) -> anyhow::Result<ExitCode> {
+        let rank0 = comm.rank() == 0;
+        let s = engine.settings().clone();
+        let samples = (s.micro_batch * s.grad_accum * comm.world_size()) as f64;
+        let tokens = samples * self.model.T as f64;
+        let flops_per_token = flops_per_token(&self.model);
+        let mut file = if rank0 {
+            Some(MetricsFile::create(&self.dir)?)
+        } else {
+            None
+        };
+        let m = &self.cfg.monitor;
+        let mut monitor = Monitor::new(&m.tensorboard, &m.csv_monitor, comm.rank())?;
+        let mut progress = Progress::new(self.steps, steps_per_print(self.cfg));
+        if rank0 {
+            self.announce(data, comm, &s);
+        }
+        let (mut records, mut evals) = (Vec::new(), Vec::new());
+        let mut first_step_s = None;
+        for step in 0..self.steps {
+            let t0 = Instant::now();
+            let (loss, out) = engine.train_batch(|k| Ok(data.train.micro_batch(step, k)?))?;
+            let dt = t0.elapsed().as_secs_f64();
+            first_step_s.get_or_insert(started.elapsed().as_secs_f64());
+            let r = StepRecord {
+                step,
+                loss,
+                lr: out.lr,
+                loss_scale: out.loss_scale,
+                skipped: out.skipped,
+                grad_norm: out.grad_norm,
+                tokens_per_s: tokens / dt,
+                samples_per_s: samples / dt,
+                step_ms: 1e3 * dt,
+                tflops: tokens * flops_per_token / dt / 1e12,
+                unix_ms: unix_ms(),
+            };
+            monitor.write_events(&monitor_events(&r, samples))?;
+            if let Some(f) = &mut file {
+                f.write(&r)?;
+                progress.step(&r);
+                for m in &out.messages {
+                    progress.note(m);
+                }
+                self.wall_clock(engine, step, &progress);
+            }
+            records.push(r);
+            let last = step + 1 == self.steps;
+            if last || (self.args.eval_interval > 0 && (step + 1) % self.args.eval_interval == 0) {
+                let e = self.evaluate(engine, data, step)?;
+                if let Some(f) = &mut file {
+                    f.write(&e)?;
+                    let seen = (step + 1) * samples as u64;
+                    monitor.write_events(&[(
+                        "Train/Samples/eval_loss",
+                        e.eval_loss as f64,
+                        seen,
+                    )])?;
+                    progress.note(&format!("step {} | eval loss {:.4}", step + 1, e.eval_loss));
+                }
+                evals.push(e);
+            }
+        }
+        progress.finish();
+        let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
+        if rank0 {
+            let summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
+            metrics::write_summary(&self.dir, &summary)?;
+            self.write_chart(data, &records)?;
+            self.print_summary(&summary);
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+
+    /// The held-out loss: the same windows at every evaluation, split over the ranks.
+    fn evaluate(
+        &self,
+        engine: &mut Engine,
+        data: &data::Data,
+        step: u64,
+    ) -> anyhow::Result<EvalRecord> {
+        let mut sum = 0.0f64;
+        for b in 0..self.args.eval_batches.max(1) {
+            sum += engine.eval_batch(&data.eval.micro_batch(b, 0)?)? as f64;
+        }
+        Ok(EvalRecord {
+            step,
+            eval_loss: (sum / self.args.eval_batches.max(1) as f64) as f32,
+        })
+    }
+
+    /// DeepSpeed's wall_clock_breakdown line, every steps_per_print steps.
+    fn wall_clock(&self, engine: &mut Engine, step: u64, progress: &Progress) {
+        let every = steps_per_print(self.cfg);
+        if !self.cfg.wall_clock_breakdown || (step + 1) % every != 0 {
+            return;
+        }
+        let t = engine.take_timings();
+        let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / every as f64;
+        progress.note(&format!(
+            "time (ms) | fwd: {:.2} | bwd: {:.2} | step: {:.2}",
+            ms(t.forward),
+            ms(t.backward),
+            ms(t.step)
+        ));
+    }
+
+    fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
+        println!(
+            "ds-rs train: GPT {} ({} parameters), {} ranks, ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            self.args.model,
+            self.model.n_params(),
+            comm.world_size(),
+            s.zero.stage,
+            s.precision,
+            s.micro_batch,
+            s.grad_accum,
+            self.steps,
+            data.name
+        );
+        for (name, on) in [
+            ("wandb", self.cfg.monitor.wandb.enabled),
+            ("comet", self.cfg.monitor.comet.enabled),
+        ] {
+            if on {
+                println!("warning: the {name} monitor needs its Python client; ds-rs writes tensorboard and csv_monitor only, {name} is ignored");
+            }
+        }
+        if let Some(floor) = data.floor {
+            println!("the data's loss floor (entropy rate) is {floor:.4} nats");
+        }
+        println!("metrics: {}", self.dir.display());
+    }
+
+    fn summary(
+        &self,
+        data: &data::Data,
+        comm: &Communicator,
+        records: &[StepRecord],
+        evals: &[EvalRecord],
+        memory: &[metrics::RankMemory],
+        first_step_s: Option<f64>,
+    ) -> serde_json::Value {
+        let s = &self.cfg;
+        let final_loss = records.last().map(|r| r.loss);
+        let tps: Vec<f64> = records.iter().skip(1).map(|r| r.tokens_per_s).collect();
+        serde_json::json!({
+            "steps": records.len(),
+            "final_loss": final_loss,
+            "first_loss": records.first().map(|r| r.loss),
+            "final_eval_loss": evals.last().map(|e| e.eval_loss),
+            "median_tokens_per_s": metrics::median(&tps),
+            "median_step_ms": metrics::median(&records.iter().map(|r| r.step_ms).collect::<Vec<_>>()),
+            "skipped_steps": records.iter().filter(|r| r.skipped).count(),
+            "time_to_first_step_s": first_step_s,
+            "model": {"name": self.args.model, "V": self.model.V, "T": self.model.T,
+                      "d": self.model.d, "H": self.model.H, "L": self.model.L,
+                      "parameters": self.model.n_params()},
+            "data": {"name": data.name, "loss_floor_nats": data.floor,
+                     "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l as f64 - f)},
+            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
+                       "zero_stage": s.zero_stage() as u8,
+                       "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
+                       "gradient_accumulation_steps": s.gradient_accumulation_steps.to_string(),
+                       "train_batch_size": s.train_batch_size.to_string()},
+            "ranks": memory,
+        })
+    }
+
+    /// Loss (with the data's floor) and throughput over the steps, as DIR/chart.png.
+    fn write_chart(&self, data: &data::Data, records: &[StepRecord]) -> anyhow::Result<()> {
+        let loss: Vec<(f64, f64)> = records
+            .iter()
+            .map(|r| ((r.step + 1) as f64, r.loss as f64))
+            .collect();
+        let speed: Vec<(f64, f64)> = records
+            .iter()
+            .map(|r| ((r.step + 1) as f64, r.tokens_per_s))
+            .collect();
+        let floor = data.floor.map(|f| (f, "loss floor"));
+        let series = [
+            chart::Series {
+                title: "training loss",
+                y_label: "loss (nats/token)",
+                points: &loss,
+                floor,
+            },
+            chart::Series {
+                title: "throughput",
+                y_label: "tokens/s",
+                points: &speed,
+                floor: None,
+            },
+        ];
+        let title = format!(
+            "ds-rs train: GPT {}, {} steps",
+            self.args.model,
+            records.len()
+        );
+        chart::write_png(&self.dir.join("chart.png"), &title, &series)?;
+        Ok(())
+    }
+
+    fn print_summary(&self, v: &serde_json::Value) {
+        println!(
+            "done: {} steps, loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
+            v["steps"],
+            v["first_loss"],
+            v["final_loss"],
+            v["final_eval_loss"],
+            v["median_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            self.dir.join("summary.json").display()
+        );
+        if let Some(gap) = v["data"]["gap_to_floor_nats"].as_f64() {
+            println!("the final loss is {gap:.4} nats above the data's floor");
+        }
+    }
+}
+
+fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
+    if let Some(c) = GptConfig::preset(spec) {
+        return Ok(c);
+    }
+    if spec.ends_with(".json") {
+        return Ok(GptConfig::from_json_file(Path::new(spec))?);
+    }
+    anyhow::bail!("--model {spec}: expected tiny, small, gpt2 or a model JSON file")
+}
+
+fn read_config(path: Option<&Path>, world: usize) -> anyhow::Result<Config> {
+    let dims = ParallelDims::new(world, 1, 1)?;
+    match path {
+        Some(p) => {
+            let doc = load(p)?;
+            resolve(&doc, &dims).with_context(|| format!("{}", p.display()))
+        }
+        None => {
+            let doc = ds_config::hjson::parse(DEFAULT_CONFIG)
+                .map_err(|e| anyhow::anyhow!("the built-in default config: {e}"))?;
+            resolve(&doc, &dims).context("the built-in default config")
+        }
+    }
+}
+
+/// --metrics-dir, else runs/train-<unix seconds> (rank 0 alone writes there).
+fn metrics_dir(args: &TrainArgs, rank: usize) -> anyhow::Result<PathBuf> {
+    let dir = match &args.metrics_dir {
+        Some(d) => d.clone(),
+        None => PathBuf::from("runs").join(format!("train-{}", unix_ms() / 1000)),
+    };
+    if rank == 0 {
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("creating metrics directory {}", dir.display()))?;
+    }
+    Ok(dir)
+}
+
+/// Model FLOPs per trained token (forward + backward): 6 per parameter for the matrix
+/// products plus 12 L T d for attention's scores and weighted sums (the PaLM paper's count).
+fn flops_per_token(m: &GptConfig) -> f64 {
+    6.0 * m.n_params() as f64 + 12.0 * (m.L * m.T * m.d) as f64
+}
+
+/// DeepSpeed's per-step monitor events, with the samples seen so far as the x value.
+fn monitor_events(r: &StepRecord, samples_per_step: f64) -> [(&'static str, f64, u64); 3] {
+    let seen = (r.step + 1) * samples_per_step as u64;
+    [
+        ("Train/Samples/train_loss", r.loss as f64, seen),
+        ("Train/Samples/lr", r.lr, seen),
+        ("Train/Samples/loss_scale", r.loss_scale, seen),
+    ]
+}
+
+/// ds_config `steps_per_print` (DeepSpeed's default 10).
+fn steps_per_print(cfg: &Config) -> u64 {
+    cfg.scalars
+        .steps_per_print
+        .as_f64()
+        .map_or(10, |n| n.max(1.0) as u64)
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
