@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/python-env.sh
+# The multi-host launcher tests play two hosts with network namespaces (iproute2, root).
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null) || echo "note: iproute2 not installed; the multi-host tests will say they are skipped"
+fi
 export DS_RS_PYTHON="$PWD/.venv/bin/python"
 cargo test --workspace --release
 cargo check -p ds-comm --features nccl --release

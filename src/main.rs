@@ -22,9 +22,8 @@ fn main() -> ExitCode {
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {
-            for cause in e.chain() {
-                eprintln!("error: {cause}");
-            }
+            // One line, outermost context first: "error: reading x.json: No such file".
+            eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
     }

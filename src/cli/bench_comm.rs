@@ -91,7 +91,7 @@ pub fn run(args: &CommArgs) -> anyhow::Result<ExitCode> {
     if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
-    crate::cli::local_ranks::spawn_local(args.nproc, transport_env(args.transport))
+    crate::launch::spawn_local(args.nproc, transport_env(args.transport))
 }
 
 fn transport_env(t: TransportArg) -> &'static str {

@@ -43,7 +43,7 @@ pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
-    crate::cli::local_ranks::spawn_local(args.nproc, "auto")
+    crate::launch::spawn_local(args.nproc, "auto")
 }
 
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {

@@ -79,6 +79,9 @@ pub struct LaunchArgs {
     /// Write each rank's output only to DIR/{time}_rank{N}.log, as DeepSpeed does.
     #[arg(long = "enable_each_rank_log", alias = "enable-each-rank-log")]
     enable_each_rank_log: Option<PathBuf>,
+    /// Pass rank output through unchanged instead of prefixing each line with `[rankN]`.
+    #[arg(long = "no_prefix", alias = "no-prefix")]
+    no_prefix: bool,
     /// The ds_config every rank reads (passed as DS_RS_CONFIG).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -237,6 +240,10 @@ impl<'a> Job<'a> {
             if let Some(c) = &self.config {
                 cmd.env("DS_RS_CONFIG", c);
             }
+            // Rank 0 may draw a progress bar: the relay keeps carriage returns intact.
+            if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                cmd.env("DS_RS_TTY", "1");
+            }
             specs.push(Spec {
                 who: format!("rank {rank} on host {}", host.name),
                 command: cmd,
@@ -253,7 +260,7 @@ impl<'a> Job<'a> {
             (None, Some(d)) => (d, format!("rank{rank}.log"), true),
             (None, None) => {
                 return Ok(Sink {
-                    prefix: format!("[rank{rank}] "),
+                    prefix: self.prefix(rank),
                     console: true,
                     log: None,
                 })
@@ -265,10 +272,18 @@ impl<'a> Job<'a> {
         let file =
             std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         Ok(Sink {
-            prefix: format!("[rank{rank}] "),
+            prefix: self.prefix(rank),
             console,
             log: Some(std::sync::Arc::new(std::sync::Mutex::new(file))),
         })
+    }
+
+    fn prefix(&self, rank: usize) -> String {
+        if self.args.no_prefix {
+            String::new()
+        } else {
+            format!("[rank{rank}] ")
+        }
     }
 
     fn remote(&self) -> anyhow::Result<Remote<'_>> {
@@ -309,6 +324,25 @@ impl<'a> Job<'a> {
             rank_argv,
         })
     }
+}
+
+/// The bench commands' --nproc: this same command line as `nproc` ranks on this host over
+/// `transport`, their output passed through unchanged (rank 0 prints the report).
+pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
+    #[derive(clap::Parser)]
+    struct Launch {
+        #[command(flatten)]
+        args: LaunchArgs,
+    }
+    let mut words: Vec<String> = ["launch", "--no_prefix", "--nproc_per_node"]
+        .map(String::from)
+        .into();
+    words.push(nproc.max(1).to_string());
+    words.extend(std::env::args().skip(1));
+    let launch = <Launch as clap::Parser>::try_parse_from(words).context("--nproc")?;
+    // Inherited by the ranks; nothing else runs in this process yet.
+    std::env::set_var("DS_RS_TRANSPORT", transport);
+    run(&launch.args)
 }
 
 /// The hosts after the hostfile, --include/--exclude and the per-node limits.

@@ -130,16 +130,18 @@ impl Remote<'_> {
         let cwd = std::env::current_dir().context("reading the working directory")?;
         let mut words = vec!["env".to_string()];
         words.extend(self.env.iter().map(|(k, v)| format!("{k}={v}")));
-        words.push(self.node_argv[0].clone());
-        words.extend(["launch".into(), "--node_rank".into(), node_rank.into()]);
-        words.extend(self.node_argv[1..].iter().cloned());
-        let quoted = shlex::try_join(words.iter().map(String::as_str))
+        words.extend([self.node_argv[0].clone(), "launch".into()]);
+        let head = shlex::try_join(words.iter().map(String::as_str))
+            .context("quoting the remote command")?;
+        let tail = shlex::try_join(self.node_argv[1..].iter().map(String::as_str))
             .context("quoting the remote command")?;
         let cwd = shlex::try_quote(&cwd.to_string_lossy())
             .context("quoting the working directory")?
             .into_owned();
-        // `%n` must reach pdsh unquoted; shlex leaves it alone (no special characters).
-        Ok(format!("cd {cwd} && exec {quoted}"))
+        // The node rank (a number, or pdsh's `%n`) needs no quoting.
+        Ok(format!(
+            "cd {cwd} && exec {head} --node_rank {node_rank} {tail}"
+        ))
     }
 }
 

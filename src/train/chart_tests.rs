@@ -3,6 +3,23 @@
 
 use super::*;
 
+/// Test shorthands: the train job builds its `Series` literally.
+impl<'a> Series<'a> {
+    fn new(title: &'a str, y_label: &'a str, points: &'a [(f64, f64)]) -> Self {
+        Series {
+            title,
+            y_label,
+            points,
+            floor: None,
+        }
+    }
+
+    fn with_floor(mut self, value: f64, label: &'a str) -> Self {
+        self.floor = Some((value, label));
+        self
+    }
+}
+
 /// A unique file in the temp dir per test, removed on drop.
 struct TempPng(PathBuf);
 

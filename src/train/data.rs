@@ -73,7 +73,9 @@ pub fn open(spec: &str, width: TokenWidth, l: &Layout) -> anyhow::Result<Data> {
     let (train, eval) = Slice::split(source.clone(), source.len() / HELD_OUT, window)
         .with_context(|| format!("--data {spec}"))?;
     let order = SampleOrder::new(l.seq, l.micro_batch, l.grad_accum, l.rank, l.world)?;
-    let eval_order = SampleOrder::new(l.seq, l.micro_batch, 1, l.rank, l.world)?;
+    // Evaluation batches are global batches too, split like training ones, so that every
+    // layout evaluates the same samples.
+    let eval_order = order;
     Ok(Data {
         train: DataLoader::new(Arc::new(train), order, l.vocab)
             .with_context(|| format!("--data {spec}"))?,

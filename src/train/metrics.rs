@@ -13,8 +13,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Serialize)]
 pub struct StepRecord {
     pub step: u64,
-    /// Mean over the global batch.
-    pub loss: f32,
+    /// Mean over the global batch (an f32, written at f64 so that every file agrees).
+    pub loss: f64,
     pub lr: f64,
     pub loss_scale: f64,
     pub skipped: bool,
@@ -32,7 +32,7 @@ pub struct StepRecord {
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalRecord {
     pub step: u64,
-    pub eval_loss: f32,
+    pub eval_loss: f64,
 }
 
 /// Appends one line per record, flushed at once so a crash loses nothing written before it.

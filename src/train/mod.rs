@@ -58,7 +58,7 @@ pub struct TrainArgs {
     /// Evaluate on held-out data every N steps (0: only at the end).
     #[arg(long, default_value_t = 100)]
     eval_interval: u64,
-    /// Micro-batches per rank in each evaluation.
+    /// Global batches of held-out data in each evaluation.
     #[arg(long, default_value_t = 4)]
     eval_batches: u64,
 }
@@ -152,7 +152,7 @@ impl Run<'_> {
             first_step_s.get_or_insert(started.elapsed().as_secs_f64());
             let r = StepRecord {
                 step,
-                loss,
+                loss: loss as f64,
                 lr: out.lr,
                 loss_scale: out.loss_scale,
                 skipped: out.skipped,
@@ -179,11 +179,7 @@ impl Run<'_> {
                 if let Some(f) = &mut file {
                     f.write(&e)?;
                     let seen = (step + 1) * samples as u64;
-                    monitor.write_events(&[(
-                        "Train/Samples/eval_loss",
-                        e.eval_loss as f64,
-                        seen,
-                    )])?;
+                    monitor.write_events(&[("Train/Samples/eval_loss", e.eval_loss, seen)])?;
                     progress.note(&format!("step {} | eval loss {:.4}", step + 1, e.eval_loss));
                 }
                 evals.push(e);
@@ -200,27 +196,31 @@ impl Run<'_> {
         Ok(ExitCode::SUCCESS)
     }
 
-    /// The held-out loss: the same windows at every evaluation, split over the ranks.
+    /// The held-out loss over `--eval-batches` global batches: the same windows at every
+    /// evaluation and in every layout (each rank evaluates its share of each).
     fn evaluate(
         &self,
         engine: &mut Engine,
         data: &data::Data,
         step: u64,
     ) -> anyhow::Result<EvalRecord> {
+        let (batches, ga) = (self.args.eval_batches.max(1), engine.settings().grad_accum);
         let mut sum = 0.0f64;
-        for b in 0..self.args.eval_batches.max(1) {
-            sum += engine.eval_batch(&data.eval.micro_batch(b, 0)?)? as f64;
+        for b in 0..batches {
+            for k in 0..ga {
+                sum += engine.eval_batch(&data.eval.micro_batch(b, k)?)? as f64;
+            }
         }
         Ok(EvalRecord {
             step,
-            eval_loss: (sum / self.args.eval_batches.max(1) as f64) as f32,
+            eval_loss: sum / (batches * ga as u64) as f64,
         })
     }
 
     /// DeepSpeed's wall_clock_breakdown line, every steps_per_print steps.
     fn wall_clock(&self, engine: &mut Engine, step: u64, progress: &Progress) {
         let every = steps_per_print(self.cfg);
-        if !self.cfg.wall_clock_breakdown || (step + 1) % every != 0 {
+        if !self.cfg.wall_clock_breakdown || !(step + 1).is_multiple_of(every) {
             return;
         }
         let t = engine.take_timings();
@@ -285,7 +285,7 @@ impl Run<'_> {
                       "d": self.model.d, "H": self.model.H, "L": self.model.L,
                       "parameters": self.model.n_params()},
             "data": {"name": data.name, "loss_floor_nats": data.floor,
-                     "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l as f64 - f)},
+                     "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
             "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
                        "zero_stage": s.zero_stage() as u8,
                        "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
@@ -299,7 +299,7 @@ impl Run<'_> {
     fn write_chart(&self, data: &data::Data, records: &[StepRecord]) -> anyhow::Result<()> {
         let loss: Vec<(f64, f64)> = records
             .iter()
-            .map(|r| ((r.step + 1) as f64, r.loss as f64))
+            .map(|r| ((r.step + 1) as f64, r.loss))
             .collect();
         let speed: Vec<(f64, f64)> = records
             .iter()
@@ -393,7 +393,7 @@ fn flops_per_token(m: &GptConfig) -> f64 {
 fn monitor_events(r: &StepRecord, samples_per_step: f64) -> [(&'static str, f64, u64); 3] {
     let seen = (r.step + 1) * samples_per_step as u64;
     [
-        ("Train/Samples/train_loss", r.loss as f64, seen),
+        ("Train/Samples/train_loss", r.loss, seen),
         ("Train/Samples/lr", r.lr, seen),
         ("Train/Samples/loss_scale", r.loss_scale, seen),
     ]

@@ -32,7 +32,7 @@ impl Progress {
         if self.bar {
             print!("\r\x1b[K{}", self.bar_line(r, done));
             let _ = std::io::stdout().flush();
-        } else if done % self.every == 0 || done == self.total {
+        } else if done.is_multiple_of(self.every) || done == self.total {
             println!("{}", self.line(r, done));
         }
     }

@@ -1,0 +1,201 @@
+//! Helpers of the end-to-end launcher tests: scratch directories, small configs and models,
+//! running `ds-rs` with a deadline, and reading the metrics contract back.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ds-rs");
+
+/// A scratch directory removed when dropped.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A GPT small enough that a step takes milliseconds, so tests can run many layouts.
+pub const SMALL_MODEL: &str = r#"{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2}"#;
+
+/// A ds_config with a fixed global batch of 8, so the accumulation steps follow the rank
+/// count (8 / (2 * ranks)) and every layout trains on the same samples per step.
+pub fn config(stage: u8, extra: &str) -> String {
+    format!(
+        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+        "steps_per_print": 1,
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}}},
+        "zero_optimization": {{"stage": {stage}}}{extra}}}"#
+    )
+}
+
+/// What a finished command printed.
+pub struct Finished {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub took: Duration,
+}
+
+/// Starts `ds-rs ARGS` with its output captured.
+pub fn start(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for `child` at most `limit`; past it the child is killed and the test fails.
+pub fn finish(mut child: Child, limit: Duration) -> Finished {
+    let t0 = Instant::now();
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ds-rs ran past {limit:?}: {}", err_thread.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    Finished {
+        status,
+        stdout: out_thread.join().unwrap(),
+        stderr: err_thread.join().unwrap(),
+        took,
+    }
+}
+
+/// Runs `ds-rs ARGS` to the end (at most `limit`).
+pub fn run(args: &[&str], limit: Duration) -> Finished {
+    finish(start(args), limit)
+}
+
+/// The per-step records of DIR/metrics.jsonl (evaluation lines left out).
+pub fn steps(dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("loss").is_some())
+        .collect()
+}
+
+pub fn losses(dir: &Path) -> Vec<f64> {
+    steps(dir)
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect()
+}
+
+/// The last held-out loss of DIR/summary.json.
+pub fn eval_loss(dir: &Path) -> f64 {
+    let text = std::fs::read_to_string(dir.join("summary.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["final_eval_loss"].as_f64().unwrap()
+}
+
+/// Each step's loss within `rel` of the reference's.
+pub fn assert_same_losses(got: &[f64], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: steps {got:?} vs {want:?}");
+    for (s, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            ((g - w) / w).abs() < rel,
+            "{what}: step {s}: {g} vs reference {w}"
+        );
+    }
+}
+
+/// Live processes (not zombies) whose command line mentions `needle`, with their environment.
+pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'));
+        if cmdline.contains(needle) && !zombie {
+            let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+            found.push((pid, String::from_utf8_lossy(&env).replace('\0', "\n")));
+        }
+    }
+    found
+}
+
+/// The pid of the rank `rank` of the job whose command line mentions `needle` (not a launcher).
+pub fn rank_pid(needle: &str, rank: usize) -> Option<u32> {
+    processes_with(needle).into_iter().find_map(|(pid, env)| {
+        let is_rank = env.lines().any(|l| l == format!("RANK={rank}"));
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let launcher = String::from_utf8_lossy(&cmd)
+            .split('\0')
+            .any(|w| w == "launch");
+        (is_rank && !launcher).then_some(pid)
+    })
+}
+
+/// Waits until `cond` holds, at most `limit`.
+pub fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill -{sig} {pid}");
+}
+
+/// The lines of `text` that start with "error:".
+pub fn error_lines(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.starts_with("error:")).collect()
+}
