@@ -105,8 +105,10 @@ fn metrics_contract_chart_monitors_and_rank_logs() {
     let extra = format!(
         r#", "wall_clock_breakdown": true,
         "tensorboard": {{"enabled": true, "output_path": "{0}", "job_name": "tb"}},
-        "csv_monitor": {{"enabled": true, "output_path": "{0}", "job_name": "csv"}}"#,
-        out.display()
+        "csv_monitor": {{"enabled": true, "output_path": "{0}", "job_name": "csv"}},
+        "flops_profiler": {{"enabled": true, "profile_step": 2, "output_file": "{1}"}}"#,
+        out.display(),
+        s.path("flops.txt").display()
     );
     let cfg = s.write("cfg.json", &config(1, &extra));
     let (dir, logs) = (s.path("metrics"), s.path("logs"));
@@ -208,6 +210,27 @@ fn metrics_contract_chart_monitors_and_rank_logs() {
     assert!(tb
         .into_iter()
         .any(|n| n.starts_with("events.out.tfevents.")));
+
+    // The flops profiler: forward FLOPs of SMALL_MODEL per rank and step, from the architecture
+    // (2 per multiply-add): per micro-batch of B=2 rows of T=32 tokens, d=64, V=512, L=2:
+    // positions added (B T d) + blocks (2 B T (12 d^2 + 2 T d) each) + head (2 B T d V);
+    // 2 micro-batches per rank with 2 ranks.
+    let (b, t, d, v, l) = (2u64, 32, 64, 512, 2);
+    let micro = b * t * d + l * 2 * b * t * (12 * d * d + 2 * t * d) + 2 * b * t * d * v;
+    let want = format!("{:.2} M", (2 * micro) as f64 / 1e6);
+    let profile = std::fs::read_to_string(s.path("flops.txt")).unwrap();
+    let fwd = profile
+        .lines()
+        .find(|l| l.starts_with("fwd flops per GPU:"))
+        .unwrap();
+    assert!(fwd.ends_with(&want), "{fwd} vs {want}\n{profile}");
+    assert!(profile.contains("Profile Summary at step 2:"), "{profile}");
+    for layer in ["wte+wpe", "h.0", "h.1", "ln_f+lm_head", "loss"] {
+        assert!(
+            profile.contains(&format!(") {layer}: ")),
+            "{layer}: {profile}"
+        );
+    }
 
     let log0 = std::fs::read_to_string(logs.join("rank0.log")).unwrap();
     assert!(

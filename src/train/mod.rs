@@ -4,6 +4,7 @@
 
 mod chart;
 mod data;
+mod flops;
 mod metrics;
 mod progress;
 
@@ -145,6 +146,7 @@ impl Run<'_> {
         }
         let (mut records, mut evals) = (Vec::new(), Vec::new());
         let mut first_step_s = None;
+        let mut wall = ds_engine::Timings::default();
         for step in 0..self.steps {
             let t0 = Instant::now();
             let (loss, out) = engine.train_batch(|k| Ok(data.train.micro_batch(step, k)?))?;
@@ -170,7 +172,12 @@ impl Run<'_> {
                 for m in &out.messages {
                     progress.note(m);
                 }
-                self.wall_clock(engine, step, &progress);
+            }
+            let timings = engine.take_timings();
+            if rank0 {
+                self.profile(engine, step, &timings)?;
+                wall.add(&timings);
+                self.wall_clock(&mut wall, step, &progress);
             }
             records.push(r);
             let last = step + 1 == self.steps;
@@ -217,13 +224,14 @@ impl Run<'_> {
         })
     }
 
-    /// DeepSpeed's wall_clock_breakdown line, every steps_per_print steps.
-    fn wall_clock(&self, engine: &mut Engine, step: u64, progress: &Progress) {
+    /// DeepSpeed's wall_clock_breakdown line, every steps_per_print steps: the mean forward,
+    /// backward and step time of those steps.
+    fn wall_clock(&self, wall: &mut ds_engine::Timings, step: u64, progress: &Progress) {
         let every = steps_per_print(self.cfg);
         if !self.cfg.wall_clock_breakdown || !(step + 1).is_multiple_of(every) {
             return;
         }
-        let t = engine.take_timings();
+        let t = std::mem::take(wall);
         let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / every as f64;
         progress.note(&format!(
             "time (ms) | fwd: {:.2} | bwd: {:.2} | step: {:.2}",
@@ -231,6 +239,34 @@ impl Run<'_> {
             ms(t.backward),
             ms(t.step)
         ));
+    }
+
+    /// The flops profiler's report of the step that starts with `profile_step` steps done
+    /// (DeepSpeed's rule: the default 1 skips the first, warm-up step).
+    fn profile(
+        &self,
+        engine: &Engine,
+        step: u64,
+        timings: &ds_engine::Timings,
+    ) -> anyhow::Result<()> {
+        let fp = &self.cfg.flops_profiler;
+        if !fp.enabled || step as i64 != fp.profile_step {
+            return Ok(());
+        }
+        let s = engine.settings();
+        let layers = engine.layer_profile(self.model.T);
+        flops::emit(
+            fp,
+            &flops::ProfileInput {
+                step,
+                world: self.cfg.dims.world_size,
+                dp: self.cfg.dims.dp(),
+                micro_batch: s.micro_batch,
+                grad_accum: s.grad_accum,
+                layers: &layers,
+                timings,
+            },
+        )
     }
 
     fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {

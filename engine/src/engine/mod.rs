@@ -52,11 +52,35 @@ impl Default for EngineOptions {
 }
 
 /// Time spent since the last `take_timings` (ds_config `wall_clock_breakdown`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Timings {
     pub forward: Duration,
     pub backward: Duration,
     pub step: Duration,
+    /// Per layer, in model order: forward time (gathering its parameters included) ...
+    pub layer_forward: Vec<Duration>,
+    /// ... and backward time (recomputation and gradient hand-off included).
+    pub layer_backward: Vec<Duration>,
+}
+
+impl Timings {
+    /// Adds `other` to these totals, layer by layer.
+    pub fn add(&mut self, other: &Timings) {
+        self.forward += other.forward;
+        self.backward += other.backward;
+        self.step += other.step;
+        for (mine, theirs) in [
+            (&mut self.layer_forward, &other.layer_forward),
+            (&mut self.layer_backward, &other.layer_backward),
+        ] {
+            if mine.len() < theirs.len() {
+                mine.resize(theirs.len(), Duration::ZERO);
+            }
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += *t;
+            }
+        }
+    }
 }
 
 enum Core {
@@ -217,6 +241,16 @@ impl Engine {
     /// Bytes this rank holds for parameters, gradients and optimizer states.
     pub fn memory_report(&self) -> MemoryReport {
         each!(&self.core, t => t.memory_report())
+    }
+
+    /// Each layer's report name, parameter count and forward FLOPs for a micro-batch input of
+    /// [micro_batch, seq] (None where the layer does not say), in model order.
+    pub fn layer_profile(&self, seq: usize) -> Vec<(String, usize, Option<u64>)> {
+        let shape = [self.settings.micro_batch, seq];
+        each!(&self.core, t => t.model().layers().iter().map(|l| {
+            let n = l.params().iter().map(|p| p.numel()).sum();
+            (l.display_name(), n, l.layer.forward_flops(&shape))
+        }).collect())
     }
 
     /// Forward/backward/step time since the last call.

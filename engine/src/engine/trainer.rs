@@ -140,6 +140,7 @@ impl<T: Dtype> Trainer<T> {
         self.saved.clear();
         let n = self.model.layers().len();
         for i in 0..n {
+            let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
             let input = if i == 0 {
                 x
@@ -156,6 +157,7 @@ impl<T: Dtype> Trainer<T> {
                 false => Saved::Input(input),
             });
             x = y;
+            add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
         let loss = x.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         self.timings.forward += t0.elapsed();
@@ -178,6 +180,7 @@ impl<T: Dtype> Trainer<T> {
         let seed = self.updater.loss_scale() / self.settings.grad_accum as f64;
         let mut dy: Option<Tensor> = None;
         for i in (0..self.saved.len()).rev() {
+            let t_layer = Instant::now();
             let (input, params, y) = match self.saved.pop().expect("invariant: one per layer") {
                 Saved::Graph {
                     input,
@@ -201,6 +204,7 @@ impl<T: Dtype> Trainer<T> {
                     EngineError::Invalid(format!("layer {i}'s output does not depend on its input"))
                 })?),
             };
+            add_at(&mut self.timings.layer_backward, i, t_layer.elapsed());
         }
         let boundary = self.is_boundary();
         self.zero.finish_backward(boundary)?;
@@ -234,6 +238,10 @@ impl<T: Dtype> Trainer<T> {
 
     pub fn dp(&self) -> &Group {
         &self.dp
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
     }
 
     pub fn take_timings(&mut self) -> Timings {
@@ -283,4 +291,12 @@ fn keep_graph(settings: &Settings, index: &FlatIndex, layer_ids: &[Range<usize>]
         after += numel(ids);
     }
     keep
+}
+
+/// `v[i] += d`, growing `v` as needed (timings start empty after each take).
+fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
+    if v.len() <= i {
+        v.resize(i + 1, std::time::Duration::ZERO);
+    }
+    v[i] += d;
 }

@@ -137,6 +137,11 @@ impl Layer for Embeddings {
         let wpe = vb.get((c.T, c.d), "wpe.weight")?.narrow(0, 0, t)?;
         wte.forward(ids)?.broadcast_add(&wpe)
     }
+
+    /// The lookup is free; adding the positions costs one operation per element.
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        Some((rows(shape) * self.0.d) as u64)
+    }
 }
 
 /// One pre-LayerNorm transformer block.
@@ -178,6 +183,14 @@ impl Layer for Block {
         let h = gelu(&c_fc.forward(&ln_2.forward(&x)?)?)?;
         x + c_proj.forward(&h)?
     }
+
+    /// The matrix products, as DeepSpeed's profiler counts them: q|k|v, attention projection
+    /// and MLP (12 d^2 multiply-adds per token), plus scores and their weighted sum over the
+    /// sequence (2 T d per token). Normalisation and activations are left out.
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        let (d, seq) = (self.0.d as u64, *shape.get(1)? as u64);
+        Some(2 * rows(shape) as u64 * (12 * d * d + 2 * seq * d))
+    }
 }
 
 /// Causal self-attention with the fused q|k|v projection.
@@ -215,6 +228,15 @@ impl Layer for Head {
         let ln_f = LayerNorm::new(c.d, LN_EPS, vb.pp("ln_f"))?;
         Linear::no_bias(c.d, c.V, vb.pp("lm_head"))?.forward(&ln_f.forward(x)?)
     }
+
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        Some(2 * (rows(shape) * self.0.d * self.0.V) as u64)
+    }
+}
+
+/// Token positions in an input of `shape` ([B, T] ids or [B, T, d] activations).
+fn rows(shape: &[usize]) -> usize {
+    shape.iter().take(2).product()
 }
 
 /// Mean cross-entropy of the logits against the next tokens, over all B*T positions.

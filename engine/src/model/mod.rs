@@ -68,6 +68,12 @@ pub trait Layer: Send + Sync {
     /// The layer's output. The first layer gets the input token ids [batch, seq] (u32); the
     /// last returns the scalar loss.
     fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> candle_core::Result<Tensor>;
+    /// Floating-point operations (2 per multiply-add) of one forward over an input of `shape`,
+    /// for the flops profiler; None when the layer does not say.
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        let _ = shape;
+        None
+    }
 }
 
 /// A layer placed in the model under a name prefix ("" for top-level names).
@@ -77,6 +83,26 @@ pub struct NamedLayer {
 }
 
 impl NamedLayer {
+    /// A name for reports: the prefix, else the modules of its parameters ("wte+wpe",
+    /// "ln_f+lm_head"), else "loss" for a layer without parameters.
+    pub fn display_name(&self) -> String {
+        if !self.prefix.is_empty() {
+            return self.prefix.clone();
+        }
+        let mut modules: Vec<String> = Vec::new();
+        for p in self.layer.params() {
+            let m = p.name.split('.').next().unwrap_or("").to_string();
+            if !modules.contains(&m) {
+                modules.push(m);
+            }
+        }
+        if modules.is_empty() {
+            "loss".into()
+        } else {
+            modules.join("+")
+        }
+    }
+
     /// The layer's parameters with their full names.
     pub fn params(&self) -> Vec<ParamSpec> {
         self.layer
