@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -84,8 +85,32 @@ fn two_hosts(tag: &str) -> Option<TwoHosts> {
 
 const TEMPLATE: &str = "ip netns exec {host} sh -c";
 
-fn p(path: &std::path::Path) -> &str {
-    path.to_str().unwrap()
+/// `ds-rs launch` over the two namespaces from `hostfile`, rendezvous at the first host's
+/// address on `port`, then `program`.
+fn launch(
+    hosts: &TwoHosts,
+    hostfile: &Path,
+    port: u16,
+    config: &Path,
+    program: &str,
+) -> Vec<String> {
+    let mut args = words(&format!(
+        "launch --hostfile {} --master_addr {} --master_port {port} --config {}",
+        hostfile.display(),
+        hosts.addrs[0],
+        config.display()
+    ));
+    args.extend(["--ssh_template".into(), TEMPLATE.into()]);
+    args.extend(words(program));
+    args
+}
+
+fn hostfile(s: &Scratch, hosts: &TwoHosts, slots: [&str; 2]) -> PathBuf {
+    let [a, b] = &hosts.names;
+    s.write(
+        "hostfile",
+        &format!("{a} slots={}\n{b} slots={}\n", slots[0], slots[1]),
+    )
 }
 
 #[test]
@@ -94,53 +119,18 @@ fn two_hosts_with_two_ranks_each_train_like_one_process() {
     let s = Scratch::new("hosts-train");
     let model = s.write("model.json", SMALL_MODEL);
     let cfg = s.write("z3.json", &config(3, ""));
-    let hostfile = s.write(
-        "hostfile",
-        &format!("{} slots=2\n{} slots=2\n", hosts.names[0], hosts.names[1]),
-    );
     let (one, four) = (s.path("one"), s.path("four"));
-    let f = run(
-        &[
-            "train",
-            "--model",
-            p(&model),
-            "--config",
-            p(&cfg),
-            "--steps",
-            "4",
-            "--eval-batches",
-            "1",
-            "--metrics-dir",
-            p(&one),
-        ],
-        Duration::from_secs(120),
-    );
+    let alone = format!("{} --config {}", train(&model, 4, &one), cfg.display());
+    let f = run(&alone, Duration::from_secs(120));
     assert!(f.status.success(), "{}", f.stderr);
-    let f = run(
-        &[
-            "launch",
-            "--hostfile",
-            p(&hostfile),
-            "--ssh_template",
-            TEMPLATE,
-            "--master_addr",
-            &hosts.addrs[0],
-            "--master_port",
-            "29561",
-            "--config",
-            p(&cfg),
-            "train",
-            "--model",
-            p(&model),
-            "--steps",
-            "4",
-            "--eval-batches",
-            "1",
-            "--metrics-dir",
-            p(&four),
-        ],
-        Duration::from_secs(240),
+    let args = launch(
+        &hosts,
+        &hostfile(&s, &hosts, ["2", "2"]),
+        29561,
+        &cfg,
+        &train(&model, 4, &four),
     );
+    let f = finish(start_args(&args), Duration::from_secs(240));
     assert!(f.status.success(), "{}", f.stderr);
     assert!(f.stdout.contains("4 ranks, ZeRO stage 3"), "{}", f.stdout);
     // The same tolerance as the one-host layouts: only summation order differs.
@@ -158,82 +148,45 @@ fn a_rank_killed_on_the_second_host_brings_every_host_down() {
     let s = Scratch::new("hosts-kill");
     let model = s.write("model.json", SMALL_MODEL);
     let cfg = s.write("z2.json", &config(2, ""));
-    let hostfile = s.write(
-        "hostfile",
-        &format!("{} slots=2\n{} slots=2\n", hosts.names[0], hosts.names[1]),
-    );
     let dir = s.path("metrics");
-    let child = start(&[
-        "launch",
-        "--hostfile",
-        p(&hostfile),
-        "--ssh_template",
-        TEMPLATE,
-        "--master_addr",
-        &hosts.addrs[0],
-        "--master_port",
-        "29562",
-        "--config",
-        p(&cfg),
-        "train",
-        "--model",
-        p(&model),
-        "--steps",
-        "100000",
-        "--metrics-dir",
-        p(&dir),
-    ]);
+    let args = launch(
+        &hosts,
+        &hostfile(&s, &hosts, ["2", "2"]),
+        29562,
+        &cfg,
+        &train(&model, 100_000, &dir),
+    );
+    let child = start_args(&args);
     assert!(
         wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
         "no step trained"
     );
-    signal(rank_pid(p(&dir), 3).expect("rank 3 is running"), "KILL");
+    let needle = dir.to_string_lossy().into_owned();
+    signal(rank_pid(&needle, 3).expect("rank 3 is running"), "KILL");
     let f = finish(child, Duration::from_secs(15));
     assert!(!f.status.success());
     let b = &hosts.names[1];
-    assert!(
-        f.stderr
-            .contains(&format!("rank 3 on host {b} was killed by SIGKILL")),
-        "{}",
-        f.stderr
-    );
+    let killed = format!("rank 3 on host {b} was killed by SIGKILL");
+    assert!(f.stderr.contains(&killed), "{}", f.stderr);
     assert!(
         f.stderr.contains(&format!("node 1 (host {b})")),
         "{}",
         f.stderr
     );
-    assert!(
-        processes_with(p(&dir)).is_empty(),
-        "left behind: {:?}",
-        processes_with(p(&dir))
-    );
+    assert_nothing_left(&needle);
 }
 
 #[test]
 fn an_unreachable_host_is_named() {
     let Some(hosts) = two_hosts("u") else { return };
     let s = Scratch::new("hosts-unreachable");
-    let hostfile = s.write(
+    let file = s.write(
         "hostfile",
         &format!("{} slots=1\nno-such-host slots=1\n", hosts.names[0]),
     );
-    let f = run(
-        &[
-            "launch",
-            "--hostfile",
-            p(&hostfile),
-            "--ssh_template",
-            TEMPLATE,
-            "--master_addr",
-            &hosts.addrs[0],
-            "--master_port",
-            "29563",
-            "train",
-            "--steps",
-            "1",
-        ],
-        Duration::from_secs(60),
-    );
+    let cfg = s.write("z0.json", &config(0, ""));
+    let args = launch(&hosts, &file, 29563, &cfg, "train --steps 1");
+    let f = finish(start_args(&args), Duration::from_secs(60));
     assert!(!f.status.success());
     let last = error_lines(&f.stderr)
         .last()

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 
-const STEPS: &str = "4";
+const STEPS: u64 = 4;
 /// fp32 losses of different layouts differ only by summation order (gradients reduced over
 /// ranks and micro-steps in another order); the in-process equality test holds 1e-5 relative
 /// over the same few steps.
@@ -21,58 +21,21 @@ fn reference(s: &Scratch) -> (Vec<f64>, f64) {
     let cfg = s.write("ref.json", &config(0, ""));
     let dir = s.path("ref");
     let f = run(
-        &[
-            "train",
-            "--model",
-            p(&model),
-            "--config",
-            p(&cfg),
-            "--steps",
-            STEPS,
-            "--eval-batches",
-            "1",
-            "--metrics-dir",
-            p(&dir),
-        ],
+        &format!("{} --config {}", train(&model, STEPS, &dir), cfg.display()),
         LIMIT,
     );
     assert!(f.status.success(), "{}", f.stderr);
     (losses(&dir), eval_loss(&dir))
 }
 
-fn p(path: &std::path::Path) -> &str {
-    path.to_str().unwrap()
-}
-
 fn launched(s: &Scratch, nproc: usize, stage: u8) -> (Vec<f64>, f64) {
     let model = s.path("model.json");
     let cfg = s.write(&format!("z{stage}.json"), &config(stage, ""));
     let dir = s.path(&format!("n{nproc}z{stage}"));
-    let n = nproc.to_string();
-    let f = run(
-        &[
-            "launch",
-            "--nproc_per_node",
-            &n,
-            "--config",
-            p(&cfg),
-            "train",
-            "--model",
-            p(&model),
-            "--steps",
-            STEPS,
-            "--eval-batches",
-            "1",
-            "--metrics-dir",
-            p(&dir),
-        ],
-        LIMIT,
-    );
-    assert!(
-        f.status.success(),
-        "{nproc} ranks, stage {stage}: {}",
-        f.stderr
-    );
+    let launch = format!("launch --nproc_per_node {nproc} --config {}", cfg.display());
+    let f = run(&format!("{launch} {}", train(&model, STEPS, &dir)), LIMIT);
+    let what = format!("{nproc} ranks, stage {stage}");
+    assert!(f.status.success(), "{what}: {}", f.stderr);
     (losses(&dir), eval_loss(&dir))
 }
 
@@ -112,29 +75,13 @@ fn metrics_contract_chart_monitors_and_rank_logs() {
     );
     let cfg = s.write("cfg.json", &config(1, &extra));
     let (dir, logs) = (s.path("metrics"), s.path("logs"));
-    let f = run(
-        &[
-            "launch",
-            "--nproc_per_node",
-            "2",
-            "--log_dir",
-            p(&logs),
-            "--config",
-            p(&cfg),
-            "train",
-            "--model",
-            p(&model),
-            "--steps",
-            "6",
-            "--eval-interval",
-            "3",
-            "--eval-batches",
-            "1",
-            "--metrics-dir",
-            p(&dir),
-        ],
-        LIMIT,
+    let launch = format!(
+        "launch --nproc_per_node 2 --log_dir {} --config {}",
+        logs.display(),
+        cfg.display()
     );
+    let train = format!("{} --eval-interval 3", train(&model, 6, &dir));
+    let f = run(&format!("{launch} {train}"), LIMIT);
     assert!(f.status.success(), "{}", f.stderr);
     // Every console line of a rank carries its prefix, and rank 0 reports progress.
     assert!(
@@ -241,24 +188,12 @@ fn metrics_contract_chart_monitors_and_rank_logs() {
 }
 
 /// Starts a long job and waits until it has trained a step.
-fn long_job(s: &Scratch, extra: &[&str]) -> (std::process::Child, std::path::PathBuf) {
+fn long_job(s: &Scratch) -> (std::process::Child, std::path::PathBuf) {
     let model = s.write("model.json", SMALL_MODEL);
     let cfg = s.write("cfg.json", &config(2, ""));
     let dir = s.path("metrics");
-    let mut args = vec!["launch", "--nproc_per_node", "2"];
-    args.extend(extra);
-    args.extend([
-        "--config",
-        p(&cfg),
-        "train",
-        "--model",
-        p(&model),
-        "--steps",
-        "100000",
-        "--metrics-dir",
-        p(&dir),
-    ]);
-    let child = start(&args);
+    let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
+    let child = start(&format!("{launch} {}", train(&model, 100_000, &dir)));
     assert!(
         wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
         "no step trained"
@@ -269,7 +204,7 @@ fn long_job(s: &Scratch, extra: &[&str]) -> (std::process::Child, std::path::Pat
 #[test]
 fn a_rank_killed_mid_run_brings_the_job_down() {
     let s = Scratch::new("launch-kill");
-    let (child, dir) = long_job(&s, &[]);
+    let (child, dir) = long_job(&s);
     let needle = dir.to_str().unwrap().to_string();
     let victim = rank_pid(&needle, 1).expect("rank 1 is running");
     signal(victim, "KILL");
@@ -281,27 +216,19 @@ fn a_rank_killed_mid_run_brings_the_job_down() {
         "{}",
         f.stderr
     );
-    assert!(
-        processes_with(&needle).is_empty(),
-        "left behind: {:?}",
-        processes_with(&needle)
-    );
+    assert_nothing_left(&needle);
 }
 
 #[test]
 fn sigint_to_the_launcher_stops_every_rank() {
     let s = Scratch::new("launch-sigint");
-    let (child, dir) = long_job(&s, &[]);
+    let (child, dir) = long_job(&s);
     let needle = dir.to_str().unwrap().to_string();
     signal(child.id(), "INT");
     let f = finish(child, Duration::from_secs(15));
     assert_eq!(f.status.code(), Some(130), "{}", f.stderr);
     assert!(f.stderr.contains("stopped by SIGINT"), "{}", f.stderr);
-    assert!(
-        processes_with(&needle).is_empty(),
-        "left behind: {:?}",
-        processes_with(&needle)
-    );
+    assert_nothing_left(&needle);
 }
 
 #[test]
@@ -310,24 +237,11 @@ fn max_restarts_runs_the_job_again_after_a_failure() {
     let model = s.write("model.json", SMALL_MODEL);
     let cfg = s.write("cfg.json", &config(2, ""));
     let dir = s.path("metrics");
-    let child = start(&[
-        "launch",
-        "--nproc_per_node",
-        "2",
-        "--max_restarts",
-        "1",
-        "--config",
-        p(&cfg),
-        "train",
-        "--model",
-        p(&model),
-        "--steps",
-        "300",
-        "--eval-batches",
-        "1",
-        "--metrics-dir",
-        p(&dir),
-    ]);
+    let launch = format!(
+        "launch --nproc_per_node 2 --max_restarts 1 --config {}",
+        cfg.display()
+    );
+    let child = start(&format!("{launch} {}", train(&model, 300, &dir)));
     assert!(
         wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
         "no step trained"
@@ -355,48 +269,31 @@ fn bad_input_gives_one_error_line() {
     let bad_cfg = s.write("bad.json", r#"{"train_micro_batch_size_per_gpu": "eight"}"#);
     let missing = s.path("missing.json");
     let hostfile = s.write("hostfile", "worker-0 slots=2\nworker-1 slots=two\n");
-    let cases: [(Vec<&str>, &[&str]); 5] = [
+    let (hostfile, bad_cfg, good, missing) = (
+        hostfile.display(),
+        bad_cfg.display(),
+        good.display(),
+        missing.display(),
+    );
+    let cases: [(String, &[&str]); 5] = [
         (
-            vec!["launch", "--hostfile", p(&hostfile), "train"],
+            format!("launch --hostfile {hostfile} train"),
             &["line 2", "slots=two"],
         ),
         (
-            vec!["launch", "--nproc_per_node", "2", "no-such-program"],
+            "launch --nproc_per_node 2 no-such-program".into(),
             &["no-such-program", "not found"],
         ),
         (
-            vec![
-                "launch",
-                "--nproc_per_node",
-                "2",
-                "--config",
-                p(&bad_cfg),
-                "train",
-            ],
+            format!("launch --nproc_per_node 2 --config {bad_cfg} train"),
             &["bad.json", "train_micro_batch_size_per_gpu"],
         ),
         (
-            vec![
-                "launch",
-                "--nproc_per_node",
-                "2",
-                "--config",
-                p(&good),
-                "--include",
-                "worker-9",
-                "train",
-            ],
+            format!("launch --nproc_per_node 2 --config {good} --include worker-9 train"),
             &["worker-9"],
         ),
         (
-            vec![
-                "launch",
-                "--nproc_per_node",
-                "2",
-                "--config",
-                p(&missing),
-                "train",
-            ],
+            format!("launch --nproc_per_node 2 --config {missing} train"),
             &["missing.json"],
         ),
     ];

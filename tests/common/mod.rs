@@ -15,6 +15,10 @@ pub struct Scratch(pub PathBuf);
 impl Scratch {
     pub fn new(tag: &str) -> Scratch {
         let dir = std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id()));
+        assert!(
+            !dir.to_string_lossy().contains(' '),
+            "commands are split on spaces"
+        );
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         Scratch(dir)
@@ -57,8 +61,18 @@ pub struct Finished {
     pub took: Duration,
 }
 
+/// Starts `ds-rs CMD` (words separated by spaces; scratch paths have none) with its output
+/// captured.
+pub fn start(cmd: &str) -> Child {
+    start_args(&words(cmd))
+}
+
+pub fn words(cmd: &str) -> Vec<String> {
+    cmd.split_whitespace().map(String::from).collect()
+}
+
 /// Starts `ds-rs ARGS` with its output captured.
-pub fn start(args: &[&str]) -> Child {
+pub fn start_args(args: &[String]) -> Child {
     Command::new(BIN)
         .args(args)
         .stdin(Stdio::null())
@@ -102,9 +116,18 @@ pub fn finish(mut child: Child, limit: Duration) -> Finished {
     }
 }
 
-/// Runs `ds-rs ARGS` to the end (at most `limit`).
-pub fn run(args: &[&str], limit: Duration) -> Finished {
-    finish(start(args), limit)
+/// Runs `ds-rs CMD` to the end (at most `limit`).
+pub fn run(cmd: &str, limit: Duration) -> Finished {
+    finish(start(cmd), limit)
+}
+
+/// `train` of the model file `model` for `steps` steps, one held-out batch, metrics in `dir`.
+pub fn train(model: &Path, steps: u64, dir: &Path) -> String {
+    format!(
+        "train --model {} --steps {steps} --eval-batches 1 --metrics-dir {}",
+        model.display(),
+        dir.display()
+    )
 }
 
 /// The per-step records of DIR/metrics.jsonl (evaluation lines left out).
@@ -161,6 +184,12 @@ pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
         }
     }
     found
+}
+
+/// No live process of the job whose command line mentions `needle` is left.
+pub fn assert_nothing_left(needle: &str) {
+    let left = processes_with(needle);
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 /// The pid of the rank `rank` of the job whose command line mentions `needle` (not a launcher).
