@@ -262,7 +262,7 @@ fn bad_layout_is_an_error() {
 
 #[test]
 fn commands_of_later_releases_say_so_and_exit_2() {
-    for cmd in ["autotune", "estimate", "checkpoint"] {
+    for cmd in ["autotune", "estimate"] {
         let out = ds_rs(&[cmd]);
         assert_eq!(out.status.code(), Some(2), "{cmd}");
         assert!(

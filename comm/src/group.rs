@@ -259,6 +259,28 @@ impl Group {
         self.all_gather_v(output, &vec![input.len(); n])
     }
 
+    /// Gathers every rank's integers (all of one count), in group order, exactly: the
+    /// collectives carry floats and an f32 holds any 24-bit integer exactly, so each value
+    /// travels as two 24-bit halves. Values must be below 2^48 (byte counts, checksums).
+    pub fn all_gather_u64(&self, input: &[u64]) -> Result<Vec<u64>> {
+        const HALF: u64 = 1 << 24;
+        if let Some(v) = input.iter().find(|&&v| v >= HALF * HALF) {
+            return Err(CommError::Invalid(format!(
+                "all_gather_u64: {v} is not below 2^48"
+            )));
+        }
+        let split: Vec<f32> = input
+            .iter()
+            .flat_map(|&v| [(v / HALF) as f32, (v % HALF) as f32])
+            .collect();
+        let mut all = vec![0f32; split.len() * self.size()];
+        self.all_gather(&split, &mut all)?;
+        Ok(all
+            .chunks(2)
+            .map(|p| p[0] as u64 * HALF + p[1] as u64)
+            .collect())
+    }
+
     /// In place, with parts of any sizes: rank i's part `counts[i]` is sent to everyone.
     pub fn all_gather_v<T: Element>(&self, buf: &mut [T], counts: &[usize]) -> Result<()> {
         let bytes = counts

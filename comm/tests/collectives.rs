@@ -289,3 +289,19 @@ fn random_f32_all_reduce_is_accurate_and_identical_on_every_rank() {
     }
     assert!(results.iter().all(|r| r == &results[0]), "ranks disagree");
 }
+
+#[test]
+fn integers_up_to_2_pow_48_gather_exactly() {
+    run_ranks(3, Transport::Auto, move |comm| {
+        let g = comm.world();
+        let r = comm.rank() as u64;
+        // Values that f32 alone would round: odd numbers above 2^24, and the largest allowed.
+        let mine = [(1 << 24) + 2 * r + 1, (1 << 48) - 1 - r, r];
+        let all = g.all_gather_u64(&mine).unwrap();
+        let want: Vec<u64> = (0..3u64)
+            .flat_map(|q| [(1 << 24) + 2 * q + 1, (1 << 48) - 1 - q, q])
+            .collect();
+        assert_eq!(all, want);
+        assert!(g.all_gather_u64(&[1 << 48]).is_err());
+    });
+}

@@ -12,6 +12,7 @@ pub mod model;
 pub mod monitor;
 
 pub use error::{EngineError, Result};
+pub mod checkpoint;
 pub mod data;
 mod engine;
 pub mod loss_scale;

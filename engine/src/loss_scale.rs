@@ -136,9 +136,14 @@ impl LossScaler {
         state: LossScaleState,
     ) -> Result<LossScaler, ConfigError> {
         let mut scaler = LossScaler::new(fp16, stage)?;
-        scaler.state = state;
-        scaler.py_int = false;
+        scaler.set_state(state);
         Ok(scaler)
+    }
+
+    /// Resumes this scaler from a checkpoint's state.
+    pub fn set_state(&mut self, state: LossScaleState) {
+        self.state = state;
+        self.py_int = false;
     }
 
     /// The factor the loss is multiplied by before backward.

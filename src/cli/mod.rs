@@ -3,6 +3,7 @@
 mod bench_adam;
 mod bench_comm;
 mod bench_train;
+mod checkpoint;
 mod config_check;
 mod local_ranks;
 
@@ -41,8 +42,11 @@ enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
-    /// Inspect, consolidate and reshard checkpoints.
-    Checkpoint(Pending),
+    /// Inspect and consolidate checkpoints.
+    Checkpoint {
+        #[command(subcommand)]
+        command: checkpoint::CheckpointCommand,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -86,7 +90,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             command: BenchCommand::Train(args),
         } => return bench_train::run(&args),
-        Command::Checkpoint(_) => "checkpoint",
+        Command::Checkpoint { command } => return checkpoint::run(&command),
     };
     eprintln!("error: `ds-rs {name}` is not available yet in this build");
     Ok(ExitCode::from(2))

@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use ds_comm::Group;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One optimizer step, as metrics.jsonl holds it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StepRecord {
     pub step: u64,
     /// Mean over the global batch (an f32, written at f64 so that every file agrees).
@@ -29,7 +29,7 @@ pub struct StepRecord {
 }
 
 /// One evaluation on held-out data.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EvalRecord {
     pub step: u64,
     pub eval_loss: f64,
@@ -51,6 +51,52 @@ impl MetricsFile {
             out: BufWriter::new(file),
             path,
         })
+    }
+
+    /// A fresh file at step 0; on resume at `start`, the earlier run's records before `start`
+    /// (a run that died after its last checkpoint logged steps that will run again): kept in
+    /// the file, replaced in one rename so a crash loses nothing, and returned.
+    pub fn open(
+        dir: &Path,
+        start: u64,
+    ) -> anyhow::Result<(MetricsFile, Vec<StepRecord>, Vec<EvalRecord>)> {
+        if start == 0 {
+            return Ok((MetricsFile::create(dir)?, Vec::new(), Vec::new()));
+        }
+        let path = dir.join("metrics.jsonl");
+        let old = std::fs::read_to_string(&path).unwrap_or_default();
+        let (mut kept, mut steps, mut evals) = (String::new(), Vec::new(), Vec::new());
+        for line in old.lines() {
+            if let Ok(r) = serde_json::from_str::<StepRecord>(line) {
+                if r.step < start {
+                    kept.push_str(line);
+                    kept.push('\n');
+                    steps.push(r);
+                }
+            } else if let Ok(e) = serde_json::from_str::<EvalRecord>(line) {
+                if e.step < start {
+                    kept.push_str(line);
+                    kept.push('\n');
+                    evals.push(e);
+                }
+            }
+        }
+        let partial = dir.join("metrics.jsonl.partial");
+        std::fs::write(&partial, kept)
+            .and_then(|_| std::fs::rename(&partial, &path))
+            .with_context(|| format!("rewriting {}", path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok((
+            MetricsFile {
+                out: BufWriter::new(file),
+                path,
+            },
+            steps,
+            evals,
+        ))
     }
 
     pub fn write(&mut self, record: &impl Serialize) -> anyhow::Result<()> {
@@ -83,7 +129,7 @@ pub fn gather_memory(
         report.grads as u64,
         report.optimizer_states as u64,
     ];
-    let all = gather_u64(g, &mine)?;
+    let all = g.all_gather_u64(&mine)?;
     Ok(all
         .chunks(mine.len())
         .enumerate()
@@ -105,22 +151,6 @@ pub fn peak_rss_kib() -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
-}
-
-/// All-gathers integers exactly: the collectives carry floats, and an f32 holds any 24-bit
-/// integer exactly, so each value travels as two 24-bit halves (values below 2^48).
-fn gather_u64(g: &Group, values: &[u64]) -> anyhow::Result<Vec<u64>> {
-    const HALF: u64 = 1 << 24;
-    let split: Vec<f32> = values
-        .iter()
-        .flat_map(|&v| [(v / HALF).min(HALF - 1) as f32, (v % HALF) as f32])
-        .collect();
-    let mut all = vec![0f32; split.len() * g.size()];
-    g.all_gather(&split, &mut all)?;
-    Ok(all
-        .chunks(2)
-        .map(|p| p[0] as u64 * HALF + p[1] as u64)
-        .collect())
 }
 
 /// Writes `summary` as DIR/summary.json.

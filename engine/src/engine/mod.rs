@@ -7,7 +7,7 @@ mod settings;
 mod trainer;
 mod update;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::Device;
@@ -16,6 +16,7 @@ use ds_config::Config;
 use ds_partition::{FlatIndex, MemoryReport};
 use half::{bf16, f16};
 
+use crate::checkpoint;
 use crate::data::Batch;
 use crate::loss_scale::LossScaler;
 use crate::model::{init_values, weights, Model, ParamSpec};
@@ -104,6 +105,8 @@ pub struct Engine {
     core: Core,
     settings: Settings,
     specs: Vec<ParamSpec>,
+    /// The resolved ds_config, as checkpoints record it.
+    config: Config,
 }
 
 impl Engine {
@@ -158,6 +161,7 @@ impl Engine {
             core,
             settings,
             specs,
+            config: config.clone(),
         })
     }
 
@@ -258,6 +262,89 @@ impl Engine {
         each!(&mut self.core, t => t.take_timings())
     }
 
+    /// Writes checkpoint `dir/tag` (a collective: every rank calls it with the same
+    /// arguments): this rank's owned range, and on rank 0 the manifest and `latest`.
+    /// `client_state` is kept in the manifest for the training program.
+    pub fn save_checkpoint(
+        &self,
+        dir: &Path,
+        tag: &str,
+        client_state: serde_json::Value,
+    ) -> Result<PathBuf> {
+        let index = each!(&self.core, t => t.index());
+        let desc = checkpoint::Description {
+            layout: self.checkpoint_layout(),
+            params: param_entries(index),
+            numel: index.numel(),
+            counters: each!(&self.core, t => t.updater().counters()),
+            client_state,
+            config: serde_json::to_value(&self.config).unwrap_or_default(),
+        };
+        let state = each!(&self.core, t => t.rank_state());
+        let group = each!(&self.core, t => t.dp().clone());
+        // Stage 0 keeps the whole range on every rank: one copy is enough.
+        let writes = self.settings.zero.stage > 0 || group.rank() == 0;
+        checkpoint::save(&group, dir, tag, &state, writes, desc)
+    }
+
+    /// Resumes from checkpoint `dir/tag` (`tag` None: the one `latest` names; Ok(None) when
+    /// there is none), whatever layout saved it; returns the manifest, whose `client_state`
+    /// is the training program's. A collective.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: &Path,
+        tag: Option<&str>,
+    ) -> Result<Option<checkpoint::Manifest>> {
+        let tag = match tag {
+            Some(t) => t.to_string(),
+            None => match checkpoint::latest(dir)? {
+                Some(t) => t,
+                None => return Ok(None),
+            },
+        };
+        let tag_dir = dir.join(&tag);
+        let expect_params = param_entries(each!(&self.core, t => t.index()));
+        let buffers = each!(&self.core, t => t.buffer_names());
+        let owned = each!(&self.core, t => t.rank_state().owned);
+        let expect = checkpoint::Expect {
+            params: &expect_params,
+            buffers: Some(&buffers),
+            owned,
+        };
+        let loaded = checkpoint::load(&tag_dir, &expect);
+        // Every rank must succeed before any changes its state.
+        let (manifest, state) = checkpoint::agree(each!(&self.core, t => t.dp()), loaded)?;
+        let counters = checkpoint::Counters {
+            global_steps: manifest.global_steps,
+            skipped_steps: manifest.skipped_steps,
+            loss_scaler: manifest.loss_scaler,
+        };
+        each!(&mut self.core, t => t.restore(state, counters))?;
+        Ok(Some(manifest))
+    }
+
+    /// This rank's position in the data-parallel group.
+    pub fn dp_rank(&self) -> usize {
+        each!(&self.core, t => t.dp().rank())
+    }
+
+    fn checkpoint_layout(&self) -> checkpoint::Layout {
+        let dims = &self.config.dims;
+        checkpoint::Layout {
+            world_size: dims.world_size,
+            dp: dims.dp(),
+            tp: dims.tp,
+            pp: dims.pp,
+            zero_stage: self.settings.zero.stage,
+            dtype: match self.settings.precision {
+                Precision::F32 => "f32",
+                Precision::BF16 => "bf16",
+                Precision::F16 => "f16",
+            }
+            .into(),
+        }
+    }
+
     /// Every parameter's fp32 master value by name, whole (a collective: all ranks call it).
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let flat = each!(&self.core, t => t.gather_master())?;
@@ -268,6 +355,19 @@ impl Engine {
             .map(|e| (e.name.clone(), flat[e.range()].to_vec()))
             .collect())
     }
+}
+
+/// The logical parameters as a checkpoint records them.
+fn param_entries(index: &FlatIndex) -> Vec<checkpoint::ParamEntry> {
+    index
+        .entries()
+        .iter()
+        .map(|e| checkpoint::ParamEntry {
+            name: e.name.clone(),
+            shape: e.shape.clone(),
+            offset: e.offset,
+        })
+        .collect()
 }
 
 /// The whole initial parameters in flat order: from `--init`, else from (seed, name).

@@ -11,6 +11,7 @@ use ds_partition::{FlatIndex, MemoryReport, Zero};
 use super::layers::{self, Dtype, LayerParams};
 use super::update::{StepOutcome, Updater};
 use super::{Settings, Timings};
+use crate::checkpoint::{Counters, RankState};
 use crate::data::Batch;
 use crate::model::{Context, Model};
 use crate::{EngineError, Result};
@@ -238,6 +239,46 @@ impl<T: Dtype> Trainer<T> {
 
     pub fn dp(&self) -> &Group {
         &self.dp
+    }
+
+    /// This rank's share of the training state, for a checkpoint.
+    pub fn rank_state(&self) -> RankState {
+        let opt = self.updater.optimizer().state();
+        RankState {
+            owned: self.zero.owned(),
+            master: self.zero.master().to_vec(),
+            optimizer_step: opt.step,
+            buffers: opt
+                .buffers
+                .iter()
+                .map(|(n, b)| (n.to_string(), b.to_vec()))
+                .collect(),
+        }
+    }
+
+    /// The optimizer's state buffer names.
+    pub fn buffer_names(&self) -> Vec<String> {
+        let opt = self.updater.optimizer().state();
+        opt.buffers.iter().map(|(n, _)| n.to_string()).collect()
+    }
+
+    /// Resumes from a checkpoint: this rank's master range and optimizer state, the counters;
+    /// then the compute-dtype parameters follow from the master copy (a collective).
+    pub fn restore(&mut self, state: RankState, counters: Counters) -> Result<()> {
+        if state.owned != self.zero.owned() || state.master.len() != self.zero.master().len() {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint state covers {:?}, this rank owns {:?}",
+                state.owned,
+                self.zero.owned()
+            )));
+        }
+        self.zero.master_mut().copy_from_slice(&state.master);
+        self.updater
+            .restore(counters, state.optimizer_step, &state.buffers)?;
+        self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
+        self.saved.clear();
+        self.zero.publish()?;
+        Ok(())
     }
 
     pub fn model(&self) -> &Model {

@@ -4,8 +4,9 @@
 use ds_comm::Element;
 use ds_partition::Zero;
 
+use crate::checkpoint::Counters;
 use crate::loss_scale::LossScaler;
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, OptimizerState};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 
@@ -62,6 +63,40 @@ impl Updater {
     /// DeepSpeed does not call `lr_scheduler.step()` after an overflow.
     pub fn lr(&self) -> f64 {
         self.schedule.lr_at(self.global_steps - self.skipped_steps)
+    }
+
+    /// The counters a checkpoint carries.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            global_steps: self.global_steps,
+            skipped_steps: self.skipped_steps,
+            loss_scaler: self.scaler.state(),
+        }
+    }
+
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    /// Resumes from a checkpoint's counters and this rank's optimizer state.
+    pub fn restore(
+        &mut self,
+        c: Counters,
+        step: u64,
+        buffers: &[(String, Vec<f32>)],
+    ) -> Result<()> {
+        let state = OptimizerState {
+            step,
+            buffers: buffers
+                .iter()
+                .map(|(n, b)| (n.as_str(), b.as_slice()))
+                .collect(),
+        };
+        self.optimizer.load_state(&state)?;
+        self.scaler.set_state(c.loss_scaler);
+        self.global_steps = c.global_steps;
+        self.skipped_steps = c.skipped_steps;
+        Ok(())
     }
 
     pub fn step<T: Element>(&mut self, zero: &mut Zero<T>, clip: f64) -> Result<StepOutcome> {

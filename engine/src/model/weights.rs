@@ -12,17 +12,34 @@ use crate::{EngineError, Result};
 
 /// Writes `values[i]` (f32, row-major) under `specs[i]`'s name and shape.
 pub fn save(path: &Path, specs: &[ParamSpec], values: &[Vec<f32>]) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = values
+    let tensors: Vec<(&str, &[usize], &[f32])> = specs
         .iter()
-        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .zip(values)
+        .map(|(s, v)| (s.name.as_str(), s.shape.as_slice(), v.as_slice()))
         .collect();
-    let views = specs
+    save_as(path, &tensors, false)
+}
+
+/// Writes (name, shape, values) tensors, as bf16 when `bf16` (round to nearest even) else f32.
+pub fn save_as(path: &Path, tensors: &[(&str, &[usize], &[f32])], bf16: bool) -> Result<()> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| match bf16 {
+            true => v
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+            false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        })
+        .collect();
+    let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
+    let views = tensors
         .iter()
         .zip(&bytes)
-        .map(|(s, b)| {
-            let view = TensorView::new(Dtype::F32, s.shape.clone(), b)
-                .map_err(|e| EngineError::file(path, format!("{}: {e}", s.name)))?;
-            Ok((s.name.clone(), view))
+        .map(|((name, shape, _), b)| {
+            let view = TensorView::new(dtype, shape.to_vec(), b)
+                .map_err(|e| EngineError::file(path, format!("{name}: {e}")))?;
+            Ok((name.to_string(), view))
         })
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, path).map_err(|e| EngineError::file(path, e))

@@ -1,0 +1,129 @@
+//! `ds-rs checkpoint`: consolidate a sharded checkpoint into one safetensors model (DeepSpeed's
+//! zero_to_fp32) and inspect checkpoints (tags, layout, sizes, checksums). No ranks needed.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ds_engine::checkpoint::{self, Manifest};
+use ds_engine::model::weights;
+
+#[derive(clap::Subcommand, Debug)]
+pub enum CheckpointCommand {
+    /// Write the whole model, every shard verified, as one safetensors file.
+    Consolidate(ConsolidateArgs),
+    /// List the checkpoints of a directory and verify their files.
+    Inspect(InspectArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ConsolidateArgs {
+    /// The checkpoint directory (the --save-dir of the run).
+    dir: PathBuf,
+    /// The tag (default: the one `latest` names).
+    #[arg(long)]
+    tag: Option<String>,
+    #[arg(long)]
+    out: PathBuf,
+    /// fp32 (the master weights exactly) or bf16.
+    #[arg(long, default_value = "fp32")]
+    dtype: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    dir: PathBuf,
+}
+
+pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        CheckpointCommand::Consolidate(a) => consolidate(a),
+        CheckpointCommand::Inspect(a) => inspect(&a.dir),
+    }
+}
+
+fn tag_dir(dir: &Path, tag: Option<&str>) -> anyhow::Result<PathBuf> {
+    let tag = match tag {
+        Some(t) => t.to_string(),
+        None => checkpoint::latest(dir)?
+            .with_context(|| format!("{}: no `latest` file; name a --tag", dir.display()))?,
+    };
+    Ok(dir.join(tag))
+}
+
+fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
+    let bf16 = match a.dtype.as_str() {
+        "fp32" => false,
+        "bf16" => true,
+        d => anyhow::bail!("--dtype {d}: expected fp32 or bf16"),
+    };
+    let dir = tag_dir(&a.dir, a.tag.as_deref())?;
+    let (m, flat) = checkpoint::consolidate(&dir)?;
+    let tensors: Vec<(&str, &[usize], &[f32])> = m
+        .params
+        .iter()
+        .map(|p| {
+            let n: usize = p.shape.iter().product();
+            (
+                p.name.as_str(),
+                p.shape.as_slice(),
+                &flat[p.offset..p.offset + n],
+            )
+        })
+        .collect();
+    weights::save_as(&a.out, &tensors, bf16)?;
+    println!(
+        "{}: {} parameters ({} tensors) of {} at step {} -> {} ({})",
+        dir.display(),
+        m.numel,
+        m.params.len(),
+        m.tag,
+        m.global_steps,
+        a.out.display(),
+        a.dtype
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn inspect(dir: &Path) -> anyhow::Result<ExitCode> {
+    let latest = checkpoint::latest(dir)?;
+    let tags = checkpoint::tags(dir)?;
+    if tags.is_empty() {
+        anyhow::bail!("{}: no complete checkpoint", dir.display());
+    }
+    let mut bad = 0;
+    for (_, tag) in &tags {
+        let mark = if latest.as_deref() == Some(tag.as_str()) {
+            " (latest)"
+        } else {
+            ""
+        };
+        match checkpoint::verify(&dir.join(tag)) {
+            Ok(m) => println!("{tag}{mark}: {}", describe(&m)),
+            Err(e) => {
+                bad += 1;
+                println!("{tag}{mark}: CORRUPT: {e}");
+            }
+        }
+    }
+    Ok(if bad == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn describe(m: &Manifest) -> String {
+    let bytes: u64 = m.shards.iter().map(|s| s.bytes).sum();
+    format!(
+        "step {} ({} skipped), {} parameters, dp {} ZeRO-{} {}, {} shard files, {:.1} MB, checksums ok",
+        m.global_steps,
+        m.skipped_steps,
+        m.numel,
+        m.layout.dp,
+        m.layout.zero_stage,
+        m.layout.dtype,
+        m.shards.len(),
+        bytes as f64 / 1e6
+    )
+}
