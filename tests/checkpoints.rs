@@ -74,7 +74,7 @@ fn resuming_at_dp2_is_exact_for_every_stage_fp32() {
 
 #[test]
 fn resuming_at_dp2_is_exact_in_bf16() {
-    for stage in [1, 3] {
+    for stage in 0..=3 {
         exact_resume(stage, r#", "bf16": {"enabled": true}"#);
     }
 }
@@ -151,6 +151,35 @@ fn consolidated_weights_equal_the_gathered_ones_and_python_reads_them() {
         py.status.success() && said.trim() == "ok",
         "{said}{}",
         String::from_utf8_lossy(&py.stderr)
+    );
+}
+
+#[test]
+fn keep_checkpoints_prunes_the_oldest() {
+    let s = Scratch::new("ckpt-prune");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z1.json", &config(1, ""));
+    let ckpt = s.path("ckpt");
+    let extra = format!(
+        "--save-dir {} --save-interval 1 --keep-checkpoints 2",
+        ckpt.display()
+    );
+    ok(&format!(
+        "{} {} {extra}",
+        launch(2, &cfg),
+        train(&model, 5, &s.path("m"))
+    ));
+    let mut tags: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    tags.sort();
+    assert_eq!(tags, ["global_step4", "global_step5"]);
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+        "global_step5"
     );
 }
 

@@ -45,6 +45,20 @@ pub(crate) struct Shared {
     _server: Option<StoreServer>,
 }
 
+/// How long a failed rank keeps its links and (rank 0) the store open before it goes: its
+/// peers then see the rank that really died first, and can read this rank's failure note,
+/// instead of blaming this rank for leaving.
+const FAILURE_LINGER: Duration = Duration::from_millis(1000);
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let failed = self.broken.get_mut().map(|b| b.is_some()).unwrap_or(false);
+        if failed && self.world > 1 {
+            std::thread::sleep(FAILURE_LINGER);
+        }
+    }
+}
+
 /// Serves collectives in the order their tickets were taken.
 #[derive(Default)]
 struct Turns {
