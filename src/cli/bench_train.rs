@@ -61,7 +61,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
     if let Some(path) = &args.save_init {
-        save_weights(&engine, path, rank)?;
+        engine.save_weights(path)?;
     }
     let s = engine.settings().clone();
     // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
@@ -89,24 +89,9 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Rank 0 writes the whole parameters (all ranks take part in gathering them).
-fn save_weights(engine: &Engine, path: &std::path::Path, rank: usize) -> anyhow::Result<()> {
-    let params = engine.gather_params()?;
-    if rank == 0 {
-        let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
-        ds_engine::model::weights::save(path, engine.param_specs(), &values)?;
-    }
-    Ok(())
-}
-
 /// Every rank's peak resident set (VmHWM) in MiB, in rank order.
 fn gather_rss(g: &Group) -> anyhow::Result<Vec<f32>> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f32 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(f32::NAN);
+    let kib = crate::train::peak_rss_kib() as f32;
     let mut all = vec![0f32; g.size()];
     g.all_gather(&[kib / 1024.0], &mut all)?;
     Ok(all)

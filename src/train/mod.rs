@@ -20,6 +20,7 @@ use ds_engine::model::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
 use ds_engine::{Engine, EngineOptions};
 
+pub use metrics::peak_rss_kib;
 use metrics::{EvalRecord, MetricsFile, StepRecord};
 use progress::Progress;
 
@@ -213,7 +214,9 @@ impl Run<'_> {
             self.checkpoint(engine, step)?;
         }
         progress.finish();
-        self.save_weights(engine, rank0)?;
+        if let Some(path) = &self.args.save_weights {
+            engine.save_weights(path)?;
+        }
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
         if rank0 {
             let summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
@@ -274,19 +277,6 @@ impl Run<'_> {
         }
         if self.args.keep_checkpoints > 0 && engine.dp_rank() == 0 {
             ds_engine::checkpoint::prune(dir, self.args.keep_checkpoints)?;
-        }
-        Ok(())
-    }
-
-    /// --save-weights: every rank helps gather the parameters, rank 0 writes them.
-    fn save_weights(&self, engine: &Engine, rank0: bool) -> anyhow::Result<()> {
-        let Some(path) = &self.args.save_weights else {
-            return Ok(());
-        };
-        let params = engine.gather_params()?;
-        if rank0 {
-            let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
-            ds_engine::model::weights::save(path, engine.param_specs(), &values)?;
         }
         Ok(())
     }

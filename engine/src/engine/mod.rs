@@ -262,6 +262,17 @@ impl Engine {
         each!(&mut self.core, t => t.take_timings())
     }
 
+    /// Writes the whole model as one safetensors file under the parameter names (fp32): every
+    /// rank helps gather it, data-parallel rank 0 writes it. A collective.
+    pub fn save_weights(&self, path: &Path) -> Result<()> {
+        let params = self.gather_params()?;
+        if self.dp_rank() == 0 {
+            let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
+            weights::save(path, &self.specs, &values)?;
+        }
+        Ok(())
+    }
+
     /// Writes checkpoint `dir/tag` (a collective: every rank calls it with the same
     /// arguments): this rank's owned range, and on rank 0 the manifest and `latest`.
     /// `client_state` is kept in the manifest for the training program.
