@@ -213,7 +213,9 @@ impl Run<'_> {
             }
             self.checkpoint(engine, step)?;
         }
-        progress.finish();
+        if rank0 {
+            progress.finish();
+        }
         if let Some(path) = &self.args.save_weights {
             engine.save_weights(path)?;
         }
