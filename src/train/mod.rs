@@ -7,6 +7,8 @@ mod data;
 mod flops;
 mod metrics;
 mod progress;
+mod report;
+mod resume;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -229,60 +231,6 @@ impl Run<'_> {
         Ok(ExitCode::SUCCESS)
     }
 
-    /// With --save-dir and --resume (or on a launcher restart), loads the newest checkpoint;
-    /// returns the step to start from.
-    fn resume(&self, engine: &mut Engine, rank0: bool) -> anyhow::Result<u64> {
-        let restarted = std::env::var("DS_RS_RESTART_COUNT").is_ok_and(|c| c != "0");
-        let Some(dir) = self
-            .args
-            .save_dir
-            .as_deref()
-            .filter(|_| self.args.resume || restarted)
-        else {
-            return Ok(0);
-        };
-        let t0 = Instant::now();
-        let Some(m) = engine.load_checkpoint(dir, None)? else {
-            return Ok(0);
-        };
-        if rank0 {
-            println!(
-                "resumed from {} (saved at dp {} ZeRO-{}) at step {} in {}",
-                dir.join(&m.tag).display(),
-                m.layout.dp,
-                m.layout.zero_stage,
-                m.global_steps,
-                rate(&m, t0.elapsed())
-            );
-        }
-        Ok(engine.global_steps())
-    }
-
-    /// Saves after `step` when --save-interval says so, and after the last step.
-    fn checkpoint(&self, engine: &Engine, step: u64) -> anyhow::Result<()> {
-        let Some(dir) = &self.args.save_dir else {
-            return Ok(());
-        };
-        let every = self.args.save_interval;
-        let due = step + 1 == self.steps || (every > 0 && (step + 1).is_multiple_of(every));
-        if !due {
-            return Ok(());
-        }
-        let tag = format!("global_step{}", engine.global_steps());
-        let state =
-            serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
-        let t0 = Instant::now();
-        let path = engine.save_checkpoint(dir, &tag, state)?;
-        if engine.dp_rank() == 0 {
-            let m = ds_engine::checkpoint::Manifest::read(&path)?;
-            println!("saved {} in {}", path.display(), rate(&m, t0.elapsed()));
-        }
-        if self.args.keep_checkpoints > 0 && engine.dp_rank() == 0 {
-            ds_engine::checkpoint::prune(dir, self.args.keep_checkpoints)?;
-        }
-        Ok(())
-    }
-
     /// The held-out loss over `--eval-batches` global batches: the same windows at every
     /// evaluation and in every layout (each rank evaluates its share of each).
     fn evaluate(
@@ -348,117 +296,6 @@ impl Run<'_> {
             },
         )
     }
-
-    fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
-        println!(
-            "ds-rs train: GPT {} ({} parameters), {} ranks, ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
-            self.args.model,
-            self.model.n_params(),
-            comm.world_size(),
-            s.zero.stage,
-            s.precision,
-            s.micro_batch,
-            s.grad_accum,
-            self.steps,
-            data.name
-        );
-        for (name, on) in [
-            ("wandb", self.cfg.monitor.wandb.enabled),
-            ("comet", self.cfg.monitor.comet.enabled),
-        ] {
-            if on {
-                println!("warning: the {name} monitor needs its Python client; ds-rs writes tensorboard and csv_monitor only, {name} is ignored");
-            }
-        }
-        if let Some(floor) = data.floor {
-            println!("the data's loss floor (entropy rate) is {floor:.4} nats");
-        }
-        println!("metrics: {}", self.dir.display());
-    }
-
-    fn summary(
-        &self,
-        data: &data::Data,
-        comm: &Communicator,
-        records: &[StepRecord],
-        evals: &[EvalRecord],
-        memory: &[metrics::RankMemory],
-        first_step_s: Option<f64>,
-    ) -> serde_json::Value {
-        let s = &self.cfg;
-        let final_loss = records.last().map(|r| r.loss);
-        let tps: Vec<f64> = records.iter().skip(1).map(|r| r.tokens_per_s).collect();
-        serde_json::json!({
-            "steps": records.len(),
-            "final_loss": final_loss,
-            "first_loss": records.first().map(|r| r.loss),
-            "final_eval_loss": evals.last().map(|e| e.eval_loss),
-            "median_tokens_per_s": metrics::median(&tps),
-            "median_step_ms": metrics::median(&records.iter().map(|r| r.step_ms).collect::<Vec<_>>()),
-            "skipped_steps": records.iter().filter(|r| r.skipped).count(),
-            "time_to_first_step_s": first_step_s,
-            "model": {"name": self.args.model, "V": self.model.V, "T": self.model.T,
-                      "d": self.model.d, "H": self.model.H, "L": self.model.L,
-                      "parameters": self.model.n_params()},
-            "data": {"name": data.name, "loss_floor_nats": data.floor,
-                     "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
-            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
-                       "zero_stage": s.zero_stage() as u8,
-                       "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
-                       "gradient_accumulation_steps": s.gradient_accumulation_steps.to_string(),
-                       "train_batch_size": s.train_batch_size.to_string()},
-            "ranks": memory,
-        })
-    }
-
-    /// Loss (with the data's floor) and throughput over the steps, as DIR/chart.png.
-    fn write_chart(&self, data: &data::Data, records: &[StepRecord]) -> anyhow::Result<()> {
-        let loss: Vec<(f64, f64)> = records
-            .iter()
-            .map(|r| ((r.step + 1) as f64, r.loss))
-            .collect();
-        let speed: Vec<(f64, f64)> = records
-            .iter()
-            .map(|r| ((r.step + 1) as f64, r.tokens_per_s))
-            .collect();
-        let floor = data.floor.map(|f| (f, "loss floor"));
-        let series = [
-            chart::Series {
-                title: "training loss",
-                y_label: "loss (nats/token)",
-                points: &loss,
-                floor,
-            },
-            chart::Series {
-                title: "throughput",
-                y_label: "tokens/s",
-                points: &speed,
-                floor: None,
-            },
-        ];
-        let title = format!(
-            "ds-rs train: GPT {}, {} steps",
-            self.args.model,
-            records.len()
-        );
-        chart::write_png(&self.dir.join("chart.png"), &title, &series)?;
-        Ok(())
-    }
-
-    fn print_summary(&self, v: &serde_json::Value) {
-        println!(
-            "done: {} steps, loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
-            v["steps"],
-            v["first_loss"],
-            v["final_loss"],
-            v["final_eval_loss"],
-            v["median_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
-            self.dir.join("summary.json").display()
-        );
-        if let Some(gap) = v["data"]["gap_to_floor_nats"].as_f64() {
-            println!("the final loss is {gap:.4} nats above the data's floor");
-        }
-    }
 }
 
 fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
@@ -513,13 +350,6 @@ fn monitor_events(r: &StepRecord, samples_per_step: f64) -> [(&'static str, f64,
         ("Train/Samples/lr", r.lr, seen),
         ("Train/Samples/loss_scale", r.loss_scale, seen),
     ]
-}
-
-/// "0.52 s (93.1 MB, 179 MB/s)" for a checkpoint's shard files.
-fn rate(m: &ds_engine::checkpoint::Manifest, took: std::time::Duration) -> String {
-    let mb = m.shards.iter().map(|s| s.bytes).sum::<u64>() as f64 / 1e6;
-    let s = took.as_secs_f64();
-    format!("{s:.2} s ({mb:.1} MB, {:.0} MB/s)", mb / s)
 }
 
 /// ds_config `steps_per_print` (DeepSpeed's default 10).

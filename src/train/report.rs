@@ -1,0 +1,124 @@
+//! What rank 0 tells the user about a run: the opening lines, summary.json, the chart and the
+//! closing lines.
+
+use ds_comm::Communicator;
+
+use super::metrics::{self, EvalRecord, StepRecord};
+use super::{chart, data, Run};
+
+impl Run<'_> {
+    pub(super) fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
+        println!(
+            "ds-rs train: GPT {} ({} parameters), {} ranks, ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            self.args.model,
+            self.model.n_params(),
+            comm.world_size(),
+            s.zero.stage,
+            s.precision,
+            s.micro_batch,
+            s.grad_accum,
+            self.steps,
+            data.name
+        );
+        for (name, on) in [
+            ("wandb", self.cfg.monitor.wandb.enabled),
+            ("comet", self.cfg.monitor.comet.enabled),
+        ] {
+            if on {
+                println!("warning: the {name} monitor needs its Python client; ds-rs writes tensorboard and csv_monitor only, {name} is ignored");
+            }
+        }
+        if let Some(floor) = data.floor {
+            println!("the data's loss floor (entropy rate) is {floor:.4} nats");
+        }
+        println!("metrics: {}", self.dir.display());
+    }
+
+    pub(super) fn summary(
+        &self,
+        data: &data::Data,
+        comm: &Communicator,
+        records: &[StepRecord],
+        evals: &[EvalRecord],
+        memory: &[metrics::RankMemory],
+        first_step_s: Option<f64>,
+    ) -> serde_json::Value {
+        let s = &self.cfg;
+        let final_loss = records.last().map(|r| r.loss);
+        let tps: Vec<f64> = records.iter().skip(1).map(|r| r.tokens_per_s).collect();
+        serde_json::json!({
+            "steps": records.len(),
+            "final_loss": final_loss,
+            "first_loss": records.first().map(|r| r.loss),
+            "final_eval_loss": evals.last().map(|e| e.eval_loss),
+            "median_tokens_per_s": metrics::median(&tps),
+            "median_step_ms": metrics::median(&records.iter().map(|r| r.step_ms).collect::<Vec<_>>()),
+            "skipped_steps": records.iter().filter(|r| r.skipped).count(),
+            "time_to_first_step_s": first_step_s,
+            "model": {"name": self.args.model, "V": self.model.V, "T": self.model.T,
+                      "d": self.model.d, "H": self.model.H, "L": self.model.L,
+                      "parameters": self.model.n_params()},
+            "data": {"name": data.name, "loss_floor_nats": data.floor,
+                     "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
+            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
+                       "zero_stage": s.zero_stage() as u8,
+                       "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
+                       "gradient_accumulation_steps": s.gradient_accumulation_steps.to_string(),
+                       "train_batch_size": s.train_batch_size.to_string()},
+            "ranks": memory,
+        })
+    }
+
+    /// Loss (with the data's floor) and throughput over the steps, as DIR/chart.png.
+    pub(super) fn write_chart(
+        &self,
+        data: &data::Data,
+        records: &[StepRecord],
+    ) -> anyhow::Result<()> {
+        let loss: Vec<(f64, f64)> = records
+            .iter()
+            .map(|r| ((r.step + 1) as f64, r.loss))
+            .collect();
+        let speed: Vec<(f64, f64)> = records
+            .iter()
+            .map(|r| ((r.step + 1) as f64, r.tokens_per_s))
+            .collect();
+        let floor = data.floor.map(|f| (f, "loss floor"));
+        let series = [
+            chart::Series {
+                title: "training loss",
+                y_label: "loss (nats/token)",
+                points: &loss,
+                floor,
+            },
+            chart::Series {
+                title: "throughput",
+                y_label: "tokens/s",
+                points: &speed,
+                floor: None,
+            },
+        ];
+        let title = format!(
+            "ds-rs train: GPT {}, {} steps",
+            self.args.model,
+            records.len()
+        );
+        chart::write_png(&self.dir.join("chart.png"), &title, &series)?;
+        Ok(())
+    }
+
+    pub(super) fn print_summary(&self, v: &serde_json::Value) {
+        println!(
+            "done: {} steps, loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
+            v["steps"],
+            v["first_loss"],
+            v["final_loss"],
+            v["final_eval_loss"],
+            v["median_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            self.dir.join("summary.json").display()
+        );
+        if let Some(gap) = v["data"]["gap_to_floor_nats"].as_f64() {
+            println!("the final loss is {gap:.4} nats above the data's floor");
+        }
+    }
+}

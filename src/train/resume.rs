@@ -1,0 +1,72 @@
+//! Checkpoints in the train job: resuming from the newest one (--resume, or any launcher
+//! restart) and saving on schedule.
+
+use std::time::Instant;
+
+use ds_engine::checkpoint::{self, Manifest};
+use ds_engine::Engine;
+
+use super::Run;
+
+impl Run<'_> {
+    /// With --save-dir and --resume (or on a launcher restart), loads the newest checkpoint;
+    /// returns the step to start from.
+    pub(super) fn resume(&self, engine: &mut Engine, rank0: bool) -> anyhow::Result<u64> {
+        let restarted = std::env::var("DS_RS_RESTART_COUNT").is_ok_and(|c| c != "0");
+        let Some(dir) = self
+            .args
+            .save_dir
+            .as_deref()
+            .filter(|_| self.args.resume || restarted)
+        else {
+            return Ok(0);
+        };
+        let t0 = Instant::now();
+        let Some(m) = engine.load_checkpoint(dir, None)? else {
+            return Ok(0);
+        };
+        if rank0 {
+            println!(
+                "resumed from {} (saved at dp {} ZeRO-{}) at step {} in {}",
+                dir.join(&m.tag).display(),
+                m.layout.dp,
+                m.layout.zero_stage,
+                m.global_steps,
+                rate(&m, t0.elapsed())
+            );
+        }
+        Ok(engine.global_steps())
+    }
+
+    /// Saves after `step` when --save-interval says so, and after the last step.
+    pub(super) fn checkpoint(&self, engine: &Engine, step: u64) -> anyhow::Result<()> {
+        let Some(dir) = &self.args.save_dir else {
+            return Ok(());
+        };
+        let every = self.args.save_interval;
+        let due = step + 1 == self.steps || (every > 0 && (step + 1).is_multiple_of(every));
+        if !due {
+            return Ok(());
+        }
+        let tag = format!("global_step{}", engine.global_steps());
+        let state =
+            serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
+        let t0 = Instant::now();
+        let path = engine.save_checkpoint(dir, &tag, state)?;
+        if engine.dp_rank() == 0 {
+            let m = Manifest::read(&path)?;
+            println!("saved {} in {}", path.display(), rate(&m, t0.elapsed()));
+        }
+        if self.args.keep_checkpoints > 0 && engine.dp_rank() == 0 {
+            checkpoint::prune(dir, self.args.keep_checkpoints)?;
+        }
+        Ok(())
+    }
+}
+
+/// "0.52 s (93.1 MB, 179 MB/s)" for a checkpoint's shard files.
+fn rate(m: &Manifest, took: std::time::Duration) -> String {
+    let mb = m.shards.iter().map(|s| s.bytes).sum::<u64>() as f64 / 1e6;
+    let s = took.as_secs_f64();
+    format!("{s:.2} s ({mb:.1} MB, {:.0} MB/s)", mb / s)
+}
