@@ -327,7 +327,7 @@ fn a_restarted_job_resumes_and_ends_like_an_uninterrupted_one() {
     };
     ok(&job(&calm, 0));
     let child = start(&job(&hit, 1));
-    assert!(wait_for(LIMIT, || steps(&hit).len() >= 12), "no progress");
+    wait_for_steps(&hit, 12);
     signal(
         rank_pid(hit.to_str().unwrap(), 1).expect("rank 1 is running"),
         "KILL",

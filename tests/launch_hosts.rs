@@ -157,10 +157,7 @@ fn a_rank_killed_on_the_second_host_brings_every_host_down() {
         &train(&model, 100_000, &dir),
     );
     let child = start_args(&args);
-    assert!(
-        wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
-        "no step trained"
-    );
+    wait_for_steps(&dir, 1);
     let needle = dir.to_string_lossy().into_owned();
     signal(rank_pid(&needle, 3).expect("rank 3 is running"), "KILL");
     let f = finish(child, Duration::from_secs(15));

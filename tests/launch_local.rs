@@ -194,10 +194,7 @@ fn long_job(s: &Scratch) -> (std::process::Child, std::path::PathBuf) {
     let dir = s.path("metrics");
     let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
     let child = start(&format!("{launch} {}", train(&model, 100_000, &dir)));
-    assert!(
-        wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
-        "no step trained"
-    );
+    wait_for_steps(&dir, 1);
     (child, dir)
 }
 
@@ -242,10 +239,7 @@ fn max_restarts_runs_the_job_again_after_a_failure() {
         cfg.display()
     );
     let child = start(&format!("{launch} {}", train(&model, 300, &dir)));
-    assert!(
-        wait_for(Duration::from_secs(120), || !steps(&dir).is_empty()),
-        "no step trained"
-    );
+    wait_for_steps(&dir, 1);
     signal(
         rank_pid(dir.to_str().unwrap(), 1).expect("rank 1 is running"),
         "KILL",

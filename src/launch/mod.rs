@@ -433,7 +433,7 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 /// The job's shared secret: 128 random bits.
-pub fn fresh_token() -> anyhow::Result<String> {
+fn fresh_token() -> anyhow::Result<String> {
     let mut bytes = [0u8; 16];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))

@@ -216,6 +216,12 @@ pub fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     false
 }
 
+/// Waits (at most 2 minutes) until the job writing `dir` has logged `n` steps.
+pub fn wait_for_steps(dir: &Path, n: usize) {
+    let logged = wait_for(Duration::from_secs(120), || steps(dir).len() >= n);
+    assert!(logged, "fewer than {n} steps trained in {}", dir.display());
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])

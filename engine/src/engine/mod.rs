@@ -316,7 +316,7 @@ impl Engine {
         let tag_dir = dir.join(&tag);
         let expect_params = param_entries(each!(&self.core, t => t.index()));
         let buffers = each!(&self.core, t => t.buffer_names());
-        let owned = each!(&self.core, t => t.rank_state().owned);
+        let owned = each!(&self.core, t => t.owned());
         let expect = checkpoint::Expect {
             params: &expect_params,
             buffers: Some(&buffers),

@@ -241,6 +241,11 @@ impl<T: Dtype> Trainer<T> {
         &self.dp
     }
 
+    /// The flat range (padded coordinates) this rank's master copy and optimizer cover.
+    pub fn owned(&self) -> Range<usize> {
+        self.zero.owned()
+    }
+
     /// This rank's share of the training state, for a checkpoint.
     pub fn rank_state(&self) -> RankState {
         let opt = self.updater.optimizer().state();
