@@ -14,8 +14,8 @@ use candle_nn::VarBuilder;
 use ds_comm::Element;
 use ds_partition::FlatIndex;
 
-use crate::model::{Context, NamedLayer};
-use crate::Result;
+use crate::model::{Context, NamedLayer, Taped};
+use crate::{EngineError, Result};
 
 /// An element type the engine computes in: a ds-comm element and a candle dtype.
 pub trait Dtype: Element + WithDType {}
@@ -46,13 +46,23 @@ impl LayerParams {
         Ok(LayerParams { vars, names })
     }
 
-    /// A `VarBuilder` over these parameters, under the layer's prefix.
-    pub fn var_builder(&self, prefix: &str, dtype: DType, dev: &Device) -> VarBuilder<'static> {
+    /// A `VarBuilder` over these parameters, under the layer's prefix: the variables
+    /// themselves for autograd, or untracked views of them (`tracked` false).
+    pub fn var_builder(
+        &self,
+        prefix: &str,
+        dtype: DType,
+        dev: &Device,
+        tracked: bool,
+    ) -> VarBuilder<'static> {
         let map: HashMap<String, Tensor> = self
             .names
             .iter()
             .zip(&self.vars)
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .map(|(n, v)| match tracked {
+                true => (n.clone(), v.as_tensor().clone()),
+                false => (n.clone(), v.as_tensor().detach()),
+            })
             .collect();
         let vb = VarBuilder::from_tensors(map, dtype, dev);
         match prefix {
@@ -64,9 +74,35 @@ impl LayerParams {
     /// The gradients of these parameters, concatenated in flat order (zeros where a
     /// parameter got none, e.g. unused in this batch).
     pub fn flat_grads<T: Dtype>(&self, grads: &GradStore) -> Result<Vec<T>> {
-        let mut out = Vec::new();
-        for v in &self.vars {
-            match grads.get(v.as_tensor()) {
+        let grads: Vec<Option<&Tensor>> = self.vars.iter().map(|v| grads.get(v)).collect();
+        self.concat(&grads)
+    }
+
+    /// A taped layer's gradients (one per parameter, in order), concatenated in flat order.
+    pub fn flat_taped_grads<T: Dtype>(&self, layer: &str, grads: &[Tensor]) -> Result<Vec<T>> {
+        if grads.len() != self.vars.len() {
+            return Err(EngineError::Invalid(format!(
+                "layer {layer}'s backward returned {} gradients for {} parameters",
+                grads.len(),
+                self.vars.len()
+            )));
+        }
+        for ((g, v), name) in grads.iter().zip(&self.vars).zip(&self.names) {
+            if g.dims() != v.dims() {
+                return Err(EngineError::Invalid(format!(
+                    "the gradient of {name} has shape {:?}, the parameter {:?}",
+                    g.dims(),
+                    v.dims()
+                )));
+            }
+        }
+        self.concat(&grads.iter().map(Some).collect::<Vec<_>>())
+    }
+
+    fn concat<T: Dtype>(&self, grads: &[Option<&Tensor>]) -> Result<Vec<T>> {
+        let mut out = Vec::with_capacity(self.vars.iter().map(|v| v.elem_count()).sum());
+        for (g, v) in grads.iter().zip(&self.vars) {
+            match g {
                 Some(g) => out.extend(
                     g.flatten_all()?
                         .to_dtype(<T as WithDType>::DTYPE)?
@@ -87,8 +123,21 @@ pub fn forward(
     cx: &Context,
     dtype: DType,
 ) -> Result<Tensor> {
-    let vb = params.var_builder(&layer.prefix, dtype, input.device());
+    let vb = params.var_builder(&layer.prefix, dtype, input.device(), true);
     Ok(layer.layer.forward(&vb, input, cx)?)
+}
+
+/// Runs a layer's taped forward on untracked tensors; `None` if it has none (Note [taped
+/// layers] in model/mod.rs).
+pub fn forward_taped(
+    layer: &NamedLayer,
+    params: &LayerParams,
+    input: &Tensor,
+    cx: &Context,
+    dtype: DType,
+) -> Result<Option<Taped>> {
+    let vb = params.var_builder(&layer.prefix, dtype, input.device(), false);
+    Ok(layer.layer.forward_taped(&vb, &input.detach(), cx)?)
 }
 
 /// The backward of one layer from its output `y`: `dy` is the upstream gradient, or `None`

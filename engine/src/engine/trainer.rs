@@ -13,11 +13,16 @@ use super::update::{StepOutcome, Updater};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::data::Batch;
-use crate::model::{Context, Model};
+use crate::model::{Context, Model, Tape};
 use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.
 enum Saved {
+    /// A taped layer's own record (Note [taped layers] in model/mod.rs).
+    Tape {
+        tape: Box<dyn Tape>,
+        params: LayerParams,
+    },
     /// The whole autograd graph: parameters and internals stay alive until backward.
     Graph {
         input: Tensor,
@@ -117,19 +122,45 @@ impl<T: Dtype> Trainer<T> {
         Ok(params)
     }
 
-    fn run_layer(&self, i: usize, params: &LayerParams, input: &Tensor) -> Result<Tensor> {
+    /// Layer `i` forward on `x`, keeping for backward what `keep` says (Saved::Input when
+    /// false: backward recomputes).
+    fn run_layer(
+        &self,
+        i: usize,
+        params: LayerParams,
+        x: Tensor,
+        keep: bool,
+    ) -> Result<(Tensor, Saved)> {
         let targets = self
             .targets
             .as_ref()
             .expect("invariant: forward set the targets");
         let cx = Context { targets };
-        layers::forward(
-            &self.model.layers()[i],
-            params,
-            input,
-            &cx,
-            <T as WithDType>::DTYPE,
-        )
+        let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
+        if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
+            let saved = match keep {
+                true => Saved::Tape {
+                    tape: taped.tape,
+                    params,
+                },
+                false => Saved::Input(x),
+            };
+            return Ok((taped.output, saved));
+        }
+        let input = match i {
+            0 => x,
+            _ => layers::leaf(&x)?.into_inner(),
+        };
+        let y = layers::forward(layer, &params, &input, &cx, dtype)?;
+        let saved = match keep {
+            true => Saved::Graph {
+                input,
+                params,
+                output: y.clone(),
+            },
+            false => Saved::Input(input),
+        };
+        Ok((y, saved))
     }
 
     /// Forward of one micro-batch; returns its loss.
@@ -143,20 +174,8 @@ impl<T: Dtype> Trainer<T> {
         for i in 0..n {
             let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
-            let input = if i == 0 {
-                x
-            } else {
-                layers::leaf(&x)?.into_inner()
-            };
-            let y = self.run_layer(i, &params, &input)?;
-            self.saved.push(match self.keep_graph[i] {
-                true => Saved::Graph {
-                    input,
-                    params,
-                    output: y.clone(),
-                },
-                false => Saved::Input(input),
-            });
+            let (y, saved) = self.run_layer(i, params, x, self.keep_graph[i])?;
+            self.saved.push(saved);
             x = y;
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
@@ -182,28 +201,23 @@ impl<T: Dtype> Trainer<T> {
         let mut dy: Option<Tensor> = None;
         for i in (0..self.saved.len()).rev() {
             let t_layer = Instant::now();
-            let (input, params, y) = match self.saved.pop().expect("invariant: one per layer") {
-                Saved::Graph {
-                    input,
-                    params,
-                    output,
-                } => (input, params, output),
-                Saved::Input(input) => {
-                    let params = self.materialise(i, i.checked_sub(1))?;
-                    let y = self.run_layer(i, &params, &input)?;
-                    (input, params, y)
-                }
-            };
-            let grads = layers::backward(&y, dy.as_ref(), seed)?;
+            let mut saved = self.saved.pop().expect("invariant: one per layer");
+            if let Saved::Input(input) = saved {
+                let params = self.materialise(i, i.checked_sub(1))?;
+                saved = self.run_layer(i, params, input, true)?.1;
+            }
+            let (dx, params, g) = self.layer_backward(i, saved, dy.as_ref(), seed)?;
             if !params.vars.is_empty() {
-                let g = params.flat_grads::<T>(&grads)?;
                 self.zero.add_grad(self.layer_flat[i].clone(), &g)?;
             }
-            dy = match i {
-                0 => None,
-                _ => Some(grads.get(&input).cloned().ok_or_else(|| {
-                    EngineError::Invalid(format!("layer {i}'s output does not depend on its input"))
-                })?),
+            dy = match (i, dx) {
+                (0, _) => None,
+                (_, Some(dx)) => Some(dx),
+                (_, None) => {
+                    return Err(EngineError::Invalid(format!(
+                        "layer {i}'s output does not depend on its input"
+                    )))
+                }
             };
             add_at(&mut self.timings.layer_backward, i, t_layer.elapsed());
         }
@@ -212,6 +226,46 @@ impl<T: Dtype> Trainer<T> {
         self.micro_steps += 1;
         self.timings.backward += t0.elapsed();
         Ok(())
+    }
+
+    /// One layer's backward from what its forward kept: the gradient of its input, its
+    /// parameters, and theirs in flat order.
+    fn layer_backward(
+        &self,
+        i: usize,
+        saved: Saved,
+        dy: Option<&Tensor>,
+        seed: f64,
+    ) -> Result<(Option<Tensor>, LayerParams, Vec<T>)> {
+        match saved {
+            Saved::Tape { tape, params } => {
+                let seed_tensor;
+                let dy = match dy {
+                    Some(dy) => dy,
+                    None => {
+                        seed_tensor = Tensor::new(seed as f32, &self.dev)?;
+                        &seed_tensor
+                    }
+                };
+                let grads = tape.backward(dy)?;
+                let name = self.model.layers()[i].display_name();
+                let g = params.flat_taped_grads::<T>(&name, &grads.params)?;
+                Ok((grads.input, params, g))
+            }
+            Saved::Graph {
+                input,
+                params,
+                output,
+            } => {
+                let grads = layers::backward(&output, dy, seed)?;
+                let g = match params.vars.is_empty() {
+                    true => Vec::new(),
+                    false => params.flat_grads::<T>(&grads)?,
+                };
+                Ok((grads.get(&input).cloned(), params, g))
+            }
+            Saved::Input(_) => unreachable!("recomputed before its backward"),
+        }
     }
 
     /// The optimizer step at an accumulation boundary; `None` between boundaries.

@@ -5,7 +5,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::ops::{exp_shifted, from_f32, to_f32};
+use super::grad::by_autograd;
+use super::nn::{layer_norm_primitive, softmax_last_dim};
+use super::ops::{exp_shifted, f32_slice, from_f32, to_f32};
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -20,6 +22,62 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         .apply_op2(&targets.contiguous()?, CrossEntropy)
 }
 
+/// LayerNorm's gradients (dx, dweight, dbias) from the upstream gradient `dy`.
+pub fn layer_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if !x.device().is_cpu() {
+        let f = |t: &[Tensor]| layer_norm_primitive(&t[0], &t[1], &t[2], eps);
+        let [dx, dw, db]: [Tensor; 3] = by_autograd(&[x, w, b], dy, f)?
+            .try_into()
+            .expect("three inputs, three gradients");
+        return Ok((dx, dw, db));
+    }
+    let grad = LayerNormGrad { eps: eps as f32 };
+    let packed = x
+        .contiguous()?
+        .apply_op3_no_bwd(w, &dy.contiguous()?, &grad)?;
+    let (n, d) = (x.elem_count(), w.elem_count());
+    let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+    let dw = packed.narrow(0, n, d)?.to_dtype(w.dtype())?;
+    let db = packed.narrow(0, n + d, d)?.to_dtype(w.dtype())?;
+    Ok((dx, dw, db))
+}
+
+/// The mean cross-entropy of `logits` [n, vocab] (f32) against `targets` [n] (u32), and the
+/// rows' softmax, which is all its backward needs.
+pub fn cross_entropy_with_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    if !logits.device().is_cpu() {
+        let loss = candle_nn::loss::cross_entropy(logits, targets)?;
+        return Ok((loss, softmax_last_dim(logits)?));
+    }
+    let packed = logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &CrossEntropyProbs)?;
+    let n = logits.elem_count();
+    let loss = packed.narrow(0, n, 1)?.squeeze(0)?;
+    Ok((loss, packed.narrow(0, 0, n)?.reshape(logits.shape())?))
+}
+
+/// The cross-entropy's gradient from the softmax `probs`: (probs - onehot(targets)) * scale.
+pub fn cross_entropy_backward(probs: &Tensor, targets: &Tensor, scale: f64) -> Result<Tensor> {
+    if !probs.device().is_cpu() {
+        let v = probs.dim(1)?;
+        let onehot = candle_nn::encoding::one_hot(targets.clone(), v, 1f32, 0f32)?;
+        return (probs - onehot.to_dtype(probs.dtype())?)? * scale;
+    }
+    let grad = ProbsGrad {
+        scale: scale as f32,
+    };
+    probs
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &grad)
+}
+
 struct LayerNorm {
     eps: f32,
 }
@@ -28,6 +86,11 @@ struct LayerNormGrad {
     eps: f32,
 }
 struct CrossEntropy;
+/// The rows' softmax (n*v) then the mean loss (1), in f32.
+struct CrossEntropyProbs;
+struct ProbsGrad {
+    scale: f32,
+}
 struct CrossEntropyGrad {
     /// The upstream gradient of the mean loss divided by the row count.
     scale: f32,
@@ -71,11 +134,7 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let packed = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        let (n, d) = (x.elem_count(), w.elem_count());
-        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
-        let dw = packed.narrow(0, n, d)?.to_dtype(w.dtype())?;
-        let db = packed.narrow(0, n + d, d)?.to_dtype(w.dtype())?;
+        let (dx, dw, db) = layer_norm_backward(x, w, _b, dy, self.eps as f64)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
@@ -185,6 +244,62 @@ impl CustomOp2 for CrossEntropyGrad {
             row[t as usize] -= self.scale;
         }
         Ok((from_f32(s1.dtype(), logits), l1.shape().clone()))
+    }
+}
+
+impl CustomOp2 for CrossEntropyProbs {
+    fn name(&self) -> &'static str {
+        "ds-cross-entropy-probs"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (logits, targets) = (f32_slice(s1, l1)?, targets(s2, l2)?);
+        let v = logits.len() / targets.len().max(1);
+        let mut out = vec![0f32; logits.len() + 1];
+        let mut total = 0f64;
+        for ((row, p), &t) in logits
+            .chunks_exact(v)
+            .zip(out.chunks_exact_mut(v))
+            .zip(&targets)
+        {
+            if t as usize >= v {
+                candle_core::bail!("cross entropy: target {t} is outside the vocabulary of {v}");
+            }
+            p.copy_from_slice(row);
+            let (max, sum) = exp_shifted(p, 1.0);
+            total += (sum.ln() + max - row[t as usize]) as f64;
+            let inv = 1.0 / sum;
+            p.iter_mut().for_each(|x| *x *= inv);
+        }
+        let n = out.len();
+        out[n - 1] = (total / targets.len().max(1) as f64) as f32;
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+}
+
+impl CustomOp2 for ProbsGrad {
+    fn name(&self) -> &'static str {
+        "ds-cross-entropy-probs-grad"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (probs, targets) = (f32_slice(s1, l1)?, targets(s2, l2)?);
+        let v = probs.len() / targets.len().max(1);
+        let mut g: Vec<f32> = probs.iter().map(|p| p * self.scale).collect();
+        for (row, &t) in g.chunks_exact_mut(v).zip(&targets) {
+            row[t as usize] -= self.scale;
+        }
+        Ok((from_f32(s1.dtype(), g), l1.shape().clone()))
     }
 }
 

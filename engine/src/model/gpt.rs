@@ -5,13 +5,17 @@
 
 use std::path::Path;
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::nn::{cross_entropy, LayerNorm, Linear};
-use super::ops::{causal_softmax, gelu};
-use super::{Context, Init, Layer, Model, ParamSpec};
+use super::fused_norm_loss::{
+    cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
+};
+use super::grad::{linear, linear_backward, LinearGrads};
+use super::nn::{cross_entropy, layer_norm};
+use super::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
+use super::{Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -115,16 +119,8 @@ impl GptConfig {
 /// `wte` + `wpe`: token ids [B, T] to activations [B, T, d].
 struct Embeddings(GptConfig);
 
-impl Layer for Embeddings {
-    fn params(&self) -> Vec<ParamSpec> {
-        let c = self.0;
-        vec![
-            ParamSpec::new("wte.weight", &[c.V, c.d], WEIGHT_INIT),
-            ParamSpec::new("wpe.weight", &[c.T, c.d], WEIGHT_INIT),
-        ]
-    }
-
-    fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Tensor> {
+impl Embeddings {
+    fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
         let c = self.0;
         let (_, t) = ids.dims2()?;
         if t > c.T {
@@ -135,7 +131,33 @@ impl Layer for Embeddings {
         }
         let wte = Embedding::new(vb.get((c.V, c.d), "wte.weight")?, c.d);
         let wpe = vb.get((c.T, c.d), "wpe.weight")?.narrow(0, 0, t)?;
-        wte.forward(ids)?.broadcast_add(&wpe)
+        let output = wte.forward(ids)?.broadcast_add(&wpe)?;
+        let tape = EmbeddingsTape {
+            c,
+            ids: ids.flatten_all()?,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for Embeddings {
+    fn params(&self) -> Vec<ParamSpec> {
+        let c = self.0;
+        vec![
+            ParamSpec::new("wte.weight", &[c.V, c.d], WEIGHT_INIT),
+            ParamSpec::new("wpe.weight", &[c.T, c.d], WEIGHT_INIT),
+        ]
+    }
+
+    fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, ids)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, ids).map(Some)
     }
 
     /// The lookup is free; adding the positions costs one operation per element.
@@ -144,8 +166,110 @@ impl Layer for Embeddings {
     }
 }
 
+struct EmbeddingsTape {
+    c: GptConfig,
+    /// The token ids, flattened.
+    ids: Tensor,
+}
+
+impl Tape for EmbeddingsTape {
+    /// Each token's row of wte gets the gradients at its positions; each position's row of
+    /// wpe the sum over the batch.
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+        let c = self.c;
+        let (b, t, d) = dy.dims3()?;
+        let rows = dy.reshape((b * t, d))?;
+        let dwte =
+            Tensor::zeros((c.V, d), dy.dtype(), dy.device())?.index_add(&self.ids, &rows, 0)?;
+        let dwpe = dy.sum(0)?.pad_with_zeros(0, 0, c.T - t)?;
+        Ok(Grads {
+            input: None,
+            params: vec![dwte, dwpe],
+        })
+    }
+}
+
 /// One pre-LayerNorm transformer block.
 struct Block(GptConfig);
+
+/// A block's parameters, each a (weight, bias) pair, in declaration order.
+struct BlockParams {
+    ln_1: (Tensor, Tensor),
+    c_attn: (Tensor, Tensor),
+    attn_proj: (Tensor, Tensor),
+    ln_2: (Tensor, Tensor),
+    c_fc: (Tensor, Tensor),
+    mlp_proj: (Tensor, Tensor),
+}
+
+impl BlockParams {
+    fn new(vb: &VarBuilder, d: usize) -> Result<BlockParams> {
+        let ln = |n: &str| -> Result<(Tensor, Tensor)> {
+            Ok((
+                vb.get(d, &format!("{n}.weight"))?,
+                vb.get(d, &format!("{n}.bias"))?,
+            ))
+        };
+        let lin = |n: &str, out: usize, inp: usize| -> Result<(Tensor, Tensor)> {
+            Ok((
+                vb.get((out, inp), &format!("{n}.weight"))?,
+                vb.get(out, &format!("{n}.bias"))?,
+            ))
+        };
+        Ok(BlockParams {
+            ln_1: ln("ln_1")?,
+            c_attn: lin("attn.c_attn", 3 * d, d)?,
+            attn_proj: lin("attn.c_proj", d, d)?,
+            ln_2: ln("ln_2")?,
+            c_fc: lin("mlp.c_fc", 4 * d, d)?,
+            mlp_proj: lin("mlp.c_proj", d, 4 * d)?,
+        })
+    }
+}
+
+/// What a block's backward reads: its parameters and the activations of its forward.
+struct BlockTape {
+    c: GptConfig,
+    p: BlockParams,
+    x: Tensor,
+    h1: Tensor,
+    attn: Attention,
+    x2: Tensor,
+    h2: Tensor,
+    /// The MLP's pre-activation and its GELU.
+    f: Tensor,
+    g: Tensor,
+}
+
+impl Block {
+    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+        let c = self.0;
+        let p = BlockParams::new(vb, c.d)?;
+        let x = x.contiguous()?;
+        let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, LN_EPS)?;
+        let attn = Attention::forward(c, &h1, &p.c_attn)?;
+        let x2 = (&x + linear(&attn.out, &p.attn_proj.0, Some(&p.attn_proj.1))?)?;
+        let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, LN_EPS)?;
+        let f = linear(&h2, &p.c_fc.0, Some(&p.c_fc.1))?;
+        let g = gelu(&f)?;
+        let output = (&x2 + linear(&g, &p.mlp_proj.0, Some(&p.mlp_proj.1))?)?;
+        let tape = BlockTape {
+            c,
+            p,
+            x,
+            h1,
+            attn,
+            x2,
+            h2,
+            f,
+            g,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
 
 impl Layer for Block {
     fn params(&self) -> Vec<ParamSpec> {
@@ -174,14 +298,11 @@ impl Layer for Block {
     }
 
     fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        let d = self.0.d;
-        let ln_1 = LayerNorm::new(d, LN_EPS, vb.pp("ln_1"))?;
-        let x = (x + attention(self.0, &ln_1.forward(x)?, &vb.pp("attn"))?)?;
-        let ln_2 = LayerNorm::new(d, LN_EPS, vb.pp("ln_2"))?;
-        let c_fc = Linear::new(d, 4 * d, vb.pp("mlp.c_fc"))?;
-        let c_proj = Linear::new(4 * d, d, vb.pp("mlp.c_proj"))?;
-        let h = gelu(&c_fc.forward(&ln_2.forward(&x)?)?)?;
-        x + c_proj.forward(&h)?
+        Ok(self.taped(vb, x)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x).map(Some)
     }
 
     /// The matrix products, as DeepSpeed's profiler counts them: q|k|v, attention projection
@@ -193,25 +314,143 @@ impl Layer for Block {
     }
 }
 
-/// Causal self-attention with the fused q|k|v projection.
-fn attention(c: GptConfig, x: &Tensor, vb: &VarBuilder) -> Result<Tensor> {
-    let (b, t, d) = x.dims3()?;
-    let hd = d / c.H;
-    let qkv = Linear::new(d, 3 * d, vb.pp("c_attn"))?.forward(x)?;
-    // [b, t, 3, H, hd] -> [3, b, H, t, hd] in one copy; q, k, v are views of it.
-    let heads = qkv
-        .reshape((b, t, 3, c.H, hd))?
-        .permute((2, 0, 3, 1, 4))?
-        .contiguous()?;
-    let (q, k, v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
-    let scores = q.matmul(&k.t()?)?;
-    let y = causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?.matmul(&v)?;
-    let y = y.transpose(1, 2)?.reshape((b, t, d))?;
-    Linear::new(d, d, vb.pp("c_proj"))?.forward(&y)
+impl Tape for BlockTape {
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+        let BlockTape {
+            c,
+            p,
+            x,
+            h1,
+            attn,
+            x2,
+            h2,
+            f,
+            g,
+        } = *self;
+        // the MLP branch: y = x2 + c_proj(gelu(c_fc(ln_2(x2))))
+        let proj = linear_backward(&g, &p.mlp_proj.0, Some(&p.mlp_proj.1), dy)?;
+        let df = gelu_backward(&f, &proj.dx)?;
+        let fc = linear_backward(&h2, &p.c_fc.0, Some(&p.c_fc.1), &df)?;
+        let (dx2_ln, dln_2w, dln_2b) =
+            layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &fc.dx, LN_EPS)?;
+        let dx2 = (dy + dx2_ln)?;
+        // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
+        let aproj = linear_backward(&attn.out, &p.attn_proj.0, Some(&p.attn_proj.1), &dx2)?;
+        let dqkv = attn.backward(c, &aproj.dx)?;
+        let qkv = linear_backward(&h1, &p.c_attn.0, Some(&p.c_attn.1), &dqkv)?;
+        let (dx_ln, dln_1w, dln_1b) =
+            layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &qkv.dx, LN_EPS)?;
+        let bias = |g: &LinearGrads| g.db.clone().expect("a biased linear");
+        Ok(Grads {
+            input: Some((dx2 + dx_ln)?),
+            params: vec![
+                dln_1w,
+                dln_1b,
+                qkv.dw.clone(),
+                bias(&qkv),
+                aproj.dw.clone(),
+                bias(&aproj),
+                dln_2w,
+                dln_2b,
+                fc.dw.clone(),
+                bias(&fc),
+                proj.dw.clone(),
+                bias(&proj),
+            ],
+        })
+    }
+}
+
+/// Causal self-attention with the fused q|k|v projection, and what its backward reads.
+struct Attention {
+    /// Each [B, H, T, hd].
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// The attention probabilities [B, H, T, T].
+    probs: Tensor,
+    /// The heads' outputs side by side [B, T, d], before the output projection.
+    out: Tensor,
+}
+
+impl Attention {
+    fn forward(c: GptConfig, x: &Tensor, c_attn: &(Tensor, Tensor)) -> Result<Attention> {
+        let (b, t, d) = x.dims3()?;
+        let hd = d / c.H;
+        let qkv = linear(x, &c_attn.0, Some(&c_attn.1))?;
+        // [b, t, 3, H, hd] -> [3, b, H, t, hd] in one copy; q, k, v are views of it.
+        let heads = qkv
+            .reshape((b, t, 3, c.H, hd))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let (q, k, v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
+        let probs = causal_softmax(&q.matmul(&k.t()?)?, scale(hd))?;
+        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        Ok(Attention {
+            q,
+            k,
+            v,
+            probs,
+            out,
+        })
+    }
+
+    /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`.
+    fn backward(&self, c: GptConfig, dout: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = dout.dims3()?;
+        let hd = d / c.H;
+        let dheads = dout
+            .reshape((b, t, c.H, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let dprobs = dheads.matmul(&self.v.t()?)?;
+        let dv = self.probs.t()?.matmul(&dheads)?;
+        let dscores = causal_softmax_backward(&self.probs, &dprobs, scale(hd))?;
+        let dq = dscores.matmul(&self.k)?;
+        let dk = dscores.t()?.matmul(&self.q)?;
+        // [3, b, H, t, hd] back to [b, t, 3, H, hd]
+        Tensor::stack(&[dq, dk, dv], 0)?
+            .permute((1, 3, 0, 2, 4))?
+            .contiguous()?
+            .reshape((b, t, 3 * d))
+    }
+}
+
+/// The scores' scale, 1/sqrt(head size).
+fn scale(hd: usize) -> f64 {
+    1.0 / (hd as f64).sqrt()
 }
 
 /// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V].
 struct Head(GptConfig);
+
+struct HeadTape {
+    x: Tensor,
+    h: Tensor,
+    ln_f: (Tensor, Tensor),
+    lm_head: Tensor,
+}
+
+impl Head {
+    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+        let c = self.0;
+        let ln_f = (vb.get(c.d, "ln_f.weight")?, vb.get(c.d, "ln_f.bias")?);
+        let lm_head = vb.get((c.V, c.d), "lm_head.weight")?;
+        let x = x.contiguous()?;
+        let h = layer_norm(&x, &ln_f.0, &ln_f.1, LN_EPS)?;
+        let output = linear(&h, &lm_head, None)?;
+        let tape = HeadTape {
+            x,
+            h,
+            ln_f,
+            lm_head,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
 
 impl Layer for Head {
     fn params(&self) -> Vec<ParamSpec> {
@@ -224,13 +463,28 @@ impl Layer for Head {
     }
 
     fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        let c = self.0;
-        let ln_f = LayerNorm::new(c.d, LN_EPS, vb.pp("ln_f"))?;
-        Linear::no_bias(c.d, c.V, vb.pp("lm_head"))?.forward(&ln_f.forward(x)?)
+        Ok(self.taped(vb, x)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x).map(Some)
     }
 
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         Some(2 * (rows(shape) * self.0.d * self.0.V) as u64)
+    }
+}
+
+impl Tape for HeadTape {
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+        let dy = dy.to_dtype(self.h.dtype())?;
+        let head = linear_backward(&self.h, &self.lm_head, None, &dy)?;
+        let (dx, dw, db) =
+            layer_norm_backward(&self.x, &self.ln_f.0, &self.ln_f.1, &head.dx, LN_EPS)?;
+        Ok(Grads {
+            input: Some(dx),
+            params: vec![dw, db, head.dw],
+        })
     }
 }
 
@@ -250,6 +504,53 @@ impl Layer for CrossEntropyLoss {
     fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
         let v = logits.dim(D::Minus1)?;
         cross_entropy(&logits.reshape(((), v))?, &cx.targets.flatten_all()?)
+    }
+
+    /// Keeps the softmax, so backward is one pass and computes no exponential.
+    fn forward_taped(
+        &self,
+        _: &VarBuilder,
+        logits: &Tensor,
+        cx: &Context,
+    ) -> Result<Option<Taped>> {
+        let v = logits.dim(D::Minus1)?;
+        let rows = logits.reshape(((), v))?.to_dtype(DType::F32)?;
+        let targets = cx.targets.flatten_all()?;
+        let (loss, probs) = cross_entropy_with_probs(&rows, &targets)?;
+        let tape = LossTape {
+            probs,
+            targets,
+            shape: logits.dims().to_vec(),
+            dtype: logits.dtype(),
+        };
+        Ok(Some(Taped {
+            output: loss,
+            tape: Box::new(tape),
+        }))
+    }
+}
+
+struct LossTape {
+    /// The softmax of each row of logits [B*T, V], in f32.
+    probs: Tensor,
+    targets: Tensor,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl Tape for LossTape {
+    /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
+    /// the rows.
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let rows = self.targets.elem_count().max(1) as f64;
+        let dlogits = cross_entropy_backward(&self.probs, &self.targets, seed / rows)?
+            .reshape(self.shape)?
+            .to_dtype(self.dtype)?;
+        Ok(Grads {
+            input: Some(dlogits),
+            params: Vec::new(),
+        })
     }
 }
 
@@ -282,5 +583,122 @@ mod tests {
         assert!(names.contains(&"h.3.mlp.c_proj.bias".to_string()));
         assert_eq!(names.last().unwrap(), "lm_head.weight");
         assert_eq!(names.len(), 2 + 4 * 12 + 3);
+    }
+
+    /// Values in [-1, 1) from a fixed linear congruential sequence.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Each layer's hand-written backward against candle's autograd of its `forward`: the
+    /// output, the input gradient and every parameter gradient.
+    #[test]
+    fn taped_backward_matches_autograd() {
+        use candle_core::{Device, Var};
+        use std::collections::HashMap;
+        let dev = Device::Cpu;
+        let c = GptConfig {
+            V: 24,
+            T: 8,
+            d: 16,
+            H: 2,
+            L: 1,
+        };
+        let (b, t) = (3, 7); // t < T exercises the unused positions of wpe
+        let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % c.V) as u32).collect();
+        let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
+        let targets: Vec<u32> = (0..b * t).map(|i| (i * 5 % c.V) as u32).collect();
+        let targets = Tensor::from_vec(targets, (b, t), &dev).unwrap();
+        let cx = Context { targets: &targets };
+        for (li, layer) in c.build().layers().iter().enumerate() {
+            let specs = layer.layer.params();
+            let vars: Vec<Var> = specs
+                .iter()
+                .enumerate()
+                .map(|(k, p)| {
+                    // LayerNorm weights near 1, like trained ones
+                    let offset = if p.shape.len() == 1 && p.name.ends_with("weight") {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    let v: Vec<f32> = values(p.numel(), (li * 100 + k) as u64)
+                        .into_iter()
+                        .map(|x| x * 0.5 + offset)
+                        .collect();
+                    Var::from_vec(v, p.shape.as_slice(), &dev).unwrap()
+                })
+                .collect();
+            let vb = |tracked: bool| {
+                let map: HashMap<String, Tensor> = specs
+                    .iter()
+                    .zip(&vars)
+                    .map(|(p, v)| {
+                        let t = v.as_tensor();
+                        (p.name.clone(), if tracked { t.clone() } else { t.detach() })
+                    })
+                    .collect();
+                VarBuilder::from_tensors(map, DType::F32, &dev)
+            };
+            let input = match li {
+                0 => Var::from_tensor(&ids).unwrap(),
+                1 => Var::from_vec(values(b * t * c.d, 7), (b, t, c.d), &dev).unwrap(),
+                2 => Var::from_vec(values(b * t * c.d, 8), (b, t, c.d), &dev).unwrap(),
+                _ => Var::from_vec(values(b * t * c.V, 9), (b, t, c.V), &dev).unwrap(),
+            };
+            // the upstream gradient: random for activations, a loss seed for the loss
+            let y = layer
+                .layer
+                .forward(&vb(true), input.as_tensor(), &cx)
+                .unwrap();
+            let dy = match y.rank() {
+                0 => Tensor::new(3.0f32, &dev).unwrap(),
+                _ => Tensor::from_vec(values(y.elem_count(), 11), y.shape(), &dev).unwrap(),
+            };
+            let reference = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+            let taped = layer
+                .layer
+                .forward_taped(&vb(false), &input.as_tensor().detach(), &cx)
+                .unwrap()
+                .expect("the GPT's layers are taped");
+            let grads = taped.tape.backward(&dy).unwrap();
+            let mut pairs = vec![("output".to_string(), flat(&taped.output), flat(&y))];
+            if li > 0 {
+                let dx = grads.input.as_ref().expect("an input gradient");
+                pairs.push((
+                    "input".into(),
+                    flat(dx),
+                    flat(reference.get(&input).unwrap()),
+                ));
+            }
+            for ((p, v), g) in specs.iter().zip(&vars).zip(&grads.params) {
+                pairs.push((p.name.clone(), flat(g), flat(reference.get(v).unwrap())));
+            }
+            for (name, got, want) in pairs {
+                assert_eq!(got.len(), want.len(), "layer {li} {name}");
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (g, w) in got.iter().zip(&want) {
+                    // two f32 evaluations of the same derivative in different orders
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (1.0 + scale),
+                        "layer {li} {name}: {g} vs {w}"
+                    );
+                }
+            }
+        }
     }
 }

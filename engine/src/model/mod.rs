@@ -7,6 +7,7 @@
 
 mod fused_norm_loss;
 pub mod gpt;
+mod grad;
 mod init;
 pub mod nn;
 pub mod ops;
@@ -68,12 +69,47 @@ pub trait Layer: Send + Sync {
     /// The layer's output. The first layer gets the input token ids [batch, seq] (u32); the
     /// last returns the scalar loss.
     fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> candle_core::Result<Tensor>;
+    /// A forward that keeps what the layer's own backward needs (Note [taped layers]). The
+    /// engine calls it first, with plain (untracked) tensors; `None` means the layer has no
+    /// backward of its own and candle's autograd differentiates `forward`.
+    fn forward_taped(
+        &self,
+        vb: &VarBuilder,
+        x: &Tensor,
+        cx: &Context,
+    ) -> candle_core::Result<Option<Taped>> {
+        let _ = (vb, x, cx);
+        Ok(None)
+    }
     /// Floating-point operations (2 per multiply-add) of one forward over an input of `shape`,
     /// for the flops profiler; None when the layer does not say.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         let _ = shape;
         None
     }
+}
+
+/// Note [taped layers]: candle's autograd allocates a zero-filled gradient for every tensor a
+/// gradient reaches and adds each contribution into it, and it keeps every intermediate of the
+/// graph. A layer that knows its own derivative (the built-in GPT's) returns a `Tape` instead:
+/// only what its backward reads, and a backward that writes each gradient once.
+pub trait Tape: Send {
+    /// The gradients, given `dy`, the gradient of the layer's output (for the loss layer, a
+    /// scalar: the loss seed).
+    fn backward(self: Box<Self>, dy: &Tensor) -> candle_core::Result<Grads>;
+}
+
+/// A taped forward's output and what its backward needs.
+pub struct Taped {
+    pub output: Tensor,
+    pub tape: Box<dyn Tape>,
+}
+
+/// A layer's gradients: of its input (`None` for token ids) and of each parameter, in the
+/// order of `Layer::params`.
+pub struct Grads {
+    pub input: Option<Tensor>,
+    pub params: Vec<Tensor>,
 }
 
 /// A layer placed in the model under a name prefix ("" for top-level names).

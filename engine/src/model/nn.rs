@@ -2,7 +2,7 @@
 //! last-dim softmax have no backward, so training through them fails. These are written
 //! with candle's primitive ops, which all have one.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// LayerNorm over the last dimension with weight and bias (computed in f32).
@@ -22,20 +22,35 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.device().is_cpu() {
-            return super::fused_norm_loss::layer_norm(x, &self.weight, &self.bias, self.eps);
-        }
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed
-            .to_dtype(dtype)?
-            .broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)
+        layer_norm(x, &self.weight, &self.bias, self.eps)
     }
+}
+
+/// LayerNorm over the last dimension: the fused kernel on CPU, primitives elsewhere.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    match x.device().is_cpu() {
+        true => super::fused_norm_loss::layer_norm(x, weight, bias, eps),
+        false => layer_norm_primitive(x, weight, bias, eps),
+    }
+}
+
+/// LayerNorm from candle's primitive ops (normalised in f32), for devices without the kernel.
+pub(crate) fn layer_norm_primitive(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed
+        .to_dtype(dtype)?
+        .broadcast_mul(weight)?
+        .broadcast_add(bias)
 }
 
 /// `x W^T + b` with candle-nn's Linear layout ([out, in] weight), the bias added by the fused
@@ -61,11 +76,7 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = candle_nn::Linear::new(self.weight.clone(), None).forward(x)?;
-        match &self.bias {
-            Some(b) => super::ops::add_bias(&y, b),
-            None => Ok(y),
-        }
+        super::grad::linear(&x.contiguous()?, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -48,6 +48,37 @@ pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The sum of the rows of `dy` [n, k], shaped and typed like `like` (k elements): a bias
+/// gradient.
+pub fn column_sum(dy: &Tensor, like: &Tensor) -> Result<Tensor> {
+    match dy.device().is_cpu() {
+        true => dy.contiguous()?.apply_op2_no_bwd(like, &ColumnSum),
+        false => dy.sum(0)?.reshape(like.shape())?.to_dtype(like.dtype()),
+    }
+}
+
+/// GELU's backward: `dy * gelu'(x)`.
+pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    match x.device().is_cpu() {
+        true => x
+            .contiguous()?
+            .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad),
+        false => super::grad::by_autograd(&[x], dy, |t| t[0].gelu()).map(|mut g| g.remove(0)),
+    }
+}
+
+/// The causal softmax's backward from its output `y`: `scale * y * (dy - sum(dy * y))` per row.
+pub fn causal_softmax_backward(y: &Tensor, dy: &Tensor, scale: f64) -> Result<Tensor> {
+    if y.device().is_cpu() {
+        let grad = CausalSoftmaxGrad {
+            scale: scale as f32,
+        };
+        return y.contiguous()?.apply_op2_no_bwd(&dy.contiguous()?, &grad);
+    }
+    let dot = (dy * y)?.sum_keepdim(D::Minus1)?;
+    (dy.broadcast_sub(&dot)? * y)? * scale
+}
+
 struct AddBias;
 struct ColumnSum;
 
@@ -82,8 +113,7 @@ impl CustomOp2 for AddBias {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = dy.contiguous()?.apply_op2_no_bwd(bias, &ColumnSum)?;
-        Ok((Some(dy.clone()), Some(db)))
+        Ok((Some(dy.clone()), Some(column_sum(dy, bias)?)))
     }
 }
 
@@ -141,7 +171,7 @@ impl CustomOp1 for Gelu {
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad)?))
+        Ok(Some(gelu_backward(x, dy)?))
     }
 }
 
@@ -188,8 +218,7 @@ impl CustomOp1 for CausalSoftmax {
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let grad = CausalSoftmaxGrad { scale: self.scale };
-        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &grad)?))
+        Ok(Some(causal_softmax_backward(y, dy, self.scale as f64)?))
     }
 }
 
@@ -234,6 +263,14 @@ fn square_last_dims(l: &Layout) -> Result<usize> {
     match l.dims() {
         [.., a, b] if a == b => Ok(*b),
         d => candle_core::bail!("causal softmax needs square [.., T, T] scores, got {d:?}"),
+    }
+}
+
+/// The contiguous elements of `s` as f32, borrowed when they are f32 already.
+pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<std::borrow::Cow<'a, [f32]>> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(std::borrow::Cow::Borrowed(&v[a..b])),
+        _ => Ok(std::borrow::Cow::Owned(to_f32(s, l)?)),
     }
 }
 
