@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 
 use super::grad::by_autograd;
 use super::nn::{layer_norm_primitive, softmax_last_dim};
-use super::ops::{exp_shifted, f32_slice, from_f32, to_f32};
+use super::ops::{exp_shifted, f32_slice, from_f32, map_rows, to_f32};
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -117,14 +117,14 @@ impl CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut x, w, b) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
-        for row in x.chunks_exact_mut(w.len()) {
+        let (x, w, b) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?, f32_slice(s3, l3)?);
+        let y = map_rows(&x, w.len(), |row| {
             let (mean, rstd) = moments(row, self.eps);
-            for ((v, w), b) in row.iter_mut().zip(&w).zip(&b) {
+            for ((v, w), b) in row.iter_mut().zip(w.iter()).zip(b.iter()) {
                 *v = (*v - mean) * rstd * w + b;
             }
-        }
-        Ok((from_f32(s1.dtype(), x), l1.shape().clone()))
+        });
+        Ok((from_f32(s1.dtype(), y), l1.shape().clone()))
     }
     fn bwd(
         &self,
@@ -154,7 +154,7 @@ impl CustomOp3 for LayerNormGrad {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?, to_f32(s3, l3)?);
+        let (x, w, dy) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?, f32_slice(s3, l3)?);
         let d = w.len();
         let mut out = vec![0f32; x.len() + 2 * d];
         let (dx, dwb) = out.split_at_mut(x.len());

@@ -93,7 +93,7 @@ impl CustomOp2 for AddBias {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut x, b) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
+        let (x, b) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?);
         if b.is_empty() || x.len() % b.len() != 0 {
             candle_core::bail!(
                 "add_bias: bias of {} does not divide {:?}",
@@ -101,10 +101,10 @@ impl CustomOp2 for AddBias {
                 l1.dims()
             );
         }
-        for row in x.chunks_exact_mut(b.len()) {
-            row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
-        }
-        Ok((from_f32(s1.dtype(), x), l1.shape().clone()))
+        let y = map_rows(&x, b.len(), |row| {
+            row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b)
+        });
+        Ok((from_f32(s1.dtype(), y), l1.shape().clone()))
     }
     fn bwd(
         &self,
@@ -129,7 +129,7 @@ impl CustomOp2 for ColumnSum {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dy = to_f32(s1, l1)?;
+        let dy = f32_slice(s1, l1)?;
         let mut sum = vec![0f32; l2.shape().elem_count()];
         for row in dy.chunks_exact(sum.len().max(1)) {
             sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
@@ -163,7 +163,7 @@ impl CustomOp1 for Gelu {
         "ds-gelu"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = to_f32(s, l)?;
+        let x = f32_slice(s, l)?;
         let y = x
             .iter()
             .map(|&v| 0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v))))
@@ -186,10 +186,10 @@ impl CustomOp2 for GeluGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, dy) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
+        let (x, dy) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?);
         let dx = x
             .iter()
-            .zip(&dy)
+            .zip(dy.iter())
             .map(|(&v, &g)| {
                 let u = SQRT_2_OVER_PI * (v + GELU_C * v * v * v);
                 let t = tanh(u);
@@ -207,14 +207,15 @@ impl CustomOp1 for CausalSoftmax {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let t = square_last_dims(l)?;
-        let mut y = to_f32(s, l)?;
-        for (r, row) in y.chunks_exact_mut(t).enumerate() {
+        let mut r = 0;
+        let y = map_rows(&f32_slice(s, l)?, t, |row| {
             let (seen, masked) = row.split_at_mut(r % t + 1);
             let (_, sum) = exp_shifted(seen, self.scale);
             let inv = 1.0 / sum;
             seen.iter_mut().for_each(|v| *v *= inv);
             masked.fill(0.0);
-        }
+            r += 1;
+        });
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -235,14 +236,16 @@ impl CustomOp2 for CausalSoftmaxGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let t = square_last_dims(l1)?;
-        let (y, mut dx) = (to_f32(s1, l1)?, to_f32(s2, l2)?);
-        for (yr, gr) in y.chunks_exact(t).zip(dx.chunks_exact_mut(t)) {
+        let (y, dy) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?);
+        let mut rows = y.chunks_exact(t);
+        let dx = map_rows(&dy, t, |gr| {
+            let yr = rows.next().expect("y and dy have the same shape");
             let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
             let k = self.scale;
             gr.iter_mut()
                 .zip(yr)
                 .for_each(|(g, y)| *g = k * y * (*g - dot));
-        }
+        });
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
 }
@@ -264,6 +267,18 @@ fn square_last_dims(l: &Layout) -> Result<usize> {
         [.., a, b] if a == b => Ok(*b),
         d => candle_core::bail!("causal softmax needs square [.., T, T] scores, got {d:?}"),
     }
+}
+
+/// A copy of `src` made row by row, each row of `width` handed to `f` as soon as it is copied
+/// (while it is in cache) to be transformed in place.
+pub(crate) fn map_rows(src: &[f32], width: usize, mut f: impl FnMut(&mut [f32])) -> Vec<f32> {
+    let mut out = Vec::with_capacity(src.len());
+    for row in src.chunks(width.max(1)) {
+        let at = out.len();
+        out.extend_from_slice(row);
+        f(&mut out[at..]);
+    }
+    out
 }
 
 /// The contiguous elements of `s` as f32, borrowed when they are f32 already.
