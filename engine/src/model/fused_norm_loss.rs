@@ -7,7 +7,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 
 use super::grad::by_autograd;
 use super::nn::{layer_norm_primitive, softmax_last_dim};
-use super::ops::{exp_shifted, f32_slice, from_f32, map_rows, to_f32};
+use super::ops::{f32_slice, from_f32, map_rows, to_f32};
+use super::vmath::exp_shifted;
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {

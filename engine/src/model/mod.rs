@@ -11,6 +11,7 @@ mod grad;
 mod init;
 pub mod nn;
 pub mod ops;
+mod vmath;
 pub mod weights;
 
 use candle_core::Tensor;

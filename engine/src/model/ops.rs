@@ -7,6 +7,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
 
+use super::vmath::{self, exp_shifted, tanh};
+
 /// tanh-approximated GELU, as torch's `gelu(approximate="tanh")`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     match x.device().is_cpu() {
@@ -141,12 +143,17 @@ impl CustomOp2 for ColumnSum {
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
 
-/// tanh through one `exp` (libm's tanhf goes through expm1f, which cost more than the rest of
-/// GELU together); |u| > 9 is +-1 in f32 anyway and keeps exp from overflowing.
-fn tanh(u: f32) -> f32 {
-    let u = u.clamp(-9.0, 9.0);
-    let e = (2.0 * u).exp();
-    (e - 1.0) / (e + 1.0)
+#[inline(always)]
+fn gelu_at(v: f32) -> f32 {
+    0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v)))
+}
+
+/// `g * gelu'(v)`.
+#[inline(always)]
+fn gelu_grad_at(v: f32, g: f32) -> f32 {
+    let t = tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v));
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+    g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du)
 }
 
 struct Gelu;
@@ -164,10 +171,7 @@ impl CustomOp1 for Gelu {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s, l)?;
-        let y = x
-            .iter()
-            .map(|&v| 0.5 * v * (1.0 + tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v))))
-            .collect();
+        let y = vmath::map1(&x, gelu_at);
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -187,16 +191,7 @@ impl CustomOp2 for GeluGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, dy) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?);
-        let dx = x
-            .iter()
-            .zip(dy.iter())
-            .map(|(&v, &g)| {
-                let u = SQRT_2_OVER_PI * (v + GELU_C * v * v * v);
-                let t = tanh(u);
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
-                g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du)
-            })
-            .collect();
+        let dx = vmath::map2(&x, &dy, gelu_grad_at);
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
 }
@@ -248,18 +243,6 @@ impl CustomOp2 for CausalSoftmaxGrad {
         });
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
-}
-
-/// `row[i] = exp(scale * row[i] - max)` with `max` the row's largest `scale * row[i]` (so
-/// nothing overflows); returns `(max, sum of the new row)`.
-pub(crate) fn exp_shifted(row: &mut [f32], scale: f32) -> (f32, f32) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v * scale));
-    let mut sum = 0.0;
-    for v in row.iter_mut() {
-        *v = (*v * scale - max).exp();
-        sum += *v;
-    }
-    (max, sum)
 }
 
 fn square_last_dims(l: &Layout) -> Result<usize> {
