@@ -3,15 +3,22 @@
 
 use candle_core::{Result, Tensor, Var};
 
+use super::cpu_matmul;
 use super::ops::{add_bias, column_sum};
 
 /// `x W^T (+ b)` over the last dimension: x [.., in], W [out, in] (candle-nn's layout).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut shape = x.dims().to_vec();
-    let y = rows(x)?.matmul(&w.t()?)?;
-    let y = match b {
-        Some(b) => add_bias(&y, b)?,
-        None => y,
+    let (x2, wt) = (rows(x)?, w.t()?);
+    let y = match cpu_matmul::matmul(&x2, &wt, b)? {
+        Some(y) => y,
+        None => {
+            let y = x2.matmul(&wt)?;
+            match b {
+                Some(b) => add_bias(&y, b)?,
+                None => y,
+            }
+        }
     };
     *shape.last_mut().expect("a linear input has dimensions") = w.dim(0)?;
     y.reshape(shape)
@@ -33,10 +40,18 @@ pub fn linear_backward(
 ) -> Result<LinearGrads> {
     let (x2, dy2) = (rows(x)?, rows(dy)?);
     Ok(LinearGrads {
-        dx: dy2.matmul(w)?.reshape(x.shape())?,
-        dw: dy2.t()?.matmul(&x2)?,
+        dx: product(&dy2, w)?.reshape(x.shape())?,
+        dw: product(&dy2.t()?, &x2)?,
         db: b.map(|b| column_sum(&dy2, b)).transpose()?,
     })
+}
+
+/// `a b` through the CPU fast path where it applies, else candle's matmul.
+fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match cpu_matmul::matmul(a, b, None)? {
+        Some(y) => Ok(y),
+        None => a.matmul(b),
+    }
 }
 
 /// `x` as a matrix of rows over its last dimension.
