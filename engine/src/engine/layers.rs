@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use candle_core::{backprop::GradStore, DType, Device, Tensor, Var, WithDType};
+use candle_core::{backprop::GradStore, DType, Device, Storage, Tensor, Var, WithDType};
 use candle_nn::VarBuilder;
 use ds_comm::Element;
 use ds_partition::FlatIndex;
@@ -103,16 +103,26 @@ impl LayerParams {
         let mut out = Vec::with_capacity(self.vars.iter().map(|v| v.elem_count()).sum());
         for (g, v) in grads.iter().zip(&self.vars) {
             match g {
-                Some(g) => out.extend(
-                    g.flatten_all()?
-                        .to_dtype(<T as WithDType>::DTYPE)?
-                        .to_vec1::<T>()?,
-                ),
+                Some(g) => extend_with(&mut out, g)?,
                 None => out.resize(out.len() + v.elem_count(), T::default()),
             }
         }
         Ok(out)
     }
+}
+
+/// Appends `g`'s elements as `T`: copied once, straight from a CPU tensor's storage.
+fn extend_with<T: Dtype>(out: &mut Vec<T>, g: &Tensor) -> Result<()> {
+    let g = g.to_dtype(<T as WithDType>::DTYPE)?;
+    {
+        let (storage, layout) = g.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            out.extend_from_slice(&cpu.as_slice::<T>()?[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(g.flatten_all()?.to_vec1::<T>()?);
+    Ok(())
 }
 
 /// Runs a layer forward. `input` is a `Var` for every layer but the first.
