@@ -24,78 +24,120 @@ pub fn matmul(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Result<Option<Te
     let (Some(pa), Some(pb)) = (f32_ptr(&sa, la), f32_ptr(&sb, lb)) else {
         return Ok(None);
     };
-    let mut dst: Vec<MaybeUninit<f32>> = Vec::with_capacity(m * n);
-    let fused_bias = match bias {
-        Some(bias) => {
-            let bias = bias.contiguous()?;
-            let Ok(row) = bias.to_vec1::<f32>() else {
-                return Ok(None);
-            };
-            if row.len() != n {
-                return Ok(None);
-            }
-            for _ in 0..m {
-                dst.extend(row.iter().map(|v| MaybeUninit::new(*v)));
-            }
-            true
-        }
-        None => false,
+    let row = match bias {
+        Some(bias) => match bias.contiguous()?.to_vec1::<f32>() {
+            Ok(row) if row.len() == n => Some(row),
+            _ => return Ok(None),
+        },
+        None => None,
     };
-    let parallelism = match candle_core::utils::get_num_threads() {
-        t if t > 1 => Parallelism::Rayon(t),
-        _ => Parallelism::None,
-    };
-    // SAFETY: the pointers address a's and b's elements under their layouts (the storage
-    // guards are held until the end of this function); dst has room for m*n elements, every
-    // one of which gemm writes (it reads them first only when they hold the bias); k = 0 is
-    // excluded since gemm then writes nothing.
-    unsafe {
-        if k == 0 && !fused_bias {
-            return Ok(Some(Tensor::zeros(
-                (m, n),
-                candle_core::DType::F32,
-                &Device::Cpu,
-            )?));
-        }
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr().cast::<f32>(),
-            1,
-            n as isize,
-            fused_bias,
-            pa.ptr,
-            pa.cs,
-            pa.rs,
-            pb.ptr,
-            pb.cs,
-            pb.rs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-        dst.set_len(m * n);
-    }
-    // SAFETY: every element was written above; MaybeUninit<f32> has f32's layout.
-    let dst: Vec<f32> = unsafe {
-        let mut dst = std::mem::ManuallyDrop::new(dst);
-        Vec::from_raw_parts(dst.as_mut_ptr().cast::<f32>(), dst.len(), dst.capacity())
+    // SAFETY: the operands address a's and b's elements under their layouts (the storage
+    // guards are held); dst has m*n elements: with a bias, all written with the bias rows
+    // first; without, gemm writes every one.
+    let dst = unsafe {
+        filled(m * n, |dst| match &row {
+            Some(row) => {
+                for i in 0..m {
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), dst.add(i * n), n);
+                }
+                gemm_into(m, n, k, dst, n as isize, 1, true, pa, pb);
+            }
+            None => gemm_into(m, n, k, dst, n as isize, 1, false, pa, pb),
+        })
     };
     Ok(Some(Tensor::from_vec(dst, (m, n), &Device::Cpu)?))
 }
 
-/// Where a matrix's elements start, and its row and column strides.
-struct Strided {
-    ptr: *const f32,
-    rs: isize,
-    cs: isize,
+/// A vector of `n` elements written by `fill` through the pointer it gets, without zeroing
+/// them first.
+///
+/// # Safety
+/// `fill` writes all n elements.
+pub(crate) unsafe fn filled(n: usize, fill: impl FnOnce(*mut f32)) -> Vec<f32> {
+    let mut v: Vec<MaybeUninit<f32>> = Vec::with_capacity(n);
+    fill(v.as_mut_ptr().cast::<f32>());
+    v.set_len(n);
+    // MaybeUninit<f32> has f32's layout, and every element is initialised now.
+    let mut v = std::mem::ManuallyDrop::new(v);
+    Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity())
 }
 
-fn f32_ptr(s: &Storage, l: &Layout) -> Option<Strided> {
+/// dst (m x n, strides dst_rs and dst_cs) = [dst +] a (m x k) b (k x n), on candle's thread
+/// count.
+///
+/// # Safety
+/// Every element of a, b and dst lies inside its allocation; dst overlaps neither operand;
+/// with `add` false every element of dst is written whatever it held.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    add: bool,
+    a: Mat,
+    b: Mat,
+) {
+    if k == 0 {
+        // gemm writes nothing then; the product is zero
+        if !add {
+            for i in 0..m {
+                for j in 0..n {
+                    *dst.offset(i as isize * dst_rs + j as isize * dst_cs) = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let parallelism = match candle_core::utils::get_num_threads() {
+        t if t > 1 => Parallelism::Rayon(t),
+        _ => Parallelism::None,
+    };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dst_cs,
+        dst_rs,
+        add,
+        a.ptr,
+        a.cs,
+        a.rs,
+        b.ptr,
+        b.cs,
+        b.rs,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        parallelism,
+    );
+}
+
+/// A matrix operand: where its elements start, and its row and column strides.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl Mat {
+    /// The transposed view of the same elements.
+    pub fn t(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
+fn f32_ptr(s: &Storage, l: &Layout) -> Option<Mat> {
     let Storage::Cpu(CpuStorage::F32(v)) = s else {
         return None;
     };
@@ -103,7 +145,7 @@ fn f32_ptr(s: &Storage, l: &Layout) -> Option<Strided> {
     // the last element read must lie inside the storage
     let dims = l.dims();
     let last = offset + (dims[0].max(1) - 1) * stride[0] + (dims[1].max(1) - 1) * stride[1];
-    (last < v.len() || dims.contains(&0)).then(|| Strided {
+    (last < v.len() || dims.contains(&0)).then(|| Mat {
         ptr: v[offset..].as_ptr(),
         rs: stride[0] as isize,
         cs: stride[1] as isize,

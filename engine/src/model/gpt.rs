@@ -9,6 +9,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
+use super::cpu_attention;
 use super::fused_norm_loss::{
     cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
 };
@@ -363,10 +364,8 @@ impl Tape for BlockTape {
 
 /// Causal self-attention with the fused q|k|v projection, and what its backward reads.
 struct Attention {
-    /// Each [B, H, T, hd].
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    /// The fused projection's output [B, T, 3d]: q, k and v side by side.
+    qkv: Tensor,
     /// The attention probabilities [B, H, T, T].
     probs: Tensor,
     /// The heads' outputs side by side [B, T, d], before the output projection.
@@ -378,42 +377,51 @@ impl Attention {
         let (b, t, d) = x.dims3()?;
         let hd = d / c.H;
         let qkv = linear(x, &c_attn.0, Some(&c_attn.1))?;
-        // [b, t, 3, H, hd] -> [3, b, H, t, hd] in one copy; q, k, v are views of it.
-        let heads = qkv
-            .reshape((b, t, 3, c.H, hd))?
-            .permute((2, 0, 3, 1, 4))?
-            .contiguous()?;
-        let (q, k, v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
+        if let Some((probs, out)) = cpu_attention::forward(&qkv, c.H, scale(hd) as f32)? {
+            return Ok(Attention { qkv, probs, out });
+        }
+        let (q, k, v) = heads(c, &qkv)?;
         let probs = causal_softmax(&q.matmul(&k.t()?)?, scale(hd))?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
-        Ok(Attention {
-            q,
-            k,
-            v,
-            probs,
-            out,
-        })
+        Ok(Attention { qkv, probs, out })
     }
 
     /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`.
     fn backward(&self, c: GptConfig, dout: &Tensor) -> Result<Tensor> {
         let (b, t, d) = dout.dims3()?;
         let hd = d / c.H;
+        let fast = cpu_attention::backward(&self.qkv, &self.probs, dout, c.H, scale(hd) as f32)?;
+        if let Some(dqkv) = fast {
+            return Ok(dqkv);
+        }
+        let (q, k, v) = heads(c, &self.qkv)?;
         let dheads = dout
             .reshape((b, t, c.H, hd))?
             .transpose(1, 2)?
             .contiguous()?;
-        let dprobs = dheads.matmul(&self.v.t()?)?;
+        let dprobs = dheads.matmul(&v.t()?)?;
         let dv = self.probs.t()?.matmul(&dheads)?;
         let dscores = causal_softmax_backward(&self.probs, &dprobs, scale(hd))?;
-        let dq = dscores.matmul(&self.k)?;
-        let dk = dscores.t()?.matmul(&self.q)?;
+        let dq = dscores.matmul(&k)?;
+        let dk = dscores.t()?.matmul(&q)?;
         // [3, b, H, t, hd] back to [b, t, 3, H, hd]
         Tensor::stack(&[dq, dk, dv], 0)?
             .permute((1, 3, 0, 2, 4))?
             .contiguous()?
             .reshape((b, t, 3 * d))
     }
+}
+
+/// q, k and v [B, H, T, hd] of the fused projection's output [B, T, 3d]: one copy into
+/// [3, B, H, T, hd], of which they are views.
+fn heads(c: GptConfig, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, d3) = qkv.dims3()?;
+    let hd = d3 / 3 / c.H;
+    let heads = qkv
+        .reshape((b, t, 3, c.H, hd))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    Ok((heads.get(0)?, heads.get(1)?, heads.get(2)?))
 }
 
 /// The scores' scale, 1/sqrt(head size).

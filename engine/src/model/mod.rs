@@ -5,6 +5,7 @@
 //! recompute (activation checkpointing) and, later, slice (TP) or place (PP) each layer
 //! without hooks into the layer's code.
 
+mod cpu_attention;
 mod cpu_matmul;
 mod fused_norm_loss;
 pub mod gpt;

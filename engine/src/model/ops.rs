@@ -204,11 +204,7 @@ impl CustomOp1 for CausalSoftmax {
         let t = square_last_dims(l)?;
         let mut r = 0;
         let y = map_rows(&f32_slice(s, l)?, t, |row| {
-            let (seen, masked) = row.split_at_mut(r % t + 1);
-            let (_, sum) = exp_shifted(seen, self.scale);
-            let inv = 1.0 / sum;
-            seen.iter_mut().for_each(|v| *v *= inv);
-            masked.fill(0.0);
+            causal_softmax_row(row, r % t, self.scale);
             r += 1;
         });
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
@@ -235,14 +231,28 @@ impl CustomOp2 for CausalSoftmaxGrad {
         let mut rows = y.chunks_exact(t);
         let dx = map_rows(&dy, t, |gr| {
             let yr = rows.next().expect("y and dy have the same shape");
-            let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
-            let k = self.scale;
-            gr.iter_mut()
-                .zip(yr)
-                .for_each(|(g, y)| *g = k * y * (*g - dot));
+            softmax_grad_row(yr, gr, self.scale);
         });
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
+}
+
+/// Row `r` of causal scores in place: the softmax of its first r+1 entries times `scale`,
+/// zeros after them (as a -inf mask gives).
+pub(crate) fn causal_softmax_row(row: &mut [f32], r: usize, scale: f32) {
+    let (seen, masked) = row.split_at_mut(r + 1);
+    let (_, sum) = exp_shifted(seen, scale);
+    let inv = 1.0 / sum;
+    seen.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
+}
+
+/// One row of the softmax's backward in place: `g = scale * y * (g - sum(g * y))`.
+pub(crate) fn softmax_grad_row(y: &[f32], g: &mut [f32], scale: f32) {
+    let dot: f32 = y.iter().zip(g.iter()).map(|(a, b)| a * b).sum();
+    g.iter_mut()
+        .zip(y)
+        .for_each(|(g, y)| *g = scale * y * (*g - dot));
 }
 
 fn square_last_dims(l: &Layout) -> Result<usize> {
