@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use super::grad::by_autograd;
 use super::nn::{layer_norm_primitive, softmax_last_dim};
 use super::ops::{f32_slice, from_f32, map_rows, to_f32};
-use super::vmath::exp_shifted;
+use super::vmath::{self, exp_shifted};
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -100,8 +100,8 @@ struct CrossEntropyGrad {
 /// Mean and 1/std of one row.
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let mean = vmath::sum(row) / n;
+    let var = vmath::sum_sq_dev(row, mean) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -160,25 +160,24 @@ impl CustomOp3 for LayerNormGrad {
         let mut out = vec![0f32; x.len() + 2 * d];
         let (dx, dwb) = out.split_at_mut(x.len());
         let (dw, db) = dwb.split_at_mut(d);
-        let mut xhat = vec![0f32; d];
+        let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
         for ((xr, gr), dxr) in x
             .chunks_exact(d)
             .zip(dy.chunks_exact(d))
             .zip(dx.chunks_exact_mut(d))
         {
             let (mean, rstd) = moments(xr, self.eps);
-            let (mut g_mean, mut gx_mean) = (0f32, 0f32);
+            // elementwise loops and lane-wise sums (vmath), so all of it vectorises
             for i in 0..d {
                 xhat[i] = (xr[i] - mean) * rstd;
-                let g = gr[i] * w[i];
-                g_mean += g;
-                gx_mean += g * xhat[i];
+                g[i] = gr[i] * w[i];
                 dw[i] += gr[i] * xhat[i];
                 db[i] += gr[i];
             }
-            let (g_mean, gx_mean) = (g_mean / d as f32, gx_mean / d as f32);
+            let g_mean = vmath::sum(&g) / d as f32;
+            let gx_mean = vmath::dot(&g, &xhat) / d as f32;
             for i in 0..d {
-                dxr[i] = rstd * (gr[i] * w[i] - g_mean - xhat[i] * gx_mean);
+                dxr[i] = rstd * (g[i] - g_mean - xhat[i] * gx_mean);
             }
         }
         let dtype = s1.dtype();

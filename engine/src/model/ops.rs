@@ -249,7 +249,7 @@ pub(crate) fn causal_softmax_row(row: &mut [f32], r: usize, scale: f32) {
 
 /// One row of the softmax's backward in place: `g = scale * y * (g - sum(g * y))`.
 pub(crate) fn softmax_grad_row(y: &[f32], g: &mut [f32], scale: f32) {
-    let dot: f32 = y.iter().zip(g.iter()).map(|(a, b)| a * b).sum();
+    let dot = vmath::dot(y, g);
     g.iter_mut()
         .zip(y)
         .for_each(|(g, y)| *g = scale * y * (*g - dot));

@@ -77,6 +77,32 @@ pub fn exp_shifted(row: &mut [f32], scale: f32) -> (f32, f32) {
     exp_shifted_body(row, scale)
 }
 
+/// The sum of `a`'s elements.
+pub fn sum(a: &[f32]) -> f32 {
+    lanes_sum(a, a, |x, _| x)
+}
+
+/// The sum of `a[i] * b[i]` (same length).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    lanes_sum(a, b, |x, y| x * y)
+}
+
+/// The sum of `(a[i] - mean)^2`.
+pub fn sum_sq_dev(a: &[f32], mean: f32) -> f32 {
+    lanes_sum(a, a, |x, _| (x - mean) * (x - mean))
+}
+
+/// The sum of `f(a[i], b[i])` over `LANES` running partial sums.
+#[inline(always)]
+fn lanes_sum<F: Fn(f32, f32) -> f32 + Copy>(a: &[f32], b: &[f32], f: F) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { lanes_sum_avx2(a, b, f) };
+    }
+    lanes_sum_body(a, b, f)
+}
+
 // The AVX2 copies: the same bodies compiled with AVX2 enabled, so LLVM makes their loops 8
 // wide (baseline x86-64 code is SSE2, 4 wide). Both perform the same IEEE operations (no FMA
 // contraction), so results do not depend on the CPU.
@@ -98,6 +124,25 @@ unsafe fn map2_avx2<F: Fn(f32, f32) -> f32 + Copy>(a: &[f32], b: &[f32], f: F) -
 #[target_feature(enable = "avx2")]
 unsafe fn exp_shifted_avx2(row: &mut [f32], scale: f32) -> (f32, f32) {
     exp_shifted_body(row, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn lanes_sum_avx2<F: Fn(f32, f32) -> f32 + Copy>(a: &[f32], b: &[f32], f: F) -> f32 {
+    lanes_sum_body(a, b, f)
+}
+
+#[inline(always)]
+fn lanes_sum_body<F: Fn(f32, f32) -> f32 + Copy>(a: &[f32], b: &[f32], f: F) -> f32 {
+    let mut sums = [0f32; LANES];
+    let (mut x, mut y) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut x).zip(&mut y) {
+        for i in 0..LANES {
+            sums[i] += f(x[i], y[i]);
+        }
+    }
+    let tail = x.remainder().iter().zip(y.remainder());
+    sums.iter().sum::<f32>() + tail.map(|(x, y)| f(*x, *y)).sum::<f32>()
 }
 
 #[inline(always)]
@@ -196,6 +241,28 @@ mod tests {
             let u = i as f32 / 100.0;
             let want = (u as f64).tanh();
             assert!((tanh(u) as f64 - want).abs() <= 4e-7, "tanh({u})");
+        }
+    }
+
+    #[test]
+    fn lane_sums_match_f64() {
+        for len in [0usize, 1, 7, 8, 9, 257] {
+            let a: Vec<f32> = (0..len)
+                .map(|i| ((i * 13 % 17) as f32 - 8.0) / 5.0)
+                .collect();
+            let b: Vec<f32> = (0..len)
+                .map(|i| ((i * 7 % 11) as f32 - 5.0) / 3.0)
+                .collect();
+            let f64sum = |f: &dyn Fn(usize) -> f64| (0..len).map(f).sum::<f64>();
+            let close = |got: f32, want: f64| {
+                assert!((got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()))
+            };
+            close(sum(&a), f64sum(&|i| a[i] as f64));
+            close(dot(&a, &b), f64sum(&|i| a[i] as f64 * b[i] as f64));
+            close(
+                sum_sq_dev(&a, 0.3),
+                f64sum(&|i| (a[i] as f64 - 0.3).powi(2)),
+            );
         }
     }
 
