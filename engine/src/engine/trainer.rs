@@ -18,6 +18,14 @@ use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.
 enum Saved {
+    /// What its backward needs.
+    Kept(Kept),
+    /// Only the input: backward gathers the parameters again and recomputes the layer.
+    Input(Tensor),
+}
+
+/// What a layer's backward needs from its forward.
+enum Kept {
     /// A taped layer's own record (Note [taped layers] in model/mod.rs).
     Tape {
         tape: Box<dyn Tape>,
@@ -29,8 +37,6 @@ enum Saved {
         params: LayerParams,
         output: Tensor,
     },
-    /// Only the input: backward gathers the parameters again and recomputes the layer.
-    Input(Tensor),
 }
 
 pub(crate) struct Trainer<T: Dtype> {
@@ -122,15 +128,8 @@ impl<T: Dtype> Trainer<T> {
         Ok(params)
     }
 
-    /// Layer `i` forward on `x`, keeping for backward what `keep` says (Saved::Input when
-    /// false: backward recomputes).
-    fn run_layer(
-        &self,
-        i: usize,
-        params: LayerParams,
-        x: Tensor,
-        keep: bool,
-    ) -> Result<(Tensor, Saved)> {
+    /// Layer `i` forward on `x`: its output and what its backward needs.
+    fn run_layer(&self, i: usize, params: LayerParams, x: Tensor) -> Result<(Tensor, Kept)> {
         let targets = self
             .targets
             .as_ref()
@@ -138,29 +137,23 @@ impl<T: Dtype> Trainer<T> {
         let cx = Context { targets };
         let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
         if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
-            let saved = match keep {
-                true => Saved::Tape {
-                    tape: taped.tape,
-                    params,
-                },
-                false => Saved::Input(x),
-            };
-            return Ok((taped.output, saved));
+            let tape = taped.tape;
+            return Ok((taped.output, Kept::Tape { tape, params }));
         }
         let input = match i {
             0 => x,
             _ => layers::leaf(&x)?.into_inner(),
         };
         let y = layers::forward(layer, &params, &input, &cx, dtype)?;
-        let saved = match keep {
-            true => Saved::Graph {
+        let output = y.clone();
+        Ok((
+            y,
+            Kept::Graph {
                 input,
                 params,
-                output: y.clone(),
+                output,
             },
-            false => Saved::Input(input),
-        };
-        Ok((y, saved))
+        ))
     }
 
     /// Forward of one micro-batch; returns its loss.
@@ -174,8 +167,11 @@ impl<T: Dtype> Trainer<T> {
         for i in 0..n {
             let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
-            let (y, saved) = self.run_layer(i, params, x, self.keep_graph[i])?;
-            self.saved.push(saved);
+            let (y, kept) = self.run_layer(i, params, x.clone())?;
+            self.saved.push(match self.keep_graph[i] {
+                true => Saved::Kept(kept),
+                false => Saved::Input(x),
+            });
             x = y;
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
@@ -201,12 +197,14 @@ impl<T: Dtype> Trainer<T> {
         let mut dy: Option<Tensor> = None;
         for i in (0..self.saved.len()).rev() {
             let t_layer = Instant::now();
-            let mut saved = self.saved.pop().expect("invariant: one per layer");
-            if let Saved::Input(input) = saved {
-                let params = self.materialise(i, i.checked_sub(1))?;
-                saved = self.run_layer(i, params, input, true)?.1;
-            }
-            let (dx, params, g) = self.layer_backward(i, saved, dy.as_ref(), seed)?;
+            let kept = match self.saved.pop().expect("invariant: one per layer") {
+                Saved::Kept(kept) => kept,
+                Saved::Input(x) => {
+                    let params = self.materialise(i, i.checked_sub(1))?;
+                    self.run_layer(i, params, x)?.1
+                }
+            };
+            let (dx, params, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
             if !params.vars.is_empty() {
                 self.zero.add_grad(self.layer_flat[i].clone(), &g)?;
             }
@@ -233,12 +231,12 @@ impl<T: Dtype> Trainer<T> {
     fn layer_backward(
         &self,
         i: usize,
-        saved: Saved,
+        kept: Kept,
         dy: Option<&Tensor>,
         seed: f64,
     ) -> Result<(Option<Tensor>, LayerParams, Vec<T>)> {
-        match saved {
-            Saved::Tape { tape, params } => {
+        match kept {
+            Kept::Tape { tape, params } => {
                 let seed_tensor;
                 let dy = match dy {
                     Some(dy) => dy,
@@ -252,7 +250,7 @@ impl<T: Dtype> Trainer<T> {
                 let g = params.flat_taped_grads::<T>(&name, &grads.params)?;
                 Ok((grads.input, params, g))
             }
-            Saved::Graph {
+            Kept::Graph {
                 input,
                 params,
                 output,
@@ -264,7 +262,6 @@ impl<T: Dtype> Trainer<T> {
                 };
                 Ok((grads.get(&input).cloned(), params, g))
             }
-            Saved::Input(_) => unreachable!("recomputed before its backward"),
         }
     }
 

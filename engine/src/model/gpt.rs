@@ -13,7 +13,7 @@ use super::cpu_attention;
 use super::fused_norm_loss::{
     cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
 };
-use super::grad::{linear, linear_backward, LinearGrads};
+use super::grad::{bias_backward, linear, linear_backward};
 use super::nn::{cross_entropy, layer_norm};
 use super::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
 use super::{Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
@@ -329,34 +329,33 @@ impl Tape for BlockTape {
             g,
         } = *self;
         // the MLP branch: y = x2 + c_proj(gelu(c_fc(ln_2(x2))))
-        let proj = linear_backward(&g, &p.mlp_proj.0, Some(&p.mlp_proj.1), dy)?;
+        let proj = linear_backward(&g, &p.mlp_proj.0, dy)?;
         let df = gelu_backward(&f, &proj.dx)?;
-        let fc = linear_backward(&h2, &p.c_fc.0, Some(&p.c_fc.1), &df)?;
+        let fc = linear_backward(&h2, &p.c_fc.0, &df)?;
         let (dx2_ln, dln_2w, dln_2b) =
             layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &fc.dx, LN_EPS)?;
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
-        let aproj = linear_backward(&attn.out, &p.attn_proj.0, Some(&p.attn_proj.1), &dx2)?;
+        let aproj = linear_backward(&attn.out, &p.attn_proj.0, &dx2)?;
         let dqkv = attn.backward(c, &aproj.dx)?;
-        let qkv = linear_backward(&h1, &p.c_attn.0, Some(&p.c_attn.1), &dqkv)?;
+        let qkv = linear_backward(&h1, &p.c_attn.0, &dqkv)?;
         let (dx_ln, dln_1w, dln_1b) =
             layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &qkv.dx, LN_EPS)?;
-        let bias = |g: &LinearGrads| g.db.clone().expect("a biased linear");
         Ok(Grads {
-            input: Some((dx2 + dx_ln)?),
+            input: Some((&dx2 + dx_ln)?),
             params: vec![
                 dln_1w,
                 dln_1b,
-                qkv.dw.clone(),
-                bias(&qkv),
-                aproj.dw.clone(),
-                bias(&aproj),
+                qkv.dw,
+                bias_backward(&dqkv, &p.c_attn.1)?,
+                aproj.dw,
+                bias_backward(&dx2, &p.attn_proj.1)?,
                 dln_2w,
                 dln_2b,
-                fc.dw.clone(),
-                bias(&fc),
-                proj.dw.clone(),
-                bias(&proj),
+                fc.dw,
+                bias_backward(&df, &p.c_fc.1)?,
+                proj.dw,
+                bias_backward(dy, &p.mlp_proj.1)?,
             ],
         })
     }
@@ -486,7 +485,7 @@ impl Layer for Head {
 impl Tape for HeadTape {
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
         let dy = dy.to_dtype(self.h.dtype())?;
-        let head = linear_backward(&self.h, &self.lm_head, None, &dy)?;
+        let head = linear_backward(&self.h, &self.lm_head, &dy)?;
         let (dx, dw, db) =
             layer_norm_backward(&self.x, &self.ln_f.0, &self.ln_f.1, &head.dx, LN_EPS)?;
         Ok(Grads {

@@ -24,26 +24,24 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     y.reshape(shape)
 }
 
-/// The gradients of `linear` given the upstream `dy`.
+/// The gradients of `linear`'s input and weight given the upstream `dy`.
 pub struct LinearGrads {
     pub dx: Tensor,
     pub dw: Tensor,
-    pub db: Option<Tensor>,
 }
 
-/// dx = dy W, dW = dy^T x, db = the column sums of dy (when the map has a bias `b`).
-pub fn linear_backward(
-    x: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    dy: &Tensor,
-) -> Result<LinearGrads> {
+/// dx = dy W, dW = dy^T x.
+pub fn linear_backward(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<LinearGrads> {
     let (x2, dy2) = (rows(x)?, rows(dy)?);
     Ok(LinearGrads {
         dx: product(&dy2, w)?.reshape(x.shape())?,
         dw: product(&dy2.t()?, &x2)?,
-        db: b.map(|b| column_sum(&dy2, b)).transpose()?,
     })
+}
+
+/// The gradient of `linear`'s bias `b`: the column sums of `dy`.
+pub fn bias_backward(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+    column_sum(&rows(dy)?, b)
 }
 
 /// `a b` through the CPU fast path where it applies, else candle's matmul.
