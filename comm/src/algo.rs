@@ -6,7 +6,7 @@
 
 use crate::dtype::{combine, Element, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::exchange::{exchange, Deadline, RecvOp, SendOp};
+use crate::exchange::{exchange, Deadline, RecvOp, Region, SendOp};
 use crate::link::Links;
 use std::ops::Range;
 
@@ -14,6 +14,9 @@ use std::ops::Range;
 const DIRECT_MAX_BYTES: usize = 64 << 10;
 /// Largest group that uses direct exchanges (they cost n messages per rank).
 const DIRECT_MAX_RANKS: usize = 16;
+/// An all-reduce runs its ring over slices of n parts of this size, so that what the
+/// reduce-scatter sums is still in cache when the all-gather sends it.
+const SLICE_PART_BYTES: usize = 256 << 10;
 /// Broadcast forwards in pieces of this size so that a chain of ranks works at once.
 const CHAIN_CHUNK_BYTES: usize = 1 << 20;
 
@@ -84,17 +87,10 @@ fn as_elems<T: Element>(raw: &[u8], f: impl FnOnce(&[T])) {
     }
 }
 
-fn reduce_sink<T: Element>(
-    dst: &mut [T],
-    op: ReduceOp,
-    scale: Option<f32>,
-) -> impl FnMut(usize, &[u8]) + '_ {
-    move |off, raw| {
-        let at = off / std::mem::size_of::<T>();
-        as_elems::<T>(raw, |src| {
-            combine(&mut dst[at..at + src.len()], None, src, op, scale)
-        });
-    }
+/// Folds received bytes `raw` into `dst` (bytes of a `T` buffer, so aligned for `T`).
+fn fold<T: Element>(dst: &mut [u8], raw: &[u8], op: ReduceOp, scale: Option<f32>) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    as_elems::<T>(raw, |src| combine(dst, src, op, scale));
 }
 
 /// Whether a message of `bytes` per rank in a group of `n` takes the direct (one-round) path.
@@ -114,9 +110,52 @@ pub(crate) fn all_reduce<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) 
     if goes_direct(std::mem::size_of_val(buf), n) {
         return all_reduce_direct(cx, buf, op);
     }
-    let counts = even_counts(buf.len(), n);
-    reduce_scatter_v(cx, buf, &counts, op)?;
-    all_gather_v(cx, buf, &counts)
+    // Slice by slice, so that a slice's parts are still in cache when the all-gather sends
+    // what the reduce-scatter just summed: one pass over memory instead of two.
+    let slice = SLICE_PART_BYTES / std::mem::size_of::<T>() * n;
+    for chunk in buf.chunks_mut(slice) {
+        let segs = ranges(&even_counts(chunk.len(), n));
+        ring(cx, chunk, &segs, 0..2 * (n - 1), op)?;
+    }
+    Ok(())
+}
+
+/// Steps `steps` of the ring all-reduce over the parts `segs` of `buf`, as one exchange.
+/// Step j sends part me-j-1 to the next rank and receives part me-j-2 from the previous
+/// one, folding it in for j < n-1 (the reduce-scatter) and copying it after (the
+/// all-gather). Each send after the first relays the receive before it, so a piece moves
+/// on as soon as it is final; a receive that overwrites a part first waits until this
+/// rank has sent that part.
+fn ring<T: Element>(
+    cx: &mut Ctx,
+    buf: &mut [T],
+    segs: &[Range<usize>],
+    steps: Range<usize>,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = cx.n();
+    let (next, prev) = (cx.at(1), cx.at(-1));
+    let part = |j: usize, k: usize| cx.idx(-((j + k) as isize));
+    let sum = |d: &mut [u8], s: &[u8]| fold::<T>(d, s, op, None);
+    let last = |d: &mut [u8], s: &[u8]| fold::<T>(d, s, op, avg_scale(op, n));
+    let regions = Region::parts(buf, segs);
+    let mut sends = Vec::with_capacity(steps.len());
+    let mut recvs = Vec::with_capacity(steps.len());
+    for (k, j) in steps.clone().enumerate() {
+        let send = SendOp::region(next, regions[part(j, 1)]);
+        sends.push(if k > 0 { send.relay(k - 1) } else { send });
+        let recv = RecvOp::region(prev, regions[part(j, 2)]);
+        recvs.push(match j + 1 < n {
+            true if j + 2 == n => recv.reducing(&last),
+            true => recv.reducing(&sum),
+            // The part was sent at step j-(n-1), or in an earlier exchange.
+            false => match (j + 1 - n).checked_sub(steps.start) {
+                Some(sent) => recv.after_send(sent),
+                None => recv,
+            },
+        });
+    }
+    cx.xchg(&mut sends, &mut recvs)
 }
 
 /// Every rank sends its whole buffer to every other and reduces all of them in group order,
@@ -148,7 +187,7 @@ fn all_reduce_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> R
     buf.copy_from_slice(first);
     for (i, src) in rest.iter().enumerate() {
         let scale = if i + 2 == n { avg_scale(op, n) } else { None };
-        combine(buf, None, src, op, scale);
+        combine(buf, src, op, scale);
     }
     Ok(())
 }
@@ -166,23 +205,7 @@ pub(crate) fn reduce_scatter_v<T: Element>(
     if n == 1 {
         return Ok(()); // a group of one: sum, max and avg (divided by 1) are the input
     }
-    let segs = ranges(counts);
-    let (next, prev) = (cx.at(1), cx.at(-1));
-    // Step s sends part me-s-1 and folds part me-s-2 into the local data; after n-1 steps
-    // this rank holds the full reduction of its own part.
-    for s in 0..n - 1 {
-        let send = segs[cx.idx(-(s as isize) - 1)].clone();
-        let recv = segs[cx.idx(-(s as isize) - 2)].clone();
-        let scale = if s == n - 2 { avg_scale(op, n) } else { None };
-        let (out, into) = split_two(buf, send, recv);
-        let len = std::mem::size_of_val(into);
-        let mut sink = reduce_sink(into, op, scale);
-        cx.xchg(
-            &mut [SendOp::new(next, bytes(out))],
-            &mut [RecvOp::new(prev, len, &mut sink)],
-        )?;
-    }
-    Ok(())
+    ring(cx, buf, &ranges(counts), 0..n - 1, op)
 }
 
 /// Ring all-gather in place: `buf[ranges(counts)[i]]` of every rank i ends up everywhere.
@@ -199,18 +222,8 @@ pub(crate) fn all_gather_v<T: Element>(
     if goes_direct(std::mem::size_of_val(buf), n) {
         return all_gather_direct(cx, buf, counts);
     }
-    let segs = ranges(counts);
-    let (next, prev) = (cx.at(1), cx.at(-1));
-    for s in 0..n - 1 {
-        let send = segs[cx.idx(-(s as isize))].clone();
-        let recv = segs[cx.idx(-(s as isize) - 1)].clone();
-        let (out, into) = split_two(buf, send, recv);
-        cx.xchg(
-            &mut [SendOp::new(next, bytes(out))],
-            &mut [RecvOp::to(prev, bytemuck::cast_slice_mut(into))],
-        )?;
-    }
-    Ok(())
+    // The all-gather is the second half of the all-reduce's ring: nothing is folded.
+    ring(cx, buf, &ranges(counts), n - 1..2 * (n - 1), ReduceOp::Sum)
 }
 
 fn all_gather_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], counts: &[usize]) -> Result<()> {
@@ -308,10 +321,9 @@ pub(crate) fn barrier(cx: &mut Ctx) -> Result<()> {
     let mut dist = 1;
     while dist < cx.n() {
         let (to, from) = (cx.at(dist as isize), cx.at(-(dist as isize)));
-        let mut sink = |_: usize, _: &[u8]| {};
         cx.xchg(
             &mut [SendOp::new(to, &[1u8])],
-            &mut [RecvOp::new(from, 1, &mut sink)],
+            &mut [RecvOp::to(from, &mut [0u8])],
         )?;
         dist *= 2;
     }

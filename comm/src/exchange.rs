@@ -1,52 +1,147 @@
 //! The progress engine: drives a set of sends and receives over the links until all are
 //! done, never blocking on one while another could move, and never longer than the deadline.
+//!
+//! Ops to or from one peer run in list order (a link is one byte stream). Two gates let a
+//! whole ring schedule run as one exchange, each piece moving on as soon as it can (NCCL's
+//! pipelined ring): a send may relay a receive, going no further than the bytes that
+//! receive has delivered, and a receive may wait until a send has finished reading the
+//! region it is about to overwrite.
 
 use crate::error::{CommError, Result};
 use crate::link::{LinkKind, Links, Sink};
+use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
+/// Bytes an op reads or writes. Several ops of one exchange may name the same bytes (a
+/// relay sends what a receive wrote); the engine orders them by the gates and only ever
+/// holds one slice of a buffer at a time, inside one link call.
+#[derive(Clone, Copy)]
+pub(crate) struct Region<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _buf: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Region<'a> {
+    /// Bytes that are only read.
+    pub fn of(bytes: &'a [u8]) -> Region<'a> {
+        Region {
+            ptr: bytes.as_ptr().cast_mut(),
+            len: bytes.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// The regions `ranges` (in elements) of one buffer, which ops may then both read and
+    /// write.
+    pub fn parts<T: bytemuck::Pod>(
+        buf: &'a mut [T],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Vec<Region<'a>> {
+        let size = std::mem::size_of::<T>();
+        let base = buf.as_mut_ptr().cast::<u8>();
+        ranges
+            .iter()
+            .map(|r| {
+                assert!(r.start <= r.end && r.end <= buf.len(), "part out of range");
+                Region {
+                    // SAFETY: r lies inside buf (asserted), so the offset stays inside it.
+                    ptr: unsafe { base.add(r.start * size) },
+                    len: r.len() * size,
+                    _buf: PhantomData,
+                }
+            })
+            .collect()
+    }
+
+    /// SAFETY: no other slice of these bytes may be alive while the result is; the engine
+    /// keeps every slice inside one link call.
+    unsafe fn bytes(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// SAFETY: as for `bytes`, and the region must come from a mutable buffer (`parts`).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+/// Folds received bytes into their destination: (destination piece, received piece).
+pub(crate) type Reduce<'a> = &'a dyn Fn(&mut [u8], &[u8]);
+
 pub(crate) struct SendOp<'a> {
-    pub peer: usize,
-    pub data: &'a [u8],
-    pub done: usize,
+    peer: usize,
+    data: Region<'a>,
+    done: usize,
+    /// Relays receive `i`: only bytes that receive has delivered may go.
+    relays: Option<usize>,
 }
 
 pub(crate) struct RecvOp<'a> {
-    pub peer: usize,
-    pub len: usize,
-    pub done: usize,
-    pub sink: Sink<'a>,
+    peer: usize,
+    into: Region<'a>,
+    done: usize,
+    reduce: Option<Reduce<'a>>,
+    /// Starts only once send `i` has finished reading `into`.
+    after_send: Option<usize>,
 }
 
 impl<'a> SendOp<'a> {
     pub fn new(peer: usize, data: &'a [u8]) -> Self {
+        Self::region(peer, Region::of(data))
+    }
+
+    pub fn region(peer: usize, data: Region<'a>) -> Self {
         SendOp {
             peer,
             data,
             done: 0,
+            relays: None,
         }
+    }
+
+    /// Sends `data` as receive `recv` of the same exchange delivers it.
+    pub fn relay(mut self, recv: usize) -> Self {
+        self.relays = Some(recv);
+        self
     }
 }
 
 impl<'a> RecvOp<'a> {
-    /// Hands (offset in the message, bytes) to `fold` as they arrive.
-    pub fn new(peer: usize, len: usize, fold: &'a mut dyn FnMut(usize, &[u8])) -> Self {
+    /// Receives `dst.len()` bytes into `dst`.
+    pub fn to(peer: usize, dst: &'a mut [u8]) -> Self {
+        let len = dst.len();
+        Self::region(
+            peer,
+            Region {
+                ptr: dst.as_mut_ptr(),
+                len,
+                _buf: PhantomData,
+            },
+        )
+    }
+
+    pub fn region(peer: usize, into: Region<'a>) -> Self {
         RecvOp {
             peer,
-            len,
+            into,
             done: 0,
-            sink: Sink::Fold(fold),
+            reduce: None,
+            after_send: None,
         }
     }
 
-    /// Receives `dst.len()` bytes into `dst`.
-    pub fn to(peer: usize, dst: &'a mut [u8]) -> Self {
-        RecvOp {
-            peer,
-            len: dst.len(),
-            done: 0,
-            sink: Sink::Into(dst),
-        }
+    /// Folds the received bytes into the destination instead of copying them.
+    pub fn reducing(mut self, reduce: Reduce<'a>) -> Self {
+        self.reduce = Some(reduce);
+        self
+    }
+
+    /// Waits for send `send` of the same exchange to finish before writing anything.
+    pub fn after_send(mut self, send: usize) -> Self {
+        self.after_send = Some(send);
+        self
     }
 }
 
@@ -72,30 +167,74 @@ pub(crate) fn exchange(
     recvs: &mut [RecvOp],
     deadline: Deadline,
 ) -> Result<()> {
+    check_gates(sends, recvs);
     let mut idle = Idle::default();
     loop {
-        let mut progress = false;
-        for s in sends.iter_mut().filter(|s| s.done < s.data.len()) {
+        let (mut progress, mut unfinished) = (false, false);
+        let mut waits = Waits::default();
+        for i in 0..sends.len() {
+            let ready = sends[i].relays.map_or(sends[i].data.len, |r| recvs[r].done);
+            let s = &mut sends[i];
+            unfinished |= s.done < s.data.len;
+            let unheld = s.done < ready;
+            if !waits.claim(s.peer, s.done < s.data.len, libc::POLLOUT, unheld) || !unheld {
+                continue;
+            }
+            // SAFETY: the only slice of these bytes alive, for this one call.
+            let msg = unsafe { &s.data.bytes()[..ready] };
             progress |= links
                 .get(s.peer)
-                .try_send(s.data, &mut s.done)
+                .try_send(msg, &mut s.done)
                 .map_err(|c| lost(s.peer, c))?;
         }
-        for r in recvs.iter_mut().filter(|r| r.done < r.len) {
-            progress |= links
-                .get(r.peer)
-                .try_recv(r.len, &mut r.done, &mut r.sink)
-                .map_err(|c| lost(r.peer, c))?;
+        for i in 0..recvs.len() {
+            let gated = recvs[i]
+                .after_send
+                .is_some_and(|s| sends[s].done < sends[s].data.len);
+            let r = &mut recvs[i];
+            unfinished |= r.done < r.into.len;
+            if !waits.claim(r.peer, r.done < r.into.len, libc::POLLIN, !gated) || gated {
+                continue;
+            }
+            progress |= receive(links, r)?;
         }
-        let pending = Pending::of(sends, recvs);
-        if pending.is_empty() {
+        if !unfinished {
             return Ok(());
         }
         if progress {
             idle = Idle::default();
         } else {
-            idle.wait(links, &pending, deadline)?;
+            idle.wait(links, &waits, deadline)?;
         }
+    }
+}
+
+fn receive(links: &mut Links, r: &mut RecvOp) -> Result<bool> {
+    // SAFETY: the only slice of these bytes alive, for this one call.
+    let dst = unsafe { r.into.bytes_mut() };
+    let link = links.get(r.peer);
+    let moved = match r.reduce {
+        None => link.try_recv(r.into.len, &mut r.done, &mut Sink::Into(dst)),
+        Some(reduce) => {
+            let mut fold = |off: usize, raw: &[u8]| reduce(&mut dst[off..off + raw.len()], raw);
+            link.try_recv(r.into.len, &mut r.done, &mut Sink::Fold(&mut fold))
+        }
+    };
+    moved.map_err(|c| lost(r.peer, c))
+}
+
+/// Gates may only point backwards in a ring schedule's order, so some op can always move.
+fn check_gates(sends: &[SendOp], recvs: &[RecvOp]) {
+    for s in sends {
+        if let Some(r) = s.relays {
+            debug_assert_eq!(
+                recvs[r].into.len, s.data.len,
+                "a relay sends what it receives"
+            );
+        }
+    }
+    for r in recvs {
+        debug_assert!(r.after_send.is_none_or(|s| s < sends.len()));
     }
 }
 
@@ -107,26 +246,28 @@ fn lost(peer: usize, cause: String) -> CommError {
     }
 }
 
-/// The peers an exchange still waits on, with the poll events each needs.
-struct Pending(Vec<(usize, libc::c_short)>);
+/// Which peer and direction an unfinished op already holds (ops of one peer run in order),
+/// and the poll events of those that can move now (not held by a gate).
+#[derive(Default)]
+struct Waits {
+    held: Vec<(usize, libc::c_short)>,
+    polls: Vec<(usize, libc::c_short)>,
+}
 
-impl Pending {
-    fn of(sends: &[SendOp], recvs: &[RecvOp]) -> Pending {
-        let s = sends
-            .iter()
-            .filter(|s| s.done < s.data.len())
-            .map(|s| (s.peer, libc::POLLOUT));
-        let r = recvs
-            .iter()
-            .filter(|r| r.done < r.len)
-            .map(|r| (r.peer, libc::POLLIN));
-        Pending(s.chain(r).collect())
-    }
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
+impl Waits {
+    /// True when an unfinished op is the first of its peer in its direction.
+    fn claim(&mut self, peer: usize, unfinished: bool, event: libc::c_short, unheld: bool) -> bool {
+        if !unfinished || self.held.contains(&(peer, event)) {
+            return false;
+        }
+        self.held.push((peer, event));
+        if unheld {
+            self.polls.push((peer, event));
+        }
+        true
     }
     fn peers(&self) -> Vec<usize> {
-        let mut p: Vec<usize> = self.0.iter().map(|(p, _)| *p).collect();
+        let mut p: Vec<usize> = self.polls.iter().map(|(p, _)| *p).collect();
         p.sort_unstable();
         p.dedup();
         p
@@ -146,10 +287,10 @@ const YIELD_ROUNDS: u32 = 2000;
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
 impl Idle {
-    fn wait(&mut self, links: &mut Links, pending: &Pending, deadline: Deadline) -> Result<()> {
+    fn wait(&mut self, links: &mut Links, pending: &Waits, deadline: Deadline) -> Result<()> {
         self.rounds += 1;
         let any_shm = pending
-            .0
+            .polls
             .iter()
             .any(|(p, _)| links.get(*p).kind() == LinkKind::Shm);
         if any_shm && self.rounds < SPIN_ROUNDS {
@@ -184,9 +325,9 @@ impl Idle {
 }
 
 /// Sleeps until one of the pending TCP sockets is ready (or the timeout passes).
-fn poll(links: &mut Links, pending: &Pending, timeout: Duration) {
+fn poll(links: &mut Links, pending: &Waits, timeout: Duration) {
     let mut fds: Vec<libc::pollfd> = pending
-        .0
+        .polls
         .iter()
         .map(|(p, ev)| libc::pollfd {
             fd: links.get(*p).fd(),

@@ -9,6 +9,9 @@ use ds_comm::{Element, ReduceOp, Transport};
 use half::{bf16, f16};
 
 const LENGTHS: [usize; 6] = [0, 1, 7, 1009, 20_011, 300_007];
+/// Longer than several of the all-reduce's ring slices (n parts of 256 KiB) for every world
+/// size tested, with a short last slice.
+const SLICED: usize = 2_300_017;
 
 fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
     (0..len).map(|i| T::from_f32(value(rank, i))).collect()
@@ -60,7 +63,7 @@ fn all_reduce_case<T: Element>(world: usize, transport: Transport) {
     run_ranks(world, transport, move |comm| {
         let g = comm.world();
         let ranks: Vec<usize> = (0..g.size()).collect();
-        for len in LENGTHS {
+        for len in LENGTHS.into_iter().chain([SLICED]) {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 let mut buf = input::<T>(comm.rank(), len);
                 g.all_reduce(&mut buf, op).unwrap();
