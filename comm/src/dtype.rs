@@ -105,7 +105,7 @@ pub(crate) fn combine<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp, scale:
         load(acc, &dst[start..end]);
         combine_f32(
             acc,
-            &src_f32(&src[start..end], &mut [0f32; BLOCK]),
+            src_f32(&src[start..end], &mut [0f32; BLOCK]),
             op,
             scale.unwrap_or(1.0),
         );

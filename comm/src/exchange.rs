@@ -172,9 +172,8 @@ pub(crate) fn exchange(
     loop {
         let (mut progress, mut unfinished) = (false, false);
         let mut waits = Waits::default();
-        for i in 0..sends.len() {
-            let ready = sends[i].relays.map_or(sends[i].data.len, |r| recvs[r].done);
-            let s = &mut sends[i];
+        for s in sends.iter_mut() {
+            let ready = s.relays.map_or(s.data.len, |r| recvs[r].done);
             unfinished |= s.done < s.data.len;
             let unheld = s.done < ready;
             if !waits.claim(s.peer, s.done < s.data.len, libc::POLLOUT, unheld) || !unheld {
@@ -187,11 +186,10 @@ pub(crate) fn exchange(
                 .try_send(msg, &mut s.done)
                 .map_err(|c| lost(s.peer, c))?;
         }
-        for i in 0..recvs.len() {
-            let gated = recvs[i]
+        for r in recvs.iter_mut() {
+            let gated = r
                 .after_send
                 .is_some_and(|s| sends[s].done < sends[s].data.len);
-            let r = &mut recvs[i];
             unfinished |= r.done < r.into.len;
             if !waits.claim(r.peer, r.done < r.into.len, libc::POLLIN, !gated) || gated {
                 continue;
