@@ -1,0 +1,35 @@
+"""The peer for `ds-rs bench comm` below 1 MiB: torch.distributed gloo all_reduce (2 ranks,
+loopback TCP) at sizes in bytes, as ../shared/bench/allreduce_gloo.py measures whole MiB.
+
+Same method: a barrier before each call, median of --iters timed calls after --warmup, on
+rank 0; busbw = algbw * 2(n-1)/n. Needs the peer's torch (../shared/bench/setup.sh):
+  OMP_NUM_THREADS=1 /opt/peer/bin/python scripts/bench/allreduce_gloo_bytes.py --min-bytes 1024
+"""
+import argparse, json, os, statistics, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def worker(rank, world, port, sizes, iters, warmup, q):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for s in sizes:
+        x = torch.ones(s // 4, dtype=torch.float32)
+        ts = []
+        for i in range(warmup + iters):
+            dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(x); dt = time.perf_counter() - t0
+            if i >= warmup: ts.append(dt)
+        if rank == 0:
+            med = statistics.median(ts)
+            q.put(dict(bench="allreduce_gloo", bytes=s, time_us=1e6 * med, busbw_gbs=s / med / 1e9 * 2 * (world - 1) / world))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--min-bytes", type=int, default=1024); ap.add_argument("--max-bytes", type=int, default=256 << 20)
+    ap.add_argument("--iters", type=int, default=20); ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+    sizes, s = [], a.min_bytes
+    while s <= a.max_bytes: sizes.append(s); s *= 2
+    import socket; sk = socket.socket(); sk.bind(("127.0.0.1", 0)); port = sk.getsockname()[1]; sk.close()
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    mp.start_processes(worker, args=(2, port, sizes, a.iters, a.warmup, q), nprocs=2, join=True, start_method="spawn")
+    while not q.empty(): print(json.dumps(q.get()))
