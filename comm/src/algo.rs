@@ -4,7 +4,7 @@
 //! for broadcast and a dissemination barrier. Every step is chunked by the links, so
 //! sending, receiving and reducing overlap.
 
-use crate::dtype::{combine, Element, ReduceOp};
+use crate::dtype::{combine, combine_into, Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::exchange::{exchange, Deadline, RecvOp, Region, SendOp};
 use crate::link::Links;
@@ -87,10 +87,18 @@ fn as_elems<T: Element>(raw: &[u8], f: impl FnOnce(&[T])) {
     }
 }
 
-/// Folds received bytes `raw` into `dst` (bytes of a `T` buffer, so aligned for `T`).
-fn fold<T: Element>(dst: &mut [u8], raw: &[u8], op: ReduceOp, scale: Option<f32>) {
+/// Folds received bytes `raw` into `dst`, or into `a` written to `dst` when given (`dst` and
+/// `a` are bytes of `T` buffers, so aligned for `T`).
+fn fold<T: Element>(
+    dst: &mut [u8],
+    a: Option<&[u8]>,
+    raw: &[u8],
+    op: ReduceOp,
+    scale: Option<f32>,
+) {
     let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
-    as_elems::<T>(raw, |src| combine(dst, src, op, scale));
+    let a: Option<&[T]> = a.map(bytemuck::cast_slice);
+    as_elems::<T>(raw, |src| combine_into(dst, a, src, op, scale));
 }
 
 /// Whether a message of `bytes` per rank in a group of `n` takes the direct (one-round) path.
@@ -136,8 +144,8 @@ fn ring<T: Element>(
     let n = cx.n();
     let (next, prev) = (cx.at(1), cx.at(-1));
     let part = |j: usize, k: usize| cx.idx(-((j + k) as isize));
-    let sum = |d: &mut [u8], s: &[u8]| fold::<T>(d, s, op, None);
-    let last = |d: &mut [u8], s: &[u8]| fold::<T>(d, s, op, avg_scale(op, n));
+    let sum = |_: usize, d: &mut [u8], s: &[u8]| fold::<T>(d, None, s, op, None);
+    let last = |_: usize, d: &mut [u8], s: &[u8]| fold::<T>(d, None, s, op, avg_scale(op, n));
     let regions = Region::parts(buf, segs);
     let mut sends = Vec::with_capacity(steps.len());
     let mut recvs = Vec::with_capacity(steps.len());
@@ -206,6 +214,67 @@ pub(crate) fn reduce_scatter_v<T: Element>(
         return Ok(()); // a group of one: sum, max and avg (divided by 1) are the input
     }
     ring(cx, buf, &ranges(counts), 0..n - 1, op)
+}
+
+/// Out-of-place reduce-scatter of equal parts: `output` receives the reduction of part `me`
+/// of every rank's `input`, which stays as it is. The ring runs slice by slice, so partial
+/// sums need only a scratch of n-2 slice parts rather than a copy of `input`.
+pub(crate) fn reduce_scatter_into<T: Element>(
+    cx: &mut Ctx,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, c) = (cx.n(), output.len());
+    check_counts(input.len(), &vec![c; n], n)?;
+    if n == 1 {
+        output.copy_from_slice(input); // sum, max and avg (divided by 1) of one input
+        return Ok(());
+    }
+    let q = (SLICE_PART_BYTES / std::mem::size_of::<T>()).min(c).max(1);
+    let mut scratch = vec![T::default(); (n - 2) * q];
+    for lo in (0..c).step_by(q) {
+        let hi = (lo + q).min(c);
+        let parts: Vec<&[T]> = (0..n).map(|i| &input[i * c + lo..i * c + hi]).collect();
+        let slots = ranges(&vec![hi - lo; n - 2]);
+        ring_into(cx, &parts, &mut scratch, &slots, &mut output[lo..hi], op)?;
+    }
+    Ok(())
+}
+
+/// One slice of `reduce_scatter_into`: the reduce-scatter steps of `ring`, where step j folds
+/// the received partial sum and this rank's input part into slot j of `scratch` (the last
+/// step into `out`), and the next step relays it.
+fn ring_into<T: Element>(
+    cx: &mut Ctx,
+    parts: &[&[T]],
+    scratch: &mut [T],
+    slots: &[Range<usize>],
+    out: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let n = cx.n();
+    let (next, prev) = (cx.at(1), cx.at(-1));
+    let part = |j: usize| bytes(parts[cx.idx(-(j as isize) - 2)]);
+    let folds: Vec<_> = (0..n - 1)
+        .map(|j| {
+            let (a, scale) = (part(j), avg_scale(op, n).filter(|_| j + 2 == n));
+            move |off: usize, d: &mut [u8], raw: &[u8]| {
+                fold::<T>(d, Some(&a[off..off + raw.len()]), raw, op, scale);
+            }
+        })
+        .collect();
+    let mut dests = Region::parts(scratch, slots);
+    dests.push(Region::whole(out));
+    let mut sends = vec![SendOp::new(next, bytes(parts[cx.idx(-1)]))];
+    let mut recvs = Vec::with_capacity(n - 1);
+    for (j, fold) in folds.iter().enumerate() {
+        recvs.push(RecvOp::region(prev, dests[j]).reducing(fold));
+        if j > 0 {
+            sends.push(SendOp::region(next, dests[j - 1]).relay(j - 1));
+        }
+    }
+    cx.xchg(&mut sends, &mut recvs)
 }
 
 /// Ring all-gather in place: `buf[ranges(counts)[i]]` of every rank i ends up everywhere.

@@ -89,30 +89,54 @@ impl Element for f16 {
 /// The reduction of one received piece into local data: `dst[i] = combine(dst[i], src[i])`,
 /// then multiplied by `scale` when given (the 1/n of Avg on the final hop).
 pub(crate) fn combine<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp, scale: Option<f32>) {
+    combine_into(dst, None, src, op, scale)
+}
+
+/// As `combine`, with the local operand read from `a` instead of `dst` when given (an
+/// out-of-place reduction: one pass instead of a copy and then a fold).
+pub(crate) fn combine_into<T: Element>(
+    dst: &mut [T],
+    a: Option<&[T]>,
+    src: &[T],
+    op: ReduceOp,
+    scale: Option<f32>,
+) {
     debug_assert_eq!(dst.len(), src.len());
+    let k = scale.unwrap_or(1.0);
     if T::DTYPE == DType::F32 {
         // f32 needs no conversion: one pass, which the compiler vectorises.
-        let (d, s): (&mut [f32], &[f32]) =
-            (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
-        return combine_f32(d, s, op, scale.unwrap_or(1.0));
+        let d: &mut [f32] = bytemuck::cast_slice_mut(dst);
+        return match a {
+            None => combine_f32(d, as_f32(src), op, k),
+            Some(a) => combine3_f32(d, as_f32(a), as_f32(src), op, k),
+        };
     }
     // Blocks keep the f32 temporaries in L1 and let the compiler vectorise each loop.
     const BLOCK: usize = 256;
-    let mut acc = [0f32; BLOCK];
+    let (mut acc, mut conv) = ([0f32; BLOCK], [0f32; BLOCK]);
     for start in (0..src.len()).step_by(BLOCK) {
         let end = (start + BLOCK).min(src.len());
         let acc = &mut acc[..end - start];
-        load(acc, &dst[start..end]);
-        combine_f32(
-            acc,
-            src_f32(&src[start..end], &mut [0f32; BLOCK]),
-            op,
-            scale.unwrap_or(1.0),
-        );
+        load(acc, &a.unwrap_or(&*dst)[start..end]);
+        combine_f32(acc, src_f32(&src[start..end], &mut conv), op, k);
         dst[start..end]
             .iter_mut()
             .zip(acc.iter())
             .for_each(|(d, x)| *d = T::from_f32(*x));
+    }
+}
+
+/// A slice of `T` that is f32 (checked by the caller) as f32.
+fn as_f32<T: Element>(v: &[T]) -> &[f32] {
+    bytemuck::cast_slice(v)
+}
+
+/// `dst[i] = combine(a[i], src[i]) * scale`.
+fn combine3_f32(dst: &mut [f32], a: &[f32], src: &[f32], op: ReduceOp, scale: f32) {
+    let it = dst.iter_mut().zip(a.iter().zip(src));
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => it.for_each(|(d, (x, y))| *d = (x + y) * scale),
+        ReduceOp::Max => it.for_each(|(d, (x, y))| *d = x.max(*y) * scale),
     }
 }
 

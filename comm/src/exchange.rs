@@ -32,6 +32,16 @@ impl<'a> Region<'a> {
         }
     }
 
+    /// A whole buffer, which ops may read and write.
+    pub fn whole<T: bytemuck::Pod>(buf: &'a mut [T]) -> Region<'a> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        Region {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            _buf: PhantomData,
+        }
+    }
+
     /// The regions `ranges` (in elements) of one buffer, which ops may then both read and
     /// write.
     pub fn parts<T: bytemuck::Pod>(
@@ -67,8 +77,9 @@ impl<'a> Region<'a> {
     }
 }
 
-/// Folds received bytes into their destination: (destination piece, received piece).
-pub(crate) type Reduce<'a> = &'a dyn Fn(&mut [u8], &[u8]);
+/// Folds received bytes into their destination: (offset in the message, destination piece,
+/// received piece).
+pub(crate) type Reduce<'a> = &'a dyn Fn(usize, &mut [u8], &[u8]);
 
 pub(crate) struct SendOp<'a> {
     peer: usize,
@@ -111,15 +122,7 @@ impl<'a> SendOp<'a> {
 impl<'a> RecvOp<'a> {
     /// Receives `dst.len()` bytes into `dst`.
     pub fn to(peer: usize, dst: &'a mut [u8]) -> Self {
-        let len = dst.len();
-        Self::region(
-            peer,
-            Region {
-                ptr: dst.as_mut_ptr(),
-                len,
-                _buf: PhantomData,
-            },
-        )
+        Self::region(peer, Region::whole(dst))
     }
 
     pub fn region(peer: usize, into: Region<'a>) -> Self {
@@ -214,7 +217,8 @@ fn receive(links: &mut Links, r: &mut RecvOp) -> Result<bool> {
     let moved = match r.reduce {
         None => link.try_recv(r.into.len, &mut r.done, &mut Sink::Into(dst)),
         Some(reduce) => {
-            let mut fold = |off: usize, raw: &[u8]| reduce(&mut dst[off..off + raw.len()], raw);
+            let mut fold =
+                |off: usize, raw: &[u8]| reduce(off, &mut dst[off..off + raw.len()], raw);
             link.try_recv(r.into.len, &mut r.done, &mut Sink::Fold(&mut fold))
         }
     };

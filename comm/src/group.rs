@@ -239,10 +239,10 @@ impl Group {
                 output.len()
             )));
         }
-        let mut work = input.to_vec();
-        self.reduce_scatter_v(&mut work, &vec![output.len(); n], op)?;
-        output.copy_from_slice(&work[self.me * output.len()..][..output.len()]);
-        Ok(())
+        let bytes = std::mem::size_of_val(input) as u64;
+        self.run(OpKind::ReduceScatter, bytes, |cx| {
+            algo::reduce_scatter_into(cx, input, output, op)
+        })
     }
 
     /// In place, with parts of any sizes (`counts[i]` elements for rank i, summing to

@@ -82,17 +82,23 @@ fn reduce_scatter_and_all_gather_case<T: Element>(world: usize, transport: Trans
     run_ranks(world, transport, move |comm| {
         let (g, me) = (comm.world(), comm.rank());
         let ranks: Vec<usize> = (0..world).collect();
-        for part in [0, 1, 13, 40_009] {
-            let mut out = vec![T::default(); part];
-            g.reduce_scatter(&input::<T>(me, part * world), &mut out, ReduceOp::Sum)
-                .unwrap();
-            check(
-                &format!("reduce_scatter {:?} ws{world} part {part}", T::DTYPE),
-                &out,
-                &ranks,
-                ReduceOp::Sum,
-                |k| me * part + k,
-            );
+        // 150_001: more than two of the out-of-place reduce-scatter's 256 KiB slices.
+        for part in [0, 1, 13, 40_009, 150_001] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let mut out = vec![T::default(); part];
+                let data = input::<T>(me, part * world);
+                g.reduce_scatter(&data, &mut out, op).unwrap();
+                let same = bytemuck::cast_slice::<T, u8>(&data)
+                    == bytemuck::cast_slice::<T, u8>(&input::<T>(me, part * world));
+                assert!(same, "reduce_scatter changed its input");
+                check(
+                    &format!("reduce_scatter {op:?} {:?} ws{world} part {part}", T::DTYPE),
+                    &out,
+                    &ranks,
+                    op,
+                    |k| me * part + k,
+                );
+            }
 
             let mine: Vec<T> = (0..part)
                 .map(|k| T::from_f32(value(me, me * part + k)))
