@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub(crate) struct Region<'a> {
     ptr: *mut u8,
     len: usize,
+    /// False for bytes that came from a shared reference (`of`): no receive may write them.
+    writable: bool,
     _buf: PhantomData<&'a mut [u8]>,
 }
 
@@ -28,6 +30,7 @@ impl<'a> Region<'a> {
         Region {
             ptr: bytes.as_ptr().cast_mut(),
             len: bytes.len(),
+            writable: false,
             _buf: PhantomData,
         }
     }
@@ -38,6 +41,7 @@ impl<'a> Region<'a> {
         Region {
             ptr: bytes.as_mut_ptr(),
             len: bytes.len(),
+            writable: true,
             _buf: PhantomData,
         }
     }
@@ -58,6 +62,7 @@ impl<'a> Region<'a> {
                     // SAFETY: r lies inside buf (asserted), so the offset stays inside it.
                     ptr: unsafe { base.add(r.start * size) },
                     len: r.len() * size,
+                    writable: true,
                     _buf: PhantomData,
                 }
             })
@@ -126,6 +131,7 @@ impl<'a> RecvOp<'a> {
     }
 
     pub fn region(peer: usize, into: Region<'a>) -> Self {
+        assert!(into.writable, "a receive into read-only bytes");
         RecvOp {
             peer,
             into,
@@ -310,7 +316,11 @@ impl Idle {
         if self.last_check.is_none_or(|t| now - t >= LIVENESS_EVERY) {
             self.last_check = Some(now);
             for p in pending.peers() {
-                links.get(p).check_alive().map_err(|c| lost(p, c))?;
+                let receiving = pending.polls.contains(&(p, libc::POLLIN));
+                links
+                    .get(p)
+                    .check_alive(receiving)
+                    .map_err(|c| lost(p, c))?;
             }
         }
         if any_shm {

@@ -27,7 +27,9 @@ pub(crate) trait Link: Send {
     /// Hands more of a `len`-byte message to `sink(offset, bytes)`, without blocking.
     fn try_recv(&mut self, len: usize, done: &mut usize, sink: &mut Sink) -> LinkResult<bool>;
     /// Err when the peer is known to be gone (for links whose data path cannot see it).
-    fn check_alive(&mut self) -> LinkResult<()>;
+    /// `receiving`: this rank waits for data from the peer, which a peer that sent its last
+    /// message and exited may have left unread.
+    fn check_alive(&mut self, receiving: bool) -> LinkResult<()>;
 }
 
 /// Where received bytes go: straight into a buffer (a TCP link then reads into it with no

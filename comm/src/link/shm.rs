@@ -70,6 +70,11 @@ impl Ring {
         n
     }
 
+    /// Bytes written and not yet read.
+    fn unread(&self) -> u64 {
+        self.head().load(Ordering::Acquire) - self.tail().load(Ordering::Relaxed)
+    }
+
     /// Hands up to `want` readable bytes to `sink` in contiguous pieces; returns how many.
     fn pop(&self, want: usize, offset: usize, sink: &mut Sink) -> usize {
         let tail = self.tail().load(Ordering::Relaxed);
@@ -194,18 +199,68 @@ impl Link for ShmLink {
     }
 
     fn try_recv(&mut self, len: usize, done: &mut usize, sink: &mut Sink) -> LinkResult<bool> {
-        let n = self.rx.pop(len - *done, *done, sink);
-        *done += n;
+        let mut n = self.rx.pop(len - *done, *done, sink);
         if n == 0 && self.rx.closed().load(Ordering::Acquire) != 0 {
-            return Err("peer closed its shared-memory link".into());
+            // A peer may write its last message and close between our pop and this load:
+            // what it wrote before closing is visible now, so look once more.
+            n = self.rx.pop(len - *done, *done, sink);
+            if n == 0 {
+                return Err("peer closed its shared-memory link".into());
+            }
         }
+        *done += n;
         Ok(n > 0)
     }
 
-    fn check_alive(&mut self) -> LinkResult<()> {
-        match socket_closed(self.control.as_raw_fd()) {
-            true => Err("peer's connection closed (process gone?)".into()),
-            false => Ok(()),
+    fn check_alive(&mut self, receiving: bool) -> LinkResult<()> {
+        // A peer that wrote its last message and exited is not lost: the message is ours.
+        if !socket_closed(self.control.as_raw_fd()) || (receiving && self.rx.unread() > 0) {
+            return Ok(());
         }
+        Err("peer's connection closed (process gone?)".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A connected pair of links over a fresh file, as the rendezvous makes them.
+    fn pair() -> (ShmLink, ShmLink) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        let path = std::env::temp_dir().join(format!("ds-rs-shm-test-{}", std::process::id()));
+        let lower = ShmLink::create(&path, a).unwrap();
+        let upper = ShmLink::open(&path, b).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        (lower, upper)
+    }
+
+    #[test]
+    fn a_peer_that_sent_and_left_is_read_before_it_is_declared_lost() {
+        let (mut lower, mut upper) = pair();
+        let msg = [7u8; 24];
+        let mut sent = 0;
+        assert!(upper.try_send(&msg, &mut sent).unwrap());
+        drop(upper); // exits: its socket closes, its rings are marked closed
+                     // Waiting for data, the message left behind keeps the peer from being lost...
+        assert!(lower.check_alive(true).is_ok());
+        // ...but a rank that only waits to send to it learns at once that it is gone.
+        assert!(lower.check_alive(false).is_err());
+        let mut got = [0u8; 24];
+        let mut done = 0;
+        assert!(lower
+            .try_recv(24, &mut done, &mut Sink::Into(&mut got))
+            .unwrap());
+        assert_eq!((done, got), (24, msg));
+        // Everything read, the peer is gone on both counts.
+        assert!(lower.check_alive(true).is_err());
+        let mut more = [0u8; 8];
+        let mut done = 0;
+        assert!(lower
+            .try_recv(8, &mut done, &mut Sink::Into(&mut more))
+            .is_err());
     }
 }

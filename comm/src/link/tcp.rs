@@ -119,7 +119,7 @@ impl Link for TcpLink {
         Ok(progress)
     }
 
-    fn check_alive(&mut self) -> LinkResult<()> {
+    fn check_alive(&mut self, _receiving: bool) -> LinkResult<()> {
         Ok(()) // the data path itself reports a closed connection
     }
 }
