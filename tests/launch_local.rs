@@ -269,7 +269,7 @@ fn bad_input_gives_one_error_line() {
         good.display(),
         missing.display(),
     );
-    let cases: [(String, &[&str]); 5] = [
+    let cases: [(String, &[&str]); 6] = [
         (
             format!("launch --hostfile {hostfile} train"),
             &["line 2", "slots=two"],
@@ -290,6 +290,10 @@ fn bad_input_gives_one_error_line() {
             format!("launch --nproc_per_node 2 --config {missing} train"),
             &["missing.json"],
         ),
+        (
+            "launch --nproc_per_node 1 --bind_cores_to_rank --bind_core_list 3-1 true".into(),
+            &["--bind_core_list", "3-1"],
+        ),
     ];
     for (args, needles) in cases {
         let f = run(&args, Duration::from_secs(30));
@@ -304,5 +308,55 @@ fn bad_input_gives_one_error_line() {
             );
         }
         assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+    }
+}
+
+/// The cores of a `Cpus_allowed_list` value such as `0-3,6`.
+fn cores_of(list: &str) -> Vec<usize> {
+    list.trim()
+        .split(',')
+        .flat_map(|r| {
+            let (lo, hi) = r.split_once('-').unwrap_or((r, r));
+            lo.parse::<usize>().unwrap()..=hi.parse::<usize>().unwrap()
+        })
+        .collect()
+}
+
+fn allowed_list(status: &str) -> &str {
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("Cpus_allowed_list:"))
+        .expect("no Cpus_allowed_list");
+    line.split_once(':').unwrap().1
+}
+
+#[test]
+fn bind_cores_to_rank_gives_each_rank_its_own_share_of_the_cores() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let mine = cores_of(allowed_list(&status));
+    if mine.len() < 2 {
+        eprintln!("skipped: binding two ranks needs two cores, this test may use {mine:?}");
+        return;
+    }
+    let mut args = words("launch --nproc_per_node 2 --bind_cores_to_rank sh -c");
+    args.push("grep Cpus_allowed_list /proc/self/status; echo threads=$OMP_NUM_THREADS".into());
+    let f = finish(start_args(&args), Duration::from_secs(30));
+    assert!(f.status.success(), "{}", f.stderr);
+    let half = mine.len() / 2;
+    for (rank, want) in [(0, &mine[..half]), (1, &mine[half..2 * half])] {
+        let prefix = format!("[rank{rank}] ");
+        let lines: Vec<&str> = f
+            .stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix(&prefix))
+            .collect();
+        let got = cores_of(allowed_list(&lines.join("\n")));
+        assert_eq!(got, want, "rank {rank}: {}", f.stdout);
+        let threads = format!("threads={half}");
+        assert!(
+            lines.contains(&threads.as_str()),
+            "rank {rank}: {}",
+            f.stdout
+        );
     }
 }

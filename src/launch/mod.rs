@@ -3,6 +3,7 @@
 //! ranks of a one-host job itself or starts one node launcher per host, each of which starts
 //! its host's ranks. Any failure stops the whole job; --max_restarts starts it again.
 
+mod binding;
 mod gang;
 mod hosts;
 mod relay;
@@ -85,6 +86,17 @@ pub struct LaunchArgs {
     /// The ds_config every rank reads (passed as DS_RS_CONFIG).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Bind each local rank to its own contiguous share of the cores (and give it that many
+    /// compute threads), as DeepSpeed's launcher does for CPU jobs.
+    #[arg(long = "bind_cores_to_rank", alias = "bind-cores-to-rank")]
+    bind_cores_to_rank: bool,
+    /// The cores --bind_cores_to_rank shares out, e.g. 1,3-5,7 (default: all this host's).
+    #[arg(
+        long = "bind_core_list",
+        alias = "bind-core-list",
+        requires = "bind_cores_to_rank"
+    )]
+    bind_core_list: Option<String>,
     /// Set by a head launcher on each host: this host's position.
     #[arg(long = "node_rank", alias = "node-rank", hide = true)]
     node_rank: Option<usize>,
@@ -215,6 +227,10 @@ impl<'a> Job<'a> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = (cores / local).max(1).to_string();
         let slots: Vec<String> = host.slots.iter().map(usize::to_string).collect();
+        let binding = match self.args.bind_cores_to_rank {
+            true => Some(binding::plan(self.args.bind_core_list.as_deref(), local)?),
+            false => None,
+        };
         let stamp = chrono_stamp();
         let mut specs = Vec::new();
         for local_rank in 0..local {
@@ -236,6 +252,9 @@ impl<'a> Job<'a> {
                 if std::env::var_os(var).is_none() {
                     cmd.env(var, &threads);
                 }
+            }
+            if let Some(cores) = &binding {
+                binding::bind(&mut cmd, &cores[local_rank]);
             }
             if let Some(c) = &self.config {
                 cmd.env("DS_RS_CONFIG", c);
@@ -287,6 +306,14 @@ impl<'a> Job<'a> {
     }
 
     fn remote(&self) -> anyhow::Result<Remote<'_>> {
+        if self.args.bind_cores_to_rank
+            && matches!(self.args.launcher, Launcher::Slurm | Launcher::Openmpi)
+        {
+            bail!(
+                "--bind_cores_to_rank: with --launcher slurm or openmpi the scheduler starts the \
+                 ranks; bind them with srun --cpu-bind or mpirun --bind-to"
+            );
+        }
         let exe = std::env::current_exe().context("locating the ds-rs executable")?;
         let exe = exe.to_string_lossy().into_owned();
         let mut env = remote::exported_env();
@@ -309,6 +336,12 @@ impl<'a> Job<'a> {
                     absolute(d)?.to_string_lossy().into_owned(),
                 ]);
             }
+        }
+        if self.args.bind_cores_to_rank {
+            node_argv.push("--bind_cores_to_rank".into());
+        }
+        if let Some(list) = &self.args.bind_core_list {
+            node_argv.extend(["--bind_core_list".into(), list.clone()]);
         }
         node_argv.extend(self.args.program.iter().cloned());
         let mut rank_argv = vec![self.program.to_string_lossy().into_owned()];
