@@ -1,8 +1,9 @@
 //! Collective algorithms over the links of a group: ring reduce-scatter and all-gather for
 //! large messages (bandwidth-optimal: each rank sends 2(n-1)/n of the data for an
 //! all-reduce), direct exchanges for small ones (one round of latency), a pipelined chain
-//! for broadcast and a dissemination barrier. Every step is chunked by the links, so
-//! sending, receiving and reducing overlap.
+//! for broadcast and a dissemination barrier. A ring pass is one exchange in which each
+//! piece is forwarded as soon as it is reduced (`ring`), so sending, receiving and reducing
+//! overlap; the all-reduce runs it slice by slice to reuse what is in cache.
 
 use crate::dtype::{combine, combine_into, Element, ReduceOp};
 use crate::error::{CommError, Result};
