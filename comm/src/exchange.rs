@@ -177,10 +177,10 @@ pub(crate) fn exchange(
     deadline: Deadline,
 ) -> Result<()> {
     check_gates(sends, recvs);
-    let mut idle = Idle::default();
+    let (mut idle, mut waits) = (Idle::default(), Waits::default());
     loop {
         let (mut progress, mut unfinished) = (false, false);
-        let mut waits = Waits::default();
+        waits.clear(); // reused: this loop spins, and should not allocate each turn
         for s in sends.iter_mut() {
             let ready = s.relays.map_or(s.data.len, |r| recvs[r].done);
             unfinished |= s.done < s.data.len;
@@ -273,6 +273,10 @@ impl Waits {
             self.polls.push((peer, event));
         }
         true
+    }
+    fn clear(&mut self) {
+        self.held.clear();
+        self.polls.clear();
     }
     fn peers(&self) -> Vec<usize> {
         let mut p: Vec<usize> = self.polls.iter().map(|(p, _)| *p).collect();
