@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::hjson::HjsonError;
+use crate::unimplemented::NotImplemented;
 
 pub type Result<T> = std::result::Result<T, ConfigError>;
 
@@ -38,6 +39,11 @@ pub enum ConfigError {
     #[error("{path}: {message}")]
     Conflict { path: String, message: String },
 
+    /// Settings DeepSpeed accepts that ds-rs cannot carry out yet (`Config::check_implemented`),
+    /// all of them on one line: a training command refuses them with a single error.
+    #[error("{}", join_refusals(.0))]
+    NotImplemented(Vec<NotImplemented>),
+
     /// Several problems in one section (pydantic reports them all at once).
     #[error("{} problems:\n  {}", .0.len(), join_lines(.0))]
     Many(Vec<ConfigError>),
@@ -67,6 +73,7 @@ impl ConfigError {
             | ConfigError::Removed { path, .. }
             | ConfigError::Conflict { path, .. } => Some(path),
             ConfigError::Many(all) => all.first().and_then(ConfigError::path),
+            ConfigError::NotImplemented(all) => all.first().map(|n| n.path),
             ConfigError::Io { .. } | ConfigError::Parse { .. } => None,
         }
     }
@@ -75,6 +82,7 @@ impl ConfigError {
     pub fn paths(&self) -> Vec<&str> {
         match self {
             ConfigError::Many(all) => all.iter().flat_map(ConfigError::paths).collect(),
+            ConfigError::NotImplemented(all) => all.iter().map(|n| n.path).collect(),
             other => other.path().into_iter().collect(),
         }
     }
@@ -94,6 +102,13 @@ fn suggestion_text(suggestion: &Option<String>) -> String {
         Some(s) => format!(" (did you mean `{s}`?)"),
         None => String::new(),
     }
+}
+
+fn join_refusals(all: &[NotImplemented]) -> String {
+    all.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(". ")
 }
 
 fn join_lines(errors: &[ConfigError]) -> String {

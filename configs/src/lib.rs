@@ -25,6 +25,7 @@ pub mod runtime;
 mod section;
 mod summary;
 mod toplevel;
+mod unimplemented;
 pub mod value;
 pub mod zero;
 
@@ -35,6 +36,7 @@ pub use batch::PyNum;
 pub use error::{ConfigError, Result};
 pub use resolve::{Config, ParallelDims};
 pub use summary::summary_json;
+pub use unimplemented::NotImplemented;
 pub use value::Value;
 pub use zero::{OffloadDevice, ZeroStage};
 

@@ -67,6 +67,8 @@ pub struct Config {
     pub flops_profiler: FlopsProfilerConfig,
     pub wall_clock_breakdown: bool,
     pub pipeline: Json,
+    /// `tensor_parallel.autotp_size`: DeepSpeed's AutoTP degree (0 = off).
+    pub autotp_size: i64,
     pub checkpoint: CheckpointConfig,
     pub data_types: DataTypesConfig,
     pub autotuning: AutotuningConfig,
@@ -133,7 +135,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
     let wall_clock_breakdown = toplevel::wall_clock_breakdown(root)?;
     let autotuning = AutotuningConfig::read(root, &mut notes.warnings)?;
     let (pipeline, checkpoint, data_types, aio) = read_runtime(root, &mut notes)?;
-    let deepcompile = read_extras(root, &mut notes)?;
+    let (deepcompile, autotp_size) = read_extras(root, &mut notes)?;
     let triad = batch::resolve(root, dp)?;
     let config = Config {
         dims: *dims,
@@ -153,6 +155,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         wall_clock_breakdown: wall_clock_breakdown || flops_profiler.enabled,
         flops_profiler,
         pipeline,
+        autotp_size,
         checkpoint,
         data_types,
         autotuning,
@@ -231,14 +234,15 @@ fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
     Ok((pipeline, checkpoint, data_types, aio))
 }
 
-/// The sections ds-rs checks but does not act on; returns `compile.deepcompile`.
-fn read_extras(root: &Dict, notes: &mut Notes) -> Result<bool> {
+/// The sections ds-rs checks but does not act on; returns `compile.deepcompile` and
+/// `tensor_parallel.autotp_size`.
+fn read_extras(root: &Dict, notes: &mut Notes) -> Result<(bool, i64)> {
     extras::weight_quantization(root, &mut notes.autos)?;
     let deepcompile = extras::compile(root, &mut notes.autos)?;
     extras::timers(root, &mut notes.autos)?;
-    extras::tensor_parallel(root, &mut notes.autos)?;
+    let autotp_size = extras::tensor_parallel(root, &mut notes.autos)?;
     extras::expert_parallel(root)?;
-    Ok(deepcompile)
+    Ok((deepcompile, autotp_size))
 }
 
 /// DeepSpeed's `_do_error_check`: rules across sections.

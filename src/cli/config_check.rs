@@ -53,6 +53,7 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
         let doc = ds_config::load(&args.file)?;
         ds_config::resolve_with_auto(&doc, &dims, &args.auto_values(dims.dp()))
     });
+    let result = result.map(with_refusals);
     if args.json {
         println!("{}", ds_config::summary_json(&result));
     } else {
@@ -66,6 +67,19 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// DeepSpeed accepts the settings ds-rs cannot carry out yet, so the verdict stays "ok"; a
+/// warning says that `train` and `launch` refuse them.
+fn with_refusals(mut c: Config) -> Config {
+    let refused = c.not_implemented().into_iter().map(|n| {
+        format!(
+            "{}; `ds-rs train` and `ds-rs launch` refuse it",
+            n.describe()
+        )
+    });
+    c.warnings.extend(refused.collect::<Vec<_>>());
+    c
 }
 
 fn print_human(c: &Config) {

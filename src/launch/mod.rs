@@ -153,7 +153,11 @@ impl<'a> Job<'a> {
     fn new(args: &'a LaunchArgs, hosts: Hosts) -> anyhow::Result<Job<'a>> {
         let (program, program_args) = resolve_program(&args.program)?;
         let config = match &args.config {
-            Some(c) => Some(check_config(c, hosts.world_size())?),
+            Some(c) => Some(check_config(
+                c,
+                hosts.world_size(),
+                args.world_info.is_none(),
+            )?),
             None => None,
         };
         let multi = hosts.0.len() > 1 || args.force_multi;
@@ -257,7 +261,7 @@ impl<'a> Job<'a> {
                 binding::bind(&mut cmd, &cores[local_rank]);
             }
             if let Some(c) = &self.config {
-                cmd.env("DS_RS_CONFIG", c);
+                cmd.env("DS_RS_CONFIG", c).env(CONFIG_WARNED, c);
             }
             // Rank 0 may draw a progress bar: the relay keeps carriage returns intact.
             if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
@@ -317,10 +321,15 @@ impl<'a> Job<'a> {
         let exe = std::env::current_exe().context("locating the ds-rs executable")?;
         let exe = exe.to_string_lossy().into_owned();
         let mut env = remote::exported_env();
-        env.retain(|(k, _)| k != "DS_RS_JOB_TOKEN" && k != "DS_RS_CONFIG");
+        env.retain(|(k, _)| {
+            !["DS_RS_JOB_TOKEN", "DS_RS_CONFIG", CONFIG_WARNED].contains(&k.as_str())
+        });
         env.push(("DS_RS_JOB_TOKEN".into(), self.token.clone()));
         if let Some(c) = &self.config {
-            env.push(("DS_RS_CONFIG".into(), c.to_string_lossy().into_owned()));
+            let c = c.to_string_lossy().into_owned();
+            env.push(("DS_RS_CONFIG".into(), c.clone()));
+            // A node launcher has no --config: its ranks inherit this from it.
+            env.push((CONFIG_WARNED.into(), c));
         }
         let mut node_argv = vec![exe];
         node_argv.extend(["--world_info".into(), self.hosts.to_spec()]);
@@ -445,13 +454,31 @@ fn which(program: &str) -> Option<PathBuf> {
         .find(|p| is_exec(p))
 }
 
-/// Reads and resolves the config for the job's world size once, so that a bad config is one
-/// error line here instead of one per rank.
-fn check_config(path: &Path, world: usize) -> anyhow::Result<PathBuf> {
+/// Reads and resolves the config for the job's world size once, so that a bad config, or one
+/// asking for what ds-rs cannot do yet, is one error line here instead of one per rank. The
+/// head prints the config's warnings; a node launcher leaves them to the head.
+fn check_config(path: &Path, world: usize, head: bool) -> anyhow::Result<PathBuf> {
     let doc = ds_config::load(path)?;
     let dims = ds_config::ParallelDims::new(world, 1, 1)?;
-    ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    let config = ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    if head {
+        print_config_warnings(&config);
+    }
+    config
+        .check_implemented()
+        .with_context(|| format!("{}", path.display()))?;
     absolute(path)
+}
+
+/// Set on every rank the launcher starts with `--config`: the config whose warnings the head
+/// launcher printed, so that `train` reading that same file does not print them again.
+pub const CONFIG_WARNED: &str = "DS_RS_CONFIG_WARNED";
+
+/// The config's warnings (those of `config check`) on stderr, a `warning:` line each.
+pub fn print_config_warnings(config: &ds_config::Config) {
+    for w in &config.warnings {
+        eprintln!("warning: {w}");
+    }
 }
 
 fn absolute(path: &Path) -> anyhow::Result<PathBuf> {

@@ -92,6 +92,11 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let comm = init(&options_from_env().context("reading the rank environment")?)
         .context("joining the job")?;
     let cfg = read_config(args.config.as_deref(), comm.world_size())?;
+    if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
+        crate::launch::print_config_warnings(&cfg);
+    }
+    cfg.check_implemented()
+        .with_context(|| config_name(args.config.as_deref()))?;
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone(),
@@ -308,17 +313,29 @@ fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
     anyhow::bail!("--model {spec}: expected tiny, small, gpt2 or a model JSON file")
 }
 
+/// Whether the launcher that started this rank printed the warnings of this config already.
+fn launcher_warned(path: Option<&Path>) -> bool {
+    let warned = std::env::var_os(crate::launch::CONFIG_WARNED);
+    matches!((warned, path), (Some(w), Some(p)) if Path::new(&w) == p)
+}
+
+fn config_name(path: Option<&Path>) -> String {
+    path.map_or("the built-in default config".into(), |p| {
+        p.display().to_string()
+    })
+}
+
 fn read_config(path: Option<&Path>, world: usize) -> anyhow::Result<Config> {
     let dims = ParallelDims::new(world, 1, 1)?;
     match path {
         Some(p) => {
             let doc = load(p)?;
-            resolve(&doc, &dims).with_context(|| format!("{}", p.display()))
+            resolve(&doc, &dims).with_context(|| config_name(path))
         }
         None => {
             let doc = ds_config::hjson::parse(DEFAULT_CONFIG)
-                .map_err(|e| anyhow::anyhow!("the built-in default config: {e}"))?;
-            resolve(&doc, &dims).context("the built-in default config")
+                .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?;
+            resolve(&doc, &dims).with_context(|| config_name(None))
         }
     }
 }

@@ -1,0 +1,140 @@
+//! Nothing in a ds_config is silently ignored by the real binary: a setting ds-rs cannot carry
+//! out yet is refused with one error line naming its key, by `train` before it trains and by
+//! `launch` before any rank starts; a warning (a misspelt top-level key) is printed once per
+//! job, by the launcher or else by rank 0, never once per rank.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A config that trains the small model, with `extra` keys.
+fn with(extra: &str) -> String {
+    format!(
+        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}, {extra}}}"#
+    )
+}
+
+/// Configs DeepSpeed accepts that ask for what ds-rs does not do yet, with the key named.
+fn refused_configs() -> [(&'static str, String, &'static str); 3] {
+    [
+        (
+            "pipeline",
+            with(r#""pipeline": {"stages": 2}"#),
+            "pipeline.stages",
+        ),
+        (
+            "autotp",
+            with(r#""tensor_parallel": {"autotp_size": 2}"#),
+            "tensor_parallel.autotp_size",
+        ),
+        (
+            "nvme",
+            with(
+                r#""zero_optimization": {"stage": 2,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}"#,
+            ),
+            "zero_optimization.offload_optimizer.device",
+        ),
+    ]
+}
+
+/// Exit status 1, exactly one `error:` line, naming `key` and saying it is not implemented.
+fn assert_refused(f: &Finished, key: &str, what: &str) {
+    assert_eq!(f.status.code(), Some(1), "{what}: {}", f.stderr);
+    let errors = error_lines(&f.stderr);
+    assert_eq!(errors.len(), 1, "{what}: {}", f.stderr);
+    assert!(
+        errors[0].contains(key) && errors[0].contains("not implemented yet"),
+        "{what}: {:?} should name {key} and say it is not implemented yet",
+        errors[0]
+    );
+    assert!(!f.stderr.contains("panicked"), "{what}: {}", f.stderr);
+}
+
+#[test]
+fn settings_not_implemented_yet_are_refused_with_one_line_naming_the_key() {
+    let s = Scratch::new("refusals");
+    let model = s.write("model.json", SMALL_MODEL);
+    for (name, text, key) in refused_configs() {
+        let cfg = s.write(&format!("{name}.json"), &text);
+        let dir = s.path(name);
+        let job = format!("{} --config {}", train(&model, 2, &dir), cfg.display());
+        let f = run(&job, LIMIT);
+        assert_refused(&f, key, &format!("train, {name}"));
+        assert!(!dir.exists(), "train {name}: refused only after starting");
+
+        let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
+        let f = run(&format!("{launch} {}", train(&model, 2, &dir)), LIMIT);
+        assert_refused(&f, key, &format!("launch, {name}"));
+        // A rank's output is prefixed `[rankN]`: none may have run.
+        assert!(!f.stderr.contains("[rank"), "launch {name}: {}", f.stderr);
+        assert!(!f.stdout.contains("[rank"), "launch {name}: {}", f.stdout);
+    }
+}
+
+#[test]
+fn config_check_keeps_deepspeeds_verdict_on_them_and_warns() {
+    let s = Scratch::new("refusals-check");
+    for (name, text, key) in refused_configs() {
+        let cfg = s.write(&format!("{name}.json"), &text);
+        let f = run(&format!("config check {}", cfg.display()), LIMIT);
+        assert!(f.status.success(), "{name}: {}", f.stderr);
+        let warned = f
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("warning:") && l.contains(key) && l.contains("refuse"));
+        assert!(warned, "{name}: {}", f.stdout);
+    }
+}
+
+/// The lines of a finished command (stdout and stderr) that mention `needle`.
+fn lines_with<'a>(f: &'a Finished, needle: &str) -> Vec<&'a str> {
+    f.stdout
+        .lines()
+        .chain(f.stderr.lines())
+        .filter(|l| l.contains(needle))
+        .collect()
+}
+
+#[test]
+fn a_misspelt_top_level_key_is_warned_about_once_per_job() {
+    let s = Scratch::new("typo");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("typo.json", &config(1, r#", "gradient_clipingg": 1.0"#));
+    let hint = "did you mean `gradient_clipping`";
+    let dir = |n: &str| s.path(n);
+    let cfg = cfg.display();
+    // (command, how the one warning line starts: the launcher's, or rank 0's through it)
+    let cases = [
+        (
+            format!("{} --config {cfg}", train(&model, 2, &dir("one"))),
+            "warning: gradient_clipingg",
+        ),
+        (
+            format!(
+                "launch --nproc_per_node 2 --config {cfg} {}",
+                train(&model, 2, &dir("launched"))
+            ),
+            "warning: gradient_clipingg",
+        ),
+        (
+            format!(
+                "launch --nproc_per_node 2 {} --config {cfg}",
+                train(&model, 2, &dir("rank0"))
+            ),
+            "[rank0] warning: gradient_clipingg",
+        ),
+    ];
+    for (cmd, start) in cases {
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{cmd}: {}", f.stderr);
+        let warned = lines_with(&f, hint);
+        assert_eq!(warned.len(), 1, "{cmd}: {}", f.stderr);
+        assert!(warned[0].starts_with(start), "{cmd}: {:?}", warned[0]);
+    }
+}
