@@ -19,5 +19,6 @@ pub mod loss_scale;
 pub mod optim;
 pub mod schedule;
 
-pub use ds_partition::MemoryReport;
-pub use engine::{Dtype, Engine, EngineOptions, Precision, Settings, StepOutcome, Timings};
+pub use engine::{
+    Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings, StepOutcome, Timings,
+};

@@ -47,6 +47,17 @@ fn configs_the_engine_cannot_run_are_named() {
 }
 
 #[test]
+fn settings_not_implemented_yet_are_refused_naming_the_key() {
+    let offload = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#;
+    let e = init_error(config(offload, 2, 1), EngineOptions::default(), 2);
+    assert!(
+        e.contains("zero_optimization.offload_param.device") && e.contains("not implemented yet"),
+        "{e}"
+    );
+}
+
+#[test]
 fn init_files_of_another_model_are_named() {
     let dir = std::env::temp_dir().join(format!("ds-rs-bad-init-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -139,7 +139,7 @@ fn memory_report_follows_the_zero_formulas() {
                 16 * psi / n,
             ];
             assert!(
-                r.total().abs_diff(formula[stage as usize]) <= 16 * n,
+                r.model_states().abs_diff(formula[stage as usize]) <= 16 * n,
                 "stage {stage}"
             );
         }

@@ -39,7 +39,12 @@ pub trait GradStore<T: Element>: Send {
     /// The reduced, averaged gradients of `owned` (valid after the boundary's `finish`).
     fn owned(&self, owned: Range<usize>) -> &[T];
     fn zero(&mut self);
+    /// Bytes of gradients held between steps.
     fn bytes(&self) -> usize;
+    /// Most bytes held at once in reduction buffers besides the gradients (buckets).
+    fn peak_buffer_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// Stages 0-1: a whole gradient buffer per rank, all-reduced once per optimizer step.
@@ -94,15 +99,54 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 
 /// Stages 2-3: gradients gather in a bucket; a full bucket is reduce-scattered and each rank
 /// adds its part into the shard it owns. Only the shard is kept between steps.
+///
+/// Note [bounded buckets]: at most two bucket buffers exist, as DeepSpeed's double-buffered
+/// ipg buckets: the one being filled and the one being reduced (with `overlap_comm`). A
+/// layer's gradient is copied once, straight to its place in the bucket; a bucket holds at
+/// most `reduce_bucket_size` elements unless one layer's gradient alone is larger.
 pub struct ShardGrads<T: Element> {
     shard: Vec<T>,
     layout: ShardLayout,
     group: Group,
     reduce: ReduceConfig,
-    /// Pending pieces, each a flat range with its values; they form one contiguous range.
-    bucket: Vec<(Range<usize>, Vec<T>)>,
-    bucket_len: usize,
-    in_flight: Vec<(Range<usize>, Work<Vec<T>>)>,
+    filling: Option<Bucket<T>>,
+    in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
+    /// The buffer of the last finished reduction, reused by the next bucket.
+    spare: Option<Vec<T>>,
+    /// Most elements held in bucket buffers at once (communication buffers, for the report).
+    peak_bucket_elems: usize,
+}
+
+/// Gradients of a contiguous flat range `lo..hi`, filled from the top down (backward visits
+/// layers in reverse flat order): they sit at the end of `buf`.
+struct Bucket<T> {
+    buf: Vec<T>,
+    lo: usize,
+    hi: usize,
+}
+
+impl<T: Element> Bucket<T> {
+    fn room(&self) -> usize {
+        self.buf.len() - (self.hi - self.lo)
+    }
+
+    /// Writes the gradient of `range`, which ends where the bucket starts.
+    fn put(&mut self, range: Range<usize>, grad: &[T]) {
+        let cap = self.buf.len();
+        let at = cap - (self.hi - range.start);
+        self.buf[at..at + grad.len()].copy_from_slice(grad);
+        self.lo = range.start;
+    }
+
+    /// The buffer holding exactly `lo..hi`, and that range.
+    fn into_filled(mut self) -> (Vec<T>, Range<usize>) {
+        let (cap, len) = (self.buf.len(), self.hi - self.lo);
+        if len < cap {
+            self.buf.copy_within(cap - len.., 0);
+            self.buf.truncate(len);
+        }
+        (self.buf, self.lo..self.hi)
+    }
 }
 
 impl<T: Element> ShardGrads<T> {
@@ -112,56 +156,57 @@ impl<T: Element> ShardGrads<T> {
             layout,
             group,
             reduce,
-            bucket: Vec::new(),
-            bucket_len: 0,
-            in_flight: Vec::new(),
+            filling: None,
+            in_flight: None,
+            spare: None,
+            peak_bucket_elems: 0,
         }
     }
 
-    /// Whether `range` extends the pending bucket into one contiguous range.
-    fn adjacent(&self, range: &Range<usize>) -> bool {
-        let lo = self.bucket.iter().map(|(r, _)| r.start).min();
-        let hi = self.bucket.iter().map(|(r, _)| r.end).max();
-        match (lo, hi) {
-            (Some(lo), Some(hi)) => range.end == lo || range.start == hi,
-            _ => true,
-        }
+    /// A bucket for gradients ending at `hi`, big enough for `first` elements: a reduced
+    /// bucket's buffer when one is free.
+    fn open(&mut self, hi: usize, first: usize) -> Bucket<T> {
+        let cap = self.reduce.bucket_size.min(hi).max(first);
+        let mut buf = self.spare.take().unwrap_or_default();
+        buf.clear();
+        buf.resize(cap, T::default());
+        let held = cap + self.in_flight.as_ref().map_or(0, |(r, _)| r.len());
+        self.peak_bucket_elems = self.peak_bucket_elems.max(held);
+        Bucket { buf, lo: hi, hi }
     }
 
-    /// Reduce-scatters the pending bucket (in the background with `overlap_comm`).
+    /// Reduce-scatters the bucket being filled (in the background with `overlap_comm`),
+    /// after the one before it has finished.
     fn flush(&mut self) -> Result<()> {
-        if self.bucket.is_empty() {
+        let Some(bucket) = self.filling.take() else {
             return Ok(());
-        }
-        let mut pieces = std::mem::take(&mut self.bucket);
-        self.bucket_len = 0;
-        pieces.sort_by_key(|(r, _)| r.start);
-        let range = pieces[0].0.start..pieces[pieces.len() - 1].0.end;
-        let mut buf: Vec<T> = pieces.into_iter().flat_map(|(_, v)| v).collect();
+        };
+        let (mut buf, range) = bucket.into_filled();
         let (pre, _) = self.reduce.scales(self.group.size());
         scale(&mut buf, pre);
+        self.drain()?;
         let counts = self.layout.counts_within(&range);
         let work = self
             .group
             .reduce_scatter_v_async(buf, counts, ReduceOp::Sum);
-        self.in_flight.push((range, work));
+        self.in_flight = Some((range, work));
         if !self.reduce.overlap_comm {
             self.drain()?;
         }
         Ok(())
     }
 
-    /// Waits for the reductions in flight and adds this rank's parts into its shard.
+    /// Waits for the reduction in flight and adds this rank's part into its shard.
     fn drain(&mut self) -> Result<()> {
+        let Some((range, work)) = self.in_flight.take() else {
+            return Ok(());
+        };
+        let mut buf = work.wait()?;
         let (_, post) = self.reduce.scales(self.group.size());
         let me = self.group.rank();
-        let shard_start = self.layout.shard(me).start;
-        for (range, work) in std::mem::take(&mut self.in_flight) {
-            let mut buf = work.wait()?;
-            let mine = self.layout.owned_within(&range, me);
-            if mine.is_empty() {
-                continue;
-            }
+        let mine = self.layout.owned_within(&range, me);
+        if !mine.is_empty() {
+            let shard_start = self.layout.shard(me).start;
             let part = &mut buf[mine.start - range.start..mine.end - range.start];
             scale(part, post);
             accumulate(
@@ -169,18 +214,24 @@ impl<T: Element> ShardGrads<T> {
                 part,
             );
         }
+        self.spare = Some(buf);
         Ok(())
     }
 }
 
 impl<T: Element> GradStore<T> for ShardGrads<T> {
     fn add(&mut self, range: Range<usize>, grad: &[T]) -> Result<()> {
-        if !self.adjacent(&range) {
+        let fits = self
+            .filling
+            .as_ref()
+            .is_some_and(|b| range.end == b.lo && grad.len() <= b.room());
+        if !fits {
             self.flush()?;
+            self.filling = Some(self.open(range.end, grad.len()));
         }
-        self.bucket_len += grad.len();
-        self.bucket.push((range, grad.to_vec()));
-        if self.bucket_len >= self.reduce.bucket_size {
+        let bucket = self.filling.as_mut().expect("invariant: opened above");
+        bucket.put(range, grad);
+        if bucket.room() == 0 {
             self.flush()?;
         }
         Ok(())
@@ -188,7 +239,9 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
 
     fn finish(&mut self, _boundary: bool) -> Result<()> {
         self.flush()?;
-        self.drain()
+        self.drain()?;
+        self.spare = None; // bucket buffers live only during backward
+        Ok(())
     }
 
     fn owned(&self, _owned: Range<usize>) -> &[T] {
@@ -201,6 +254,10 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
 
     fn bytes(&self) -> usize {
         std::mem::size_of_val(self.shard.as_slice())
+    }
+
+    fn peak_buffer_bytes(&self) -> usize {
+        self.peak_bucket_elems * std::mem::size_of::<T>()
     }
 }
 

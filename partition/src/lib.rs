@@ -22,6 +22,6 @@ pub use error::{PartitionError, Result};
 pub use flat::{FlatEntry, FlatIndex, ParamId};
 pub use grads::{GradStore, ReduceConfig};
 pub use layout::ShardLayout;
-pub use memory::MemoryReport;
-pub use params::{ParamStore, Stage3Config};
+pub use memory::StateBytes;
+pub use params::{ParamStore, Publish, Stage3Config};
 pub use zero::{Zero, ZeroOptions};

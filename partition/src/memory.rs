@@ -1,8 +1,8 @@
 //! Bytes held per rank, by kind: the figures of the ZeRO paper's memory formulas.
 
-/// Bytes this rank holds for the model state (activations and temporaries not included).
+/// Bytes this rank holds for the model state, and the most its communication buffers held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct MemoryReport {
+pub struct StateBytes {
     /// Parameters in the compute dtype: whole (stages 0-2) or this rank's shard (stage 3),
     /// plus gathered parameters kept resident (stage 3's persistent ones).
     pub params: usize,
@@ -10,10 +10,14 @@ pub struct MemoryReport {
     pub grads: usize,
     /// fp32 master copy of the owned range plus the optimizer's moments.
     pub optimizer_states: usize,
+    /// Most bytes held at once by reduction buckets and parameter gathers so far (they live
+    /// only during forward and backward).
+    pub comm_buffers: usize,
 }
 
-impl MemoryReport {
-    pub fn total(&self) -> usize {
+impl StateBytes {
+    /// Parameters, gradients and optimizer states: what the ZeRO formulas count.
+    pub fn model_states(&self) -> usize {
         self.params + self.grads + self.optimizer_states
     }
 }

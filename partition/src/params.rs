@@ -20,25 +20,40 @@ pub trait ParamStore<T: Element>: Send {
     fn values_f32(&self, range: Range<usize>) -> Vec<f32>;
     /// Bytes held between steps.
     fn bytes(&self) -> usize;
+    /// Most bytes of gathered parameters held by the store at once besides `bytes` (a
+    /// prefetch in flight; what callers hold of `get`'s answers is theirs to count).
+    fn peak_gathered_bytes(&self) -> usize {
+        0
+    }
 }
 
-/// Stages 0-2: every rank keeps all parameters. When `partitioned` (stages 1-2) each rank
-/// updates only its shard and an all-gather makes them whole again.
+/// How replicated parameters become whole again after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Publish {
+    /// Stage 0: every rank updated every parameter.
+    Local,
+    /// Stages 1-2: each rank updated its shard; all-gathered in pieces of this many elements
+    /// (`allgather_bucket_size`), in place.
+    AllGather { piece: usize },
+}
+
+/// Stages 0-2: every rank keeps all parameters.
 pub struct ReplicatedParams<T: Element> {
     values: Vec<T>,
     layout: ShardLayout,
     group: Group,
-    partitioned: bool,
+    publish: Publish,
 }
 
 impl<T: Element> ReplicatedParams<T> {
-    pub fn new(mut values: Vec<T>, layout: ShardLayout, group: Group, partitioned: bool) -> Self {
-        values.resize(layout.padded(), T::default());
+    /// `values` are the whole initial parameters, padded.
+    pub fn new(values: Vec<T>, layout: ShardLayout, group: Group, publish: Publish) -> Self {
+        debug_assert_eq!(values.len(), layout.padded());
         ReplicatedParams {
             values,
             layout,
             group,
-            partitioned,
+            publish,
         }
     }
 }
@@ -54,9 +69,17 @@ impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
 
     fn publish(&mut self, owned: Range<usize>, master: &[f32]) -> Result<()> {
         convert_into(&mut self.values[owned], master);
-        if self.partitioned && self.layout.world() > 1 {
-            let counts = vec![self.layout.shard_len(); self.layout.world()];
-            self.group.all_gather_v(&mut self.values, &counts)?;
+        let Publish::AllGather { piece } = self.publish else {
+            return Ok(());
+        };
+        if self.layout.world() == 1 {
+            return Ok(());
+        }
+        let padded = self.layout.padded();
+        for start in (0..padded).step_by(piece.max(1)) {
+            let range = start..(start + piece.max(1)).min(padded);
+            let counts = self.layout.counts_within(&range);
+            self.group.all_gather_v(&mut self.values[range], &counts)?;
         }
         Ok(())
     }
@@ -91,15 +114,16 @@ pub struct ShardedParams<T: Element> {
     limits: Stage3Config,
     in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
     persistent: Vec<(Range<usize>, Vec<T>)>,
+    /// The largest range handed out by `get` and the largest prefetched, in elements: at
+    /// most one of each is alive in the store's buffers at once.
+    peak_get: usize,
+    peak_prefetch: usize,
 }
 
 impl<T: Element> ShardedParams<T> {
-    /// `values` are the whole initial parameters; only this rank's shard is kept.
-    pub fn new(values: &[T], layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
-        let mine = layout.shard(group.rank());
-        let mut shard = vec![T::default(); layout.shard_len()];
-        let have = mine.start.min(values.len())..mine.end.min(values.len());
-        shard[..have.len()].copy_from_slice(&values[have]);
+    /// `shard` holds this rank's initial values (its shard of the padded buffer).
+    pub fn new(shard: Vec<T>, layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
+        debug_assert_eq!(shard.len(), layout.shard_len());
         ShardedParams {
             shard,
             layout,
@@ -107,6 +131,8 @@ impl<T: Element> ShardedParams<T> {
             limits,
             in_flight: None,
             persistent: Vec::new(),
+            peak_get: 0,
+            peak_prefetch: 0,
         }
     }
 
@@ -130,6 +156,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         if let Some(i) = self.persistent.iter().position(|(r, _)| *r == range) {
             return Ok(Cow::Borrowed(&self.persistent[i].1));
         }
+        self.peak_get = self.peak_get.max(range.len());
         let gathered = match self.in_flight.take() {
             Some((r, work)) if r == range => work.wait()?,
             other => {
@@ -157,6 +184,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         if self.in_flight.is_none() && fits && !kept && !range.is_empty() {
             let (buf, counts) = self.gather_input(&range);
             let work = self.group.all_gather_v_async(buf, counts);
+            self.peak_prefetch = self.peak_prefetch.max(range.len());
             self.in_flight = Some((range, work));
         }
         Ok(())
@@ -182,6 +210,10 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
     fn bytes(&self) -> usize {
         let kept: usize = self.persistent.iter().map(|(_, v)| v.len()).sum();
         (self.shard.len() + kept) * std::mem::size_of::<T>()
+    }
+
+    fn peak_gathered_bytes(&self) -> usize {
+        (self.peak_get + self.peak_prefetch) * std::mem::size_of::<T>()
     }
 }
 

@@ -7,8 +7,8 @@ use std::ops::Range;
 use ds_comm::{Element, Group, ReduceOp};
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
-use crate::params::{ParamStore, ReplicatedParams, ShardedParams, Stage3Config};
-use crate::{MemoryReport, Result, ShardLayout};
+use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
+use crate::{Result, ShardLayout, StateBytes};
 
 /// What a stage needs from ds_config `zero_optimization`.
 #[derive(Debug, Clone, Copy)]
@@ -16,6 +16,9 @@ pub struct ZeroOptions {
     /// 0 (plain data parallelism) to 3.
     pub stage: u8,
     pub reduce: ReduceConfig,
+    /// Elements per all-gather piece when stages 1-2 make parameters whole after the step
+    /// (`allgather_bucket_size`).
+    pub allgather_bucket_size: usize,
     pub stage3: Stage3Config,
 }
 
@@ -32,32 +35,60 @@ pub struct Zero<T: Element> {
 }
 
 impl<T: Element> Zero<T> {
-    /// `values` are the whole initial parameters in flat order (the same on every rank).
-    pub fn new(values: Vec<T>, opts: ZeroOptions, group: Group) -> Result<Zero<T>> {
+    /// The stage's stores for `numel` parameters; `init(range, dst)` writes the initial
+    /// values of flat `range` (within `0..numel`) into `dst`. Only the ranges this rank keeps
+    /// are asked for: the whole buffer at stages 0-2, the owned shard at stage 3 (DeepSpeed's
+    /// zero.Init), so no rank ever holds more than its store does.
+    pub fn new<E: From<crate::PartitionError>>(
+        numel: usize,
+        opts: ZeroOptions,
+        group: Group,
+        init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Zero<T>, E> {
         if opts.stage > 3 {
             return Err(crate::PartitionError::Invalid(format!(
                 "ZeRO stage {} does not exist (0-3)",
                 opts.stage
-            )));
+            ))
+            .into());
         }
-        let layout = ShardLayout::new(values.len(), group.size());
+        let layout = ShardLayout::new(numel, group.size());
         let owned = match opts.stage {
             0 => 0..layout.padded(),
             _ => layout.shard(group.rank()),
         };
         let params: Box<dyn ParamStore<T>> = match opts.stage {
-            3 => Box::new(ShardedParams::new(
-                &values,
-                layout,
-                group.clone(),
-                opts.stage3,
-            )),
-            s => Box::new(ReplicatedParams::new(values, layout, group.clone(), s > 0)),
+            3 => {
+                let shard = initial(layout, owned.clone(), init)?;
+                Box::new(ShardedParams::new(
+                    shard,
+                    layout,
+                    group.clone(),
+                    opts.stage3,
+                ))
+            }
+            s => {
+                let values = initial(layout, 0..layout.padded(), init)?;
+                let publish = match s {
+                    0 => Publish::Local,
+                    _ => Publish::AllGather {
+                        piece: opts.allgather_bucket_size,
+                    },
+                };
+                Box::new(ReplicatedParams::new(
+                    values,
+                    layout,
+                    group.clone(),
+                    publish,
+                ))
+            }
         };
         let grads: Box<dyn GradStore<T>> = match opts.stage {
             0 | 1 => Box::new(FullGrads::new(layout, group.clone(), opts.reduce)),
             _ => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
         };
+        // The master copy starts from the compute-dtype values (rounded under bf16/fp16), as
+        // DeepSpeed's does.
         let master = params.values_f32(owned.clone());
         Ok(Zero {
             stage: opts.stage,
@@ -150,13 +181,36 @@ impl<T: Element> Zero<T> {
 
     /// Bytes held for parameters, gradients and optimizer states (`optimizer_bytes` are
     /// the moments the optimizer reports; the master copy is counted here).
-    pub fn memory(&self, optimizer_bytes: usize) -> MemoryReport {
-        MemoryReport {
+    pub fn memory(&self, optimizer_bytes: usize) -> StateBytes {
+        StateBytes {
             params: self.params.bytes(),
             grads: self.grads.bytes(),
             optimizer_states: std::mem::size_of_val(self.master.as_slice()) + optimizer_bytes,
+            comm_buffers: self.params.peak_gathered_bytes() + self.grads.peak_buffer_bytes(),
         }
     }
+}
+
+/// The initial values of `range` (padded coordinates) in the compute dtype, generated in
+/// pieces of at most `INIT_PIECE` elements so the f32 staging stays small; padding is zero.
+fn initial<T: Element, E>(
+    layout: ShardLayout,
+    range: Range<usize>,
+    init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E>,
+) -> std::result::Result<Vec<T>, E> {
+    const INIT_PIECE: usize = 1 << 20;
+    let mut out = vec![T::default(); range.len()];
+    let mut staging = vec![0f32; INIT_PIECE.min(range.len())];
+    let real_end = range.end.min(layout.numel());
+    let mut at = range.start;
+    while at < real_end {
+        let end = (at + INIT_PIECE).min(real_end);
+        let piece = &mut staging[..end - at];
+        init(at..end, piece)?;
+        crate::params::convert_into(&mut out[at - range.start..end - range.start], piece);
+        at = end;
+    }
+    Ok(out)
 }
 
 /// The sum of squares in f64, over 8 running partial sums: one serial chain of f64 adds

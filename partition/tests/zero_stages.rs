@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
-use ds_partition::{ReduceConfig, Stage3Config, Zero, ZeroOptions};
+use ds_partition::{PartitionError, ReduceConfig, Stage3Config, Zero, ZeroOptions};
 
 const NUMEL: usize = 1009; // prime: shards never divide it
 const LAYERS: [std::ops::Range<usize>; 4] = [0..100, 100..400, 400..1000, 1000..1009];
@@ -18,6 +18,7 @@ fn options(stage: u8, bucket: usize, overlap: bool) -> ZeroOptions {
             overlap_comm: overlap,
             predivide_factor: 1.0,
         },
+        allgather_bucket_size: 250,
         stage3: Stage3Config {
             prefetch_bucket_size: 500,
             max_live_parameters: 10_000,
@@ -44,11 +45,33 @@ fn every_stage_reduces_gathers_and_publishes_like_the_serial_reference() {
             run_ranks(world, Duration::from_secs(30), move |comm| {
                 let rank = comm.rank();
                 let values: Vec<f32> = (0..NUMEL).map(|i| i as f32).collect();
+                let mut asked = Vec::new();
+                let mut init = |r: std::ops::Range<usize>, dst: &mut [f32]| {
+                    dst.iter_mut()
+                        .zip(r.clone())
+                        .for_each(|(d, i)| *d = i as f32);
+                    asked.push(r);
+                    Ok::<_, PartitionError>(())
+                };
                 let mut z = Zero::new(
-                    values.clone(),
+                    NUMEL,
                     options(stage, bucket, overlap),
                     comm.world(),
+                    &mut init,
                 )?;
+                // stage 3 generates only its own shard (zero.Init); the others everything
+                let keeps = match stage {
+                    3 => z.owned().start.min(NUMEL)..z.owned().end.min(NUMEL),
+                    _ => 0..NUMEL,
+                };
+                let covered: usize = asked.iter().map(|r| r.len()).sum();
+                assert!(
+                    asked
+                        .iter()
+                        .all(|r| keeps.start <= r.start && r.end <= keeps.end),
+                    "ws{world} stage {stage}: asked for {asked:?}, keeps {keeps:?}"
+                );
+                assert_eq!(covered, keeps.len(), "ws{world} stage {stage}: {asked:?}");
                 for r in LAYERS.iter().rev() {
                     let g: Vec<f32> = r.clone().map(|i| grad(rank, i)).collect();
                     z.add_grad(r.clone(), &g)?;
@@ -83,7 +106,7 @@ fn every_stage_reduces_gathers_and_publishes_like_the_serial_reference() {
                     "ws{world} stage {stage} after publish"
                 );
                 assert_eq!(z.gather_master()?, next);
-                Ok::<_, ds_partition::PartitionError>(())
+                Ok::<_, PartitionError>(())
             })
             .unwrap();
         }

@@ -46,6 +46,14 @@ impl LayerParams {
         Ok(LayerParams { vars, names })
     }
 
+    /// Bytes of the materialised parameters.
+    pub fn bytes(&self) -> usize {
+        self.vars
+            .iter()
+            .map(|v| crate::model::tensor_bytes(v.as_tensor()))
+            .sum()
+    }
+
     /// A `VarBuilder` over these parameters, under the layer's prefix: the variables
     /// themselves for autograd, or untracked views of them (`tracked` false).
     pub fn var_builder(

@@ -2,7 +2,9 @@
 //! `backward`, `step` (which knows accumulation boundaries), `train_batch`, `eval_batch`,
 //! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
 
+mod initial;
 mod layers;
+mod memory;
 mod settings;
 mod trainer;
 mod update;
@@ -13,16 +15,17 @@ use std::time::Duration;
 use candle_core::Device;
 use ds_comm::{Communicator, ReduceOp};
 use ds_config::Config;
-use ds_partition::{FlatIndex, MemoryReport};
+use ds_partition::FlatIndex;
 use half::{bf16, f16};
 
 use crate::checkpoint;
 use crate::data::Batch;
 use crate::loss_scale::LossScaler;
-use crate::model::{init_values, weights, Model, ParamSpec};
+use crate::model::{weights, Model, ParamSpec};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 pub use layers::Dtype;
+pub use memory::MemoryReport;
 pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::StepOutcome;
@@ -124,13 +127,18 @@ impl Engine {
                 config.dims.tp, config.dims.pp
             )));
         }
+        // Offload, AutoTP and pipeline stages in the file would otherwise be ignored.
+        config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
         let specs = model.params();
         let mut index = FlatIndex::new();
         for s in &specs {
             index.push(&s.name, &s.shape)?;
         }
-        let values = initial_values(&specs, opts)?;
+        let source = match &opts.init {
+            Some(path) => initial::Source::File(weights::WeightsFile::open(path, &specs)?),
+            None => initial::Source::Seed(opts.seed),
+        };
         let section = config
             .optimizer
             .clone()
@@ -145,17 +153,23 @@ impl Engine {
             let opt = crate::optim::build_from_section(&section, shard_len)?;
             Ok(update::Updater::new(opt, schedule, scaler))
         };
+        let init = initial::InitialValues {
+            specs: &specs,
+            index: &index,
+            source,
+        };
+        let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
         let parts = trainer::Parts {
             model,
-            index,
+            index: index.clone(),
             settings: settings.clone(),
             dp: comm.world(),
             dev: opts.device.clone(),
         };
         let core = match settings.precision {
-            Precision::F32 => Core::F32(Trainer::new(parts, values, updater)?),
-            Precision::BF16 => Core::Bf16(Trainer::new(parts, convert(&values), updater)?),
-            Precision::F16 => Core::F16(Trainer::new(parts, convert(&values), updater)?),
+            Precision::F32 => Core::F32(Trainer::new(parts, &mut fill, updater)?),
+            Precision::BF16 => Core::Bf16(Trainer::new(parts, &mut fill, updater)?),
+            Precision::F16 => Core::F16(Trainer::new(parts, &mut fill, updater)?),
         };
         Ok(Engine {
             core,
@@ -242,7 +256,8 @@ impl Engine {
         each!(&self.core, t => t.updater().loss_scale())
     }
 
-    /// Bytes this rank holds for parameters, gradients and optimizer states.
+    /// Bytes this rank holds for parameters, gradients and optimizer states, and the most a
+    /// step has held besides them.
     pub fn memory_report(&self) -> MemoryReport {
         each!(&self.core, t => t.memory_report())
     }
@@ -379,19 +394,6 @@ fn param_entries(index: &FlatIndex) -> Vec<checkpoint::ParamEntry> {
             offset: e.offset,
         })
         .collect()
-}
-
-/// The whole initial parameters in flat order: from `--init`, else from (seed, name).
-fn initial_values(specs: &[ParamSpec], opts: &EngineOptions) -> Result<Vec<f32>> {
-    let per_param = match &opts.init {
-        Some(path) => weights::load(path, specs)?,
-        None => specs.iter().map(|s| init_values(s, opts.seed)).collect(),
-    };
-    Ok(per_param.concat())
-}
-
-fn convert<T: Dtype>(values: &[f32]) -> Vec<T> {
-    values.iter().map(|v| T::from_f32(*v)).collect()
 }
 
 /// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).

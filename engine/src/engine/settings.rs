@@ -84,6 +84,10 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
             // DeepSpeed applies the predivide factor only with prescale_gradients.
             predivide_factor: if prescale { predivide } else { 1.0 },
         },
+        allgather_bucket_size: elements(
+            z.allgather_bucket_size,
+            "zero_optimization.allgather_bucket_size",
+        )?,
         stage3: Stage3Config {
             prefetch_bucket_size: elements(
                 z.stage3_prefetch_bucket_size,

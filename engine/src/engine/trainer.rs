@@ -6,14 +6,15 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
-use ds_partition::{FlatIndex, MemoryReport, Zero};
+use ds_partition::{FlatIndex, Zero};
 
 use super::layers::{self, Dtype, LayerParams};
+use super::memory::{MemoryReport, StepPeak};
 use super::update::{StepOutcome, Updater};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::data::Batch;
-use crate::model::{Context, Model, Tape};
+use crate::model::{tensor_bytes, Context, Model, Tape};
 use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.
@@ -56,6 +57,7 @@ pub(crate) struct Trainer<T: Dtype> {
     targets: Option<Tensor>,
     micro_steps: u64,
     timings: Timings,
+    peak: StepPeak,
 }
 
 /// What a trainer is built from, whatever its dtype.
@@ -68,11 +70,12 @@ pub(crate) struct Parts {
 }
 
 impl<T: Dtype> Trainer<T> {
-    /// `values` are the whole initial parameters; `updater` builds the optimizer for the
-    /// length of the shard this rank will own.
+    /// `init(range, dst)` writes the initial values of a flat range (only the ranges this
+    /// rank keeps are asked for); `updater` builds the optimizer for the length of the shard
+    /// this rank will own.
     pub fn new(
         parts: Parts,
-        values: Vec<T>,
+        init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> Result<()>,
         updater: impl FnOnce(usize) -> Result<Updater>,
     ) -> Result<Trainer<T>> {
         let Parts {
@@ -90,7 +93,7 @@ impl<T: Dtype> Trainer<T> {
             next += n;
         }
         let layer_flat = layer_ids.iter().map(|r| index.span(r.clone())).collect();
-        let zero = Zero::new(values, settings.zero, dp.clone())?;
+        let zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
         let updater = updater(zero.owned().len())?;
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
@@ -108,6 +111,7 @@ impl<T: Dtype> Trainer<T> {
             targets: None,
             micro_steps: 0,
             timings: Timings::default(),
+            peak: StepPeak::default(),
         })
     }
 
@@ -175,6 +179,7 @@ impl<T: Dtype> Trainer<T> {
             x = y;
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
+        self.note_forward_peak();
         let loss = x.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         self.timings.forward += t0.elapsed();
         Ok(loss)
@@ -205,6 +210,9 @@ impl<T: Dtype> Trainer<T> {
                 }
             };
             let (dx, params, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
+            // the layer's gradient tensors and their flat copy
+            let grad_bytes = 2 * std::mem::size_of_val(g.as_slice());
+            self.peak.layer_grads = self.peak.layer_grads.max(grad_bytes);
             if !params.vars.is_empty() {
                 self.zero.add_grad(self.layer_flat[i].clone(), &g)?;
             }
@@ -281,7 +289,32 @@ impl<T: Dtype> Trainer<T> {
     }
 
     pub fn memory_report(&self) -> MemoryReport {
-        self.zero.memory(self.updater.state_bytes())
+        MemoryReport::new(self.zero.memory(self.updater.state_bytes()), self.peak)
+    }
+
+    /// Records what forward keeps for backward, at its end: the step's activation peak.
+    fn note_forward_peak(&mut self) {
+        let (mut activations, mut layer_params) = (0, 0);
+        for saved in &self.saved {
+            match saved {
+                Saved::Input(x) => activations += tensor_bytes(x),
+                Saved::Kept(Kept::Tape { tape, params }) => {
+                    activations += tape.activation_bytes();
+                    layer_params += params.bytes();
+                }
+                // candle's graph keeps more than its ends: a lower bound for autograd layers
+                Saved::Kept(Kept::Graph {
+                    input,
+                    params,
+                    output,
+                }) => {
+                    activations += tensor_bytes(input) + tensor_bytes(output);
+                    layer_params += params.bytes();
+                }
+            }
+        }
+        self.peak.activations = self.peak.activations.max(activations);
+        self.peak.layer_params = self.peak.layer_params.max(layer_params);
     }
 
     pub fn updater(&self) -> &Updater {

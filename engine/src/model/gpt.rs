@@ -16,7 +16,7 @@ use super::fused_norm_loss::{
 use super::grad::{bias_backward, linear, linear_backward};
 use super::nn::{cross_entropy, layer_norm};
 use super::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
-use super::{Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
+use super::{tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -174,6 +174,10 @@ struct EmbeddingsTape {
 }
 
 impl Tape for EmbeddingsTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.ids)
+    }
+
     /// Each token's row of wte gets the gradients at its positions; each position's row of
     /// wpe the sum over the batch.
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
@@ -316,6 +320,16 @@ impl Layer for Block {
 }
 
 impl Tape for BlockTape {
+    fn activation_bytes(&self) -> usize {
+        let a = &self.attn;
+        [
+            &self.x, &self.h1, &a.qkv, &a.probs, &a.out, &self.x2, &self.h2, &self.f, &self.g,
+        ]
+        .into_iter()
+        .map(tensor_bytes)
+        .sum()
+    }
+
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
         let BlockTape {
             c,
@@ -483,6 +497,10 @@ impl Layer for Head {
 }
 
 impl Tape for HeadTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.x) + tensor_bytes(&self.h)
+    }
+
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
         let dy = dy.to_dtype(self.h.dtype())?;
         let head = linear_backward(&self.h, &self.lm_head, &dy)?;
@@ -546,6 +564,10 @@ struct LossTape {
 }
 
 impl Tape for LossTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.probs) + tensor_bytes(&self.targets)
+    }
+
     /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
     /// the rows.
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {

@@ -19,7 +19,7 @@ pub mod weights;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-pub use init::init_values;
+pub use init::{fill_values, init_values};
 
 /// How a parameter's initial value is drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,6 +100,14 @@ pub trait Tape: Send {
     /// The gradients, given `dy`, the gradient of the layer's output (for the loss layer, a
     /// scalar: the loss seed).
     fn backward(self: Box<Self>, dy: &Tensor) -> candle_core::Result<Grads>;
+    /// Bytes of the activations the tape keeps (its tensors other than the layer's
+    /// parameters, which the engine counts), for the memory report.
+    fn activation_bytes(&self) -> usize;
+}
+
+/// Bytes of a tensor's elements.
+pub fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
 }
 
 /// A taped forward's output and what its backward needs.

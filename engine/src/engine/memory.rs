@@ -1,0 +1,63 @@
+//! What one rank's memory holds, by kind: the model states the ZeRO formulas count, and the
+//! working memory of a step at its peak, so that peak RSS can be explained.
+
+use ds_partition::StateBytes;
+
+/// Bytes one rank holds. The first three are held between steps; the others are the most a
+/// step has held so far (0 before the first forward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryReport {
+    /// Parameters in the compute dtype (whole at stages 0-2, the shard at stage 3).
+    pub params: usize,
+    /// Gradients in the compute dtype (whole at stages 0-1, the shard at stages 2-3).
+    pub grads: usize,
+    /// The fp32 master copy of the owned range and the optimizer's moments.
+    pub optimizer_states: usize,
+    /// Activations kept for backward at the end of forward, where they peak.
+    pub activations: usize,
+    /// Layers' parameters materialised as tensors at that moment (every layer at stages
+    /// 0-2; at stage 3 the gathered layers that keep their graph, see Note [ZeRO-3 reuse]).
+    pub layer_params: usize,
+    /// The largest layer's gradients during its backward: the layer's own tensors and their
+    /// flat copy handed to the gradient store.
+    pub layer_grads: usize,
+    /// Reduction buckets and parameter gathers, at their most.
+    pub comm_buffers: usize,
+}
+
+impl MemoryReport {
+    pub(crate) fn new(states: StateBytes, step: StepPeak) -> MemoryReport {
+        MemoryReport {
+            params: states.params,
+            grads: states.grads,
+            optimizer_states: states.optimizer_states,
+            activations: step.activations,
+            layer_params: step.layer_params,
+            layer_grads: step.layer_grads,
+            comm_buffers: states.comm_buffers,
+        }
+    }
+
+    /// Parameters, gradients and optimizer states: what the ZeRO formulas count.
+    pub fn model_states(&self) -> usize {
+        self.params + self.grads + self.optimizer_states
+    }
+
+    /// Everything accounted: the model states plus the step's peaks (an upper bound of what
+    /// is live at once, since the peaks need not coincide).
+    pub fn total(&self) -> usize {
+        self.model_states()
+            + self.activations
+            + self.layer_params
+            + self.layer_grads
+            + self.comm_buffers
+    }
+}
+
+/// The most a step has held of its working memory, by kind.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StepPeak {
+    pub activations: usize,
+    pub layer_params: usize,
+    pub layer_grads: usize,
+}
