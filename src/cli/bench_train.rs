@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ds_comm::{init, options_from_env, Group};
+use ds_comm::{init, options_from_env};
 use ds_config::{load, resolve, ParallelDims};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::model::gpt::GptConfig;
@@ -82,19 +82,11 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         m.losses.push(loss);
         m.parts.push(engine.take_timings());
     }
-    m.rss = gather_rss(&comm.world())?;
+    m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
     if rank == 0 {
         report(args, &s, world, model.T, &m);
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Every rank's peak resident set (VmHWM) in MiB, in rank order.
-fn gather_rss(g: &Group) -> anyhow::Result<Vec<f32>> {
-    let kib = crate::train::peak_rss_kib() as f32;
-    let mut all = vec![0f32; g.size()];
-    g.all_gather(&[kib / 1024.0], &mut all)?;
-    Ok(all)
 }
 
 /// What the steps measured on this rank, and every rank's peak RSS.
@@ -103,11 +95,12 @@ struct Measured {
     times: Vec<f64>,
     losses: Vec<f32>,
     parts: Vec<ds_engine::Timings>,
-    rss: Vec<f32>,
+    memory: Vec<crate::train::RankMemory>,
 }
 
 fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usize, m: &Measured) {
-    let (times, losses, parts, rss) = (&m.times, &m.losses, &m.parts, &m.rss);
+    let (times, losses, parts) = (&m.times, &m.losses, &m.parts);
+    let rss: Vec<f64> = m.memory.iter().map(|r| r.peak_rss_mib).collect();
     // wall_clock_breakdown: median forward / backward / step time of the timed steps
     let part_ms = |f: fn(&ds_engine::Timings) -> std::time::Duration| {
         let mut v: Vec<f64> = parts[args.warmup.min(parts.len())..]
@@ -130,7 +123,7 @@ fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usi
         "tokens_per_s": tokens / median,
         "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
         "losses": losses,
-        "peak_rss_mib": rss,
+        "peak_rss_mib": rss, "memory": m.memory,
         "forward_ms": part_ms(|t| t.forward), "backward_ms": part_ms(|t| t.backward),
         "step_ms": part_ms(|t| t.step),
     });
@@ -141,5 +134,8 @@ fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usi
             "{}",
             serde_json::to_string_pretty(&row).expect("invariant: plain JSON")
         );
+        if let Some(line) = crate::train::memory_line(&m.memory) {
+            println!("{line}");
+        }
     }
 }

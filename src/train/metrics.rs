@@ -108,7 +108,8 @@ impl MetricsFile {
     }
 }
 
-/// What one rank holds at the end of the run.
+/// What one rank holds at the end of the run: its peak RSS beside the bytes the engine
+/// accounts for (`MemoryReport`: model states, and a step's working memory at its peak).
 #[derive(Debug, Clone, Serialize)]
 pub struct RankMemory {
     pub rank: usize,
@@ -116,6 +117,46 @@ pub struct RankMemory {
     pub params_bytes: u64,
     pub grads_bytes: u64,
     pub optimizer_states_bytes: u64,
+    pub activations_bytes: u64,
+    pub layer_params_bytes: u64,
+    pub layer_grads_bytes: u64,
+    pub comm_buffers_bytes: u64,
+    /// The sum of the above byte counts.
+    pub accounted_bytes: u64,
+}
+
+impl RankMemory {
+    fn model_states(&self) -> u64 {
+        self.params_bytes + self.grads_bytes + self.optimizer_states_bytes
+    }
+
+    /// One line comparing peak RSS with what is accounted, for the rank's closing lines.
+    pub fn line(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let rest = self.peak_rss_mib - mib(self.accounted_bytes);
+        let rest = match rest >= 0.0 {
+            true => format!(
+                "+ {rest:.0} MiB not accounted (the process's fixed cost: code, thread stacks, \
+                 the allocator's free lists)"
+            ),
+            // the step's peaks are summed though they need not coincide
+            false => format!("- {:.0} MiB of peaks that did not coincide", -rest),
+        };
+        format!(
+            "memory (rank {}): peak RSS {:.0} MiB = {:.0} MiB accounted (model states {:.0}, \
+             activations {:.0}, layer parameters {:.0}, layer gradients {:.0}, communication \
+             buffers {:.0}) {}",
+            self.rank,
+            self.peak_rss_mib,
+            mib(self.accounted_bytes),
+            mib(self.model_states()),
+            mib(self.activations_bytes),
+            mib(self.layer_params_bytes),
+            mib(self.layer_grads_bytes),
+            mib(self.comm_buffers_bytes),
+            rest
+        )
+    }
 }
 
 /// Every rank's peak RSS and memory report, in rank order (a collective).
@@ -128,6 +169,11 @@ pub fn gather_memory(
         report.params as u64,
         report.grads as u64,
         report.optimizer_states as u64,
+        report.activations as u64,
+        report.layer_params as u64,
+        report.layer_grads as u64,
+        report.comm_buffers as u64,
+        report.total() as u64,
     ];
     let all = g.all_gather_u64(&mine)?;
     Ok(all
@@ -139,8 +185,21 @@ pub fn gather_memory(
             params_bytes: v[1],
             grads_bytes: v[2],
             optimizer_states_bytes: v[3],
+            activations_bytes: v[4],
+            layer_params_bytes: v[5],
+            layer_grads_bytes: v[6],
+            comm_buffers_bytes: v[7],
+            accounted_bytes: v[8],
         })
         .collect())
+}
+
+/// The closing `memory` line: the rank with the highest peak RSS.
+pub fn memory_line(ranks: &[RankMemory]) -> Option<String> {
+    ranks
+        .iter()
+        .max_by(|a, b| a.peak_rss_mib.total_cmp(&b.peak_rss_mib))
+        .map(RankMemory::line)
 }
 
 /// This process's peak resident set (VmHWM) in KiB; 0 where /proc does not tell.

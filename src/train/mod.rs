@@ -22,7 +22,7 @@ use ds_engine::model::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
 use ds_engine::{Engine, EngineOptions};
 
-pub use metrics::peak_rss_kib;
+pub use metrics::{gather_memory, memory_line, RankMemory};
 use metrics::{EvalRecord, MetricsFile, StepRecord};
 use progress::Progress;
 
@@ -231,7 +231,7 @@ impl Run<'_> {
             let summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
             metrics::write_summary(&self.dir, &summary)?;
             self.write_chart(data, &records)?;
-            self.print_summary(&summary);
+            self.print_summary(&summary, &memory);
         }
         Ok(ExitCode::SUCCESS)
     }

@@ -107,7 +107,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    pub(super) fn print_summary(&self, v: &serde_json::Value) {
+    pub(super) fn print_summary(&self, v: &serde_json::Value, memory: &[metrics::RankMemory]) {
         println!(
             "done: {} steps, loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
             v["steps"],
@@ -119,6 +119,9 @@ impl Run<'_> {
         );
         if let Some(gap) = v["data"]["gap_to_floor_nats"].as_f64() {
             println!("the final loss is {gap:.4} nats above the data's floor");
+        }
+        if let Some(line) = metrics::memory_line(memory) {
+            println!("{line}");
         }
     }
 }

@@ -40,6 +40,21 @@ enum Kept {
     },
 }
 
+impl Kept {
+    /// Bytes of (activations, materialised parameters) it holds. candle's graph keeps more
+    /// than its two ends: a lower bound for layers differentiated by autograd.
+    fn bytes(&self) -> (usize, usize) {
+        match self {
+            Kept::Tape { tape, params } => (tape.activation_bytes(), params.bytes()),
+            Kept::Graph {
+                input,
+                params,
+                output,
+            } => (tensor_bytes(input) + tensor_bytes(output), params.bytes()),
+        }
+    }
+}
+
 pub(crate) struct Trainer<T: Dtype> {
     model: Model,
     index: FlatIndex,
@@ -179,7 +194,7 @@ impl<T: Dtype> Trainer<T> {
             x = y;
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
-        self.note_forward_peak();
+        self.note_peak(None);
         let loss = x.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         self.timings.forward += t0.elapsed();
         Ok(loss)
@@ -209,6 +224,7 @@ impl<T: Dtype> Trainer<T> {
                     self.run_layer(i, params, x)?.1
                 }
             };
+            self.note_peak(Some(&kept));
             let (dx, params, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
             // the layer's gradient tensors and their flat copy
             let grad_bytes = 2 * std::mem::size_of_val(g.as_slice());
@@ -292,27 +308,16 @@ impl<T: Dtype> Trainer<T> {
         MemoryReport::new(self.zero.memory(self.updater.state_bytes()), self.peak)
     }
 
-    /// Records what forward keeps for backward, at its end: the step's activation peak.
-    fn note_forward_peak(&mut self) {
-        let (mut activations, mut layer_params) = (0, 0);
-        for saved in &self.saved {
-            match saved {
-                Saved::Input(x) => activations += tensor_bytes(x),
-                Saved::Kept(Kept::Tape { tape, params }) => {
-                    activations += tape.activation_bytes();
-                    layer_params += params.bytes();
-                }
-                // candle's graph keeps more than its ends: a lower bound for autograd layers
-                Saved::Kept(Kept::Graph {
-                    input,
-                    params,
-                    output,
-                }) => {
-                    activations += tensor_bytes(input) + tensor_bytes(output);
-                    layer_params += params.bytes();
-                }
-            }
-        }
+    /// Records the activations and layer parameters alive now: what forward keeps for
+    /// backward, plus `current` (a layer being differentiated), as the step's peak so far.
+    fn note_peak(&mut self, current: Option<&Kept>) {
+        let held = self.saved.iter().map(|s| match s {
+            Saved::Input(x) => (tensor_bytes(x), 0),
+            Saved::Kept(kept) => kept.bytes(),
+        });
+        let (activations, layer_params) = held
+            .chain(current.map(Kept::bytes))
+            .fold((0, 0), |(a, p), (x, y)| (a + x, p + y));
         self.peak.activations = self.peak.activations.max(activations);
         self.peak.layer_params = self.peak.layer_params.max(layer_params);
     }
