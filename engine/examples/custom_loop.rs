@@ -1,15 +1,46 @@
-//! A user-defined model trained through the engine API in a custom loop:
-//! `cargo run --release -p ds-engine --example custom_loop` (alone it is one rank; under
-//! `ds-rs launch` each rank joins the job from its environment).
+//! A user-defined model trained through the engine API in a custom loop, data-parallel as a
+//! DeepSpeed user writes it: every rank builds the same model, joins the job, and trains on
+//! its own part of each global batch.
+//!
+//! ```sh
+//! # one rank, the built-in config below
+//! cargo run --release -p ds-engine --example custom_loop
+//! # one rank, your config
+//! cargo run --release -p ds-engine --example custom_loop -- --config ds_config.json
+//! # two ranks: the launcher passes the config to every rank as DS_RS_CONFIG
+//! cargo build --release -p ds-engine --example custom_loop
+//! ds-rs launch --nproc_per_node 2 --config ds_config.json target/release/examples/custom_loop
+//! ```
+//!
+//! Options: `--config FILE` (else `DS_RS_CONFIG`, else the built-in config) and `--steps N`
+//! (optimizer steps, default 100). Rank 0 prints the loss every `steps_per_print` steps (the
+//! ds_config key, default 10): the mean over the whole global batch, so for one
+//! `train_batch_size` it is the same whatever the number of ranks.
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
 use candle_core::{Module, Tensor};
 use candle_nn::{embedding, linear, VarBuilder};
-use ds_engine::data::Batch;
+use ds_comm::ReduceOp;
+use ds_engine::data::{DataLoader, MarkovTokens, SampleOrder};
 use ds_engine::model::{gpt::CrossEntropyLoss, Context, Init, Layer, Model, ParamSpec};
 use ds_engine::{Engine, EngineOptions};
 
 const V: usize = 64; // vocabulary
 const W: usize = 32; // width
 const T: usize = 16; // sequence length
+
+/// The config used when neither `--config` nor `DS_RS_CONFIG` names one: a global batch of 8
+/// samples per optimizer step (train_batch_size = micro-batch x accumulation x ranks, so the
+/// accumulation steps follow the number of ranks: 4 on one rank, 2 on two, 1 on four).
+const BUILT_IN_CONFIG: &str = r#"{
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 10,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "zero_optimization": {"stage": 2}
+}"#;
 
 /// Token ids to next-token logits: embedding, a tanh hidden layer, output projection.
 struct BigramMlp;
@@ -32,25 +63,134 @@ impl Layer for BigramMlp {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let model = Model::new().layer("", BigramMlp);
-    let model = model.layer("", CrossEntropyLoss);
-    let config = r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 2}}"#;
+type Error = Box<dyn std::error::Error>;
+
+struct Args {
+    config: Option<PathBuf>,
+    steps: u64,
+}
+
+const USAGE: &str = "usage: custom_loop [--config FILE] [--steps N]";
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        config: std::env::var_os("DS_RS_CONFIG").map(PathBuf::from),
+        steps: 100,
+    };
+    let mut it = std::env::args_os().skip(1);
+    while let Some(arg) = it.next() {
+        let arg = arg
+            .into_string()
+            .map_err(|a| format!("argument {a:?} is not UTF-8"))?;
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = || match inline.clone() {
+            Some(v) => Ok(v),
+            None => it
+                .next()
+                .and_then(|v| v.into_string().ok())
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}")),
+        };
+        match name.as_str() {
+            "--config" => args.config = Some(PathBuf::from(value()?)),
+            "--steps" => {
+                let v = value()?;
+                args.steps = v
+                    .parse()
+                    .map_err(|_| format!("--steps {v}: expected a whole number of steps"))?;
+            }
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("custom_loop: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("custom_loop: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), Error> {
+    // Join the job: alone this is rank 0 of 1; under `ds-rs launch` (or torchrun, mpirun,
+    // srun) each rank finds its place from the environment.
     let comm = ds_comm::init_from_env()?;
     let dims = ds_config::ParallelDims::new(comm.world_size(), 1, 1)?;
-    let config = ds_config::resolve(&ds_config::hjson::parse_bytes(config.as_bytes())?, &dims)?;
+    let (doc, source) = match &args.config {
+        Some(path) => (ds_config::load(path)?, path.display().to_string()),
+        None => (
+            ds_config::hjson::parse_bytes(BUILT_IN_CONFIG.as_bytes())?,
+            "the built-in config".to_string(),
+        ),
+    };
+    let config = ds_config::resolve(&doc, &dims).map_err(|e| format!("{source}: {e}"))?;
+    let steps_per_print = config
+        .scalars
+        .steps_per_print
+        .as_f64()
+        .map_or(10, |n| n.max(1.0) as u64);
+
+    let model = Model::new()
+        .layer("", BigramMlp)
+        .layer("", CrossEntropyLoss);
     let mut engine = Engine::initialize(model, &config, &comm, &EngineOptions::default())?;
-    // the data: the sequence 0, 3, 6, ..., 45 repeated, in windows of T + 1 tokens
-    let window = |s: usize| (s..=s + T).map(|i| (i % 16 * 3) as u32).collect::<Vec<_>>();
-    for micro_step in 0..200 {
-        let rows: Vec<Vec<u32>> = (0..4).map(|b| window(micro_step * 4 + b)).collect();
-        let loss = engine.forward(&Batch::from_windows(&rows))?;
-        engine.backward()?;
-        let (stepped, step) = (engine.step()?.is_some(), engine.global_steps());
-        if stepped && step % 20 == 1 && comm.rank() == 0 {
-            println!("step {step:>3}  loss {loss:.4}  lr {}", engine.get_lr());
+
+    // The data: a learnable Markov stream (its entropy rate is the lowest reachable loss), cut
+    // into windows of T + 1 tokens. The sample order is DeepSpeed's DistributedSampler: step s
+    // trains on the global batch of samples s*GB .. (s+1)*GB (shuffled per epoch, the same
+    // permutation on every rank), and this rank reads only its own micro-batch x accumulation
+    // of them, so the ranks together cover the global batch once.
+    let s = engine.settings();
+    let (micro, accum, dp, dp_rank) = (s.micro_batch, s.grad_accum, dims.dp(), engine.dp_rank());
+    let tokens = MarkovTokens::new(V, 4, 1 << 16, 7)?;
+    let floor = tokens.entropy_rate_nats();
+    let order = SampleOrder::new(T, micro, accum, dp_rank, dp)?.shuffled(1);
+    let loader = DataLoader::new(Arc::new(tokens), order, V)?;
+    if comm.rank() == 0 {
+        println!(
+            "{} rank(s): micro-batch {micro} x {accum} accumulation x {dp} data-parallel = global \
+             batch {}; config {source}; loss floor {floor:.4}",
+            comm.world_size(),
+            order.global_batch()
+        );
+    }
+
+    let world = comm.world();
+    for step in 0..args.steps {
+        let mut loss_sum = 0.0f32;
+        for k in 0..accum {
+            let loss = engine.forward(&loader.micro_batch(step, k)?)?;
+            engine.backward()?;
+            // Steps the optimizer at the end of the accumulation window only (DeepSpeed's
+            // engine.step()); the gradients are averaged over all ranks first.
+            engine.step()?;
+            loss_sum += loss;
+        }
+        // This rank's loss is the mean over its own samples; the mean over the ranks is the
+        // loss of the global batch (every rank holds as many samples).
+        let mut loss = [loss_sum / accum as f32];
+        world.all_reduce(&mut loss, ReduceOp::Avg)?;
+        let done = engine.global_steps();
+        if comm.rank() == 0 && (done % steps_per_print == 0 || step + 1 == args.steps) {
+            println!(
+                "step {done:>4}  loss {:.6}  lr {:.3e}",
+                loss[0],
+                engine.get_lr()
+            );
         }
     }
     Ok(())

@@ -1,0 +1,151 @@
+//! The custom-loop example (engine/examples/custom_loop.rs) run as a user runs it: alone with
+//! `--config`, and under `ds-rs launch --config` (which passes the file as DS_RS_CONFIG). Each
+//! rank must train on its own part of the global batch, so one process and two ranks with the
+//! same train_batch_size print the same per-step losses; were every rank to feed the same
+//! samples, the two-rank global batch would hold each sample twice and half of them never, and
+//! the losses would differ from the first step.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::*;
+
+const STEPS: usize = 4;
+/// Both runs compute the same fp32 function; only the order of the sums differs (the loss and
+/// gradients of 8 samples summed as 4 micro-steps on one rank, or 2 micro-steps on each of 2
+/// ranks then averaged by the ring). engine/tests/equality.rs and tests/launch_local.rs hold
+/// losses of such layouts to 1e-5 relative over a few steps; the example prints 6 decimals
+/// (about 3e-7 relative at these losses), well inside it.
+const REL: f64 = 1e-5;
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// The example's executable, built once by cargo with this test's profile (`cargo test` builds
+/// into target/debug with the `test` profile, `cargo test --release` into target/release).
+/// Selecting ds-rs beside ds-engine gives the dependencies the features this test was built
+/// with, so cargo reuses them instead of compiling candle a second time.
+fn example() -> &'static PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let me = std::env::current_exe().unwrap();
+        // .../target/<profile dir>/deps/custom_loop-<hash>
+        let dir = me.parent().and_then(|d| d.parent()).unwrap();
+        let profile = match dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "test".to_string(),
+            Some(other) => other.to_string(),
+        };
+        let out = Command::new(env!("CARGO"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--profile", &profile])
+            .args(["-p", "ds-rs", "-p", "ds-engine"])
+            .args([
+                "--example",
+                "custom_loop",
+                "--message-format=json-render-diagnostics",
+            ])
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "building the example failed");
+        let exe = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"]["name"] == "custom_loop")
+            .find_map(|v| v["executable"].as_str().map(PathBuf::from));
+        exe.expect("cargo named no custom_loop executable")
+    })
+}
+
+/// The example run alone (`args` after the program), without DS_RS_CONFIG.
+fn alone(args: &[String]) -> Finished {
+    let child = Command::new(example())
+        .args(args)
+        .env_remove("DS_RS_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(child, LIMIT)
+}
+
+/// The header line and each printed step's loss (rank 0's output; the launcher prefixes it
+/// with `[rank0]`).
+fn report(stdout: &str) -> (String, Vec<f64>) {
+    let header = stdout.lines().next().unwrap_or_default().to_string();
+    let losses = stdout
+        .lines()
+        .filter_map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == "loss")?;
+            words.get(at + 1)?.parse().ok()
+        })
+        .collect();
+    (header, losses)
+}
+
+#[test]
+fn two_ranks_split_the_global_batch_and_print_the_losses_of_one() {
+    let s = Scratch::new("custom-loop");
+    // train_batch_size 8, micro-batch 2, steps_per_print 1: 4 accumulation steps on one rank,
+    // 2 on each of two.
+    let cfg = s.write("ds_config.json", &config(2, ""));
+    let steps = ["--steps".to_string(), STEPS.to_string()];
+
+    let one = alone(
+        &[
+            &["--config".to_string(), cfg.display().to_string()][..],
+            &steps,
+        ]
+        .concat(),
+    );
+    assert!(one.status.success(), "one rank: {}", one.stderr);
+    let (head1, want) = report(&one.stdout);
+    assert!(
+        head1.contains("2 x 4 accumulation x 1 data-parallel = global batch 8"),
+        "{head1}"
+    );
+    assert_eq!(want.len(), STEPS, "one rank printed {}", one.stdout);
+    assert!(want[STEPS - 1] < want[0], "the loss should fall: {want:?}");
+
+    let launch = format!(
+        "launch --nproc_per_node 2 --config {} {}",
+        cfg.display(),
+        example().display()
+    );
+    let two = run(&format!("{launch} {}", steps.join(" ")), LIMIT);
+    assert!(two.status.success(), "two ranks: {}", two.stderr);
+    let (head2, got) = report(&two.stdout);
+    // The config came through DS_RS_CONFIG (the built-in one prints every 10 steps only).
+    assert!(
+        head2.contains("2 x 2 accumulation x 2 data-parallel = global batch 8"),
+        "{head2}"
+    );
+    assert!(head2.contains(&cfg.display().to_string()), "{head2}");
+    eprintln!("one rank: {want:?}\ntwo ranks: {got:?}");
+    assert_same_losses(&got, &want, REL, "custom_loop, 2 ranks vs 1");
+}
+
+#[test]
+fn a_bad_config_is_one_error_line_and_a_failure() {
+    let s = Scratch::new("custom-loop-bad");
+    let missing = s.path("missing.json");
+    let typo = s.write("typo.json", &config(2, "").replace("\"stage\"", "\"stag\""));
+    for (file, why) in [(&missing, "No such file"), (&typo, "did you mean `stage`")] {
+        let f = alone(&["--config".to_string(), file.display().to_string()]);
+        assert_eq!(f.status.code(), Some(1), "{}", f.stderr);
+        let lines: Vec<&str> = f.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one error line: {}", f.stderr);
+        assert!(
+            lines[0].contains(&file.display().to_string()),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[0].contains(why), "{}", lines[0]);
+        assert!(f.stdout.is_empty(), "{}", f.stdout);
+    }
+}
