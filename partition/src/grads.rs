@@ -32,8 +32,9 @@ impl ReduceConfig {
 
 /// The gradients of one flat buffer.
 pub trait GradStore<T: Element>: Send {
-    /// Adds the local gradient of flat `range` (already divided by the accumulation steps).
-    fn add(&mut self, range: Range<usize>, grad: &[T]) -> Result<()>;
+    /// Adds the local gradient of flat `range` (already divided by the accumulation steps),
+    /// given as consecutive parts (a layer's parameters) that together cover the range.
+    fn add(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()>;
     /// Ends a micro-step's backward; `boundary` is true on the last one before a step.
     fn finish(&mut self, boundary: bool) -> Result<()>;
     /// The reduced, averaged gradients of `owned` (valid after the boundary's `finish`).
@@ -65,8 +66,13 @@ impl<T: Element> FullGrads<T> {
 }
 
 impl<T: Element> GradStore<T> for FullGrads<T> {
-    fn add(&mut self, range: Range<usize>, grad: &[T]) -> Result<()> {
-        accumulate(&mut self.grads[range], grad);
+    fn add(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
+        let mut at = range.start;
+        for part in parts {
+            accumulate(&mut self.grads[at..at + part.len()], part);
+            at += part.len();
+        }
+        debug_assert_eq!(at, range.end);
         Ok(())
     }
 
@@ -130,11 +136,14 @@ impl<T: Element> Bucket<T> {
         self.buf.len() - (self.hi - self.lo)
     }
 
-    /// Writes the gradient of `range`, which ends where the bucket starts.
-    fn put(&mut self, range: Range<usize>, grad: &[T]) {
+    /// Writes the gradient of `range` (in parts), which ends where the bucket starts.
+    fn put(&mut self, range: Range<usize>, parts: &[&[T]]) {
         let cap = self.buf.len();
-        let at = cap - (self.hi - range.start);
-        self.buf[at..at + grad.len()].copy_from_slice(grad);
+        let mut at = cap - (self.hi - range.start);
+        for part in parts {
+            self.buf[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
         self.lo = range.start;
     }
 
@@ -220,17 +229,17 @@ impl<T: Element> ShardGrads<T> {
 }
 
 impl<T: Element> GradStore<T> for ShardGrads<T> {
-    fn add(&mut self, range: Range<usize>, grad: &[T]) -> Result<()> {
+    fn add(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
         let fits = self
             .filling
             .as_ref()
-            .is_some_and(|b| range.end == b.lo && grad.len() <= b.room());
+            .is_some_and(|b| range.end == b.lo && range.len() <= b.room());
         if !fits {
             self.flush()?;
-            self.filling = Some(self.open(range.end, grad.len()));
+            self.filling = Some(self.open(range.end, range.len()));
         }
         let bucket = self.filling.as_mut().expect("invariant: opened above");
-        bucket.put(range, grad);
+        bucket.put(range, parts);
         if bucket.room() == 0 {
             self.flush()?;
         }

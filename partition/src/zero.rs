@@ -121,8 +121,15 @@ impl<T: Element> Zero<T> {
         self.params.prefetch(range)
     }
 
-    pub fn add_grad(&mut self, range: Range<usize>, grad: &[T]) -> Result<()> {
-        self.grads.add(range, grad)
+    /// Adds the local gradient of flat `range`, in consecutive parts covering it.
+    pub fn add_grad(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len != range.len() {
+            return Err(crate::PartitionError::Invalid(format!(
+                "a gradient of {len} elements for the flat range {range:?}"
+            )));
+        }
+        self.grads.add(range, parts)
     }
 
     pub fn finish_backward(&mut self, boundary: bool) -> Result<()> {

@@ -79,15 +79,19 @@ impl LayerParams {
         }
     }
 
-    /// The gradients of these parameters, concatenated in flat order (zeros where a
-    /// parameter got none, e.g. unused in this batch).
-    pub fn flat_grads<T: Dtype>(&self, grads: &GradStore) -> Result<Vec<T>> {
-        let grads: Vec<Option<&Tensor>> = self.vars.iter().map(|v| grads.get(v)).collect();
-        self.concat(&grads)
+    /// The gradients of these parameters from autograd (zeros where a parameter got none,
+    /// e.g. unused in this batch).
+    pub fn graph_grads<T: Dtype>(&self, grads: &GradStore) -> Result<LayerGrads<T>> {
+        let tensors = self.vars.iter().map(|v| match grads.get(v) {
+            Some(g) => Ok(g.clone()),
+            None => Ok(v.zeros_like()?),
+        });
+        LayerGrads::new(tensors.collect::<Result<Vec<_>>>()?)
     }
 
-    /// A taped layer's gradients (one per parameter, in order), concatenated in flat order.
-    pub fn flat_taped_grads<T: Dtype>(&self, layer: &str, grads: &[Tensor]) -> Result<Vec<T>> {
+    /// A taped layer's gradients (one per parameter, in order), checked against the
+    /// parameters' shapes.
+    pub fn taped_grads<T: Dtype>(&self, layer: &str, grads: Vec<Tensor>) -> Result<LayerGrads<T>> {
         if grads.len() != self.vars.len() {
             return Err(EngineError::Invalid(format!(
                 "layer {layer}'s backward returned {} gradients for {} parameters",
@@ -104,33 +108,64 @@ impl LayerParams {
                 )));
             }
         }
-        self.concat(&grads.iter().map(Some).collect::<Vec<_>>())
-    }
-
-    fn concat<T: Dtype>(&self, grads: &[Option<&Tensor>]) -> Result<Vec<T>> {
-        let mut out = Vec::with_capacity(self.vars.iter().map(|v| v.elem_count()).sum());
-        for (g, v) in grads.iter().zip(&self.vars) {
-            match g {
-                Some(g) => extend_with(&mut out, g)?,
-                None => out.resize(out.len() + v.elem_count(), T::default()),
-            }
-        }
-        Ok(out)
+        LayerGrads::new(grads)
     }
 }
 
-/// Appends `g`'s elements as `T`: copied once, straight from a CPU tensor's storage.
-fn extend_with<T: Dtype>(out: &mut Vec<T>, g: &Tensor) -> Result<()> {
-    let g = g.to_dtype(<T as WithDType>::DTYPE)?;
-    {
-        let (storage, layout) = g.storage_and_layout();
-        if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-            out.extend_from_slice(&cpu.as_slice::<T>()?[a..b]);
-            return Ok(());
-        }
+/// A layer's parameter gradients in the compute dtype, handed to the gradient store in
+/// place: each parameter's elements straight from the tensor's storage, no flat copy.
+pub struct LayerGrads<T> {
+    tensors: Vec<Tensor>,
+    dtype: std::marker::PhantomData<T>,
+}
+
+impl<T: Dtype> LayerGrads<T> {
+    fn new(tensors: Vec<Tensor>) -> Result<LayerGrads<T>> {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| Ok(t.to_dtype(<T as WithDType>::DTYPE)?.contiguous()?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LayerGrads {
+            tensors,
+            dtype: std::marker::PhantomData,
+        })
     }
-    out.extend(g.flatten_all()?.to_vec1::<T>()?);
-    Ok(())
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(crate::model::tensor_bytes).sum()
+    }
+
+    /// Calls `f` with the gradients as consecutive slices in flat order: borrowed from CPU
+    /// storage, copied out of any other device's.
+    pub fn with_parts<R>(&self, f: impl FnOnce(&[&[T]]) -> Result<R>) -> Result<R> {
+        let guards: Vec<_> = self
+            .tensors
+            .iter()
+            .map(|t| t.storage_and_layout())
+            .collect();
+        let mut parts: Vec<&[T]> = Vec::with_capacity(guards.len());
+        for (storage, layout) in &guards {
+            match (&**storage, layout.contiguous_offsets()) {
+                (Storage::Cpu(cpu), Some((a, b))) => parts.push(&cpu.as_slice::<T>()?[a..b]),
+                _ => break,
+            }
+        }
+        if parts.len() == guards.len() {
+            return f(&parts);
+        }
+        drop(parts);
+        drop(guards);
+        let owned = self
+            .tensors
+            .iter()
+            .map(|t| Ok(t.flatten_all()?.to_vec1::<T>()?))
+            .collect::<Result<Vec<_>>>()?;
+        f(&owned.iter().map(Vec::as_slice).collect::<Vec<_>>())
+    }
 }
 
 /// Runs a layer forward. `input` is a `Var` for every layer but the first.

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::{FlatIndex, Zero};
 
-use super::layers::{self, Dtype, LayerParams};
+use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
 use super::update::{StepOutcome, Updater};
 use super::{Settings, Timings};
@@ -225,12 +225,11 @@ impl<T: Dtype> Trainer<T> {
                 }
             };
             self.note_peak(Some(&kept));
-            let (dx, params, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
-            // the layer's gradient tensors and their flat copy
-            let grad_bytes = 2 * std::mem::size_of_val(g.as_slice());
-            self.peak.layer_grads = self.peak.layer_grads.max(grad_bytes);
-            if !params.vars.is_empty() {
-                self.zero.add_grad(self.layer_flat[i].clone(), &g)?;
+            let (dx, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
+            self.peak.layer_grads = self.peak.layer_grads.max(g.bytes());
+            if !g.is_empty() {
+                let range = self.layer_flat[i].clone();
+                g.with_parts(|parts| Ok(self.zero.add_grad(range, parts)?))?;
             }
             dy = match (i, dx) {
                 (0, _) => None,
@@ -250,15 +249,15 @@ impl<T: Dtype> Trainer<T> {
         Ok(())
     }
 
-    /// One layer's backward from what its forward kept: the gradient of its input, its
-    /// parameters, and theirs in flat order.
+    /// One layer's backward from what its forward kept: the gradient of its input and those
+    /// of its parameters (the parameters themselves are dropped here).
     fn layer_backward(
         &self,
         i: usize,
         kept: Kept,
         dy: Option<&Tensor>,
         seed: f64,
-    ) -> Result<(Option<Tensor>, LayerParams, Vec<T>)> {
+    ) -> Result<(Option<Tensor>, LayerGrads<T>)> {
         match kept {
             Kept::Tape { tape, params } => {
                 let seed_tensor;
@@ -271,8 +270,8 @@ impl<T: Dtype> Trainer<T> {
                 };
                 let grads = tape.backward(dy)?;
                 let name = self.model.layers()[i].display_name();
-                let g = params.flat_taped_grads::<T>(&name, &grads.params)?;
-                Ok((grads.input, params, g))
+                let g = params.taped_grads::<T>(&name, grads.params)?;
+                Ok((grads.input, g))
             }
             Kept::Graph {
                 input,
@@ -280,11 +279,8 @@ impl<T: Dtype> Trainer<T> {
                 output,
             } => {
                 let grads = layers::backward(&output, dy, seed)?;
-                let g = match params.vars.is_empty() {
-                    true => Vec::new(),
-                    false => params.flat_grads::<T>(&grads)?,
-                };
-                Ok((grads.get(&input).cloned(), params, g))
+                let g = params.graph_grads::<T>(&grads)?;
+                Ok((grads.get(&input).cloned(), g))
             }
         }
     }
