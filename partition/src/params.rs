@@ -20,8 +20,8 @@ pub trait ParamStore<T: Element>: Send {
     fn values_f32(&self, range: Range<usize>) -> Vec<f32>;
     /// Bytes held between steps.
     fn bytes(&self) -> usize;
-    /// Most bytes of gathered parameters held by the store at once besides `bytes` (a
-    /// prefetch in flight; what callers hold of `get`'s answers is theirs to count).
+    /// Most bytes of gathered parameters held by the store at once besides `bytes`: a
+    /// prefetch in flight (what `get` hands out is the caller's to count).
     fn peak_gathered_bytes(&self) -> usize {
         0
     }
@@ -114,9 +114,8 @@ pub struct ShardedParams<T: Element> {
     limits: Stage3Config,
     in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
     persistent: Vec<(Range<usize>, Vec<T>)>,
-    /// The largest range handed out by `get` and the largest prefetched, in elements: at
-    /// most one of each is alive in the store's buffers at once.
-    peak_get: usize,
+    /// The largest range prefetched, in elements (a gather in flight; what `get` hands out
+    /// becomes the caller's).
     peak_prefetch: usize,
 }
 
@@ -131,7 +130,6 @@ impl<T: Element> ShardedParams<T> {
             limits,
             in_flight: None,
             persistent: Vec::new(),
-            peak_get: 0,
             peak_prefetch: 0,
         }
     }
@@ -156,7 +154,6 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         if let Some(i) = self.persistent.iter().position(|(r, _)| *r == range) {
             return Ok(Cow::Borrowed(&self.persistent[i].1));
         }
-        self.peak_get = self.peak_get.max(range.len());
         let gathered = match self.in_flight.take() {
             Some((r, work)) if r == range => work.wait()?,
             other => {
@@ -213,7 +210,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
     }
 
     fn peak_gathered_bytes(&self) -> usize {
-        (self.peak_get + self.peak_prefetch) * std::mem::size_of::<T>()
+        self.peak_prefetch * std::mem::size_of::<T>()
     }
 }
 

@@ -158,6 +158,11 @@ impl<T: Element> Zero<T> {
         &mut self.master
     }
 
+    /// The master values and the reduced gradients of the owned range, for the step.
+    pub fn master_and_grads(&mut self) -> (&mut [f32], &[T]) {
+        (&mut self.master, self.grads.owned(self.owned.clone()))
+    }
+
     pub fn master(&self) -> &[f32] {
         &self.master
     }

@@ -6,8 +6,10 @@
 //! layer below (candle's `backward()` has no hooks and seeds with ones, hence the product).
 //! The loss layer is seeded with its scalar output times the loss scale.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use candle_core::{backprop::GradStore, DType, Device, Storage, Tensor, Var, WithDType};
 use candle_nn::VarBuilder;
@@ -21,10 +23,16 @@ use crate::{EngineError, Result};
 pub trait Dtype: Element + WithDType {}
 impl<T: Element + WithDType> Dtype for T {}
 
-/// A layer's parameters as candle variables, in its declaration order.
+/// A layer's parameters as candle tensors, in its declaration order: views of one flat
+/// tensor of the layer's range.
+///
+/// Note [one copy per layer]: a gathered range (ZeRO-3) becomes the flat tensor as it is,
+/// with no copy; a borrowed one (stages 0-2) is copied once. Autograd needs variables of its
+/// own, so a layer without a tape gets them made from the views (a copy) on first use.
 pub struct LayerParams {
-    pub vars: Vec<Var>,
+    tensors: Vec<Tensor>,
     names: Vec<String>,
+    vars: OnceLock<Vec<Var>>,
 }
 
 impl LayerParams {
@@ -33,56 +41,80 @@ impl LayerParams {
         index: &FlatIndex,
         ids: Range<usize>,
         flat: usize,
-        values: &[T],
+        values: Cow<'_, [T]>,
         dev: &Device,
     ) -> Result<LayerParams> {
-        let mut vars = Vec::with_capacity(ids.len());
+        let len = values.len();
+        let whole = match values {
+            Cow::Owned(v) => Tensor::from_vec(v, len, dev)?,
+            Cow::Borrowed(v) => Tensor::from_slice(v, len, dev)?,
+        };
+        let mut tensors = Vec::with_capacity(ids.len());
         let mut names = Vec::with_capacity(ids.len());
         for e in &index.entries()[ids] {
-            let vals = &values[e.offset - flat..e.offset - flat + e.numel()];
-            vars.push(Var::from_slice(vals, e.shape.as_slice(), dev)?);
+            let view = whole.narrow(0, e.offset - flat, e.numel())?;
+            tensors.push(view.reshape(e.shape.as_slice())?);
             names.push(e.name.clone());
         }
-        Ok(LayerParams { vars, names })
+        Ok(LayerParams {
+            tensors,
+            names,
+            vars: OnceLock::new(),
+        })
     }
 
-    /// Bytes of the materialised parameters.
+    /// Bytes of the materialised parameters (and of autograd's copies, when made).
     pub fn bytes(&self) -> usize {
-        self.vars
+        let vars = self.vars.get().map_or(0, |v| {
+            v.iter()
+                .map(|v| crate::model::tensor_bytes(v.as_tensor()))
+                .sum()
+        });
+        vars + self
+            .tensors
             .iter()
-            .map(|v| crate::model::tensor_bytes(v.as_tensor()))
-            .sum()
+            .map(crate::model::tensor_bytes)
+            .sum::<usize>()
     }
 
-    /// A `VarBuilder` over these parameters, under the layer's prefix: the variables
-    /// themselves for autograd, or untracked views of them (`tracked` false).
+    /// The variables autograd differentiates, made on first use.
+    fn vars(&self) -> Result<&[Var]> {
+        if self.vars.get().is_none() {
+            let vars = self
+                .tensors
+                .iter()
+                .map(|t| Ok(Var::from_tensor(t)?))
+                .collect::<Result<Vec<_>>>()?;
+            let _ = self.vars.set(vars);
+        }
+        Ok(self.vars.get().expect("invariant: set above"))
+    }
+
+    /// A `VarBuilder` over these parameters, under the layer's prefix: variables for
+    /// autograd (`tracked`), or the untracked tensors themselves.
     pub fn var_builder(
         &self,
         prefix: &str,
         dtype: DType,
         dev: &Device,
         tracked: bool,
-    ) -> VarBuilder<'static> {
-        let map: HashMap<String, Tensor> = self
-            .names
-            .iter()
-            .zip(&self.vars)
-            .map(|(n, v)| match tracked {
-                true => (n.clone(), v.as_tensor().clone()),
-                false => (n.clone(), v.as_tensor().detach()),
-            })
-            .collect();
+    ) -> Result<VarBuilder<'static>> {
+        let tensors: Vec<Tensor> = match tracked {
+            true => self.vars()?.iter().map(|v| v.as_tensor().clone()).collect(),
+            false => self.tensors.clone(),
+        };
+        let map: HashMap<String, Tensor> = self.names.iter().cloned().zip(tensors).collect();
         let vb = VarBuilder::from_tensors(map, dtype, dev);
-        match prefix {
+        Ok(match prefix {
             "" => vb,
             p => vb.pp(p),
-        }
+        })
     }
 
     /// The gradients of these parameters from autograd (zeros where a parameter got none,
     /// e.g. unused in this batch).
     pub fn graph_grads<T: Dtype>(&self, grads: &GradStore) -> Result<LayerGrads<T>> {
-        let tensors = self.vars.iter().map(|v| match grads.get(v) {
+        let tensors = self.vars()?.iter().map(|v| match grads.get(v) {
             Some(g) => Ok(g.clone()),
             None => Ok(v.zeros_like()?),
         });
@@ -92,14 +124,14 @@ impl LayerParams {
     /// A taped layer's gradients (one per parameter, in order), checked against the
     /// parameters' shapes.
     pub fn taped_grads<T: Dtype>(&self, layer: &str, grads: Vec<Tensor>) -> Result<LayerGrads<T>> {
-        if grads.len() != self.vars.len() {
+        if grads.len() != self.tensors.len() {
             return Err(EngineError::Invalid(format!(
                 "layer {layer}'s backward returned {} gradients for {} parameters",
                 grads.len(),
-                self.vars.len()
+                self.tensors.len()
             )));
         }
-        for ((g, v), name) in grads.iter().zip(&self.vars).zip(&self.names) {
+        for ((g, v), name) in grads.iter().zip(&self.tensors).zip(&self.names) {
             if g.dims() != v.dims() {
                 return Err(EngineError::Invalid(format!(
                     "the gradient of {name} has shape {:?}, the parameter {:?}",
@@ -176,7 +208,7 @@ pub fn forward(
     cx: &Context,
     dtype: DType,
 ) -> Result<Tensor> {
-    let vb = params.var_builder(&layer.prefix, dtype, input.device(), true);
+    let vb = params.var_builder(&layer.prefix, dtype, input.device(), true)?;
     Ok(layer.layer.forward(&vb, input, cx)?)
 }
 
@@ -189,7 +221,7 @@ pub fn forward_taped(
     cx: &Context,
     dtype: DType,
 ) -> Result<Option<Taped>> {
-    let vb = params.var_builder(&layer.prefix, dtype, input.device(), false);
+    let vb = params.var_builder(&layer.prefix, dtype, input.device(), false)?;
     Ok(layer.layer.forward_taped(&vb, &input.detach(), cx)?)
 }
 

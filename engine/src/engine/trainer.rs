@@ -1,6 +1,7 @@
 //! The training loop of one rank in one compute dtype: layer-wise forward and backward over
 //! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -133,14 +134,12 @@ impl<T: Dtype> Trainer<T> {
     /// Materialises layer `i`'s parameters and starts gathering layer `next`'s.
     fn materialise(&mut self, i: usize, next: Option<usize>) -> Result<LayerParams> {
         let (range, ids) = (self.layer_flat[i].clone(), self.layer_ids[i].clone());
-        let params = match range.is_empty() {
-            true => LayerParams::new::<T>(&self.index, ids, range.start, &[], &self.dev)?,
-            // the store's values are copied once, straight into the layer's variables
-            false => {
-                let values = self.zero.params(range.clone())?;
-                LayerParams::new(&self.index, ids, range.start, &values, &self.dev)?
-            }
+        let values = match range.is_empty() {
+            true => Cow::Borrowed(&[][..]),
+            false => self.zero.params(range.clone())?,
         };
+        // Note [one copy per layer] in layers.rs
+        let params = LayerParams::new::<T>(&self.index, ids, range.start, values, &self.dev)?;
         if let Some(n) = next {
             self.zero.prefetch(self.layer_flat[n].clone())?;
         }

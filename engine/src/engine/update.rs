@@ -35,6 +35,9 @@ pub struct Updater {
     skipped_steps: u64,
 }
 
+/// Elements of the shard updated at a time (4 MiB of fp32 gradients).
+const STEP_PIECE: usize = 1 << 20;
+
 impl Updater {
     pub fn new(optimizer: Box<dyn Optimizer>, schedule: LrSchedule, scaler: LossScaler) -> Updater {
         Updater {
@@ -128,14 +131,28 @@ impl Updater {
             false => 1.0,
         };
         let k = (clip_coef / scale) as f32;
-        let grads: Vec<f32> = zero.owned_grads().iter().map(|g| g.to_f32() * k).collect();
         if let Some(m) = self
             .schedule
             .momentum_at(self.global_steps - 1 - self.skipped_steps)
         {
             self.optimizer.set_momentum(m);
         }
-        self.optimizer.step(zero.master_mut(), &grads, lr);
+        self.optimizer.begin(lr);
+        // The owned range in pieces: the fp32 gradients of one piece at a time, never of the
+        // whole shard (a whole-model temporary at stage 0).
+        let (master, grads) = zero.master_and_grads();
+        let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
+        for (i, (p, g)) in master
+            .chunks_mut(STEP_PIECE)
+            .zip(grads.chunks(STEP_PIECE))
+            .enumerate()
+        {
+            let fp32 = &mut scratch[..g.len()];
+            fp32.iter_mut()
+                .zip(g)
+                .for_each(|(d, g)| *d = g.to_f32() * k);
+            self.optimizer.update(i * STEP_PIECE, p, fp32);
+        }
         zero.publish()?;
         Ok(outcome)
     }

@@ -24,13 +24,15 @@ pub struct Adam {
     step: u64,
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
+    /// The scalars of the step begun last.
+    consts: Option<Consts>,
 }
 
 /// The per-step scalars, as DeepSpeed's Adam kernels (CPU and CUDA) have them: the betas are
 /// C++ floats, so `1 - beta` is taken from the f32 beta (for beta2 = 0.999 that is 1.3e-5 off
 /// torch's double `1 - beta2`), and the bias corrections are powers of the f32 betas computed in
 /// double. Each scalar is rounded to f32 once; the inner loop is pure f32 mul/add/sqrt/div.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Consts {
     beta1: f32,
     one_minus_beta1: f32,
@@ -80,18 +82,27 @@ impl Adam {
             step: 0,
             exp_avg: vec![0.0; shard_len],
             exp_avg_sq: vec![0.0; shard_len],
+            consts: None,
         }
     }
 }
 
 impl Optimizer for Adam {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
-        let n = self.exp_avg.len();
-        assert_eq!(params.len(), n, "Adam::step: params length != shard length");
-        assert_eq!(grads.len(), n, "Adam::step: grads length != shard length");
+    fn begin(&mut self, lr: f64) {
         self.step += 1;
-        let k = Consts::new(&self.hp, self.step, lr);
-        let (m, v) = (&mut self.exp_avg[..], &mut self.exp_avg_sq[..]);
+        self.consts = Some(Consts::new(&self.hp, self.step, lr));
+    }
+
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]) {
+        let n = params.len();
+        assert_eq!(
+            grads.len(),
+            n,
+            "Adam::update: grads length != params length"
+        );
+        let k = self.consts.expect("Adam::update: begin() first");
+        let m = &mut self.exp_avg[at..at + n];
+        let v = &mut self.exp_avg_sq[at..at + n];
         if n <= BLOCK {
             return dispatch_block(&k, params, grads, m, v);
         }

@@ -43,7 +43,27 @@ pub trait Optimizer: Send {
     /// # Panics
     /// If `params` or `grads` is not [`Optimizer::shard_len`] long: a bug in the caller, never
     /// a consequence of user input.
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        assert_eq!(
+            params.len(),
+            self.shard_len(),
+            "step: params length != shard length"
+        );
+        self.begin(lr);
+        self.update(0, params, grads);
+    }
+
+    /// Starts a step at learning rate `lr` (counts it); [`Optimizer::update`] then applies it
+    /// to consecutive parts of the shard, so that the caller never needs the whole shard's
+    /// gradients in fp32 at once. The result is the same however the shard is cut.
+    fn begin(&mut self, lr: f64);
+
+    /// Applies the step begun last to the shard's elements `at..at + params.len()`.
+    ///
+    /// # Panics
+    /// If the part is outside the shard, `grads` is not as long as `params`, or no step was
+    /// begun: bugs in the caller.
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]);
 
     /// The shard length the state was allocated for.
     fn shard_len(&self) -> usize;

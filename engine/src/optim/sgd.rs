@@ -18,10 +18,12 @@ pub struct Sgd {
     /// first step), else on the first step with momentum != 0 (OneCycle may raise it from 0).
     buf: Vec<f32>,
     live: bool,
+    /// The constants of the step begun, and whether it is the first with a live buffer.
+    begun: Option<(Consts, bool)>,
 }
 
 /// The per-step scalars in f32, computed once.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Consts {
     weight_decay: f32,
     momentum: f32,
@@ -38,6 +40,7 @@ impl Sgd {
             step: 0,
             buf: vec![0.0; len],
             live: false,
+            begun: None,
         }
     }
 
@@ -52,25 +55,36 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
-        let n = self.shard_len;
-        assert_eq!(params.len(), n, "Sgd::step: params length != shard length");
-        assert_eq!(grads.len(), n, "Sgd::step: grads length != shard length");
+    fn begin(&mut self, lr: f64) {
         self.step += 1;
-        let k = self.consts(lr);
+        let first = !self.live;
+        if self.hp.momentum != 0.0 {
+            self.buf.resize(self.shard_len, 0.0);
+            self.live = true;
+        }
+        self.begun = Some((self.consts(lr), first));
+    }
+
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]) {
+        let n = params.len();
+        assert_eq!(grads.len(), n, "Sgd::update: grads length != params length");
+        assert!(
+            at + n <= self.shard_len,
+            "Sgd::update: part beyond the shard"
+        );
+        let (k, first) = self.begun.expect("Sgd::update: begin() first");
         if self.hp.momentum == 0.0 {
             return for_blocks(params, grads, &mut [], |p, g, _| plain(&k, p, g));
         }
-        self.buf.resize(n, 0.0);
-        let (first, nesterov) = (!self.live, self.hp.nesterov);
-        self.live = true;
+        let nesterov = self.hp.nesterov;
         let kernel: Kernel = match (first, nesterov) {
             (true, true) => momentum::<true, true>,
             (true, false) => momentum::<true, false>,
             (false, true) => momentum::<false, true>,
             (false, false) => momentum::<false, false>,
         };
-        for_blocks(params, grads, &mut self.buf, |p, g, b| kernel(&k, p, g, b));
+        let buf = &mut self.buf[at..at + n];
+        for_blocks(params, grads, buf, |p, g, b| kernel(&k, p, g, b));
     }
 
     fn shard_len(&self) -> usize {

@@ -188,6 +188,47 @@ fn results_do_not_depend_on_position_or_length() {
     }
 }
 
+/// A step applied part by part (`begin`, then `update` on consecutive parts, as the engine
+/// does to avoid a whole-shard fp32 gradient) equals the whole-shard step, bit for bit.
+#[test]
+fn a_step_in_parts_equals_the_whole_step() {
+    let n = 100_003;
+    let (p0, grads) = inputs(n, 5);
+    let adam = AdamParams {
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.01,
+        adam_w_mode: true,
+    };
+    let sgd = SgdParams {
+        lr: 1e-3,
+        momentum: 0.9,
+        dampening: 0.1,
+        weight_decay: 0.01,
+        nesterov: false,
+    };
+    let makers: [(&str, fn(AdamParams, SgdParams, usize) -> Box<dyn Optimizer>); 2] = [
+        ("adam", |a, _, n| Box::new(Adam::new(a, n))),
+        ("sgd", |_, s, n| Box::new(Sgd::new(s, n))),
+    ];
+    for (name, make) in makers {
+        let (mut whole, mut parts) = (p0.clone(), p0.clone());
+        let (mut a, mut b) = (make(adam, sgd, n), make(adam, sgd, n));
+        for g in &grads {
+            a.step(&mut whole, g, 1e-3);
+            b.begin(1e-3);
+            for (at, end) in [(0, 1), (1, 999), (999, 70_000), (70_000, n)] {
+                b.update(at, &mut parts[at..end], &g[at..end]);
+            }
+        }
+        let same = whole
+            .iter()
+            .zip(&parts)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{name}: the step in parts differs");
+    }
+}
+
 #[test]
 fn bench_runs_and_reports() {
     let r = super::bench_adam(10_000, 3, 1);
