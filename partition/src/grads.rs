@@ -46,6 +46,11 @@ pub trait GradStore<T: Element>: Send {
     fn peak_buffer_bytes(&self) -> usize {
         0
     }
+    /// The flat ranges gradients will be added in, in model order (backward adds them in
+    /// reverse), so that buckets can be sized exactly.
+    fn plan(&mut self, layers: &[Range<usize>]) {
+        let _ = layers;
+    }
 }
 
 /// Stages 0-1: a whole gradient buffer per rank, all-reduced once per optimizer step.
@@ -121,6 +126,8 @@ pub struct ShardGrads<T: Element> {
     spare: Option<Vec<T>>,
     /// Most elements held in bucket buffers at once (communication buffers, for the report).
     peak_bucket_elems: usize,
+    /// The buckets backward will fill, when the layers are known (`plan`).
+    planned: Vec<Range<usize>>,
 }
 
 /// Gradients of a contiguous flat range `lo..hi`, filled from the top down (backward visits
@@ -169,13 +176,17 @@ impl<T: Element> ShardGrads<T> {
             in_flight: None,
             spare: None,
             peak_bucket_elems: 0,
+            planned: Vec::new(),
         }
     }
 
     /// A bucket for gradients ending at `hi`, big enough for `first` elements: a reduced
     /// bucket's buffer when one is free.
     fn open(&mut self, hi: usize, first: usize) -> Bucket<T> {
-        let cap = self.reduce.bucket_size.min(hi).max(first);
+        let cap = match self.planned.iter().find(|b| b.end == hi) {
+            Some(b) if b.len() >= first => b.len(),
+            _ => self.reduce.bucket_size.min(hi).max(first),
+        };
         let mut buf = self.spare.take().unwrap_or_default();
         buf.clear();
         buf.resize(cap, T::default());
@@ -268,6 +279,26 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
     fn peak_buffer_bytes(&self) -> usize {
         self.peak_bucket_elems * std::mem::size_of::<T>()
     }
+
+    fn plan(&mut self, layers: &[Range<usize>]) {
+        self.planned = bucket_plan(layers, self.reduce.bucket_size);
+    }
+}
+
+/// The buckets backward fills: layers taken in reverse order join the bucket below which they
+/// end while it stays within `bucket_size` (DeepSpeed's rule: a bucket is reduced before it
+/// would overflow); a layer larger than `bucket_size` is a bucket of its own.
+fn bucket_plan(layers: &[Range<usize>], bucket_size: usize) -> Vec<Range<usize>> {
+    let mut plan: Vec<Range<usize>> = Vec::new();
+    for layer in layers.iter().rev().filter(|l| !l.is_empty()) {
+        match plan.last_mut() {
+            Some(b) if layer.end == b.start && b.end - layer.start <= bucket_size => {
+                b.start = layer.start
+            }
+            _ => plan.push(layer.clone()),
+        }
+    }
+    plan
 }
 
 fn accumulate<T: Element>(dst: &mut [T], src: &[T]) {
@@ -280,5 +311,22 @@ fn scale<T: Element>(buf: &mut [T], k: Option<f32>) {
     if let Some(k) = k {
         buf.iter_mut()
             .for_each(|v| *v = T::from_f32(v.to_f32() * k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket_plan;
+
+    #[test]
+    fn buckets_group_adjacent_layers_from_the_top_without_overflowing() {
+        let layers = [0..10, 10..10, 10..40, 40..45, 45..50, 50..120, 120..125];
+        // worked by hand from the top: 50..120 cannot join 120..125 (75 > 60) and is larger
+        // than a bucket, so it is alone; 45..50 cannot join it either; then 40..45, 10..40
+        // and 0..10 join 45..50 (50 <= 60)
+        assert_eq!(bucket_plan(&layers, 60), vec![120..125, 50..120, 0..50]);
+        assert_eq!(bucket_plan(&layers, 1000), vec![0..125]);
+        assert_eq!(bucket_plan(&layers, 0).len(), 6); // every non-empty layer alone
+        assert!(bucket_plan(&[], 10).is_empty());
     }
 }

@@ -117,6 +117,12 @@ impl<T: Element> Zero<T> {
         self.params.get(range)
     }
 
+    /// The flat ranges of the model's layers, in order: gradient buckets are then sized to
+    /// the layers they will hold.
+    pub fn plan_buckets(&mut self, layers: &[Range<usize>]) {
+        self.grads.plan(layers);
+    }
+
     pub fn prefetch(&mut self, range: Range<usize>) -> Result<()> {
         self.params.prefetch(range)
     }

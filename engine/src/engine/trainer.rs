@@ -108,8 +108,10 @@ impl<T: Dtype> Trainer<T> {
             layer_ids.push(next..next + n);
             next += n;
         }
-        let layer_flat = layer_ids.iter().map(|r| index.span(r.clone())).collect();
-        let zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
+        let layer_flat: Vec<Range<usize>> =
+            layer_ids.iter().map(|r| index.span(r.clone())).collect();
+        let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
+        zero.plan_buckets(&layer_flat);
         let updater = updater(zero.owned().len())?;
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
