@@ -24,4 +24,4 @@ pub use grads::{GradStore, ReduceConfig};
 pub use layout::ShardLayout;
 pub use memory::StateBytes;
 pub use params::{ParamStore, Publish, Stage3Config};
-pub use zero::{Zero, ZeroOptions};
+pub use zero::{InitFn, Zero, ZeroOptions};

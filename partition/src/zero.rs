@@ -10,6 +10,9 @@ use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
 use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
 use crate::{Result, ShardLayout, StateBytes};
 
+/// Writes the initial values of a flat range (unpadded coordinates) into the slice given.
+pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E> + 'a;
+
 /// What a stage needs from ds_config `zero_optimization`.
 #[derive(Debug, Clone, Copy)]
 pub struct ZeroOptions {
@@ -43,7 +46,7 @@ impl<T: Element> Zero<T> {
         numel: usize,
         opts: ZeroOptions,
         group: Group,
-        init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E>,
+        init: &mut InitFn<'_, E>,
     ) -> std::result::Result<Zero<T>, E> {
         if opts.stage > 3 {
             return Err(crate::PartitionError::Invalid(format!(
@@ -214,7 +217,7 @@ impl<T: Element> Zero<T> {
 fn initial<T: Element, E>(
     layout: ShardLayout,
     range: Range<usize>,
-    init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E>,
+    init: &mut InitFn<'_, E>,
 ) -> std::result::Result<Vec<T>, E> {
     const INIT_PIECE: usize = 1 << 20;
     let mut out = vec![T::default(); range.len()];

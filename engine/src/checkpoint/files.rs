@@ -2,11 +2,13 @@
 //! name, fsync, rename, fsync the directory; CRC32C over every shard file.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
 
 use crate::{EngineError, Result};
 
@@ -47,54 +49,119 @@ pub fn encode(tensors: &[(&str, &[f32])], metadata: HashMap<String, String>) -> 
         .map_err(|e| EngineError::Invalid(format!("encoding a checkpoint shard: {e}")))
 }
 
-/// A shard file read whole and checked against its recorded size and checksum.
+/// A shard file checked against its recorded size and checksum, from which a rank then reads
+/// only the ranges it owns: the checksum streams through a small buffer and each slice is one
+/// positioned read, so loading never holds a whole shard (a stage-0 checkpoint's one shard is
+/// the whole model).
 pub struct ShardFile {
     path: PathBuf,
-    bytes: Vec<u8>,
+    file: File,
+    /// Tensor name -> (dtype, byte range of its data, from the file's start).
+    tensors: HashMap<String, (String, Range<u64>)>,
 }
+
+/// Bytes read at a time while checksumming.
+const CRC_CHUNK: usize = 1 << 20;
 
 impl ShardFile {
     pub fn open(path: &Path, bytes: u64, crc: u32) -> Result<ShardFile> {
-        let data = std::fs::read(path).map_err(|e| EngineError::file(path, e))?;
-        if data.len() as u64 != bytes {
+        let err = |e: std::io::Error| EngineError::file(path, e);
+        let mut file = File::open(path).map_err(err)?;
+        let len = file.metadata().map_err(err)?.len();
+        if len != bytes {
             return Err(EngineError::file(
                 path,
-                format!(
-                    "{} bytes, the manifest says {bytes}: truncated or replaced",
-                    data.len()
-                ),
+                format!("{len} bytes, the manifest says {bytes}: truncated or replaced"),
             ));
         }
-        let found = crc32c::crc32c(&data);
+        let found = checksum(&mut file).map_err(err)?;
         if found != crc {
             return Err(EngineError::file(
                 path,
                 format!("checksum {found:08x}, the manifest says {crc:08x}: the file is corrupted"),
             ));
         }
+        let tensors = header(&file, len).map_err(|e| EngineError::file(path, e))?;
         Ok(ShardFile {
             path: path.to_path_buf(),
-            bytes: data,
+            file,
+            tensors,
         })
     }
 
     /// Elements `range` (relative to the file's start) of tensor `name`.
-    pub fn slice(&self, name: &str, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
-        let st =
-            SafeTensors::deserialize(&self.bytes).map_err(|e| EngineError::file(&self.path, e))?;
-        let t = st
-            .tensor(name)
-            .map_err(|e| EngineError::file(&self.path, format!("tensor {name}: {e}")))?;
-        let data = t.data();
-        if t.dtype() != Dtype::F32 || range.end * 4 > data.len() {
+    pub fn slice(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        let found = self.tensors.get(name);
+        let (at, fits) = match found {
+            Some((dtype, data)) if dtype == "F32" => (
+                data.start + range.start as u64 * 4,
+                data.start + range.end as u64 * 4 <= data.end,
+            ),
+            _ => (0, false),
+        };
+        if !fits {
             return Err(EngineError::file(
                 &self.path,
                 format!("tensor {name}: expected f32 covering {range:?}"),
             ));
         }
-        Ok(data[range.start * 4..range.end * 4]
+        let mut raw = vec![0u8; range.len() * 4];
+        self.file
+            .read_exact_at(&mut raw, at)
+            .map_err(|e| EngineError::file(&self.path, e))?;
+        Ok(raw
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect())
     }
+}
+
+/// CRC32C of the whole file, read in chunks.
+fn checksum(file: &mut File) -> std::io::Result<u32> {
+    let mut buf = vec![0u8; CRC_CHUNK];
+    let mut crc = 0u32;
+    loop {
+        match file.read(&mut buf)? {
+            0 => return Ok(crc),
+            n => crc = crc32c::crc32c_append(crc, &buf[..n]),
+        }
+    }
+}
+
+/// The safetensors header: each tensor's dtype and data bytes (checked to lie in the file).
+fn header(
+    file: &File,
+    len: u64,
+) -> std::result::Result<HashMap<String, (String, Range<u64>)>, String> {
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0).map_err(|e| e.to_string())?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > 100 << 20 {
+        return Err(format!("a header of {n} bytes in a file of {len}"));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact_at(&mut text, 8)
+        .map_err(|e| e.to_string())?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| format!("header: {e}"))?;
+    let obj = json.as_object().ok_or("header: not an object")?;
+    let data_start = 8 + n;
+    let mut out = HashMap::new();
+    for (name, t) in obj.iter().filter(|(k, _)| *k != "__metadata__") {
+        let dtype = t["dtype"].as_str().unwrap_or_default().to_string();
+        let offsets = t["data_offsets"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect::<Vec<u64>>());
+        let Some([a, b]) = offsets
+            .as_deref()
+            .and_then(|o| <[u64; 2]>::try_from(o).ok())
+        else {
+            return Err(format!("header: tensor {name} has no data_offsets"));
+        };
+        if a > b || data_start + b > len {
+            return Err(format!("header: tensor {name} lies outside the file"));
+        }
+        out.insert(name.clone(), (dtype, data_start + a..data_start + b));
+    }
+    Ok(out)
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
-use ds_partition::{FlatIndex, Zero};
+use ds_partition::{FlatIndex, InitFn, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
@@ -91,7 +91,7 @@ impl<T: Dtype> Trainer<T> {
     /// this rank will own.
     pub fn new(
         parts: Parts,
-        init: &mut dyn FnMut(Range<usize>, &mut [f32]) -> Result<()>,
+        init: &mut InitFn<'_, EngineError>,
         updater: impl FnOnce(usize) -> Result<Updater>,
     ) -> Result<Trainer<T>> {
         let Parts {

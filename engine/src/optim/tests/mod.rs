@@ -207,7 +207,8 @@ fn a_step_in_parts_equals_the_whole_step() {
         weight_decay: 0.01,
         nesterov: false,
     };
-    let makers: [(&str, fn(AdamParams, SgdParams, usize) -> Box<dyn Optimizer>); 2] = [
+    type Maker = fn(AdamParams, SgdParams, usize) -> Box<dyn Optimizer>;
+    let makers: [(&str, Maker); 2] = [
         ("adam", |a, _, n| Box::new(Adam::new(a, n))),
         ("sgd", |_, s, n| Box::new(Sgd::new(s, n))),
     ];
