@@ -62,14 +62,11 @@ fn example() -> &'static PathBuf {
 
 /// The example run alone (`args` after the program), without DS_RS_CONFIG.
 fn alone(args: &[String]) -> Finished {
-    let child = Command::new(example())
-        .args(args)
-        .env_remove("DS_RS_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_captured(
+        Command::new(example())
+            .args(args)
+            .env_remove("DS_RS_CONFIG"),
+    );
     finish(child, LIMIT)
 }
 

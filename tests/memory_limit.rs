@@ -275,17 +275,14 @@ impl Drop for Cgroup {
 /// `ds-rs ARGS` started in `cg` (through a shell that joins it, then becomes the launcher),
 /// run to the end (at most LIMIT).
 fn run_in(cg: &Cgroup, args: &[String]) -> Finished {
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg(r#"echo $$ > "$0" && exec "$@""#)
-        .arg(cg.procs())
-        .arg(BIN)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_captured(
+        Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$0" && exec "$@""#)
+            .arg(cg.procs())
+            .arg(BIN)
+            .args(args),
+    );
     finish(child, LIMIT)
 }
 

@@ -73,9 +73,12 @@ pub fn words(cmd: &str) -> Vec<String> {
 
 /// Starts `ds-rs ARGS` with its output captured.
 pub fn start_args(args: &[String]) -> Child {
-    Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::null())
+    spawn_captured(Command::new(BIN).args(args))
+}
+
+/// Starts `cmd` with no input and its output captured (for `finish`).
+pub fn spawn_captured(cmd: &mut Command) -> Child {
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
