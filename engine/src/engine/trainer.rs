@@ -28,10 +28,12 @@ enum Saved {
 
 /// What a layer's backward needs from its forward.
 enum Kept {
-    /// A taped layer's own record (Note [taped layers] in model/mod.rs).
+    /// A taped layer's own record (Note [taped layers] in model/mod.rs), with its
+    /// parameters, or `None` where backward materialises them again (Note [tapes hold no
+    /// parameters]).
     Tape {
         tape: Box<dyn Tape>,
-        params: LayerParams,
+        params: Option<LayerParams>,
     },
     /// The whole autograd graph: parameters and internals stay alive until backward.
     Graph {
@@ -46,7 +48,10 @@ impl Kept {
     /// than its two ends: a lower bound for layers differentiated by autograd.
     fn bytes(&self) -> (usize, usize) {
         match self {
-            Kept::Tape { tape, params } => (tape.activation_bytes(), params.bytes()),
+            Kept::Tape { tape, params } => (
+                tape.activation_bytes(),
+                params.as_ref().map_or(0, LayerParams::bytes),
+            ),
             Kept::Graph {
                 input,
                 params,
@@ -158,6 +163,7 @@ impl<T: Dtype> Trainer<T> {
         let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
         if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
             let tape = taped.tape;
+            let params = Some(params);
             return Ok((taped.output, Kept::Tape { tape, params }));
         }
         let input = match i {
@@ -176,6 +182,17 @@ impl<T: Dtype> Trainer<T> {
         ))
     }
 
+    /// Note [tapes hold no parameters]: where the store keeps parameters whole (stages 0-2),
+    /// a tape's parameters are dropped until its backward, which copies them again.
+    fn release_params(&self, kept: Kept) -> Kept {
+        match kept {
+            Kept::Tape { tape, .. } if self.settings.zero.stage < 3 => {
+                Kept::Tape { tape, params: None }
+            }
+            kept => kept,
+        }
+    }
+
     /// Forward of one micro-batch; returns its loss.
     pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
         let t0 = Instant::now();
@@ -189,7 +206,7 @@ impl<T: Dtype> Trainer<T> {
             let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
             self.saved.push(match self.keep_graph[i] {
-                true => Saved::Kept(kept),
+                true => Saved::Kept(self.release_params(kept)),
                 false => Saved::Input(x),
             });
             x = y;
@@ -219,6 +236,10 @@ impl<T: Dtype> Trainer<T> {
         for i in (0..self.saved.len()).rev() {
             let t_layer = Instant::now();
             let kept = match self.saved.pop().expect("invariant: one per layer") {
+                Saved::Kept(Kept::Tape { tape, params: None }) => {
+                    let params = Some(self.materialise(i, None)?);
+                    Kept::Tape { tape, params }
+                }
                 Saved::Kept(kept) => kept,
                 Saved::Input(x) => {
                     let params = self.materialise(i, i.checked_sub(1))?;
@@ -269,9 +290,11 @@ impl<T: Dtype> Trainer<T> {
                         &seed_tensor
                     }
                 };
-                let grads = tape.backward(dy)?;
-                let name = self.model.layers()[i].display_name();
-                let g = params.taped_grads::<T>(&name, grads.params)?;
+                let params = params.expect("invariant: backward materialised them");
+                let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
+                let vb = params.var_builder(&layer.prefix, dtype, &self.dev, false)?;
+                let grads = tape.backward(dy, &vb)?;
+                let g = params.taped_grads::<T>(&layer.display_name(), grads.params)?;
                 Ok((grads.input, g))
             }
             Kept::Graph {

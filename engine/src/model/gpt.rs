@@ -180,7 +180,7 @@ impl Tape for EmbeddingsTape {
 
     /// Each token's row of wte gets the gradients at its positions; each position's row of
     /// wpe the sum over the batch.
-    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
         let c = self.c;
         let (b, t, d) = dy.dims3()?;
         let rows = dy.reshape((b * t, d))?;
@@ -232,10 +232,9 @@ impl BlockParams {
     }
 }
 
-/// What a block's backward reads: its parameters and the activations of its forward.
+/// What a block's backward reads: the activations of its forward.
 struct BlockTape {
     c: GptConfig,
-    p: BlockParams,
     x: Tensor,
     h1: Tensor,
     attn: Attention,
@@ -260,7 +259,6 @@ impl Block {
         let output = (&x2 + linear(&g, &p.mlp_proj.0, Some(&p.mlp_proj.1))?)?;
         let tape = BlockTape {
             c,
-            p,
             x,
             h1,
             attn,
@@ -330,10 +328,10 @@ impl Tape for BlockTape {
         .sum()
     }
 
-    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let p = BlockParams::new(vb, self.c.d)?;
         let BlockTape {
             c,
-            p,
             x,
             h1,
             attn,
@@ -446,26 +444,27 @@ fn scale(hd: usize) -> f64 {
 struct Head(GptConfig);
 
 struct HeadTape {
+    c: GptConfig,
     x: Tensor,
     h: Tensor,
-    ln_f: (Tensor, Tensor),
-    lm_head: Tensor,
+}
+
+impl Head {
+    /// ln_f's (weight, bias) and lm_head's weight.
+    fn params(c: GptConfig, vb: &VarBuilder) -> Result<((Tensor, Tensor), Tensor)> {
+        let ln_f = (vb.get(c.d, "ln_f.weight")?, vb.get(c.d, "ln_f.bias")?);
+        Ok((ln_f, vb.get((c.V, c.d), "lm_head.weight")?))
+    }
 }
 
 impl Head {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
         let c = self.0;
-        let ln_f = (vb.get(c.d, "ln_f.weight")?, vb.get(c.d, "ln_f.bias")?);
-        let lm_head = vb.get((c.V, c.d), "lm_head.weight")?;
+        let (ln_f, lm_head) = Head::params(c, vb)?;
         let x = x.contiguous()?;
         let h = layer_norm(&x, &ln_f.0, &ln_f.1, LN_EPS)?;
         let output = linear(&h, &lm_head, None)?;
-        let tape = HeadTape {
-            x,
-            h,
-            ln_f,
-            lm_head,
-        };
+        let tape = HeadTape { c, x, h };
         Ok(Taped {
             output,
             tape: Box::new(tape),
@@ -501,11 +500,11 @@ impl Tape for HeadTape {
         tensor_bytes(&self.x) + tensor_bytes(&self.h)
     }
 
-    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let (ln_f, lm_head) = Head::params(self.c, vb)?;
         let dy = dy.to_dtype(self.h.dtype())?;
-        let head = linear_backward(&self.h, &self.lm_head, &dy)?;
-        let (dx, dw, db) =
-            layer_norm_backward(&self.x, &self.ln_f.0, &self.ln_f.1, &head.dx, LN_EPS)?;
+        let head = linear_backward(&self.h, &lm_head, &dy)?;
+        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &head.dx, LN_EPS)?;
         Ok(Grads {
             input: Some(dx),
             params: vec![dw, db, head.dw],
@@ -570,7 +569,7 @@ impl Tape for LossTape {
 
     /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
     /// the rows.
-    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Grads> {
+    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
         let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         let rows = self.targets.elem_count().max(1) as f64;
         let dlogits = cross_entropy_backward(&self.probs, &self.targets, seed / rows)?
@@ -704,7 +703,7 @@ mod tests {
                 .forward_taped(&vb(false), &input.as_tensor().detach(), &cx)
                 .unwrap()
                 .expect("the GPT's layers are taped");
-            let grads = taped.tape.backward(&dy).unwrap();
+            let grads = taped.tape.backward(&dy, &vb(false)).unwrap();
             let mut pairs = vec![("output".to_string(), flat(&taped.output), flat(&y))];
             if li > 0 {
                 let dx = grads.input.as_ref().expect("an input gradient");

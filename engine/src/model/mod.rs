@@ -92,14 +92,22 @@ pub trait Layer: Send + Sync {
     }
 }
 
+/// Note [tapes hold no parameters]: where the parameter store keeps every parameter whole
+/// (ZeRO 0-2), holding each layer's materialised copy from forward to backward would add a whole
+/// model to the step; the engine drops it after forward and copies the layer's range again for
+/// its backward (one memcpy per layer). At ZeRO-3 the layers that keep their graph keep their
+/// gathered parameters instead (a second gather costs communication).
+///
 /// Note [taped layers]: candle's autograd allocates a zero-filled gradient for every tensor a
 /// gradient reaches and adds each contribution into it, and it keeps every intermediate of the
 /// graph. A layer that knows its own derivative (the built-in GPT's) returns a `Tape` instead:
 /// only what its backward reads, and a backward that writes each gradient once.
 pub trait Tape: Send {
     /// The gradients, given `dy`, the gradient of the layer's output (for the loss layer, a
-    /// scalar: the loss seed).
-    fn backward(self: Box<Self>, dy: &Tensor) -> candle_core::Result<Grads>;
+    /// scalar: the loss seed), and `vb`, the layer's parameters with the values its forward
+    /// read. A tape does not keep the parameters itself: the engine may release them between
+    /// forward and backward and materialise them again (Note [tapes hold no parameters]).
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> candle_core::Result<Grads>;
     /// Bytes of the activations the tape keeps (its tensors other than the layer's
     /// parameters, which the engine counts), for the memory report.
     fn activation_bytes(&self) -> usize;
