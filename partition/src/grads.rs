@@ -114,7 +114,9 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 /// Note [bounded buckets]: at most two bucket buffers exist, as DeepSpeed's double-buffered
 /// ipg buckets: the one being filled and the one being reduced (with `overlap_comm`). A
 /// layer's gradient is copied once, straight to its place in the bucket; a bucket holds at
-/// most `reduce_bucket_size` elements unless one layer's gradient alone is larger.
+/// most `reduce_bucket_size` elements (and at most `bucket_bound`) unless one layer's gradient
+/// alone is larger. Each element is reduced along the same chain whatever bucket it rides in,
+/// so bucket sizes change no value (checked bit for bit on 3 ranks at every stage).
 pub struct ShardGrads<T: Element> {
     shard: Vec<T>,
     layout: ShardLayout,
@@ -166,7 +168,8 @@ impl<T: Element> Bucket<T> {
 }
 
 impl<T: Element> ShardGrads<T> {
-    pub fn new(layout: ShardLayout, group: Group, reduce: ReduceConfig) -> Self {
+    pub fn new(layout: ShardLayout, group: Group, mut reduce: ReduceConfig) -> Self {
+        reduce.bucket_size = reduce.bucket_size.min(bucket_bound(layout));
         ShardGrads {
             shard: vec![T::default(); layout.shard_len()],
             layout,
@@ -283,6 +286,16 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
     fn plan(&mut self, layers: &[Range<usize>]) {
         self.planned = bucket_plan(layers, self.reduce.bucket_size);
     }
+}
+
+/// The most elements a bucket holds: the two buckets alive at once hold at most half of the
+/// gradients the other ranks own (`(N-1)/N` of the model), so stages 2-3 always hold less
+/// gradient than stage 1 (which keeps all of it), whatever `reduce_bucket_size` says; its
+/// default (5e8) would otherwise make one bucket of the whole gradient of any model below
+/// 500M parameters. Buckets this large are still far beyond the size at which a reduction
+/// reaches full bandwidth. Bucket boundaries change no value (Note [bounded buckets]).
+fn bucket_bound(layout: ShardLayout) -> usize {
+    ((layout.padded() - layout.shard_len()) / 4).max(1)
 }
 
 /// The buckets backward fills: layers taken in reverse order join the bucket below which they
