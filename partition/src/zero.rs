@@ -88,7 +88,15 @@ impl<T: Element> Zero<T> {
         };
         let grads: Box<dyn GradStore<T>> = match opts.stage {
             0 | 1 => Box::new(FullGrads::new(layout, group.clone(), opts.reduce)),
-            _ => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
+            2 => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
+            _ => {
+                // The two buckets alive at once (Note [bounded buckets]) hold no more than
+                // the live parameters' gradients (ARCHITECTURE.md, ds-partition decisions).
+                let mut reduce = opts.reduce;
+                let live = opts.stage3.max_live_parameters / 2;
+                reduce.bucket_size = reduce.bucket_size.min(live);
+                Box::new(ShardGrads::new(layout, group.clone(), reduce))
+            }
         };
         // The master copy starts from the compute-dtype values (rounded under bf16/fp16), as
         // DeepSpeed's does.

@@ -15,11 +15,12 @@ pub struct MemoryReport {
     pub optimizer_states: usize,
     /// Activations kept for backward at the end of forward, where they peak.
     pub activations: usize,
-    /// Layers' parameters materialised as tensors at that moment (every layer at stages
-    /// 0-2; at stage 3 the gathered layers that keep their graph, see Note [ZeRO-3 reuse]).
+    /// Layers' parameters materialised as tensors at once, at most: the layer being computed,
+    /// the ZeRO-3 layers that keep their graph (Note [ZeRO-3 reuse]) and layers without a
+    /// tape (Note [tapes hold no parameters]).
     pub layer_params: usize,
-    /// The largest layer's gradients during its backward: the layer's own tensors and their
-    /// flat copy handed to the gradient store.
+    /// The largest layer's gradients during its backward (handed to the gradient store in
+    /// place).
     pub layer_grads: usize,
     /// Reduction buckets and parameter gathers, at their most.
     pub comm_buffers: usize,

@@ -78,7 +78,7 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
     Ok(ZeroOptions {
         stage: u8::from(z.stage),
         reduce: ReduceConfig {
-            bucket_size: reduce_bucket(cfg)?,
+            bucket_size: elements(z.reduce_bucket_size, "zero_optimization.reduce_bucket_size")?,
             // Stages 0-1 reduce once per step, after backward, so there is nothing to overlap.
             overlap_comm: z.overlap_comm && z.stage >= ZeroStage::Gradients,
             // DeepSpeed applies the predivide factor only with prescale_gradients.
@@ -103,25 +103,6 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
             )?,
         },
     })
-}
-
-/// Elements per gradient bucket. At stage 3 the two buckets that can exist at once (one
-/// filling, one reducing: Note [bounded buckets]) hold at most `stage3_max_live_parameters`
-/// together: the gradients of the live layers, no more. DeepSpeed sizes
-/// its stage-3 bucket by `reduce_bucket_size` alone, whose default (5e8) would hold the
-/// whole gradient of any model below 500M parameters on every rank, the memory ZeRO-3
-/// exists to save (ARCHITECTURE.md, ds-partition decisions).
-fn reduce_bucket(cfg: &Config) -> Result<usize> {
-    let z = &cfg.zero_optimization;
-    let bucket = elements(z.reduce_bucket_size, "zero_optimization.reduce_bucket_size")?;
-    if z.stage < ZeroStage::Weights {
-        return Ok(bucket);
-    }
-    let live = elements(
-        z.stage3_max_live_parameters,
-        "zero_optimization.stage3_max_live_parameters",
-    )?;
-    Ok(bucket.min(live / 2))
 }
 
 fn positive(v: Option<i64>, path: &str) -> Result<usize> {
