@@ -20,6 +20,7 @@ pub mod logger;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod parallel;
 pub mod store;
 pub mod testkit;
 pub mod topology;
@@ -28,6 +29,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::{Communicator, Group, Work, DEFAULT_TIMEOUT};
 pub use mesh::Transport;
+pub use parallel::Groups;
 
 use ds_config::monitor::CommsLoggerConfig;
 use group::Parts;

@@ -34,7 +34,7 @@ use std::path::Path;
 pub use auto::AutoValues;
 pub use batch::PyNum;
 pub use error::{ConfigError, Result};
-pub use resolve::{Config, ParallelDims};
+pub use resolve::{parallel_dims, Config, ParallelDims};
 pub use summary::summary_json;
 pub use unimplemented::NotImplemented;
 pub use value::Value;

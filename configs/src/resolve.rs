@@ -43,6 +43,43 @@ impl ParallelDims {
     }
 }
 
+/// `dp D x tp T x pp P`.
+impl std::fmt::Display for ParallelDims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "dp {} x tp {} x pp {}", self.dp(), self.tp, self.pp)
+    }
+}
+
+/// The layout of a job of `world` ranks, decided once from the config and the command line:
+/// the tensor-parallel degree is `tp` when given (`--tp`), else the config's
+/// `tensor_parallel.autotp_size` (0 and 1: none, as in DeepSpeed); the pipeline degree is
+/// `pp` when given, else 1; data parallelism takes the rest. The error names the numbers
+/// that do not divide.
+pub fn parallel_dims(
+    doc: &Value,
+    world: usize,
+    tp: Option<usize>,
+    pp: Option<usize>,
+) -> Result<ParallelDims> {
+    let tp = match tp {
+        Some(tp) => tp,
+        None => match doc {
+            Value::Dict(root) => {
+                let size = extras::tensor_parallel(root, &mut Vec::new())?;
+                usize::try_from(size.max(1)).map_err(|_| {
+                    ConfigError::invalid(
+                        "tensor_parallel.autotp_size",
+                        &size,
+                        "a degree that fits in memory",
+                    )
+                })?
+            }
+            _ => 1,
+        },
+    };
+    ParallelDims::new(world, tp, pp.unwrap_or(1))
+}
+
 /// The resolved configuration: DeepSpeed's defaults applied, the batch triad filled, every
 /// section checked. Immutable once built.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -48,12 +48,11 @@ impl fmt::Display for NotImplemented {
 }
 
 impl Config {
-    /// The settings of this config that ds-rs cannot carry out yet: pipeline, tensor
-    /// parallelism, offload, in that order.
+    /// The settings of this config that ds-rs cannot carry out yet: pipeline, offload, in
+    /// that order.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
         let mut found = Vec::new();
         found.extend(self.pipeline_stages());
-        found.extend(self.autotp());
         found.extend(self.offload());
         found
     }
@@ -77,17 +76,6 @@ impl Config {
             feature: "pipeline parallelism",
             issue: 17,
             off: "1",
-        })
-    }
-
-    /// `tensor_parallel.autotp_size` above 1 (0, the default, and 1 are no AutoTP).
-    fn autotp(&self) -> Option<NotImplemented> {
-        (self.autotp_size > 1).then(|| NotImplemented {
-            path: "tensor_parallel.autotp_size",
-            value: self.autotp_size.to_string(),
-            feature: "AutoTP tensor parallelism",
-            issue: 16,
-            off: "0",
         })
     }
 
@@ -144,6 +132,8 @@ mod tests {
             r#", "pipeline": {"stages": 1, "partition": "parameters"}"#,
             r#", "tensor_parallel": {"autotp_size": 1}"#,
             r#", "tensor_parallel": {"autotp_size": "auto"}"#,
+            // tensor parallelism is carried out (the layout takes it, `parallel_dims`)
+            r#", "tensor_parallel": {"autotp_size": 2}"#,
             r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
                 "offload_optimizer": {"device": "none"}}"#,
             r#", "zero_optimization": {"stage": 2, "cpu_offload": false}"#,
@@ -156,10 +146,6 @@ mod tests {
     fn each_setting_is_named_by_its_path() {
         let cases = [
             (r#""pipeline": {"stages": 2}"#, "pipeline.stages"),
-            (
-                r#""tensor_parallel": {"autotp_size": 2}"#,
-                "tensor_parallel.autotp_size",
-            ),
             (
                 r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}"#,
                 "zero_optimization.offload_optimizer.device",

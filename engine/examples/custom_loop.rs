@@ -129,7 +129,6 @@ fn run(args: &Args) -> Result<(), Error> {
     // Join the job: alone this is rank 0 of 1; under `ds-rs launch` (or torchrun, mpirun,
     // srun) each rank finds its place from the environment.
     let comm = ds_comm::init_from_env()?;
-    let dims = ds_config::ParallelDims::new(comm.world_size(), 1, 1)?;
     let (doc, source) = match &args.config {
         Some(path) => (ds_config::load(path)?, path.display().to_string()),
         None => (
@@ -137,6 +136,11 @@ fn run(args: &Args) -> Result<(), Error> {
             "the built-in config".to_string(),
         ),
     };
+    // The layout, decided once: the config's tensor-parallel degree, data parallelism over
+    // the rest; the groups every collective of the engine runs on.
+    let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None)
+        .map_err(|e| format!("{source}: {e}"))?;
+    let groups = ds_comm::Groups::new(&comm, dims)?;
     let config = ds_config::resolve(&doc, &dims).map_err(|e| format!("{source}: {e}"))?;
     let steps_per_print = config
         .scalars
@@ -147,7 +151,7 @@ fn run(args: &Args) -> Result<(), Error> {
     let model = Model::new()
         .layer("", BigramMlp)
         .layer("", CrossEntropyLoss);
-    let mut engine = Engine::initialize(model, &config, &comm, &EngineOptions::default())?;
+    let mut engine = Engine::initialize(model, &config, &groups, &EngineOptions::default())?;
 
     // The data: a learnable Markov stream (its entropy rate is the lowest reachable loss), cut
     // into windows of T + 1 tokens. The sample order is DeepSpeed's DistributedSampler: step s

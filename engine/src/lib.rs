@@ -17,6 +17,7 @@ pub mod data;
 mod engine;
 pub mod loss_scale;
 pub mod optim;
+pub mod parallel;
 pub mod schedule;
 
 pub use engine::{

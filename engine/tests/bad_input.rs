@@ -24,7 +24,13 @@ fn config(json: &str, world: usize, tp: usize) -> ds_config::Config {
 /// The first rank's error from initialising the engine with `cfg` and `opts`.
 fn init_error(cfg: ds_config::Config, opts: EngineOptions, world: usize) -> String {
     run_ranks(world, Duration::from_secs(30), move |comm| {
-        Engine::initialize(MODEL.build(), &cfg, &comm, &opts).map(|_| ())
+        Engine::initialize(
+            MODEL.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &opts,
+        )
+        .map(|_| ())
     })
     .unwrap_err()
 }
@@ -43,7 +49,11 @@ fn configs_the_engine_cannot_run_are_named() {
     let e = init_error(config(lamb, 2, 1), EngineOptions::default(), 2);
     assert!(e.contains("optimizer.type") && e.contains("lamb"), "{e}");
     let e = init_error(config(OK, 4, 2), EngineOptions::default(), 4);
-    assert!(e.contains("tp=2"), "{e}");
+    // a config resolved for tp 2 given data-parallel groups
+    assert!(
+        e.contains("dp 2 x tp 2 x pp 1") && e.contains("dp 4 x tp 1"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -105,7 +115,12 @@ fn init_files_of_another_model_are_named() {
 fn backward_without_forward_is_an_error() {
     let e = run_ranks(1, Duration::from_secs(30), |comm| {
         let cfg = config(OK, 1, 1);
-        let mut engine = Engine::initialize(MODEL.build(), &cfg, &comm, &EngineOptions::default())?;
+        let mut engine = Engine::initialize(
+            MODEL.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &EngineOptions::default(),
+        )?;
         engine.backward()
     })
     .unwrap_err();
@@ -120,7 +135,7 @@ fn train_batch_inside_an_open_accumulation_window_is_an_error() {
         let mut engine = Engine::initialize(
             MODEL.build(),
             &config(ga2, 1, 1),
-            &comm,
+            &ds_comm::Groups::data_parallel(&comm)?,
             &EngineOptions::default(),
         )?;
         let w: Vec<u32> = (0..=MODEL.T as u32).collect();

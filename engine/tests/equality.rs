@@ -76,7 +76,12 @@ fn train(world: usize, stage: u8, ga: usize, extra: &'static str) -> Run {
     let c = GptConfig::preset("tiny").unwrap();
     let runs = run_ranks(world, Duration::from_secs(120), move |comm| {
         let cfg = config(world, micro, ga, stage, extra);
-        let mut engine = Engine::initialize(c.build(), &cfg, &comm, &EngineOptions::default())?;
+        let mut engine = Engine::initialize(
+            c.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &EngineOptions::default(),
+        )?;
         let r = comm.rank();
         let mut losses = Vec::new();
         for s in 0..STEPS {

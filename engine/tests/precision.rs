@@ -47,7 +47,12 @@ fn batch(step: u64, rank: usize) -> Batch {
 
 fn losses(cfg: ds_config::Config, steps: u64) -> Vec<f32> {
     run_ranks(1, Duration::from_secs(60), move |comm| {
-        let mut e = Engine::initialize(SMALL.build(), &cfg, &comm, &EngineOptions::default())?;
+        let mut e = Engine::initialize(
+            SMALL.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &EngineOptions::default(),
+        )?;
         (0..steps)
             .map(|s| e.train_batch(|_| Ok(batch(s, 0))).map(|(l, _)| l))
             .collect::<ds_engine::Result<Vec<f32>>>()
@@ -78,7 +83,12 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale() {
         r#", "fp16": {"enabled": true, "initial_scale_power": 30, "hysteresis": 1}"#,
     );
     run_ranks(1, Duration::from_secs(60), move |comm| {
-        let mut e = Engine::initialize(SMALL.build(), &cfg, &comm, &EngineOptions::default())?;
+        let mut e = Engine::initialize(
+            SMALL.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &EngineOptions::default(),
+        )?;
         let before = e.gather_params()?;
         assert_eq!(e.loss_scale(), 2f64.powi(30));
         let (_, out) = e.train_batch(|_| Ok(batch(0, 0)))?;
@@ -116,7 +126,12 @@ fn memory_report_follows_the_zero_formulas() {
     for stage in 0..=3u8 {
         let cfg = config(n, stage, r#", "bf16": {"enabled": true}"#);
         let reports = run_ranks(n, Duration::from_secs(60), move |comm| {
-            let e = Engine::initialize(SMALL.build(), &cfg, &comm, &EngineOptions::default())?;
+            let e = Engine::initialize(
+                SMALL.build(),
+                &cfg,
+                &ds_comm::Groups::data_parallel(&comm)?,
+                &EngineOptions::default(),
+            )?;
             Ok::<_, ds_engine::EngineError>(e.memory_report())
         })
         .unwrap();

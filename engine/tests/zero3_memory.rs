@@ -348,13 +348,23 @@ fn measure(world: usize) -> Vec<Measure> {
         // slabs, candle's lazy statics, the communicator's first buffers) is in the baseline
         shared.begin(false);
         let one_block = GptConfig { L: 1, ..GPT };
-        let mut warm = Engine::initialize(one_block.build(), &cfg, &comm, &opts)?;
+        let mut warm = Engine::initialize(
+            one_block.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &opts,
+        )?;
         warm.train_batch(|_| Ok(data.clone()))?;
         drop(warm);
         shared.end();
         // (1) start-up: the model's description and the engine with its shard
         shared.begin(true);
-        let mut engine = Engine::initialize(GPT.build(), &cfg, &comm, &opts)?;
+        let mut engine = Engine::initialize(
+            GPT.build(),
+            &cfg,
+            &ds_comm::Groups::data_parallel(&comm)?,
+            &opts,
+        )?;
         shared.end();
         // (2) step 1: forward, backward (gather, recompute, reduce-scatter), AdamW step
         shared.begin(false);

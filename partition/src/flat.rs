@@ -1,6 +1,10 @@
-//! The flat buffer's index: each parameter's name, shape and place, in layer order.
+//! The flat buffer's index: each parameter's name, shape and place, in layer order. Under
+//! tensor parallelism a rank's buffer holds its slice of each parameter: the entry keeps the
+//! logical shape and the split beside the local shape.
 
 use std::ops::Range;
+
+use crate::slice::{self, Run, Split, TpRank};
 
 /// A stable handle of one parameter: its position in the flat index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -9,12 +13,19 @@ pub struct ParamId(pub usize);
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatEntry {
     pub name: String,
+    /// The shape this rank holds (the logical one without tensor parallelism).
     pub shape: Vec<usize>,
     /// Offset of the first element in the flat buffer.
     pub offset: usize,
+    /// The shape of the whole tensor.
+    pub logical_shape: Vec<usize>,
+    pub split: Split,
 }
 
 impl FlatEntry {
+    pub fn logical_numel(&self) -> usize {
+        self.logical_shape.iter().product()
+    }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -28,6 +39,7 @@ impl FlatEntry {
 pub struct FlatIndex {
     entries: Vec<FlatEntry>,
     numel: usize,
+    tp: TpRank,
 }
 
 impl FlatIndex {
@@ -35,17 +47,43 @@ impl FlatIndex {
         FlatIndex::default()
     }
 
-    /// Appends a parameter; names must be unique.
+    /// An index of the slices tensor-parallel rank `tp` holds.
+    pub fn sliced(tp: TpRank) -> FlatIndex {
+        FlatIndex {
+            tp,
+            ..FlatIndex::default()
+        }
+    }
+
+    pub fn tp(&self) -> TpRank {
+        self.tp
+    }
+
+    /// Appends a whole parameter; names must be unique.
     pub fn push(&mut self, name: &str, shape: &[usize]) -> crate::Result<ParamId> {
+        self.push_split(name, shape, Split::Replicated)
+    }
+
+    /// Appends this rank's slice of a parameter of logical `shape`; names must be unique.
+    pub fn push_split(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        split: Split,
+    ) -> crate::Result<ParamId> {
         if self.find(name).is_some() {
             return Err(crate::PartitionError::Invalid(format!(
                 "parameter '{name}' is declared twice"
             )));
         }
+        let local = slice::local_shape(shape, split, self.tp)
+            .map_err(|e| crate::PartitionError::Invalid(format!("parameter '{name}': {e}")))?;
         let entry = FlatEntry {
             name: name.to_string(),
-            shape: shape.to_vec(),
+            shape: local,
             offset: self.numel,
+            logical_shape: shape.to_vec(),
+            split,
         };
         self.numel += entry.numel();
         self.entries.push(entry);
@@ -72,6 +110,12 @@ impl FlatIndex {
             .iter()
             .position(|e| e.name == name)
             .map(ParamId)
+    }
+
+    /// Parameter `id`'s slice as runs of logical elements, in local order.
+    pub fn runs(&self, id: ParamId) -> Vec<Run> {
+        let e = &self.entries[id.0];
+        slice::runs(&e.logical_shape, e.split, self.tp)
     }
 
     /// The flat range spanned by consecutive parameters `ids` (empty when `ids` is empty).

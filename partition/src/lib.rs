@@ -16,6 +16,7 @@ mod grads;
 mod layout;
 mod memory;
 mod params;
+mod slice;
 mod zero;
 
 pub use error::{PartitionError, Result};
@@ -24,4 +25,5 @@ pub use grads::{GradStore, ReduceConfig};
 pub use layout::ShardLayout;
 pub use memory::StateBytes;
 pub use params::{ParamStore, Publish, Stage3Config};
+pub use slice::{local_shape, runs, runs_within, Run, Split, TpRank};
 pub use zero::{InitFn, Zero, ZeroOptions};

@@ -35,6 +35,9 @@ pub struct Zero<T: Element> {
     /// The flat range (padded coordinates) whose master copy this rank keeps.
     owned: Range<usize>,
     master: Vec<f32>,
+    /// Under tensor parallelism: the group holding the other slices, and the flat ranges of
+    /// the parameters every tensor-parallel rank holds whole.
+    tp: Option<(Group, Vec<Range<usize>>)>,
 }
 
 impl<T: Element> Zero<T> {
@@ -109,7 +112,15 @@ impl<T: Element> Zero<T> {
             grads,
             owned,
             master,
+            tp: None,
         })
+    }
+
+    /// This buffer holds one tensor-parallel rank's slices, `replicated` (flat ranges) being
+    /// the parameters every rank of `group` holds whole: the gradient norm then counts the
+    /// slices of every rank and the replicated parameters once.
+    pub fn set_tensor_parallel(&mut self, group: Group, replicated: Vec<Range<usize>>) {
+        self.tp = (group.size() > 1).then_some((group, replicated));
     }
 
     pub fn stage(&self) -> u8 {
@@ -161,13 +172,32 @@ impl<T: Element> Zero<T> {
     /// Sum of squares of all gradients of the model, over every rank's shard; not finite when
     /// any gradient is inf or NaN on any rank, which is how an overflow is detected.
     pub fn grad_norm_sq(&self) -> Result<f64> {
-        let local = sum_squares(self.owned_grads());
-        if self.stage == 0 || self.group.size() == 1 {
-            return Ok(local);
+        let grads = self.owned_grads();
+        let total = sum_squares(grads);
+        let replicated: f64 = match &self.tp {
+            None => 0.0,
+            Some((_, ranges)) => ranges
+                .iter()
+                .map(|r| {
+                    let (a, b) = (r.start.max(self.owned.start), r.end.min(self.owned.end));
+                    match a < b {
+                        true => sum_squares(&grads[a - self.owned.start..b - self.owned.start]),
+                        false => 0.0,
+                    }
+                })
+                .sum(),
+        };
+        // [sliced, replicated] over the data-parallel shards
+        let mut buf = [(total - replicated) as f32, replicated as f32];
+        if self.stage > 0 && self.group.size() > 1 {
+            self.group.all_reduce(&mut buf, ReduceOp::Sum)?;
         }
-        let mut buf = [local as f32];
-        self.group.all_reduce(&mut buf, ReduceOp::Sum)?;
-        Ok(buf[0] as f64)
+        if let Some((tp, _)) = &self.tp {
+            let mut sliced = [buf[0]];
+            tp.all_reduce(&mut sliced, ReduceOp::Sum)?;
+            buf[0] = sliced[0];
+        }
+        Ok(buf[0] as f64 + buf[1] as f64)
     }
 
     /// The fp32 master values of the owned range (the optimizer's parameters).

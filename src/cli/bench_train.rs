@@ -7,10 +7,11 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ds_comm::{init, options_from_env};
-use ds_config::{load, resolve, ParallelDims};
+use ds_comm::{init, options_from_env, Groups};
+use ds_config::{load, parallel_dims, resolve};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::model::gpt::GptConfig;
+use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -37,6 +38,9 @@ pub struct TrainBenchArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1).
+    #[arg(long)]
+    tp: Option<usize>,
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
@@ -49,17 +53,25 @@ pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let model = GptConfig::preset(&args.preset)
         .with_context(|| format!("--preset {}: expected tiny, small or gpt2", args.preset))?;
-    let comm = init(&options_from_env().context("reading the rank environment")?)
-        .context("joining the job")?;
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let env = options_from_env().context("reading the rank environment")?;
     let doc = load(&args.config)?;
-    let cfg = resolve(&doc, &ParallelDims::new(world, 1, 1)?)
-        .with_context(|| format!("{}", args.config.display()))?;
+    let name = || format!("{}", args.config.display());
+    let dims = parallel_dims(&doc, env.world_size, args.tp, None).with_context(name)?;
+    let cfg = resolve(&doc, &dims).with_context(name)?;
+    model
+        .check_tp(dims.tp)
+        .map_err(|e| anyhow::anyhow!("--preset {}: {e}", args.preset))?;
+    let comm = init(&env).context("joining the job")?;
+    let groups = Groups::new(&comm, dims)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
     let opts = EngineOptions {
         init: args.init.clone(),
         ..EngineOptions::default()
     };
-    let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
+    let layers = model
+        .build_parallel(&Tp::new(groups.tp().clone()))
+        .map_err(anyhow::Error::msg)?;
+    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
     if let Some(path) = &args.save_init {
         engine.save_weights(path)?;
     }
@@ -70,7 +82,9 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         SyntheticTokens::PEER_LEN,
         SyntheticTokens::PEER_SEED,
     )?;
-    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, rank, world)?;
+    // tensor-parallel peers train on the same samples
+    let (replica, dp) = (groups.grid().data_parallel_id(), dims.dp());
+    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, replica, dp)?;
     let mut m = Measured::default();
     for step in 0..(args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
@@ -84,7 +98,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     }
     m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
     if rank == 0 {
-        report(args, &s, world, model.T, &m);
+        report(args, &s, world, dp, model.T, &m);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -98,7 +112,14 @@ struct Measured {
     memory: Vec<crate::train::RankMemory>,
 }
 
-fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usize, m: &Measured) {
+fn report(
+    args: &TrainBenchArgs,
+    s: &ds_engine::Settings,
+    world: usize,
+    dp: usize,
+    seq: usize,
+    m: &Measured,
+) {
     let (times, losses, parts) = (&m.times, &m.losses, &m.parts);
     let rss: Vec<f64> = m.memory.iter().map(|r| r.peak_rss_mib).collect();
     // wall_clock_breakdown: median forward / backward / step time of the timed steps
@@ -113,10 +134,10 @@ fn report(args: &TrainBenchArgs, s: &ds_engine::Settings, world: usize, seq: usi
     let mut timed = times[args.warmup.min(times.len())..].to_vec();
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens = (world * s.micro_batch * s.grad_accum * seq) as f64;
+    let tokens = (dp * s.micro_batch * s.grad_accum * seq) as f64;
     let row = serde_json::json!({
         "preset": args.preset, "config": args.config.display().to_string(),
-        "zero_stage": s.zero.stage, "nproc": world,
+        "zero_stage": s.zero.stage, "nproc": world, "dp": dp, "tp": world / dp,
         "step_ms_median": 1e3 * median,
         "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
         "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),

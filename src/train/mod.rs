@@ -15,11 +15,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ds_comm::{init, options_from_env, Communicator};
-use ds_config::{load, resolve, Config, ParallelDims};
+use ds_comm::{init, options_from_env, Communicator, Groups};
+use ds_config::{load, parallel_dims, resolve, Config};
 use ds_engine::data::TokenWidth;
 use ds_engine::model::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
+use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
 
 pub use metrics::{gather_memory, memory_line, RankMemory};
@@ -82,27 +83,46 @@ pub struct TrainArgs {
     /// by `ds-rs launch --max_restarts`), in whatever layout it was saved.
     #[arg(long)]
     resume: bool,
+    /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1);
+    /// data parallelism takes the rest of the ranks.
+    #[arg(long)]
+    tp: Option<usize>,
 }
 
 const DEFAULT_STEPS: u64 = 300;
 
+/// What a run of `world` ranks trains, decided before any rank joins the job (the launcher
+/// calls it too, so a bad combination is one error line before anything starts): the model,
+/// the resolved config and its layout, checked against each other.
+pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config)> {
+    let model = model_config(&args.model)?;
+    let cfg = read_config(args.config.as_deref(), world, args.tp)?;
+    cfg.check_implemented()
+        .with_context(|| config_name(args.config.as_deref()))?;
+    model
+        .check_tp(cfg.dims.tp)
+        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    Ok((model, cfg))
+}
+
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
-    let model = model_config(&args.model)?;
-    let comm = init(&options_from_env().context("reading the rank environment")?)
-        .context("joining the job")?;
-    let cfg = read_config(args.config.as_deref(), comm.world_size())?;
+    let env = options_from_env().context("reading the rank environment")?;
+    let (model, cfg) = plan(args, env.world_size)?;
+    let comm = init(&env).context("joining the job")?;
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
         crate::launch::print_config_warnings(&cfg);
     }
-    cfg.check_implemented()
-        .with_context(|| config_name(args.config.as_deref()))?;
+    let groups = Groups::new(&comm, cfg.dims)?;
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone(),
         ..EngineOptions::default()
     };
-    let mut engine = Engine::initialize(model.build(), &cfg, &comm, &opts)?;
+    let layers = model
+        .build_parallel(&Tp::new(groups.tp().clone()))
+        .map_err(anyhow::Error::msg)?;
+    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
     let s = engine.settings().clone();
     let width = match args.token_width.as_str() {
         "u16" => TokenWidth::U16,
@@ -116,8 +136,9 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
             seq: model.T,
             micro_batch: s.micro_batch,
             grad_accum: s.grad_accum,
-            rank: comm.rank(),
-            world: comm.world_size(),
+            // tensor-parallel peers read the same samples: the order follows the replica
+            rank: groups.grid().data_parallel_id(),
+            world: cfg.dims.dp(),
             vocab: model.V,
             seed: args.seed,
         },
@@ -155,7 +176,7 @@ impl Run<'_> {
     ) -> anyhow::Result<ExitCode> {
         let rank0 = comm.rank() == 0;
         let s = engine.settings().clone();
-        let samples = (s.micro_batch * s.grad_accum * comm.world_size()) as f64;
+        let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.dp()) as f64;
         let tokens = samples * self.model.T as f64;
         let flops_per_token = flops_per_token(&self.model);
         let start = self.resume(engine, rank0)?;
@@ -325,19 +346,15 @@ fn config_name(path: Option<&Path>) -> String {
     })
 }
 
-fn read_config(path: Option<&Path>, world: usize) -> anyhow::Result<Config> {
-    let dims = ParallelDims::new(world, 1, 1)?;
-    match path {
-        Some(p) => {
-            let doc = load(p)?;
-            resolve(&doc, &dims).with_context(|| config_name(path))
-        }
-        None => {
-            let doc = ds_config::hjson::parse(DEFAULT_CONFIG)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?;
-            resolve(&doc, &dims).with_context(|| config_name(None))
-        }
-    }
+/// The config resolved for its layout: `--tp`, else the config's own degree.
+fn read_config(path: Option<&Path>, world: usize, tp: Option<usize>) -> anyhow::Result<Config> {
+    let doc = match path {
+        Some(p) => load(p)?,
+        None => ds_config::hjson::parse(DEFAULT_CONFIG)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
+    };
+    let dims = parallel_dims(&doc, world, tp, None).with_context(|| config_name(path))?;
+    resolve(&doc, &dims).with_context(|| config_name(path))
 }
 
 /// --metrics-dir, else runs/train-<unix seconds> (rank 0 alone writes there).

@@ -9,10 +9,12 @@ use super::{chart, data, Run};
 impl Run<'_> {
     pub(super) fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
         println!(
-            "ds-rs train: GPT {} ({} parameters), {} ranks, ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            "ds-rs train: GPT {} ({} parameters), {} ranks (dp {} x tp {}), ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
             self.args.model,
             self.model.n_params(),
             comm.world_size(),
+            self.cfg.dims.dp(),
+            self.cfg.dims.tp,
             s.zero.stage,
             s.precision,
             s.micro_batch,

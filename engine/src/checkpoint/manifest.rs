@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use ds_partition::Split;
+
 use crate::loss_scale::LossScaleState;
 use crate::{EngineError, Result};
 
@@ -23,7 +25,8 @@ pub struct Manifest {
     pub layout: Layout,
     /// Every parameter in flat order: the logical model.
     pub params: Vec<ParamEntry>,
-    /// Parameters in all (the flat length without padding).
+    /// Elements of one tensor-parallel rank's flat buffer, without padding (the whole model
+    /// at tp = 1).
     pub numel: usize,
     /// The optimizer's state buffers, each stored beside the master copy in every shard.
     pub optimizer_buffers: Vec<String>,
@@ -47,12 +50,65 @@ pub struct Layout {
     pub dtype: String,
 }
 
+/// A logical parameter: its whole shape, its offset in the logical flat order, and how
+/// tensor parallelism split it when saved (a shard holds one tensor-parallel rank's slices).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<usize>,
-    /// Offset in the flat buffer.
+    /// Offset in the logical flat buffer (the one of tp = 1).
     pub offset: usize,
+    #[serde(default, skip_serializing_if = "SplitEntry::is_replicated")]
+    pub split: SplitEntry,
+}
+
+/// `Split` as the manifest spells it: absent for replicated, else `{"dim": d, "blocks": b}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SplitEntry {
+    #[serde(default)]
+    pub dim: Option<usize>,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub blocks: usize,
+}
+
+fn one() -> usize {
+    1
+}
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+impl SplitEntry {
+    fn is_replicated(&self) -> bool {
+        self.dim.is_none()
+    }
+}
+
+impl From<Split> for SplitEntry {
+    fn from(s: Split) -> SplitEntry {
+        match s {
+            Split::Replicated => SplitEntry {
+                dim: None,
+                blocks: 1,
+            },
+            Split::Dim { dim, blocks } => SplitEntry {
+                dim: Some(dim),
+                blocks,
+            },
+        }
+    }
+}
+
+impl From<SplitEntry> for Split {
+    fn from(s: SplitEntry) -> Split {
+        match s.dim {
+            None => Split::Replicated,
+            Some(dim) => Split::Dim {
+                dim,
+                blocks: s.blocks,
+            },
+        }
+    }
 }
 
 /// One rank's file: the flat range it covers (padded coordinates) and its checksum.
@@ -60,6 +116,10 @@ pub struct ParamEntry {
 pub struct ShardEntry {
     pub file: String,
     pub rank: usize,
+    /// The tensor-parallel rank whose slices the file holds (its range is in that rank's
+    /// flat buffer).
+    #[serde(default)]
+    pub tp_rank: usize,
     pub start: usize,
     pub end: usize,
     pub bytes: u64,

@@ -1,7 +1,10 @@
 //! Sharded checkpoints: every rank writes the flat range it owns (fp32 master copy and
 //! optimizer buffers) as one safetensors file, rank 0 adds a JSON manifest, and the `latest`
-//! file names the newest complete tag. Any layout loads any checkpoint: a rank reads the parts
-//! of the saved ranges that overlap the range it owns now (DeepSpeed's universal checkpoint).
+//! file names the newest complete tag. Any layout loads any checkpoint (DeepSpeed's universal
+//! checkpoint): a rank reads the parts of the saved ranges that overlap the range it owns now.
+//! Under tensor parallelism a file holds a range of one tensor-parallel rank's slices; the
+//! manifest's logical parameters and their splits map any slice of one layout to the files
+//! of another (Note [resharding]).
 //!
 //! Atomicity: files go to `.<tag>.partial/`, each fsynced; after a barrier rank 0 writes the
 //! manifest, renames the directory to `<tag>` and only then replaces `latest` (write, fsync,
@@ -15,6 +18,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use ds_comm::Group;
+use ds_partition::{runs, runs_within, FlatIndex, ParamId, TpRank};
 
 pub use files::sync_dir;
 use files::{write_atomic, ShardFile};
@@ -48,14 +52,17 @@ pub struct Counters {
 pub struct Description {
     pub layout: Layout,
     pub params: Vec<ParamEntry>,
+    /// Elements of this rank's (tensor-parallel slice's) flat buffer.
     pub numel: usize,
+    pub tp_rank: usize,
     pub counters: Counters,
     pub client_state: serde_json::Value,
     pub config: serde_json::Value,
 }
 
-/// Writes this rank's part of checkpoint `dir/tag` (a collective over `group`). `writes`:
-/// whether this rank's range must be saved (false for replicas of stage 0's whole range).
+/// Writes this rank's part of checkpoint `dir/tag` (a collective over `group`, every rank of
+/// the job). `writes`: whether this rank's range must be saved (false for data-parallel
+/// replicas of stage 0's whole range).
 pub fn save(
     group: &Group,
     dir: &Path,
@@ -93,7 +100,7 @@ pub fn save(
         Ok(None)
     };
     let entry = agree(group, written)?;
-    let entries = gather_entries(group, entry, state)?;
+    let entries = gather_entries(group, entry, state, desc.tp_rank)?;
     let committed = match group.rank() {
         0 => commit(dir, tag, &partial, &final_dir, desc, state, entries),
         _ => Ok(()),
@@ -159,6 +166,7 @@ fn gather_entries(
     group: &Group,
     entry: Option<(u64, u32)>,
     s: &RankState,
+    tp_rank: usize,
 ) -> Result<Vec<ShardEntry>> {
     let (bytes, crc) = entry.map_or((0, 0), |(b, c)| (b, c as u64));
     let mine = [
@@ -167,6 +175,7 @@ fn gather_entries(
         s.owned.end as u64,
         bytes,
         crc,
+        tp_rank as u64,
     ];
     let all = group.all_gather_u64(&mine)?;
     Ok(all
@@ -176,6 +185,7 @@ fn gather_entries(
         .map(|(rank, v)| ShardEntry {
             file: shard_name(rank),
             rank,
+            tp_rank: v[5] as usize,
             start: v[1] as usize,
             end: v[2] as usize,
             bytes: v[3],
@@ -231,8 +241,16 @@ pub struct Expect<'a> {
     pub params: &'a [ParamEntry],
     /// The optimizer buffers to read (None: the master copy only, as consolidation needs).
     pub buffers: Option<&'a [String]>,
-    /// The flat range this rank owns now (padded coordinates).
+    /// The flat range this rank owns now (padded coordinates of its slices' buffer).
     pub owned: Range<usize>,
+    /// Whose slices the loading rank holds.
+    pub tp: TpRank,
+}
+
+/// The master copy and the optimizer buffers being read for a range.
+struct Target {
+    master: Vec<f32>,
+    buffers: Vec<(String, Vec<f32>)>,
 }
 
 /// Reads the parts of checkpoint `dir` (a tag's directory) that cover `expect.owned`.
@@ -240,42 +258,202 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
     let m = Manifest::read(dir)?;
     check_model(dir, &m, expect)?;
     let len = expect.owned.len();
-    let mut master = vec![0f32; len];
-    let mut buffers: Vec<(String, Vec<f32>)> = expect
-        .buffers
-        .unwrap_or_default()
-        .iter()
-        .map(|n| (n.clone(), vec![0f32; len]))
-        .collect();
-    let want = expect.owned.start..expect.owned.end.min(m.numel);
-    for shard in &m.shards {
-        let (lo, hi) = (want.start.max(shard.start), want.end.min(shard.end));
-        if lo >= hi {
-            continue;
-        }
-        let file = ShardFile::open(&m.shard_path(dir, shard), shard.bytes, shard.crc32c)?;
-        let (src, dst) = (
-            lo - shard.start..hi - shard.start,
-            lo - expect.owned.start..hi - expect.owned.start,
-        );
-        master[dst.clone()].copy_from_slice(&file.slice("master", src.clone())?);
-        for (name, buf) in &mut buffers {
-            buf[dst.clone()].copy_from_slice(&file.slice(name, src.clone())?);
-        }
+    let mut out = Target {
+        master: vec![0f32; len],
+        buffers: expect
+            .buffers
+            .unwrap_or_default()
+            .iter()
+            .map(|n| (n.clone(), vec![0f32; len]))
+            .collect(),
+    };
+    let mut files = Files::new(dir, &m);
+    if m.layout.tp == expect.tp.size {
+        // the same slices: the range is the same range of the same tensor-parallel rank
+        let numel = local_index(&m.params, expect.tp)?.numel();
+        let want = expect.owned.start..expect.owned.end.min(numel);
+        files.copy(expect.tp.rank, want, 0, &mut out)?;
+    } else {
+        reshard(&mut files, &m, expect, &mut out)?;
     }
-    check_covered(dir, &m, &want)?;
     let state = RankState {
         owned: expect.owned.clone(),
-        master,
+        master: out.master,
         optimizer_step: m.optimizer_step,
-        buffers,
+        buffers: out.buffers,
     };
     Ok((m, state))
 }
 
+/// Note [resharding]: a checkpoint saved at tensor-parallel degree tp' is read at degree tp
+/// through logical coordinates. For each parameter overlapping the loading rank's range, its
+/// slice is a list of runs of logical elements (`runs`); each run is found in the saved
+/// slices (every saved rank's for a split parameter, rank 0's for a replicated one), whose
+/// runs say where those elements sit in that rank's flat buffer, and so in which file.
+fn reshard(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -> Result<()> {
+    let saved_tp = m.layout.tp.max(1);
+    let saved: Vec<FlatIndex> = (0..saved_tp)
+        .map(|rank| {
+            local_index(
+                &m.params,
+                TpRank {
+                    rank,
+                    size: saved_tp,
+                },
+            )
+        })
+        .collect::<Result<_>>()?;
+    let mine = local_index(expect.params, expect.tp)?;
+    for (i, e) in mine.entries().iter().enumerate() {
+        let p = e.range();
+        let (a, b) = (p.start.max(expect.owned.start), p.end.min(expect.owned.end));
+        if a >= b {
+            continue;
+        }
+        let pieces = saved_pieces(&saved, i);
+        let mut result = Ok(());
+        runs_within(&mine.runs(ParamId(i)), a - p.start..b - p.start, |r| {
+            if result.is_err() {
+                return;
+            }
+            let dst = a - expect.owned.start + r.local;
+            result = copy_logical(files, &pieces, r.logical..r.logical + r.len, dst, out);
+        });
+        result?;
+    }
+    Ok(())
+}
+
+/// A run of a saved parameter: `len` logical elements from `logical`, held by tensor-parallel
+/// rank `tp_rank` at `flat` in its buffer.
+struct Piece {
+    logical: usize,
+    len: usize,
+    tp_rank: usize,
+    flat: usize,
+}
+
+/// Where parameter `i`'s logical elements were saved, sorted by logical position.
+fn saved_pieces(saved: &[FlatIndex], i: usize) -> Vec<Piece> {
+    let ranks = match saved[0].entries()[i].split.is_replicated() {
+        true => 1,
+        false => saved.len(),
+    };
+    let mut pieces: Vec<Piece> = (0..ranks)
+        .flat_map(|rank| {
+            let e = &saved[rank].entries()[i];
+            runs(&e.logical_shape, e.split, saved[rank].tp())
+                .into_iter()
+                .map(move |r| Piece {
+                    logical: r.logical,
+                    len: r.len,
+                    tp_rank: rank,
+                    flat: e.offset + r.local,
+                })
+        })
+        .collect();
+    pieces.sort_by_key(|p| p.logical);
+    pieces
+}
+
+/// Copies logical elements `want` of one parameter into `out` at `dst`, from the saved
+/// pieces holding them.
+fn copy_logical(
+    files: &mut Files,
+    pieces: &[Piece],
+    want: Range<usize>,
+    mut dst: usize,
+    out: &mut Target,
+) -> Result<()> {
+    let first = pieces.partition_point(|p| p.logical + p.len <= want.start);
+    let mut at = want.start;
+    for p in &pieces[first..] {
+        if at >= want.end {
+            break;
+        }
+        let (lo, hi) = (at.max(p.logical), want.end.min(p.logical + p.len));
+        let from = p.flat + (lo - p.logical);
+        files.copy(p.tp_rank, from..from + (hi - lo), dst, out)?;
+        dst += hi - lo;
+        at = hi;
+    }
+    Ok(())
+}
+
+/// The flat index of the slices `tp` holds of the manifest's logical parameters.
+fn local_index(params: &[ParamEntry], tp: TpRank) -> Result<FlatIndex> {
+    let mut index = FlatIndex::sliced(tp);
+    for p in params {
+        index.push_split(&p.name, &p.shape, p.split.into())?;
+    }
+    Ok(index)
+}
+
+/// A checkpoint's shard files, each opened (and its checksum verified) on first use.
+struct Files<'a> {
+    dir: &'a Path,
+    m: &'a Manifest,
+    open: HashMap<usize, ShardFile>,
+}
+
+impl<'a> Files<'a> {
+    fn new(dir: &'a Path, m: &'a Manifest) -> Files<'a> {
+        Files {
+            dir,
+            m,
+            open: HashMap::new(),
+        }
+    }
+
+    /// Copies elements `src` of tensor-parallel rank `tp_rank`'s buffer (from whichever
+    /// shards hold them) into `out` at `dst`; an element no shard holds is an error.
+    fn copy(
+        &mut self,
+        tp_rank: usize,
+        src: Range<usize>,
+        dst: usize,
+        out: &mut Target,
+    ) -> Result<()> {
+        let mut covered = 0;
+        for (k, shard) in self.m.shards.iter().enumerate() {
+            let (lo, hi) = (src.start.max(shard.start), src.end.min(shard.end));
+            if shard.tp_rank != tp_rank || lo >= hi {
+                continue;
+            }
+            let file = match self.open.entry(k) {
+                std::collections::hash_map::Entry::Occupied(f) => f.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => v.insert(ShardFile::open(
+                    &self.m.shard_path(self.dir, shard),
+                    shard.bytes,
+                    shard.crc32c,
+                )?),
+            };
+            let (from, to) = (
+                lo - shard.start..hi - shard.start,
+                dst + lo - src.start..dst + hi - src.start,
+            );
+            out.master[to.clone()].copy_from_slice(&file.slice("master", from.clone())?);
+            for (name, buf) in &mut out.buffers {
+                buf[to.clone()].copy_from_slice(&file.slice(name, from.clone())?);
+            }
+            covered += hi - lo;
+        }
+        match covered >= src.len() {
+            true => Ok(()),
+            false => Err(EngineError::file(
+                self.dir.join(MANIFEST),
+                format!(
+                    "no shard covers elements {src:?} of tensor-parallel rank {tp_rank}'s buffer"
+                ),
+            )),
+        }
+    }
+}
+
 fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
     let path = dir.join(MANIFEST);
-    if let Some((saved, now)) = m.params.iter().zip(e.params).find(|(a, b)| a != b) {
+    let same = |a: &ParamEntry, b: &ParamEntry| a.name == b.name && a.shape == b.shape;
+    if let Some((saved, now)) = m.params.iter().zip(e.params).find(|(a, b)| !same(a, b)) {
         return Err(EngineError::file(
             &path,
             format!(
@@ -303,45 +481,59 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
             ),
         ));
     }
-    if m.layout.tp != 1 || m.layout.pp != 1 {
+    if m.layout.pp != 1 {
         return Err(EngineError::file(
             &path,
-            format!(
-                "tp={} pp={}: this build maps only tp=1 pp=1",
-                m.layout.tp, m.layout.pp
-            ),
+            format!("pp={}: this build maps only pp=1", m.layout.pp),
         ));
     }
     Ok(())
 }
 
-/// Every element of `want` must come from some shard (a missing rank file is an error).
-fn check_covered(dir: &Path, m: &Manifest, want: &Range<usize>) -> Result<()> {
-    let mut ranges: Vec<Range<usize>> = m.shards.iter().map(|s| s.start..s.end).collect();
-    ranges.sort_by_key(|r| r.start);
-    let mut at = want.start;
-    for r in ranges {
-        if r.start <= at {
-            at = at.max(r.end);
+/// Every element of every tensor-parallel rank's buffer must come from some shard (a
+/// missing rank file is an error).
+fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
+    for tp_rank in 0..m.layout.tp.max(1) {
+        let mut ranges: Vec<Range<usize>> = m
+            .shards
+            .iter()
+            .filter(|s| s.tp_rank == tp_rank)
+            .map(|s| s.start..s.end)
+            .collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for r in ranges {
+            if r.start <= at {
+                at = at.max(r.end);
+            }
+        }
+        if at < m.numel {
+            return Err(EngineError::file(
+                dir.join(MANIFEST),
+                format!(
+                    "no shard covers elements {at}..{} of tensor-parallel rank {tp_rank}'s buffer",
+                    m.numel
+                ),
+            ));
         }
     }
-    match at >= want.end {
-        true => Ok(()),
-        false => Err(EngineError::file(
-            dir.join(MANIFEST),
-            format!("no shard covers elements {at}..{}", want.end),
-        )),
-    }
+    Ok(())
 }
 
 /// The whole fp32 parameters of checkpoint `dir` (a tag's directory), in flat order, every
 /// shard verified: DeepSpeed's zero_to_fp32.
 pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
     let m = Manifest::read(dir)?;
+    let numel = m
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum();
     let expect = Expect {
         params: &m.params,
         buffers: None,
-        owned: 0..m.numel,
+        owned: 0..numel,
+        tp: TpRank::WHOLE,
     };
     let (_, state) = load(dir, &expect)?;
     Ok((m, state.master))
@@ -353,7 +545,7 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     for s in &m.shards {
         ShardFile::open(&m.shard_path(dir, s), s.bytes, s.crc32c)?;
     }
-    check_covered(dir, &m, &(0..m.numel))?;
+    check_covered(dir, &m)?;
     Ok(m)
 }
 

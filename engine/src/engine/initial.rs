@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use ds_partition::FlatIndex;
+use ds_partition::{runs_within, FlatIndex, Run};
 
 use crate::model::weights::WeightsFile;
 use crate::model::{fill_values, ParamSpec};
@@ -17,15 +17,34 @@ pub(crate) enum Source {
     File(WeightsFile),
 }
 
-/// Initial values of any flat range of a model.
+/// Initial values of any flat range of a model (this rank's tensor-parallel slices).
 pub(crate) struct InitialValues<'a> {
-    pub specs: &'a [ParamSpec],
-    pub index: &'a FlatIndex,
-    pub source: Source,
+    specs: &'a [ParamSpec],
+    index: &'a FlatIndex,
+    source: Source,
+    /// Per parameter: its slice as runs of logical elements.
+    runs: Vec<Vec<Run>>,
 }
 
 impl InitialValues<'_> {
-    /// Writes the values of flat `range` into `dst`, parameter part by parameter part.
+    pub fn new<'a>(
+        specs: &'a [ParamSpec],
+        index: &'a FlatIndex,
+        source: Source,
+    ) -> InitialValues<'a> {
+        let runs = (0..index.len())
+            .map(|i| index.runs(ds_partition::ParamId(i)))
+            .collect();
+        InitialValues {
+            specs,
+            index,
+            source,
+            runs,
+        }
+    }
+
+    /// Writes the values of flat `range` into `dst`, run of logical elements by run: element
+    /// i of a logical tensor gets the same value whatever slice holds it.
     pub fn fill(&self, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
         let entries = self.index.entries();
         // entries are sorted by offset: the first that ends after range.start
@@ -37,10 +56,19 @@ impl InitialValues<'_> {
             }
             let (a, b) = (p.start.max(range.start), p.end.min(range.end));
             let out = &mut dst[a - range.start..b - range.start];
-            match &self.source {
-                Source::Seed(seed) => fill_values(&self.specs[i], *seed, a - p.start, out),
-                Source::File(file) => file.read(i, a - p.start, out)?,
-            }
+            let mut failed = Ok(());
+            runs_within(&self.runs[i], a - p.start..b - p.start, |r| {
+                let out = &mut out[r.local..r.local + r.len];
+                match &self.source {
+                    Source::Seed(seed) => fill_values(&self.specs[i], *seed, r.logical, out),
+                    Source::File(file) => {
+                        if failed.is_ok() {
+                            failed = file.read(i, r.logical, out);
+                        }
+                    }
+                }
+            });
+            failed?;
         }
         Ok(())
     }

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::Device;
-use ds_comm::{Communicator, ReduceOp};
+use ds_comm::{Groups, ReduceOp};
 use ds_config::Config;
-use ds_partition::FlatIndex;
+use ds_partition::{runs, FlatIndex, TpRank};
 use half::{bf16, f16};
 
 use crate::checkpoint;
@@ -110,30 +110,43 @@ pub struct Engine {
     specs: Vec<ParamSpec>,
     /// The resolved ds_config, as checkpoints record it.
     config: Config,
+    groups: Groups,
 }
 
 impl Engine {
-    /// Builds the engine for `model` from a resolved ds_config; the data-parallel group is the
-    /// whole world of `comm`.
+    /// Builds the engine for `model` from a resolved ds_config, on this rank's `groups` (whose
+    /// layout must be the one the config was resolved for). A model split by tensor
+    /// parallelism must have been built for `groups.tp()`.
     pub fn initialize(
         model: Model,
         config: &Config,
-        comm: &Communicator,
+        groups: &Groups,
         opts: &EngineOptions,
     ) -> Result<Engine> {
-        if config.dims.tp > 1 || config.dims.pp > 1 {
+        if groups.dims() != config.dims {
             return Err(EngineError::Invalid(format!(
-                "tensor and pipeline parallelism (tp={}, pp={}) are not implemented yet; use tp=1, pp=1",
-                config.dims.tp, config.dims.pp
+                "the config was resolved for {}, the groups are {}",
+                config.dims,
+                groups.dims()
             )));
         }
-        // Offload, AutoTP and pipeline stages in the file would otherwise be ignored.
+        if config.dims.pp > 1 {
+            return Err(EngineError::Invalid(format!(
+                "pipeline parallelism (pp={}) is not implemented yet; use pp=1",
+                config.dims.pp
+            )));
+        }
+        // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
         let specs = model.params();
-        let mut index = FlatIndex::new();
+        let tp = TpRank {
+            rank: groups.tp().rank(),
+            size: groups.tp().size(),
+        };
+        let mut index = FlatIndex::sliced(tp);
         for s in &specs {
-            index.push(&s.name, &s.shape)?;
+            index.push_split(&s.name, &s.shape, s.split)?;
         }
         let source = match &opts.init {
             Some(path) => initial::Source::File(weights::WeightsFile::open(path, &specs)?),
@@ -153,17 +166,14 @@ impl Engine {
             let opt = crate::optim::build_from_section(&section, shard_len)?;
             Ok(update::Updater::new(opt, schedule, scaler))
         };
-        let init = initial::InitialValues {
-            specs: &specs,
-            index: &index,
-            source,
-        };
+        let init = initial::InitialValues::new(&specs, &index, source);
         let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
         let parts = trainer::Parts {
             model,
             index: index.clone(),
             settings: settings.clone(),
-            dp: comm.world(),
+            dp: groups.dp().clone(),
+            tp: groups.tp().clone(),
             dev: opts.device.clone(),
         };
         let core = match settings.precision {
@@ -176,7 +186,13 @@ impl Engine {
             settings,
             specs,
             config: config.clone(),
+            groups: groups.clone(),
         })
+    }
+
+    /// This rank's groups.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
     }
 
     pub fn settings(&self) -> &Settings {
@@ -281,7 +297,7 @@ impl Engine {
     /// rank helps gather it, data-parallel rank 0 writes it. A collective.
     pub fn save_weights(&self, path: &Path) -> Result<()> {
         let params = self.gather_params()?;
-        if self.dp_rank() == 0 {
+        if self.groups.world().rank() == 0 {
             let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
             weights::save(path, &self.specs, &values)?;
         }
@@ -302,15 +318,15 @@ impl Engine {
             layout: self.checkpoint_layout(),
             params: param_entries(index),
             numel: index.numel(),
+            tp_rank: self.groups.tp().rank(),
             counters: each!(&self.core, t => t.updater().counters()),
             client_state,
             config: serde_json::to_value(&self.config).unwrap_or_default(),
         };
         let state = each!(&self.core, t => t.rank_state());
-        let group = each!(&self.core, t => t.dp().clone());
-        // Stage 0 keeps the whole range on every rank: one copy is enough.
-        let writes = self.settings.zero.stage > 0 || group.rank() == 0;
-        checkpoint::save(&group, dir, tag, &state, writes, desc)
+        // Stage 0 keeps the whole range on every data-parallel rank: one copy is enough.
+        let writes = self.settings.zero.stage > 0 || self.dp_rank() == 0;
+        checkpoint::save(self.groups.world(), dir, tag, &state, writes, desc)
     }
 
     /// Resumes from checkpoint `dir/tag` (`tag` None: the one `latest` names; Ok(None) when
@@ -336,10 +352,14 @@ impl Engine {
             params: &expect_params,
             buffers: Some(&buffers),
             owned,
+            tp: TpRank {
+                rank: self.groups.tp().rank(),
+                size: self.groups.tp().size(),
+            },
         };
         let loaded = checkpoint::load(&tag_dir, &expect);
         // Every rank must succeed before any changes its state.
-        let (manifest, state) = checkpoint::agree(each!(&self.core, t => t.dp()), loaded)?;
+        let (manifest, state) = checkpoint::agree(self.groups.world(), loaded)?;
         let counters = checkpoint::Counters {
             global_steps: manifest.global_steps,
             skipped_steps: manifest.skipped_steps,
@@ -371,27 +391,59 @@ impl Engine {
         }
     }
 
-    /// Every parameter's fp32 master value by name, whole (a collective: all ranks call it).
+    /// Every parameter's fp32 master value by name, whole: the logical tensors, assembled
+    /// from every tensor-parallel rank's slices (a collective: all ranks call it).
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let flat = each!(&self.core, t => t.gather_master())?;
+        let local = each!(&self.core, t => t.gather_master())?;
         let index = each!(&self.core, t => t.index());
+        let tp = self.groups.tp();
+        let n = local.len();
+        let all = match tp.size() {
+            1 => local,
+            size => {
+                let mut all = vec![0f32; n * size];
+                tp.all_gather(&local, &mut all)?;
+                all
+            }
+        };
         Ok(index
             .entries()
             .iter()
-            .map(|e| (e.name.clone(), flat[e.range()].to_vec()))
+            .map(|e| {
+                let mut whole = vec![0f32; e.logical_numel()];
+                for (rank, held) in all.chunks(n.max(1)).enumerate() {
+                    let slice = TpRank {
+                        rank,
+                        size: tp.size(),
+                    };
+                    for r in runs(&e.logical_shape, e.split, slice) {
+                        let src = e.offset + r.local;
+                        whole[r.logical..r.logical + r.len]
+                            .copy_from_slice(&held[src..src + r.len]);
+                    }
+                }
+                (e.name.clone(), whole)
+            })
             .collect())
     }
 }
 
-/// The logical parameters as a checkpoint records them.
+/// The logical parameters as a checkpoint records them: logical shapes, offsets in the
+/// logical flat order, and how tensor parallelism splits each.
 fn param_entries(index: &FlatIndex) -> Vec<checkpoint::ParamEntry> {
+    let mut offset = 0;
     index
         .entries()
         .iter()
-        .map(|e| checkpoint::ParamEntry {
-            name: e.name.clone(),
-            shape: e.shape.clone(),
-            offset: e.offset,
+        .map(|e| {
+            let entry = checkpoint::ParamEntry {
+                name: e.name.clone(),
+                shape: e.logical_shape.clone(),
+                offset,
+                split: e.split.into(),
+            };
+            offset += e.logical_numel();
+            entry
         })
         .collect()
 }

@@ -87,6 +87,8 @@ pub(crate) struct Parts {
     pub index: FlatIndex,
     pub settings: Settings,
     pub dp: Group,
+    /// The tensor-parallel group whose other ranks hold the other slices.
+    pub tp: Group,
     pub dev: Device,
 }
 
@@ -104,6 +106,7 @@ impl<T: Dtype> Trainer<T> {
             index,
             settings,
             dp,
+            tp,
             dev,
         } = parts;
         let mut layer_ids = Vec::new();
@@ -117,6 +120,8 @@ impl<T: Dtype> Trainer<T> {
             layer_ids.iter().map(|r| index.span(r.clone())).collect();
         let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
         zero.plan_buckets(&layer_flat);
+        let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
+        zero.set_tensor_parallel(tp, replicated.map(|e| e.range()).collect());
         let updater = updater(zero.owned().len())?;
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {

@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Embedding, VarBuilder};
+use candle_core::{DType, Result, Tensor, D};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use super::cpu_attention;
@@ -16,7 +16,8 @@ use super::fused_norm_loss::{
 use super::grad::{bias_backward, linear, linear_backward};
 use super::nn::{cross_entropy, layer_norm};
 use super::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
-use super::{tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
+use super::{tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped};
+use crate::parallel::{row_parallel_linear, vocab, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -109,16 +110,49 @@ impl GptConfig {
 
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
     pub fn build(&self) -> Model {
-        let mut m = Model::new().layer("", Embeddings(*self));
-        for i in 0..self.L {
-            m = m.layer(&format!("h.{i}"), Block(*self));
+        self.build_parallel(&Tp::none())
+            .expect("invariant: tp = 1 divides every size")
+    }
+
+    /// Whether tensor parallelism of degree `tp` can split this model (Megatron's scheme:
+    /// whole heads per rank, the MLP width and the vocabulary in equal parts); the error
+    /// names the numbers.
+    pub fn check_tp(&self, tp: usize) -> std::result::Result<(), String> {
+        let GptConfig { V, d, H, .. } = *self;
+        let bad: Vec<String> = [("heads H", H), ("MLP width 4d", 4 * d), ("vocabulary V", V)]
+            .iter()
+            .filter(|(_, n)| tp == 0 || n % tp != 0)
+            .map(|(what, n)| format!("{what} = {n}"))
+            .collect();
+        match bad.is_empty() {
+            true => Ok(()),
+            false => Err(format!(
+                "tensor-parallel degree {tp} does not divide the model's {}",
+                bad.join(", ")
+            )),
         }
-        m.layer("", Head(*self)).layer("", CrossEntropyLoss)
+    }
+
+    /// The model with its layers split over the tensor-parallel group `tp`: column-parallel
+    /// q|k|v and MLP input, row-parallel projections, vocabulary-parallel embedding, LM head
+    /// and cross-entropy. Names, shapes and initial values stay those of the logical model.
+    pub fn build_parallel(&self, tp: &Tp) -> std::result::Result<Model, String> {
+        self.check_tp(tp.size())?;
+        let mut m = Model::new().layer("", Embeddings(*self, tp.clone()));
+        for i in 0..self.L {
+            m = m.layer(&format!("h.{i}"), Block(*self, tp.clone()));
+        }
+        let m = m.layer("", Head(*self, tp.clone()));
+        Ok(match tp.size() {
+            1 => m.layer("", CrossEntropyLoss),
+            _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
+        })
     }
 }
 
-/// `wte` + `wpe`: token ids [B, T] to activations [B, T, d].
-struct Embeddings(GptConfig);
+/// `wte` + `wpe`: token ids [B, T] to activations [B, T, d]. `wte` is split by rows
+/// (vocabulary-parallel).
+struct Embeddings(GptConfig, Tp);
 
 impl Embeddings {
     fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
@@ -130,11 +164,14 @@ impl Embeddings {
                 c.T
             );
         }
-        let wte = Embedding::new(vb.get((c.V, c.d), "wte.weight")?, c.d);
+        let tp = &self.1;
+        let wte = vb.get((c.V / tp.size(), c.d), "wte.weight")?;
         let wpe = vb.get((c.T, c.d), "wpe.weight")?.narrow(0, 0, t)?;
-        let output = wte.forward(ids)?.broadcast_add(&wpe)?;
+        let rows = vocab::embed(tp, &wte, ids)?;
+        let output = rows.reshape((ids.dim(0)?, t, c.d))?.broadcast_add(&wpe)?;
         let tape = EmbeddingsTape {
             c,
+            tp: tp.clone(),
             ids: ids.flatten_all()?,
         };
         Ok(Taped {
@@ -148,7 +185,7 @@ impl Layer for Embeddings {
     fn params(&self) -> Vec<ParamSpec> {
         let c = self.0;
         vec![
-            ParamSpec::new("wte.weight", &[c.V, c.d], WEIGHT_INIT),
+            ParamSpec::new("wte.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0)),
             ParamSpec::new("wpe.weight", &[c.T, c.d], WEIGHT_INIT),
         ]
     }
@@ -169,6 +206,7 @@ impl Layer for Embeddings {
 
 struct EmbeddingsTape {
     c: GptConfig,
+    tp: Tp,
     /// The token ids, flattened.
     ids: Tensor,
 }
@@ -180,12 +218,12 @@ impl Tape for EmbeddingsTape {
 
     /// Each token's row of wte gets the gradients at its positions; each position's row of
     /// wpe the sum over the batch.
-    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let c = self.c;
         let (b, t, d) = dy.dims3()?;
         let rows = dy.reshape((b * t, d))?;
-        let dwte =
-            Tensor::zeros((c.V, d), dy.dtype(), dy.device())?.index_add(&self.ids, &rows, 0)?;
+        let wte = vb.get((c.V / self.tp.size(), d), "wte.weight")?;
+        let dwte = vocab::embed_backward(&self.tp, &wte, &self.ids, &rows)?;
         let dwpe = dy.sum(0)?.pad_with_zeros(0, 0, c.T - t)?;
         Ok(Grads {
             input: None,
@@ -194,8 +232,11 @@ impl Tape for EmbeddingsTape {
     }
 }
 
-/// One pre-LayerNorm transformer block.
-struct Block(GptConfig);
+/// One pre-LayerNorm transformer block. Under tensor parallelism (Megatron-LM's block):
+/// q|k|v and the MLP's first linear are column-parallel (each rank owns whole heads and
+/// 4d/tp of the MLP width), the two output projections row-parallel; LayerNorms and the
+/// projections' biases are replicated.
+struct Block(GptConfig, Tp);
 
 /// A block's parameters, each a (weight, bias) pair, in declaration order.
 struct BlockParams {
@@ -208,7 +249,8 @@ struct BlockParams {
 }
 
 impl BlockParams {
-    fn new(vb: &VarBuilder, d: usize) -> Result<BlockParams> {
+    /// This rank's slices: the local shapes of `Block::params` at degree `tp`.
+    fn new(vb: &VarBuilder, d: usize, tp: usize) -> Result<BlockParams> {
         let ln = |n: &str| -> Result<(Tensor, Tensor)> {
             Ok((
                 vb.get(d, &format!("{n}.weight"))?,
@@ -223,11 +265,11 @@ impl BlockParams {
         };
         Ok(BlockParams {
             ln_1: ln("ln_1")?,
-            c_attn: lin("attn.c_attn", 3 * d, d)?,
-            attn_proj: lin("attn.c_proj", d, d)?,
+            c_attn: lin("attn.c_attn", 3 * d / tp, d)?,
+            attn_proj: lin("attn.c_proj", d, d / tp)?,
             ln_2: ln("ln_2")?,
-            c_fc: lin("mlp.c_fc", 4 * d, d)?,
-            mlp_proj: lin("mlp.c_proj", d, 4 * d)?,
+            c_fc: lin("mlp.c_fc", 4 * d / tp, d)?,
+            mlp_proj: lin("mlp.c_proj", d, 4 * d / tp)?,
         })
     }
 }
@@ -235,6 +277,7 @@ impl BlockParams {
 /// What a block's backward reads: the activations of its forward.
 struct BlockTape {
     c: GptConfig,
+    tp: Tp,
     x: Tensor,
     h1: Tensor,
     attn: Attention,
@@ -247,18 +290,19 @@ struct BlockTape {
 
 impl Block {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
-        let c = self.0;
-        let p = BlockParams::new(vb, c.d)?;
+        let (c, tp) = (self.0, &self.1);
+        let p = BlockParams::new(vb, c.d, tp.size())?;
         let x = x.contiguous()?;
         let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, LN_EPS)?;
-        let attn = Attention::forward(c, &h1, &p.c_attn)?;
-        let x2 = (&x + linear(&attn.out, &p.attn_proj.0, Some(&p.attn_proj.1))?)?;
+        let attn = Attention::forward(c.H / tp.size(), &h1, &p.c_attn)?;
+        let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
         let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, LN_EPS)?;
         let f = linear(&h2, &p.c_fc.0, Some(&p.c_fc.1))?;
         let g = gelu(&f)?;
-        let output = (&x2 + linear(&g, &p.mlp_proj.0, Some(&p.mlp_proj.1))?)?;
+        let output = (&x2 + row_parallel_linear(tp, &g, &p.mlp_proj.0, &p.mlp_proj.1)?)?;
         let tape = BlockTape {
             c,
+            tp: tp.clone(),
             x,
             h1,
             attn,
@@ -283,19 +327,28 @@ impl Layer for Block {
                 ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
             ]
         };
-        let lin = |n: &str, out: usize, inp: usize| {
+        // column-parallel: weight and bias split by output rows (q, k and v each by heads)
+        let column = |n: &str, out: usize, blocks: usize| {
+            let split = Split::Dim { dim: 0, blocks };
             [
-                ParamSpec::new(&format!("{n}.weight"), &[out, inp], WEIGHT_INIT),
-                ParamSpec::new(&format!("{n}.bias"), &[out], Init::Zeros),
+                ParamSpec::new(&format!("{n}.weight"), &[out, d], WEIGHT_INIT).split(split),
+                ParamSpec::new(&format!("{n}.bias"), &[out], Init::Zeros).split(split),
+            ]
+        };
+        // row-parallel: weight split by input columns, bias replicated
+        let row = |n: &str, inp: usize| {
+            [
+                ParamSpec::new(&format!("{n}.weight"), &[d, inp], WEIGHT_INIT).split(Split::dim(1)),
+                ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
             ]
         };
         [
             ln("ln_1"),
-            lin("attn.c_attn", 3 * d, d),
-            lin("attn.c_proj", d, d),
+            column("attn.c_attn", 3 * d, 3),
+            row("attn.c_proj", d),
             ln("ln_2"),
-            lin("mlp.c_fc", 4 * d, d),
-            lin("mlp.c_proj", d, 4 * d),
+            column("mlp.c_fc", 4 * d, 1),
+            row("mlp.c_proj", 4 * d),
         ]
         .concat()
     }
@@ -313,7 +366,8 @@ impl Layer for Block {
     /// sequence (2 T d per token). Normalisation and activations are left out.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         let (d, seq) = (self.0.d as u64, *shape.get(1)? as u64);
-        Some(2 * rows(shape) as u64 * (12 * d * d + 2 * seq * d))
+        let tp = self.1.size() as u64;
+        Some(2 * rows(shape) as u64 * (12 * d * d + 2 * seq * d) / tp)
     }
 }
 
@@ -329,9 +383,10 @@ impl Tape for BlockTape {
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let p = BlockParams::new(vb, self.c.d)?;
+        let p = BlockParams::new(vb, self.c.d, self.tp.size())?;
         let BlockTape {
             c,
+            tp,
             x,
             h1,
             attn,
@@ -344,15 +399,17 @@ impl Tape for BlockTape {
         let proj = linear_backward(&g, &p.mlp_proj.0, dy)?;
         let df = gelu_backward(&f, &proj.dx)?;
         let fc = linear_backward(&h2, &p.c_fc.0, &df)?;
+        // a column-parallel input's gradient: the sum of every rank's part
+        let dh2 = tp.reduce(&fc.dx)?;
         let (dx2_ln, dln_2w, dln_2b) =
-            layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &fc.dx, LN_EPS)?;
+            layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &dh2, LN_EPS)?;
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
         let aproj = linear_backward(&attn.out, &p.attn_proj.0, &dx2)?;
-        let dqkv = attn.backward(c, &aproj.dx)?;
+        let dqkv = attn.backward(c.H / tp.size(), &aproj.dx)?;
         let qkv = linear_backward(&h1, &p.c_attn.0, &dqkv)?;
-        let (dx_ln, dln_1w, dln_1b) =
-            layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &qkv.dx, LN_EPS)?;
+        let dh1 = tp.reduce(&qkv.dx)?;
+        let (dx_ln, dln_1w, dln_1b) = layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &dh1, LN_EPS)?;
         Ok(Grads {
             input: Some((&dx2 + dx_ln)?),
             params: vec![
@@ -384,32 +441,31 @@ struct Attention {
 }
 
 impl Attention {
-    fn forward(c: GptConfig, x: &Tensor, c_attn: &(Tensor, Tensor)) -> Result<Attention> {
-        let (b, t, d) = x.dims3()?;
-        let hd = d / c.H;
+    /// `h` heads (this rank's, under tensor parallelism) of `x`'s q|k|v projection.
+    fn forward(h: usize, x: &Tensor, c_attn: &(Tensor, Tensor)) -> Result<Attention> {
         let qkv = linear(x, &c_attn.0, Some(&c_attn.1))?;
-        if let Some((probs, out)) = cpu_attention::forward(&qkv, c.H, scale(hd) as f32)? {
+        let (b, t, d3) = qkv.dims3()?;
+        let d = d3 / 3;
+        let hd = d / h;
+        if let Some((probs, out)) = cpu_attention::forward(&qkv, h, scale(hd) as f32)? {
             return Ok(Attention { qkv, probs, out });
         }
-        let (q, k, v) = heads(c, &qkv)?;
+        let (q, k, v) = heads(h, &qkv)?;
         let probs = causal_softmax(&q.matmul(&k.t()?)?, scale(hd))?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         Ok(Attention { qkv, probs, out })
     }
 
     /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`.
-    fn backward(&self, c: GptConfig, dout: &Tensor) -> Result<Tensor> {
+    fn backward(&self, h: usize, dout: &Tensor) -> Result<Tensor> {
         let (b, t, d) = dout.dims3()?;
-        let hd = d / c.H;
-        let fast = cpu_attention::backward(&self.qkv, &self.probs, dout, c.H, scale(hd) as f32)?;
+        let hd = d / h;
+        let fast = cpu_attention::backward(&self.qkv, &self.probs, dout, h, scale(hd) as f32)?;
         if let Some(dqkv) = fast {
             return Ok(dqkv);
         }
-        let (q, k, v) = heads(c, &self.qkv)?;
-        let dheads = dout
-            .reshape((b, t, c.H, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let (q, k, v) = heads(h, &self.qkv)?;
+        let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
         let dprobs = dheads.matmul(&v.t()?)?;
         let dv = self.probs.t()?.matmul(&dheads)?;
         let dscores = causal_softmax_backward(&self.probs, &dprobs, scale(hd))?;
@@ -425,11 +481,11 @@ impl Attention {
 
 /// q, k and v [B, H, T, hd] of the fused projection's output [B, T, 3d]: one copy into
 /// [3, B, H, T, hd], of which they are views.
-fn heads(c: GptConfig, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+fn heads(h: usize, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, d3) = qkv.dims3()?;
-    let hd = d3 / 3 / c.H;
+    let hd = d3 / 3 / h;
     let heads = qkv
-        .reshape((b, t, 3, c.H, hd))?
+        .reshape((b, t, 3, h, hd))?
         .permute((2, 0, 3, 1, 4))?
         .contiguous()?;
     Ok((heads.get(0)?, heads.get(1)?, heads.get(2)?))
@@ -440,31 +496,33 @@ fn scale(hd: usize) -> f64 {
     1.0 / (hd as f64).sqrt()
 }
 
-/// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V].
-struct Head(GptConfig);
+/// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V]; under tensor
+/// parallelism lm_head is split by vocabulary rows and a rank's logits are its V/tp columns.
+struct Head(GptConfig, Tp);
 
 struct HeadTape {
     c: GptConfig,
+    tp: Tp,
     x: Tensor,
     h: Tensor,
 }
 
 impl Head {
-    /// ln_f's (weight, bias) and lm_head's weight.
-    fn params(c: GptConfig, vb: &VarBuilder) -> Result<((Tensor, Tensor), Tensor)> {
+    /// ln_f's (weight, bias) and this rank's rows of lm_head's weight.
+    fn params(c: GptConfig, tp: &Tp, vb: &VarBuilder) -> Result<((Tensor, Tensor), Tensor)> {
         let ln_f = (vb.get(c.d, "ln_f.weight")?, vb.get(c.d, "ln_f.bias")?);
-        Ok((ln_f, vb.get((c.V, c.d), "lm_head.weight")?))
+        Ok((ln_f, vb.get((c.V / tp.size(), c.d), "lm_head.weight")?))
     }
 }
 
 impl Head {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
-        let c = self.0;
-        let (ln_f, lm_head) = Head::params(c, vb)?;
+        let (c, tp) = (self.0, self.1.clone());
+        let (ln_f, lm_head) = Head::params(c, &tp, vb)?;
         let x = x.contiguous()?;
         let h = layer_norm(&x, &ln_f.0, &ln_f.1, LN_EPS)?;
         let output = linear(&h, &lm_head, None)?;
-        let tape = HeadTape { c, x, h };
+        let tape = HeadTape { c, tp, x, h };
         Ok(Taped {
             output,
             tape: Box::new(tape),
@@ -478,7 +536,7 @@ impl Layer for Head {
         vec![
             ParamSpec::new("ln_f.weight", &[c.d], Init::Ones),
             ParamSpec::new("ln_f.bias", &[c.d], Init::Zeros),
-            ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT),
+            ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0)),
         ]
     }
 
@@ -491,7 +549,7 @@ impl Layer for Head {
     }
 
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        Some(2 * (rows(shape) * self.0.d * self.0.V) as u64)
+        Some(2 * (rows(shape) * self.0.d * self.0.V / self.1.size()) as u64)
     }
 }
 
@@ -501,10 +559,12 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (ln_f, lm_head) = Head::params(self.c, vb)?;
+        let (ln_f, lm_head) = Head::params(self.c, &self.tp, vb)?;
         let dy = dy.to_dtype(self.h.dtype())?;
         let head = linear_backward(&self.h, &lm_head, &dy)?;
-        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &head.dx, LN_EPS)?;
+        // lm_head is column-parallel over the vocabulary: its input gradient is summed
+        let dh = self.tp.reduce(&head.dx)?;
+        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, LN_EPS)?;
         Ok(Grads {
             input: Some(dx),
             params: vec![dw, db, head.dw],
@@ -573,6 +633,70 @@ impl Tape for LossTape {
         let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         let rows = self.targets.elem_count().max(1) as f64;
         let dlogits = cross_entropy_backward(&self.probs, &self.targets, seed / rows)?
+            .reshape(self.shape)?
+            .to_dtype(self.dtype)?;
+        Ok(Grads {
+            input: Some(dlogits),
+            params: Vec::new(),
+        })
+    }
+}
+
+/// Mean cross-entropy of logits split by vocabulary over the tensor-parallel group
+/// (`vocab::cross_entropy`): every rank gets the whole loss, no rank the whole logits.
+pub struct VocabParallelCrossEntropy(Tp);
+
+impl VocabParallelCrossEntropy {
+    fn taped(&self, logits: &Tensor, cx: &Context) -> Result<Taped> {
+        let v = logits.dim(D::Minus1)?;
+        let rows = logits.reshape(((), v))?;
+        let (loss, tape) = vocab::cross_entropy(&self.0, &rows, &cx.targets.flatten_all()?)?;
+        let tape = VocabLossTape {
+            tape,
+            shape: logits.dims().to_vec(),
+            dtype: logits.dtype(),
+        };
+        Ok(Taped {
+            output: loss,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for VocabParallelCrossEntropy {
+    fn params(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
+        Ok(self.taped(logits, cx)?.output)
+    }
+
+    fn forward_taped(
+        &self,
+        _: &VarBuilder,
+        logits: &Tensor,
+        cx: &Context,
+    ) -> Result<Option<Taped>> {
+        self.taped(logits, cx).map(Some)
+    }
+}
+
+struct VocabLossTape {
+    tape: vocab::CrossEntropyTape,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl Tape for VocabLossTape {
+    fn activation_bytes(&self) -> usize {
+        self.tape.bytes()
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
+        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let rows = self.shape.iter().rev().skip(1).product::<usize>().max(1) as f64;
+        let dlogits = vocab::cross_entropy_backward(&self.tape, seed / rows)?
             .reshape(self.shape)?
             .to_dtype(self.dtype)?;
         Ok(Grads {

@@ -9,7 +9,7 @@ mod cpu_attention;
 mod cpu_matmul;
 mod fused_norm_loss;
 pub mod gpt;
-mod grad;
+pub(crate) mod grad;
 mod init;
 pub mod nn;
 pub mod ops;
@@ -19,6 +19,7 @@ pub mod weights;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
+pub use ds_partition::Split;
 pub use init::{fill_values, init_values};
 
 /// How a parameter's initial value is drawn.
@@ -38,21 +39,31 @@ impl Init {
     }
 }
 
-/// A logical parameter: full name, full shape and initialiser, whatever the layout.
+/// A logical parameter: full name, full shape and initialiser, whatever the layout, and how
+/// tensor parallelism splits it (the layer then reads its slice, in the local shape).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub init: Init,
+    pub split: Split,
 }
 
 impl ParamSpec {
+    /// A parameter every tensor-parallel rank holds whole.
     pub fn new(name: &str, shape: &[usize], init: Init) -> ParamSpec {
         ParamSpec {
             name: name.to_string(),
             shape: shape.to_vec(),
             init,
+            split: Split::Replicated,
         }
+    }
+
+    /// The same parameter split over the tensor-parallel group.
+    pub fn split(mut self, split: Split) -> ParamSpec {
+        self.split = split;
+        self
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

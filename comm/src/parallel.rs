@@ -1,0 +1,99 @@
+//! `Groups`: the job's parallel layout and this rank's groups in it, decided once and passed
+//! to everything that communicates (torchtitan's `ParallelDims` + DeepSpeed's
+//! `PipelineParallelGrid`). Ranks are laid out as DeepSpeed's
+//! `PipeModelDataParallelTopology` (axes pipe, data, model): tensor-parallel peers are
+//! adjacent ranks, so they share a host.
+
+use ds_config::ParallelDims;
+
+use crate::topology::{Grid, Topology};
+use crate::{CommError, Communicator, Group, Result};
+
+/// This rank's data-, tensor- and pipeline-parallel groups.
+#[derive(Clone)]
+pub struct Groups {
+    dims: ParallelDims,
+    grid: Grid,
+    world: Group,
+    dp: Group,
+    tp: Group,
+    pp: Group,
+}
+
+impl Groups {
+    /// The groups of `comm`'s rank in layout `dims`, whose world size must be `comm`'s.
+    pub fn new(comm: &Communicator, dims: ParallelDims) -> Result<Groups> {
+        if dims.world_size != comm.world_size() {
+            return Err(CommError::Invalid(format!(
+                "the layout is for {} ranks ({dims}), the job has {}",
+                dims.world_size,
+                comm.world_size()
+            )));
+        }
+        let topo = Topology::pipe_model_data(dims.pp, dims.tp, dims.dp())
+            .map_err(|e| CommError::Invalid(e.to_string()))?;
+        let grid = Grid::new(topo, comm.rank(), comm.world_size())
+            .map_err(|e| CommError::Invalid(e.to_string()))?;
+        Ok(Groups {
+            dims,
+            world: comm.world(),
+            dp: comm.group(&grid.data_parallel_group())?,
+            tp: comm.group(&grid.tensor_parallel_group())?,
+            pp: comm.group(&grid.pipe_parallel_group())?,
+            grid,
+        })
+    }
+
+    /// Data parallelism over the whole world of `comm`.
+    pub fn data_parallel(comm: &Communicator) -> Result<Groups> {
+        let dims = ParallelDims::new(comm.world_size(), 1, 1)
+            .map_err(|e| CommError::Invalid(e.to_string()))?;
+        Groups::new(comm, dims)
+    }
+
+    pub fn dims(&self) -> ParallelDims {
+        self.dims
+    }
+    /// This rank's coordinates and neighbours.
+    pub fn grid(&self) -> &Grid {
+        &self.grid
+    }
+    pub fn world(&self) -> &Group {
+        &self.world
+    }
+    /// Same stage and tensor slice in every replica: where gradients are reduced and ZeRO
+    /// shards the states.
+    pub fn dp(&self) -> &Group {
+        &self.dp
+    }
+    /// The ranks that hold slices of the same layers.
+    pub fn tp(&self) -> &Group {
+        &self.tp
+    }
+    /// The stages of this rank's pipeline.
+    pub fn pp(&self) -> &Group {
+        &self.pp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testkit;
+
+    #[test]
+    fn groups_follow_deepspeeds_rank_order() {
+        // world 8 = pp 2 x dp 2 x tp 2: rank = pipe * 4 + data * 2 + model
+        let got = testkit::run_ranks(8, std::time::Duration::from_secs(30), |comm| {
+            let g = Groups::new(&comm, ParallelDims::new(8, 2, 2).unwrap())?;
+            Ok::<_, CommError>((
+                g.dp().global_ranks().to_vec(),
+                g.tp().global_ranks().to_vec(),
+                g.pp().global_ranks().to_vec(),
+            ))
+        })
+        .unwrap();
+        assert_eq!(got[5], (vec![5, 7], vec![4, 5], vec![1, 5]));
+        assert_eq!(got[2], (vec![0, 2], vec![2, 3], vec![2, 6]));
+    }
+}

@@ -1,0 +1,31 @@
+//! Tensor parallelism's building blocks (Megatron-LM's scheme), for the built-in GPT and for
+//! a user's own layers: the tensor-parallel group as layers see it (`Tp`), the collectives
+//! between regions (`mappings`), and the vocabulary-parallel embedding and cross-entropy
+//! (`vocab`). Column- and row-parallel linears need no type of their own: a column-parallel
+//! linear is an ordinary `linear` over the rank's rows whose input gradient goes through
+//! `Tp::reduce`; a row-parallel one is a `linear` over the rank's columns whose output goes
+//! through `Tp::reduce` before its bias is added (`row_parallel_linear`).
+//!
+//! A layer declares how each logical tensor is split (`ParamSpec::split`); the engine gives it
+//! only its slice, in the local shape (`local_shape`), and never the whole tensor.
+
+mod mappings;
+pub mod vocab;
+
+pub use ds_partition::{local_shape, Split, TpRank};
+pub use mappings::Tp;
+
+use candle_core::{Result, Tensor};
+
+use crate::model::grad::linear;
+
+/// A row-parallel linear `x W^T + b`: `x` is this rank's part of the input features
+/// [.., in/tp], `w` its columns [out, in/tp]; the partial products are summed over the
+/// tensor-parallel group, then the (replicated) bias is added once. At tp = 1 the plain fused
+/// linear.
+pub fn row_parallel_linear(tp: &Tp, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if tp.size() == 1 {
+        return linear(x, w, Some(b));
+    }
+    tp.reduce(&linear(x, w, None)?)?.broadcast_add(b)
+}

@@ -1,0 +1,125 @@
+//! Vocabulary parallelism: each tensor-parallel rank owns rows [start, start + V/tp) of the
+//! token embedding and of the LM head. The embedding looks up the ids it owns (others give
+//! zero rows) and sums over the group; the cross-entropy finds each row's maximum and
+//! normaliser with two all-reduces, so no rank ever holds the full logits (Megatron-LM's
+//! `VocabParallelEmbedding` and `vocab_parallel_cross_entropy`).
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::Tp;
+
+/// This rank's rows of a vocabulary of `vocab` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabRange {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl VocabRange {
+    pub fn new(tp: &Tp, vocab: usize) -> VocabRange {
+        let len = vocab / tp.size();
+        VocabRange {
+            start: tp.rank() * len,
+            len,
+        }
+    }
+
+    /// The ids as local rows (clamped into range, u32 [N]) and a mask [N, 1] in `dtype`: 1
+    /// where this rank owns the id.
+    pub fn localise(&self, ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let ids = ids.flatten_all()?.to_vec1::<u32>()?;
+        let (mut local, mut mask) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+        for id in ids {
+            let owned = (id as usize).wrapping_sub(self.start) < self.len;
+            local.push(if owned { id - self.start as u32 } else { 0 });
+            mask.push(if owned { 1f32 } else { 0f32 });
+        }
+        let n = local.len();
+        let dev = &candle_core::Device::Cpu;
+        Ok((
+            Tensor::from_vec(local, n, dev)?,
+            Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(dtype)?,
+        ))
+    }
+}
+
+/// The embedding rows of `ids` [N] from this rank's table `w` [V/tp, d], summed over the
+/// group: [N, d].
+pub fn embed(tp: &Tp, w: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if tp.size() == 1 {
+        return w.index_select(&ids.flatten_all()?, 0);
+    }
+    let range = VocabRange::new(tp, w.dim(0)? * tp.size());
+    let (local, mask) = range.localise(ids, w.dtype())?;
+    let (local, mask) = (local.to_device(w.device())?, mask.to_device(w.device())?);
+    tp.reduce(&w.index_select(&local, 0)?.broadcast_mul(&mask)?)
+}
+
+/// The gradient of this rank's table `w` [V/tp, d] given that of the looked-up rows `dy`
+/// [N, d].
+pub fn embed_backward(tp: &Tp, w: &Tensor, ids: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let zeros = Tensor::zeros(w.shape(), dy.dtype(), dy.device())?;
+    if tp.size() == 1 {
+        return zeros.index_add(&ids.flatten_all()?, dy, 0);
+    }
+    let range = VocabRange::new(tp, w.dim(0)? * tp.size());
+    let (local, mask) = range.localise(ids, dy.dtype())?;
+    let (local, mask) = (local.to_device(dy.device())?, mask.to_device(dy.device())?);
+    zeros.index_add(&local, &dy.broadcast_mul(&mask)?, 0)
+}
+
+/// What the cross-entropy's backward needs: this rank's softmax columns and targets.
+pub struct CrossEntropyTape {
+    /// softmax(logits) over the whole vocabulary, this rank's columns [N, V/tp], f32.
+    probs: Tensor,
+    /// Local target column (clamped) [N, 1] and its mask [N, 1] (1 where this rank owns it).
+    targets: Tensor,
+    mask: Tensor,
+}
+
+impl CrossEntropyTape {
+    pub fn bytes(&self) -> usize {
+        [&self.probs, &self.targets, &self.mask]
+            .into_iter()
+            .map(crate::model::tensor_bytes)
+            .sum()
+    }
+}
+
+/// Mean cross-entropy of logits whose columns are split over the group: `logits` [N, V/tp]
+/// are this rank's, `targets` [N] the global ids. Two all-reduces: the rows' maximum, then
+/// their normaliser together with the target logit.
+pub fn cross_entropy(
+    tp: &Tp,
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, CrossEntropyTape)> {
+    let x = logits.to_dtype(DType::F32)?;
+    let range = VocabRange::new(tp, x.dim(1)? * tp.size());
+    let (local, mask) = range.localise(targets, DType::F32)?;
+    let (local, mask) = (
+        local.to_device(x.device())?.unsqueeze(1)?,
+        mask.to_device(x.device())?,
+    );
+    let max = tp.max(&x.max_keepdim(D::Minus1)?)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let picked = (x.gather(&local, 1)? * &mask)?;
+    let sums = tp.reduce(&Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?)?;
+    let (norm, target) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
+    let loss = ((norm.log()? + &max)? - target)?.mean_all()?;
+    let probs = e.broadcast_div(&norm)?;
+    let tape = CrossEntropyTape {
+        probs,
+        targets: local,
+        mask,
+    };
+    Ok((loss, tape))
+}
+
+/// The gradient of this rank's logits: (softmax - one-hot) x `scale` (the loss seed over the
+/// rows), f32 [N, V/tp].
+pub fn cross_entropy_backward(tape: &CrossEntropyTape, scale: f64) -> Result<Tensor> {
+    let onehot = tape.mask.neg()?;
+    let d = tape.probs.scatter_add(&tape.targets, &onehot, 1)?;
+    d.affine(scale, 0.0)
+}
