@@ -180,3 +180,10 @@ fn tp2_dp2_equals_one_process_at_every_zero_stage() {
         assert_same_as_reference(&name, &train(&format!("tp2dp2z{stage}"), 4, 2, stage, ""));
     }
 }
+
+#[test]
+fn tp2_with_sequence_parallelism_equals_one_process() {
+    let sp = r#", "tensor_parallel": {"sequence_parallel": true}"#;
+    let got = train("tp2sp", 2, 2, 1, sp);
+    assert_same_as_reference("tp=2 with sequence parallelism", &got);
+}

@@ -98,8 +98,21 @@ fn check_passes(s: &mut Section) {
     }
 }
 
-/// `tensor_parallel.autotp_size` (DeepSpeed's AutoTP degree; 0 = off).
-pub fn tensor_parallel(root: &Dict, autos: &mut Autos) -> Result<i64> {
+/// What ds-rs takes from the `tensor_parallel` section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TensorParallel {
+    /// DeepSpeed's AutoTP degree (0 = off).
+    pub autotp_size: i64,
+    /// `sequence_parallel`: a ds-rs extension (Megatron-LM's sequence parallelism), which
+    /// DeepSpeed 0.19.8 would reject as an unknown key.
+    pub sequence_parallel: bool,
+}
+
+/// The key ds-rs adds to DeepSpeed's `tensor_parallel` section.
+pub const SEQUENCE_PARALLEL: &str = "sequence_parallel";
+
+/// `tensor_parallel.autotp_size` and the ds-rs extension `sequence_parallel`.
+pub fn tensor_parallel(root: &Dict, autos: &mut Autos) -> Result<TensorParallel> {
     typed(root, "tensor_parallel", autos, |s| {
         if let Some(v) = s.raw("dtype").cloned() {
             // A torch.dtype object: JSON cannot express one, so any JSON value is rejected.
@@ -119,7 +132,10 @@ pub fn tensor_parallel(root: &Dict, autos: &mut Autos) -> Result<i64> {
         s.opt_string("preset_model");
         s.bool("keep_module_on_host", false);
         s.bool("kernel_inject", false);
-        s.int("autotp_size", 0, Bound::None)
+        TensorParallel {
+            autotp_size: s.int("autotp_size", 0, Bound::None),
+            sequence_parallel: s.bool(SEQUENCE_PARALLEL, false),
+        }
     })
 }
 

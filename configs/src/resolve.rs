@@ -65,7 +65,7 @@ pub fn parallel_dims(
         Some(tp) => tp,
         None => match doc {
             Value::Dict(root) => {
-                let size = extras::tensor_parallel(root, &mut Vec::new())?;
+                let size = extras::tensor_parallel(root, &mut Vec::new())?.autotp_size;
                 usize::try_from(size.max(1)).map_err(|_| {
                     ConfigError::invalid(
                         "tensor_parallel.autotp_size",
@@ -106,6 +106,9 @@ pub struct Config {
     pub pipeline: Json,
     /// `tensor_parallel.autotp_size`: DeepSpeed's AutoTP degree (0 = off).
     pub autotp_size: i64,
+    /// `tensor_parallel.sequence_parallel` (a ds-rs extension): activations between the
+    /// tensor-parallel products split along the sequence.
+    pub sequence_parallel: bool,
     pub checkpoint: CheckpointConfig,
     pub data_types: DataTypesConfig,
     pub autotuning: AutotuningConfig,
@@ -172,7 +175,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
     let wall_clock_breakdown = toplevel::wall_clock_breakdown(root)?;
     let autotuning = AutotuningConfig::read(root, &mut notes.warnings)?;
     let (pipeline, checkpoint, data_types, aio) = read_runtime(root, &mut notes)?;
-    let (deepcompile, autotp_size) = read_extras(root, &mut notes)?;
+    let (deepcompile, tensor_parallel) = read_extras(root, &mut notes)?;
     let triad = batch::resolve(root, dp)?;
     let config = Config {
         dims: *dims,
@@ -192,7 +195,8 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         wall_clock_breakdown: wall_clock_breakdown || flops_profiler.enabled,
         flops_profiler,
         pipeline,
-        autotp_size,
+        autotp_size: tensor_parallel.autotp_size,
+        sequence_parallel: tensor_parallel.sequence_parallel,
         checkpoint,
         data_types,
         autotuning,
@@ -272,14 +276,20 @@ fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
 }
 
 /// The sections ds-rs checks but does not act on; returns `compile.deepcompile` and
-/// `tensor_parallel.autotp_size`.
-fn read_extras(root: &Dict, notes: &mut Notes) -> Result<(bool, i64)> {
+/// the `tensor_parallel` section.
+fn read_extras(root: &Dict, notes: &mut Notes) -> Result<(bool, extras::TensorParallel)> {
     extras::weight_quantization(root, &mut notes.autos)?;
     let deepcompile = extras::compile(root, &mut notes.autos)?;
     extras::timers(root, &mut notes.autos)?;
-    let autotp_size = extras::tensor_parallel(root, &mut notes.autos)?;
+    let tensor_parallel = extras::tensor_parallel(root, &mut notes.autos)?;
+    if tensor_parallel.sequence_parallel {
+        notes.warnings.push(format!(
+            "tensor_parallel.{}: a ds-rs extension (Megatron-LM's sequence parallelism); DeepSpeed 0.19.8 rejects this key",
+            extras::SEQUENCE_PARALLEL
+        ));
+    }
     extras::expert_parallel(root)?;
-    Ok((deepcompile, autotp_size))
+    Ok((deepcompile, tensor_parallel))
 }
 
 /// DeepSpeed's `_do_error_check`: rules across sections.

@@ -68,9 +68,8 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         init: args.init.clone(),
         ..EngineOptions::default()
     };
-    let layers = model
-        .build_parallel(&Tp::new(groups.tp().clone()))
-        .map_err(anyhow::Error::msg)?;
+    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
+    let layers = model.build_parallel(&tp).map_err(anyhow::Error::msg)?;
     let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
     if let Some(path) = &args.save_init {
         engine.save_weights(path)?;

@@ -166,9 +166,13 @@ impl Embeddings {
         }
         let tp = &self.1;
         let wte = vb.get((c.V / tp.size(), c.d), "wte.weight")?;
-        let wpe = vb.get((c.T, c.d), "wpe.weight")?.narrow(0, 0, t)?;
-        let rows = vocab::embed(tp, &wte, ids)?;
-        let output = rows.reshape((ids.dim(0)?, t, c.d))?.broadcast_add(&wpe)?;
+        let rows = vocab::embed(tp, &wte, ids)?.reshape((ids.dim(0)?, t, c.d))?;
+        let tokens = tp.reduce(&rows)?;
+        let pos = tp.positions(t);
+        let wpe = vb
+            .get((c.T, c.d), "wpe.weight")?
+            .narrow(0, pos.start, pos.len())?;
+        let output = tokens.broadcast_add(&wpe)?;
         let tape = EmbeddingsTape {
             c,
             tp: tp.clone(),
@@ -217,17 +221,20 @@ impl Tape for EmbeddingsTape {
     }
 
     /// Each token's row of wte gets the gradients at its positions; each position's row of
-    /// wpe the sum over the batch.
+    /// wpe the sum over the batch (under sequence parallelism each rank has its positions').
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let c = self.c;
-        let (b, t, d) = dy.dims3()?;
-        let rows = dy.reshape((b * t, d))?;
-        let wte = vb.get((c.V / self.tp.size(), d), "wte.weight")?;
-        let dwte = vocab::embed_backward(&self.tp, &wte, &self.ids, &rows)?;
-        let dwpe = dy.sum(0)?.pad_with_zeros(0, 0, c.T - t)?;
+        let (c, tp) = (self.c, &self.tp);
+        let whole = tp.gather(dy)?;
+        let (b, t, d) = whole.dims3()?;
+        let rows = whole.reshape((b * t, d))?;
+        let wte = vb.get((c.V / tp.size(), d), "wte.weight")?;
+        let dwte = vocab::embed_backward(tp, &wte, &self.ids, &rows)?;
+        let pos = tp.positions(t);
+        let dwpe = dy.sum(0)?.pad_with_zeros(0, pos.start, c.T - pos.end)?;
+        let mut dwpe = tp.sum_partial_grads(vec![dwpe])?;
         Ok(Grads {
             input: None,
-            params: vec![dwte, dwpe],
+            params: vec![dwte, dwpe.remove(0)],
         })
     }
 }
@@ -293,11 +300,13 @@ impl Block {
         let (c, tp) = (self.0, &self.1);
         let p = BlockParams::new(vb, c.d, tp.size())?;
         let x = x.contiguous()?;
+        // Note [gather and reduce]: x, h1, x2, h2 and the output are this rank's positions
+        // under sequence parallelism, whole otherwise
         let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, LN_EPS)?;
-        let attn = Attention::forward(c.H / tp.size(), &h1, &p.c_attn)?;
+        let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn)?;
         let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
         let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, LN_EPS)?;
-        let f = linear(&h2, &p.c_fc.0, Some(&p.c_fc.1))?;
+        let f = linear(&tp.gather(&h2)?, &p.c_fc.0, Some(&p.c_fc.1))?;
         let g = gelu(&f)?;
         let output = (&x2 + row_parallel_linear(tp, &g, &p.mlp_proj.0, &p.mlp_proj.1)?)?;
         let tape = BlockTape {
@@ -396,20 +405,32 @@ impl Tape for BlockTape {
             g,
         } = *self;
         // the MLP branch: y = x2 + c_proj(gelu(c_fc(ln_2(x2))))
-        let proj = linear_backward(&g, &p.mlp_proj.0, dy)?;
+        let proj = linear_backward(&g, &p.mlp_proj.0, &tp.gather(dy)?)?;
         let df = gelu_backward(&f, &proj.dx)?;
-        let fc = linear_backward(&h2, &p.c_fc.0, &df)?;
+        let fc = linear_backward(&tp.gather(&h2)?, &p.c_fc.0, &df)?;
         // a column-parallel input's gradient: the sum of every rank's part
         let dh2 = tp.reduce(&fc.dx)?;
         let (dx2_ln, dln_2w, dln_2b) =
             layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &dh2, LN_EPS)?;
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
-        let aproj = linear_backward(&attn.out, &p.attn_proj.0, &dx2)?;
+        let aproj = linear_backward(&attn.out, &p.attn_proj.0, &tp.gather(&dx2)?)?;
         let dqkv = attn.backward(c.H / tp.size(), &aproj.dx)?;
-        let qkv = linear_backward(&h1, &p.c_attn.0, &dqkv)?;
+        let qkv = linear_backward(&tp.gather(&h1)?, &p.c_attn.0, &dqkv)?;
         let dh1 = tp.reduce(&qkv.dx)?;
         let (dx_ln, dln_1w, dln_1b) = layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &dh1, LN_EPS)?;
+        // the replicated parameters' gradients, from this rank's positions under sequence
+        // parallelism: summed over the group
+        let partial = tp.sum_partial_grads(vec![
+            dln_1w,
+            dln_1b,
+            bias_backward(&dx2, &p.attn_proj.1)?,
+            dln_2w,
+            dln_2b,
+            bias_backward(dy, &p.mlp_proj.1)?,
+        ])?;
+        let [dln_1w, dln_1b, dattn_proj_b, dln_2w, dln_2b, dmlp_proj_b] =
+            <[Tensor; 6]>::try_from(partial).expect("invariant: six gradients in, six out");
         Ok(Grads {
             input: Some((&dx2 + dx_ln)?),
             params: vec![
@@ -418,13 +439,13 @@ impl Tape for BlockTape {
                 qkv.dw,
                 bias_backward(&dqkv, &p.c_attn.1)?,
                 aproj.dw,
-                bias_backward(&dx2, &p.attn_proj.1)?,
+                dattn_proj_b,
                 dln_2w,
                 dln_2b,
                 fc.dw,
                 bias_backward(&df, &p.c_fc.1)?,
                 proj.dw,
-                bias_backward(dy, &p.mlp_proj.1)?,
+                dmlp_proj_b,
             ],
         })
     }
@@ -521,7 +542,7 @@ impl Head {
         let (ln_f, lm_head) = Head::params(c, &tp, vb)?;
         let x = x.contiguous()?;
         let h = layer_norm(&x, &ln_f.0, &ln_f.1, LN_EPS)?;
-        let output = linear(&h, &lm_head, None)?;
+        let output = linear(&tp.gather(&h)?, &lm_head, None)?;
         let tape = HeadTape { c, tp, x, h };
         Ok(Taped {
             output,
@@ -561,10 +582,13 @@ impl Tape for HeadTape {
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let (ln_f, lm_head) = Head::params(self.c, &self.tp, vb)?;
         let dy = dy.to_dtype(self.h.dtype())?;
-        let head = linear_backward(&self.h, &lm_head, &dy)?;
+        let head = linear_backward(&self.tp.gather(&self.h)?, &lm_head, &dy)?;
         // lm_head is column-parallel over the vocabulary: its input gradient is summed
         let dh = self.tp.reduce(&head.dx)?;
         let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, LN_EPS)?;
+        let mut ln_f = self.tp.sum_partial_grads(vec![dw, db])?;
+        let db = ln_f.pop().expect("invariant: two gradients");
+        let dw = ln_f.pop().expect("invariant: two gradients");
         Ok(Grads {
             input: Some(dx),
             params: vec![dw, db, head.dw],

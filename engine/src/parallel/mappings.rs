@@ -1,5 +1,14 @@
 //! The tensor-parallel group as layers see it, and Megatron's region mappings on tensors.
 //! At tp = 1 every mapping is the identity and communicates nothing.
+//!
+//! Note [gather and reduce]: Megatron-LM's pair of conjugate mappings. `reduce` ends a
+//! row-parallel product (its partial sums are added over the group) and is the backward of a
+//! column-parallel input; `gather` starts a column-parallel product and is the backward of
+//! `reduce`. Without sequence parallelism activations between the products are whole on every
+//! rank: `reduce` is an all-reduce and `gather` the identity. With it they are split along the
+//! sequence: `reduce` is a reduce-scatter to this rank's positions and `gather` an all-gather,
+//! the same bytes as one all-reduce, with the LayerNorms and residuals between them computed
+//! on 1/tp of the positions.
 
 use candle_core::{DType, Result, Tensor};
 use ds_comm::{Element, Group, ReduceOp};
@@ -10,19 +19,33 @@ use super::TpRank;
 #[derive(Clone, Default)]
 pub struct Tp {
     group: Option<Group>,
+    /// Activations between the parallel products are split along the sequence.
+    sequence_parallel: bool,
 }
 
 impl Tp {
     /// No tensor parallelism.
     pub fn none() -> Tp {
-        Tp { group: None }
+        Tp::default()
     }
 
     /// Tensor parallelism over `group` (a group of one is the same as `none`).
     pub fn new(group: Group) -> Tp {
         Tp {
             group: (group.size() > 1).then_some(group),
+            sequence_parallel: false,
         }
+    }
+
+    /// The same group with activations split along the sequence between the parallel
+    /// products (Megatron-LM's sequence parallelism; nothing changes at tp = 1).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Tp {
+        self.sequence_parallel = on && self.group.is_some();
+        self
+    }
+
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
     }
 
     pub fn size(&self) -> usize {
@@ -38,10 +61,63 @@ impl Tp {
         }
     }
 
-    /// Megatron's reduce region: the sum of `t` over the group (a row-parallel output in
-    /// forward, a column-parallel input gradient in backward).
-    pub fn reduce(&self, t: &Tensor) -> Result<Tensor> {
+    /// The sum of `t` over the group, whole on every rank.
+    pub fn sum(&self, t: &Tensor) -> Result<Tensor> {
         self.all_reduce(t, ReduceOp::Sum)
+    }
+
+    /// Partial sums of activations [B, T, ..] added over the group (Note [gather and
+    /// reduce]): whole, or under sequence parallelism this rank's positions [B, T/tp, ..].
+    pub fn reduce(&self, t: &Tensor) -> Result<Tensor> {
+        match (&self.group, self.sequence_parallel) {
+            (Some(g), true) => reduce_scatter_sequence(g, t),
+            _ => self.sum(t),
+        }
+    }
+
+    /// Activations [B, T/tp, ..] made whole along the sequence under sequence parallelism;
+    /// the identity otherwise (Note [gather and reduce]).
+    pub fn gather(&self, t: &Tensor) -> Result<Tensor> {
+        match (&self.group, self.sequence_parallel) {
+            (Some(g), true) => all_gather_sequence(g, t),
+            _ => Ok(t.clone()),
+        }
+    }
+
+    /// The positions this rank holds of a sequence of `len` under sequence parallelism (all
+    /// of them otherwise).
+    pub fn positions(&self, len: usize) -> std::ops::Range<usize> {
+        match self.sequence_parallel {
+            true => {
+                let chunk = len / self.size();
+                self.rank() * chunk..(self.rank() + 1) * chunk
+            }
+            false => 0..len,
+        }
+    }
+
+    /// Gradients of replicated parameters that each rank computed from its own positions
+    /// only (sequence parallelism), summed over the group in one all-reduce; unchanged
+    /// otherwise.
+    pub fn sum_partial_grads(&self, grads: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if !self.sequence_parallel || grads.is_empty() {
+            return Ok(grads);
+        }
+        let flat = grads
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<Result<Vec<_>>>()?;
+        let summed = self.sum(&Tensor::cat(&flat, 0)?)?;
+        let mut at = 0;
+        grads
+            .iter()
+            .map(|g| {
+                let n = g.elem_count();
+                let part = summed.narrow(0, at, n)?.reshape(g.shape())?;
+                at += n;
+                Ok(part)
+            })
+            .collect()
     }
 
     /// The element-wise maximum of `t` over the group.
@@ -62,6 +138,84 @@ impl Tp {
     }
 }
 
+/// [B, T, ..] partial sums to this rank's summed positions [B, T/tp, ..].
+fn reduce_scatter_sequence(group: &Group, t: &Tensor) -> Result<Tensor> {
+    let n = group.size();
+    let dims = t.dims().to_vec();
+    if dims.len() < 2 || dims[1] % n != 0 {
+        candle_core::bail!(
+            "sequence parallelism: a sequence of {:?} positions does not split over {n} ranks",
+            dims.get(1)
+        );
+    }
+    let mut split = vec![dims[0], n, dims[1] / n];
+    split.extend(&dims[2..]);
+    // [B, n, T/n, ..] -> [n, B, T/n, ..]: rank r's positions become the r-th part
+    let parts = t.reshape(split)?.transpose(0, 1)?.contiguous()?;
+    let mut out_dims = dims.clone();
+    out_dims[1] /= n;
+    let flat = parts.flatten_all()?;
+    let out = match t.dtype() {
+        DType::F32 => reduce_scatter_as::<f32>(group, &flat)?,
+        DType::BF16 => reduce_scatter_as::<half::bf16>(group, &flat)?,
+        DType::F16 => reduce_scatter_as::<half::f16>(group, &flat)?,
+        d => candle_core::bail!("tensor-parallel reduce-scatter of {d:?} tensors"),
+    };
+    out.reshape(out_dims)
+}
+
+/// [B, T/tp, ..] from every rank to [B, T, ..].
+fn all_gather_sequence(group: &Group, t: &Tensor) -> Result<Tensor> {
+    let n = group.size();
+    let dims = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    let all = match t.dtype() {
+        DType::F32 => all_gather_as::<f32>(group, &flat)?,
+        DType::BF16 => all_gather_as::<half::bf16>(group, &flat)?,
+        DType::F16 => all_gather_as::<half::f16>(group, &flat)?,
+        d => candle_core::bail!("tensor-parallel all-gather of {d:?} tensors"),
+    };
+    let mut stacked = vec![n];
+    stacked.extend(&dims);
+    let mut whole = dims.clone();
+    whole[1] *= n;
+    // [n, B, T/n, ..] -> [B, n, T/n, ..] -> [B, T, ..]
+    all.reshape(stacked)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape(whole)
+}
+
+fn comm_error(what: &str, e: ds_comm::CommError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("tensor-parallel {what}: {e}"))
+}
+
+fn reduce_scatter_as<T: Element + candle_core::WithDType>(
+    group: &Group,
+    flat: &Tensor,
+) -> Result<Tensor> {
+    let input = flat.to_vec1::<T>()?;
+    let mut out = vec![T::default(); input.len() / group.size()];
+    group
+        .reduce_scatter(&input, &mut out, ReduceOp::Sum)
+        .map_err(|e| comm_error("reduce-scatter", e))?;
+    let n = out.len();
+    Tensor::from_vec(out, n, flat.device())
+}
+
+fn all_gather_as<T: Element + candle_core::WithDType>(
+    group: &Group,
+    flat: &Tensor,
+) -> Result<Tensor> {
+    let input = flat.to_vec1::<T>()?;
+    let mut out = vec![T::default(); input.len() * group.size()];
+    group
+        .all_gather(&input, &mut out)
+        .map_err(|e| comm_error("all-gather", e))?;
+    let n = out.len();
+    Tensor::from_vec(out, n, flat.device())
+}
+
 fn all_reduce_as<T: Element + candle_core::WithDType>(
     group: &Group,
     t: &Tensor,
@@ -70,6 +224,6 @@ fn all_reduce_as<T: Element + candle_core::WithDType>(
     let mut v = t.flatten_all()?.to_vec1::<T>()?;
     group
         .all_reduce(&mut v, op)
-        .map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")))?;
+        .map_err(|e| comm_error("all-reduce", e))?;
     Tensor::from_vec(v, t.shape(), t.device())
 }

@@ -43,8 +43,9 @@ impl VocabRange {
     }
 }
 
-/// The embedding rows of `ids` [N] from this rank's table `w` [V/tp, d], summed over the
-/// group: [N, d].
+/// This rank's part of the embedding rows of `ids` [N] from its table `w` [V/tp, d]: the
+/// rows of the ids it owns, zero for the others [N, d]. Adding the parts over the group
+/// (`Tp::reduce`) gives the rows.
 pub fn embed(tp: &Tp, w: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if tp.size() == 1 {
         return w.index_select(&ids.flatten_all()?, 0);
@@ -52,7 +53,7 @@ pub fn embed(tp: &Tp, w: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let range = VocabRange::new(tp, w.dim(0)? * tp.size());
     let (local, mask) = range.localise(ids, w.dtype())?;
     let (local, mask) = (local.to_device(w.device())?, mask.to_device(w.device())?);
-    tp.reduce(&w.index_select(&local, 0)?.broadcast_mul(&mask)?)
+    w.index_select(&local, 0)?.broadcast_mul(&mask)
 }
 
 /// The gradient of this rank's table `w` [V/tp, d] given that of the looked-up rows `dy`
@@ -104,7 +105,7 @@ pub fn cross_entropy(
     let max = tp.max(&x.max_keepdim(D::Minus1)?)?;
     let e = x.broadcast_sub(&max)?.exp()?;
     let picked = (x.gather(&local, 1)? * &mask)?;
-    let sums = tp.reduce(&Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?)?;
+    let sums = tp.sum(&Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?)?;
     let (norm, target) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
     let loss = ((norm.log()? + &max)? - target)?.mean_all()?;
     let probs = e.broadcast_div(&norm)?;
