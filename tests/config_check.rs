@@ -271,3 +271,30 @@ fn commands_of_later_releases_say_so_and_exit_2() {
         );
     }
 }
+
+#[test]
+fn tp_defaults_to_the_configs_autotp_size_as_train_decides_it() {
+    let file = temp_file(
+        "autotp.json",
+        br#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "tensor_parallel": {"autotp_size": 2}}"#,
+    );
+    // dp = world / tp: 8 = 2 x gas x dp
+    for (extra, gas) in [
+        (&[][..], 2),
+        (&["--tp", "1"][..], 1),
+        (&["--tp", "4"][..], 4),
+    ] {
+        let args = [&["--world-size", "4"][..], extra].concat();
+        let (code, json) = check_json(&file, &args);
+        assert_eq!(code, 0, "{args:?}: {json}");
+        assert_eq!(json["gradient_accumulation_steps"], gas, "{args:?}: {json}");
+    }
+    let (code, json) = check_json(&file, &["--world-size", "3"]);
+    assert_eq!(code, 1, "{json}");
+    let error = json["error"].as_str().unwrap();
+    assert!(
+        error.contains("world size 3") && error.contains("tp * pp = 2"),
+        "{json}"
+    );
+}

@@ -20,17 +20,12 @@ fn with(extra: &str) -> String {
 }
 
 /// Configs DeepSpeed accepts that ask for what ds-rs does not do yet, with the key named.
-fn refused_configs() -> [(&'static str, String, &'static str); 3] {
+fn refused_configs() -> [(&'static str, String, &'static str); 2] {
     [
         (
             "pipeline",
             with(r#""pipeline": {"stages": 2}"#),
             "pipeline.stages",
-        ),
-        (
-            "autotp",
-            with(r#""tensor_parallel": {"autotp_size": 2}"#),
-            "tensor_parallel.autotp_size",
         ),
         (
             "nvme",
@@ -90,6 +85,25 @@ fn config_check_keeps_deepspeeds_verdict_on_them_and_warns() {
             .any(|l| l.starts_with("warning:") && l.contains(key) && l.contains("refuse"));
         assert!(warned, "{name}: {}", f.stdout);
     }
+}
+
+#[test]
+fn tensor_parallel_autotp_size_is_carried_out_not_refused() {
+    let s = Scratch::new("refusals-autotp");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write(
+        "autotp.json",
+        &with(r#""tensor_parallel": {"autotp_size": 2}"#),
+    );
+    let dir = s.path("metrics");
+    let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
+    let f = run(&format!("{launch} {}", train(&model, 1, &dir)), LIMIT);
+    assert!(f.status.success(), "{}", f.stderr);
+    let text = std::fs::read_to_string(dir.join("summary.json")).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let layout = &summary["layout"];
+    assert_eq!(layout["tp"].as_u64(), Some(2), "{layout}");
+    assert_eq!(layout["dp"].as_u64(), Some(1), "{layout}");
 }
 
 /// The lines of a finished command (stdout and stderr) that mention `needle`.

@@ -132,7 +132,11 @@ fn two_hosts_with_two_ranks_each_train_like_one_process() {
     );
     let f = finish(start_args(&args), Duration::from_secs(240));
     assert!(f.status.success(), "{}", f.stderr);
-    assert!(f.stdout.contains("4 ranks, ZeRO stage 3"), "{}", f.stdout);
+    assert!(
+        f.stdout.contains("4 ranks (dp 4 x tp 1), ZeRO stage 3"),
+        "{}",
+        f.stdout
+    );
     // The same tolerance as the one-host layouts: only summation order differs.
     assert_same_losses(
         &losses(&four),

@@ -69,7 +69,7 @@ pub fn parallel_dims(
                 usize::try_from(size.max(1)).map_err(|_| {
                     ConfigError::invalid(
                         "tensor_parallel.autotp_size",
-                        &size,
+                        size,
                         "a degree that fits in memory",
                     )
                 })?

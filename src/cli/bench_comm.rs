@@ -144,8 +144,9 @@ fn comms_logger(
         return Ok(None);
     };
     let doc = ds_config::load(path)?;
-    let dims = ds_config::ParallelDims::new(world, 1, 1)?;
-    let config = ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    let config = ds_config::parallel_dims(&doc, world, None, None)
+        .and_then(|dims| ds_config::resolve(&doc, &dims))
+        .with_context(|| format!("{}", path.display()))?;
     Ok(config.comms_logger)
 }
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ds_config::{AutoValues, Config, ParallelDims};
+use ds_config::{AutoValues, Config};
 
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
@@ -12,9 +12,9 @@ pub struct CheckArgs {
     /// Total number of ranks.
     #[arg(long, default_value_t = 1)]
     world_size: usize,
-    /// Tensor-parallel degree.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1).
+    #[arg(long)]
+    tp: Option<usize>,
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pp: usize,
@@ -49,8 +49,9 @@ impl CheckArgs {
 }
 
 pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
-    let result = ParallelDims::new(args.world_size, args.tp, args.pp).and_then(|dims| {
-        let doc = ds_config::load(&args.file)?;
+    // The layout as `train` and `launch` decide it, so all three agree on the dp degree.
+    let result = ds_config::load(&args.file).and_then(|doc| {
+        let dims = ds_config::parallel_dims(&doc, args.world_size, args.tp, Some(args.pp))?;
         ds_config::resolve_with_auto(&doc, &dims, &args.auto_values(dims.dp()))
     });
     let result = result.map(with_refusals);

@@ -152,14 +152,13 @@ struct Job<'a> {
 impl<'a> Job<'a> {
     fn new(args: &'a LaunchArgs, hosts: Hosts) -> anyhow::Result<Job<'a>> {
         let (program, program_args) = resolve_program(&args.program)?;
-        let config = match &args.config {
-            Some(c) => Some(check_config(
-                c,
-                hosts.world_size(),
-                args.world_info.is_none(),
-            )?),
-            None => None,
-        };
+        let config = args.config.as_deref().map(absolute).transpose()?;
+        let (world, head) = (hosts.world_size(), args.world_info.is_none());
+        if args.program.first().is_some_and(|p| p == "train") {
+            check_train(&args.program, config.as_deref(), world, head)?;
+        } else if let Some(c) = &config {
+            check_config(c, world, head)?;
+        }
         let multi = hosts.0.len() > 1 || args.force_multi;
         let master_addr = match &args.master_addr {
             Some(a) => a.clone(),
@@ -454,20 +453,61 @@ fn which(program: &str) -> Option<PathBuf> {
         .find(|p| is_exec(p))
 }
 
-/// Reads and resolves the config for the job's world size once, so that a bad config, or one
-/// asking for what ds-rs cannot do yet, is one error line here instead of one per rank. The
-/// head prints the config's warnings; a node launcher leaves them to the head.
-fn check_config(path: &Path, world: usize, head: bool) -> anyhow::Result<PathBuf> {
+/// Reads and resolves the config for the job's world size and layout once, so that a bad
+/// config, or one asking for what ds-rs cannot do yet, is one error line here instead of one
+/// per rank. The head prints the config's warnings; a node launcher leaves them to the head.
+fn check_config(path: &Path, world: usize, head: bool) -> anyhow::Result<()> {
     let doc = ds_config::load(path)?;
-    let dims = ds_config::ParallelDims::new(world, 1, 1)?;
-    let config = ds_config::resolve(&doc, &dims).with_context(|| format!("{}", path.display()))?;
+    let config = ds_config::parallel_dims(&doc, world, None, None)
+        .and_then(|dims| ds_config::resolve(&doc, &dims))
+        .with_context(|| format!("{}", path.display()))?;
     if head {
         print_config_warnings(&config);
     }
     config
         .check_implemented()
-        .with_context(|| format!("{}", path.display()))?;
-    absolute(path)
+        .with_context(|| format!("{}", path.display()))
+}
+
+/// `train ARGS` as its ranks will run it, planned once for the job's world size: a bad
+/// config, a layout that does not divide the world or a model that does not divide by the
+/// tensor-parallel degree is one error line here, before any rank starts. The ranks read the
+/// config their own `--config` names, else the launcher's (DS_RS_CONFIG), else the one they
+/// inherit; the head prints the warnings of the launcher's, which the ranks then skip.
+fn check_train(
+    words: &[String],
+    launcher_config: Option<&Path>,
+    world: usize,
+    head: bool,
+) -> anyhow::Result<()> {
+    use clap::{Args, FromArgMatches};
+    let parser = crate::train::TrainArgs::augment_args(clap::Command::new("train"));
+    let matches = match parser.try_get_matches_from(words) {
+        Ok(m) => m,
+        // --help, --version: the ranks answer it.
+        Err(e) if !e.use_stderr() => return Ok(()),
+        Err(e) => bail!("train: {}", first_line(&e.to_string())),
+    };
+    let mut args = crate::train::TrainArgs::from_arg_matches(&matches)?;
+    let own = matches.value_source("config") == Some(clap::parser::ValueSource::CommandLine);
+    let warn = match (own, launcher_config) {
+        (false, Some(c)) => {
+            args.config = Some(c.to_path_buf());
+            head
+        }
+        _ => false,
+    };
+    let (_, config) = crate::train::plan(&args, world)?;
+    if warn {
+        print_config_warnings(&config);
+    }
+    Ok(())
+}
+
+/// A clap error's message without its `error: ` and the usage lines after it.
+fn first_line(message: &str) -> &str {
+    let line = message.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line)
 }
 
 /// Set on every rank the launcher starts with `--config`: the config whose warnings the head

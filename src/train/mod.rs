@@ -34,7 +34,7 @@ const DEFAULT_CONFIG: &str = include_str!("../../configs/examples/zero2.json");
 pub struct TrainArgs {
     /// The ds_config (default: configs/examples/zero2.json, built in).
     #[arg(long, env = "DS_RS_CONFIG")]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// tiny, small, gpt2, or a model JSON {"V","T","d","H","L"}.
     #[arg(long, default_value = "tiny")]
     model: String,
@@ -119,9 +119,8 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
         init: args.init.clone(),
         ..EngineOptions::default()
     };
-    let layers = model
-        .build_parallel(&Tp::new(groups.tp().clone()))
-        .map_err(anyhow::Error::msg)?;
+    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
+    let layers = model.build_parallel(&tp).map_err(anyhow::Error::msg)?;
     let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
     let s = engine.settings().clone();
     let width = match args.token_width.as_str() {

@@ -142,7 +142,7 @@ impl Tp {
 fn reduce_scatter_sequence(group: &Group, t: &Tensor) -> Result<Tensor> {
     let n = group.size();
     let dims = t.dims().to_vec();
-    if dims.len() < 2 || dims[1] % n != 0 {
+    if dims.len() < 2 || !dims[1].is_multiple_of(n) {
         candle_core::bail!(
             "sequence parallelism: a sequence of {:?} positions does not split over {n} ranks",
             dims.get(1)
