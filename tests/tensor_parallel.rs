@@ -187,3 +187,126 @@ fn tp2_with_sequence_parallelism_equals_one_process() {
     let got = train("tp2sp", 2, 2, 1, sp);
     assert_same_as_reference("tp=2 with sequence parallelism", &got);
 }
+
+/// Rank 0's comms-logger table from a run's output: (op, message size) -> count.
+fn comms_counts(stdout: &str) -> HashMap<(String, String), usize> {
+    let mut counts = HashMap::new();
+    let mut op = String::new();
+    for line in stdout.lines() {
+        let line = line.strip_prefix("[rank0] ").unwrap_or(line);
+        if line.starts_with("Comm. Op") || line.trim().is_empty() {
+            continue;
+        }
+        if !line.starts_with(' ') {
+            op = line.trim().to_string();
+            continue;
+        }
+        let cells: Vec<&str> = line
+            .split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
+        if let (Some(size), Some(Ok(n))) = (cells.first(), cells.get(1).map(|c| c.parse())) {
+            counts.insert((op.clone(), size.to_string()), n);
+        }
+    }
+    counts
+}
+
+/// One step and one held-out batch of model tiny (L = 4 blocks, d = 256, T = 128) at
+/// micro-batch 2 on tp = 2, the comms logger on; returns rank 0's counts.
+fn one_logged_step(name: &str, extra: &str) -> HashMap<(String, String), usize> {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new(&format!("tp-comms-{name}"));
+    let cfg = s.write(
+        "cfg.json",
+        &format!(
+            r#"{{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {{"type": "AdamW"}}, "zero_optimization": {{"stage": 0}},
+            "comms_logger": {{"enabled": true, "prof_all": true}}{extra}}}"#
+        ),
+    );
+    let cmd = format!(
+        "launch --nproc_per_node 2 --config {} train --model tiny --steps 1 --tp 2 \
+         --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+        cfg.display(),
+        s.path("metrics").display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+    comms_counts(&f.stdout)
+}
+
+/// Megatron's tensor-parallel communication (ARCHITECTURE.md, "Tensor parallelism"): per
+/// micro-step, forward all-reduces the embedding and the two row-parallel outputs of each
+/// block, backward the two column-parallel input gradients of each block and the LM head's:
+/// 4L + 2 all-reduces of [B, T, d]; the vocabulary-parallel loss adds one of [B*T] (maxima)
+/// and one of [B*T, 2] (normalisers and target logits) in forward. Here one training
+/// micro-step and one evaluation forward (2L + 1 and 2 more).
+#[test]
+fn tensor_parallel_collectives_follow_megatrons_count() {
+    let (l, rows, d) = (4, 2 * 128, 256);
+    let counts = one_logged_step("plain", "");
+    let at = |op: &str, bytes: usize| {
+        let key = (op.to_string(), ds_comm::logger::convert_size(bytes as u64));
+        counts.get(&key).copied().unwrap_or(0)
+    };
+    assert_eq!(
+        at("all_reduce", rows * d * 4),
+        (4 * l + 2) + (2 * l + 1),
+        "{counts:?}"
+    );
+    assert_eq!(
+        at("all_reduce", rows * 4),
+        2,
+        "the rows' maxima: {counts:?}"
+    );
+    assert_eq!(
+        at("all_reduce", rows * 2 * 4),
+        2,
+        "normalisers and targets: {counts:?}"
+    );
+    assert_eq!(at("reduce_scatter_tensor", rows * d * 4), 0, "{counts:?}");
+}
+
+/// With sequence parallelism each all-reduce of activations becomes a reduce-scatter and an
+/// all-gather (Note [gather and reduce]); backward gathers the column-parallel inputs again
+/// for the weight gradients, as Megatron-LM does. Per micro-step: forward 2L + 1
+/// reduce-scatters (embedding, two per block) and 2L + 1 all-gathers (two per block, the
+/// head's input); backward 2L + 1 reduce-scatters and 4L + 2 all-gathers; and one
+/// all-reduce per layer of the replicated gradients computed from this rank's positions.
+#[test]
+fn sequence_parallel_collectives_follow_megatrons_count() {
+    let (l, rows, d, tp) = (4, 2 * 128, 256, 2);
+    let sp = r#", "tensor_parallel": {"sequence_parallel": true}"#;
+    let counts = one_logged_step("sp", sp);
+    let at = |op: &str, bytes: usize| {
+        let key = (op.to_string(), ds_comm::logger::convert_size(bytes as u64));
+        counts.get(&key).copied().unwrap_or(0)
+    };
+    // the logger counts a reduce-scatter's input and an all-gather's part, as DeepSpeed does
+    let (scattered, gathered) = (rows * d * 4, rows * d * 4 / tp);
+    let (fwd_rs, fwd_ag, bwd_rs, bwd_ag) = (2 * l + 1, 2 * l + 1, 2 * l + 1, 4 * l + 2);
+    assert_eq!(
+        at("reduce_scatter_tensor", scattered),
+        fwd_rs + bwd_rs + fwd_rs,
+        "{counts:?}"
+    );
+    assert_eq!(
+        at("all_gather_into_tensor", gathered),
+        fwd_ag + bwd_ag + fwd_ag,
+        "{counts:?}"
+    );
+    assert_eq!(
+        at("all_reduce", rows * d * 4),
+        0,
+        "no all-reduce of activations: {counts:?}"
+    );
+    // the replicated gradients: ln_1, ln_2 and the two row-parallel biases of each block
+    // (6d), ln_f (2d), wpe (T d)
+    assert_eq!(at("all_reduce", 6 * d * 4), l, "{counts:?}");
+    // ln_f's 2d gradients, and the loss's [B*T, 2] sums in the two forwards (here the same
+    // size: B*T = 2 * 128 = d)
+    assert_eq!(at("all_reduce", 2 * d * 4), 1 + 2, "{counts:?}");
+    assert_eq!(at("all_reduce", 128 * d * 4), 1, "{counts:?}");
+}

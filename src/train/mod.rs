@@ -107,8 +107,11 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
-    let env = options_from_env().context("reading the rank environment")?;
+    let mut env = options_from_env().context("reading the rank environment")?;
     let (model, cfg) = plan(args, env.world_size)?;
+    // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at
+    // the end)
+    env.comms_logger = cfg.comms_logger.clone().filter(|c| c.enabled);
     let comm = init(&env).context("joining the job")?;
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
         crate::launch::print_config_warnings(&cfg);
@@ -252,6 +255,9 @@ impl Run<'_> {
             metrics::write_summary(&self.dir, &summary)?;
             self.write_chart(data, &records)?;
             self.print_summary(&summary, &memory);
+            if let Some(table) = comm.comms_summary() {
+                println!("{table}");
+            }
         }
         Ok(ExitCode::SUCCESS)
     }
