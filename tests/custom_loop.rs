@@ -146,3 +146,75 @@ fn a_bad_config_is_one_error_line_and_a_failure() {
         assert!(f.stdout.is_empty(), "{}", f.stdout);
     }
 }
+
+/// DeepSpeed's AutoTP spelling for the example's model: its hidden layer column-parallel,
+/// its output projection row-parallel (`patterns` is the one spec's first pattern).
+fn tensor_parallel(patterns: &str) -> String {
+    format!(
+        r#", "tensor_parallel": {{"autotp_size": 2, "partition_config": {{"layer_specs": [
+            {{"patterns": ["{patterns}"], "partition_type": "column"}},
+            {{"patterns": [".*out\\.weight$"], "partition_type": "row"}}]}}}}"#
+    )
+}
+
+/// A user's model split by `partition_config` computes the function of the unsplit one:
+/// tp = 2 (2 ranks) and tp = 2 x dp = 2 (4 ranks) print the losses of one process.
+#[test]
+fn a_user_model_split_by_partition_config_prints_the_losses_of_one_rank() {
+    let s = Scratch::new("custom-loop-tp");
+    let plain = s.write("plain.json", &config(2, ""));
+    let split = s.write(
+        "tp.json",
+        &config(2, &tensor_parallel(r".*hidden\\.weight$")),
+    );
+    let steps = ["--steps".to_string(), STEPS.to_string()];
+    let one = alone(
+        &[
+            &["--config".to_string(), plain.display().to_string()][..],
+            &steps,
+        ]
+        .concat(),
+    );
+    assert!(one.status.success(), "one rank: {}", one.stderr);
+    let (_, want) = report(&one.stdout);
+    for nproc in [2, 4] {
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} --config {} {} {}",
+            split.display(),
+            example().display(),
+            steps.join(" ")
+        );
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{nproc} ranks: {}", f.stderr);
+        let (head, got) = report(&f.stdout);
+        let dp = nproc / 2;
+        assert!(head.contains(&format!("x {dp} data-parallel")), "{head}");
+        assert_same_losses(
+            &got,
+            &want,
+            REL,
+            &format!("tp=2 on {nproc} ranks vs 1 rank"),
+        );
+    }
+}
+
+/// A `partition_config` pattern that matches no parameter is an error naming it, and the
+/// job stops with status 1.
+#[test]
+fn a_partition_config_pattern_matching_nothing_is_named() {
+    let s = Scratch::new("custom-loop-tp-bad");
+    let cfg = s.write("tp.json", &config(2, &tensor_parallel(r"hiden\\.weight$")));
+    let cmd = format!(
+        "launch --nproc_per_node 2 --config {} {} --steps 1",
+        cfg.display(),
+        example().display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert_eq!(f.status.code(), Some(1), "{}", f.stderr);
+    let named = f
+        .stderr
+        .lines()
+        .filter(|l| l.contains("partition_config.layer_specs[0].patterns") && l.contains("hiden"));
+    assert!(named.count() >= 1, "{}", f.stderr);
+    assert!(!f.stdout.contains("step"), "nothing trained: {}", f.stdout);
+}

@@ -99,10 +99,13 @@ fn check_passes(s: &mut Section) {
 }
 
 /// What ds-rs takes from the `tensor_parallel` section.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct TensorParallel {
     /// DeepSpeed's AutoTP degree (0 = off).
     pub autotp_size: i64,
+    /// `partition_config` as written (DeepSpeed checks it only when it builds the AutoTP
+    /// layers; the engine reads it against the model's parameter names).
+    pub partition_config: Option<serde_json::Value>,
     /// `sequence_parallel`: a ds-rs extension (Megatron-LM's sequence parallelism), which
     /// DeepSpeed 0.19.8 would reject as an unknown key.
     pub sequence_parallel: bool,
@@ -128,11 +131,12 @@ pub fn tensor_parallel(root: &Dict, autos: &mut Autos) -> Result<TensorParallel>
         s.choice("vocab_parallel_ce_backend", "torch", &["torch", "liger"]);
         tp_subsection(s);
         s.raw("injection_policy_tuple");
-        s.raw("partition_config");
+        let partition_config = s.raw("partition_config").map(|v| v.to_json());
         s.opt_string("preset_model");
         s.bool("keep_module_on_host", false);
         s.bool("kernel_inject", false);
         TensorParallel {
+            partition_config,
             autotp_size: s.int("autotp_size", 0, Bound::None),
             sequence_parallel: s.bool(SEQUENCE_PARALLEL, false),
         }

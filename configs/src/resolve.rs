@@ -109,6 +109,8 @@ pub struct Config {
     /// `tensor_parallel.sequence_parallel` (a ds-rs extension): activations between the
     /// tensor-parallel products split along the sequence.
     pub sequence_parallel: bool,
+    /// `tensor_parallel.partition_config` (AutoTP's layer specs), as written.
+    pub tp_partition_config: Option<Json>,
     pub checkpoint: CheckpointConfig,
     pub data_types: DataTypesConfig,
     pub autotuning: AutotuningConfig,
@@ -197,6 +199,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         pipeline,
         autotp_size: tensor_parallel.autotp_size,
         sequence_parallel: tensor_parallel.sequence_parallel,
+        tp_partition_config: tensor_parallel.partition_config,
         checkpoint,
         data_types,
         autotuning,

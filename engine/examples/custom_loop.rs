@@ -1,6 +1,13 @@
-//! A user-defined model trained through the engine API in a custom loop, data-parallel as a
-//! DeepSpeed user writes it: every rank builds the same model, joins the job, and trains on
-//! its own part of each global batch.
+//! A user-defined model trained through the engine API in a custom loop, as a DeepSpeed user
+//! writes it: every rank builds the same model, joins the job, and trains on its own part of
+//! each global batch. With `tensor_parallel` in the config (DeepSpeed's AutoTP spelling) the
+//! model's hidden layer is split over the tensor-parallel ranks:
+//!
+//! ```json
+//! "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
+//!     {"patterns": ["hidden\\.weight$"], "partition_type": "column"},
+//!     {"patterns": ["out\\.weight$"], "partition_type": "row"}]}}
+//! ```
 //!
 //! ```sh
 //! # one rank, the built-in config below
@@ -21,10 +28,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use candle_core::{Module, Tensor};
-use candle_nn::{embedding, linear, VarBuilder};
+use candle_nn::{embedding, Linear, VarBuilder};
 use ds_comm::ReduceOp;
 use ds_engine::data::{DataLoader, MarkovTokens, SampleOrder};
 use ds_engine::model::{gpt::CrossEntropyLoss, Context, Init, Layer, Model, ParamSpec};
+use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
 
 const V: usize = 64; // vocabulary
@@ -43,7 +51,16 @@ const BUILT_IN_CONFIG: &str = r#"{
 }"#;
 
 /// Token ids to next-token logits: embedding, a tanh hidden layer, output projection.
-struct BigramMlp;
+///
+/// Ready for tensor parallelism: when the config's `partition_config` splits `hidden` by
+/// output rows (column-parallel) and `out` by input columns (row-parallel), the engine hands
+/// each rank its slices (read here with their local shapes), and the two region marks do
+/// Megatron's communication: the hidden layer's input gradient is summed over the ranks in
+/// backward, the output projection's partial products in forward, before its bias. Without
+/// tensor parallelism both marks are the identity.
+struct BigramMlp {
+    tp: Tp,
+}
 
 impl Layer for BigramMlp {
     fn params(&self) -> Vec<ParamSpec> {
@@ -58,8 +75,15 @@ impl Layer for BigramMlp {
     }
     fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> candle_core::Result<Tensor> {
         let x = embedding(V, W, vb.pp("emb"))?.forward(ids)?;
-        let h = linear(W, W, vb.pp("hidden"))?.forward(&x)?.tanh()?;
-        linear(W, V, vb.pp("out"))?.forward(&h)
+        let x = self.tp.copy_to_region(&x)?;
+        let hidden = Linear::new(
+            vb.get_unchecked("hidden.weight")?,
+            Some(vb.get_unchecked("hidden.bias")?),
+        );
+        let h = hidden.forward(&x)?.tanh()?;
+        let out = Linear::new(vb.get_unchecked("out.weight")?, None);
+        let y = self.tp.reduce_from_region(&out.forward(&h)?)?;
+        y.broadcast_add(&vb.get_unchecked("out.bias")?)
     }
 }
 
@@ -119,7 +143,9 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("custom_loop: error: {e}");
+            // one write: a launcher stopping this rank midway leaves no half line
+            let line = format!("custom_loop: error: {e}\n");
+            eprint!("{line}");
             ExitCode::FAILURE
         }
     }
@@ -149,7 +175,12 @@ fn run(args: &Args) -> Result<(), Error> {
         .map_or(10, |n| n.max(1.0) as u64);
 
     let model = Model::new()
-        .layer("", BigramMlp)
+        .layer(
+            "",
+            BigramMlp {
+                tp: Tp::new(groups.tp().clone()),
+            },
+        )
         .layer("", CrossEntropyLoss);
     let mut engine = Engine::initialize(model, &config, &groups, &EngineOptions::default())?;
 

@@ -268,7 +268,12 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
             .collect(),
     };
     let mut files = Files::new(dir, &m);
-    if m.layout.tp == expect.tp.size {
+    let same_splits = m
+        .params
+        .iter()
+        .zip(expect.params)
+        .all(|(a, b)| a.split == b.split);
+    if m.layout.tp == expect.tp.size && same_splits {
         // the same slices: the range is the same range of the same tensor-parallel rank
         let numel = local_index(&m.params, expect.tp)?.numel();
         let want = expect.owned.start..expect.owned.end.min(numel);
@@ -565,14 +570,20 @@ pub fn tags(dir: &Path) -> Result<Vec<(u64, String)>> {
     Ok(tags)
 }
 
-/// Removes all but the newest `keep` complete checkpoints (never the one `latest` names).
+/// Removes all but the newest `keep` complete checkpoints (never the one `latest` names); a
+/// checkpoint another process removed first (pruning the same directory) is no error.
 pub fn prune(dir: &Path, keep: usize) -> Result<()> {
     let all = tags(dir)?;
     let latest = latest(dir)?;
     for (_, tag) in all.iter().take(all.len().saturating_sub(keep)) {
         if Some(tag) != latest.as_ref() {
             let path = dir.join(tag);
-            std::fs::remove_dir_all(&path).map_err(|e| EngineError::file(&path, e))?;
+            match std::fs::remove_dir_all(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(EngineError::file(&path, e))
+                }
+                _ => {}
+            }
         }
     }
     Ok(())

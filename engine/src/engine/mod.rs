@@ -22,6 +22,7 @@ use crate::checkpoint;
 use crate::data::Batch;
 use crate::loss_scale::LossScaler;
 use crate::model::{weights, Model, ParamSpec};
+use crate::parallel::PartitionConfig;
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 pub use layers::Dtype;
@@ -139,7 +140,10 @@ impl Engine {
         // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
-        let specs = model.params();
+        let mut specs = model.params();
+        if let Some(rules) = &config.tp_partition_config {
+            PartitionConfig::parse(rules)?.apply(&mut specs)?;
+        }
         let tp = TpRank {
             rank: groups.tp().rank(),
             size: groups.tp().size(),

@@ -10,7 +10,7 @@
 //! the same bytes as one all-reduce, with the LayerNorms and residuals between them computed
 //! on 1/tp of the positions.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 use ds_comm::{Element, Group, ReduceOp};
 
 use super::TpRank;
@@ -58,6 +58,26 @@ impl Tp {
         TpRank {
             rank: self.rank(),
             size: self.size(),
+        }
+    }
+
+    /// Megatron's `copy_to_tensor_model_parallel_region` for layers differentiated by
+    /// candle's autograd: the identity in forward, the sum over the group of the gradient in
+    /// backward (the input of column-parallel products).
+    pub fn copy_to_region(&self, t: &Tensor) -> Result<Tensor> {
+        match self.group {
+            None => Ok(t.clone()),
+            Some(_) => t.contiguous()?.apply_op1(CopyToRegion(self.clone())),
+        }
+    }
+
+    /// Megatron's `reduce_from_tensor_model_parallel_region` for layers differentiated by
+    /// candle's autograd: the sum over the group in forward (the output of row-parallel
+    /// products), the identity in backward.
+    pub fn reduce_from_region(&self, t: &Tensor) -> Result<Tensor> {
+        match self.group {
+            None => Ok(t.clone()),
+            Some(_) => t.contiguous()?.apply_op1(ReduceFromRegion(self.clone())),
         }
     }
 
@@ -136,6 +156,71 @@ impl Tp {
             d => candle_core::bail!("tensor-parallel all-reduce of {d:?} tensors"),
         }
     }
+}
+
+/// `Tp::copy_to_region` as an autograd op.
+struct CopyToRegion(Tp);
+
+/// `Tp::reduce_from_region` as an autograd op.
+struct ReduceFromRegion(Tp);
+
+impl candle_core::CustomOp1 for CopyToRegion {
+    fn name(&self) -> &'static str {
+        "tp-copy-to-region"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((contiguous_copy(s, l)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        self.0.sum(grad).map(Some)
+    }
+}
+
+impl candle_core::CustomOp1 for ReduceFromRegion {
+    fn name(&self) -> &'static str {
+        "tp-reduce-from-region"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let group = self
+            .0
+            .group
+            .as_ref()
+            .expect("invariant: made only with a group");
+        let sum = |e: ds_comm::CommError| comm_error("all-reduce", e);
+        let summed = match contiguous_copy(s, l)? {
+            CpuStorage::F32(mut v) => group
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .map(|_| CpuStorage::F32(v)),
+            CpuStorage::BF16(mut v) => group
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .map(|_| CpuStorage::BF16(v)),
+            CpuStorage::F16(mut v) => group
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .map(|_| CpuStorage::F16(v)),
+            _ => unreachable!("contiguous_copy keeps only float storage"),
+        };
+        Ok((summed.map_err(sum)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.clone()))
+    }
+}
+
+/// The elements of a contiguous layout of `s`, copied.
+fn contiguous_copy(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("tensor-parallel region: a contiguous tensor expected");
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => CpuStorage::F32(v[a..b].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[a..b].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[a..b].to_vec()),
+        _ => candle_core::bail!("tensor-parallel region: float tensors only"),
+    })
 }
 
 /// [B, T, ..] partial sums to this rank's summed positions [B, T/tp, ..].

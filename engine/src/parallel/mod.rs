@@ -10,10 +10,12 @@
 //! only its slice, in the local shape (`local_shape`), and never the whole tensor.
 
 mod mappings;
+mod partition_config;
 pub mod vocab;
 
 pub use ds_partition::{local_shape, Split, TpRank};
 pub use mappings::Tp;
+pub use partition_config::PartitionConfig;
 
 use candle_core::{Result, Tensor};
 
