@@ -104,7 +104,11 @@ fn a_dp4_zero3_checkpoint_loads_at_dp2_zero1_and_at_dp1() {
             ckpt.display()
         );
         let f = ok(&format!("{} {cmd}", launch(nproc, &cfg)));
-        assert!(f.stdout.contains("saved at dp 4 ZeRO-3"), "{}", f.stdout);
+        assert!(
+            f.stdout.contains("saved at dp 4 x tp 1 ZeRO-3"),
+            "{}",
+            f.stdout
+        );
         // Only step 4 ran here; fp32 noise: the new layout sums gradients in another order.
         let got = steps(&dir);
         assert_eq!(got.len(), 1, "{name}: {got:?}");

@@ -75,7 +75,7 @@ fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
     println!(
         "{}: {} parameters ({} tensors) of {} at step {} -> {} ({})",
         dir.display(),
-        m.numel,
+        m.parameters(),
         m.params.len(),
         m.tag,
         m.global_steps,
@@ -116,11 +116,12 @@ fn inspect(dir: &Path) -> anyhow::Result<ExitCode> {
 fn describe(m: &Manifest) -> String {
     let bytes: u64 = m.shards.iter().map(|s| s.bytes).sum();
     format!(
-        "step {} ({} skipped), {} parameters, dp {} ZeRO-{} {}, {} shard files, {:.1} MB, checksums ok",
+        "step {} ({} skipped), {} parameters, dp {} x tp {} ZeRO-{} {}, {} shard files, {:.1} MB, checksums ok",
         m.global_steps,
         m.skipped_steps,
-        m.numel,
+        m.parameters(),
         m.layout.dp,
+        m.layout.tp,
         m.layout.zero_stage,
         m.layout.dtype,
         m.shards.len(),

@@ -27,9 +27,10 @@ impl Run<'_> {
         };
         if rank0 {
             println!(
-                "resumed from {} (saved at dp {} ZeRO-{}) at step {} in {}",
+                "resumed from {} (saved at dp {} x tp {} ZeRO-{}) at step {} in {}",
                 dir.join(&m.tag).display(),
                 m.layout.dp,
+                m.layout.tp,
                 m.layout.zero_stage,
                 m.global_steps,
                 rate(&m, t0.elapsed())
@@ -53,11 +54,12 @@ impl Run<'_> {
             serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
         let t0 = Instant::now();
         let path = engine.save_checkpoint(dir, &tag, state)?;
-        if engine.dp_rank() == 0 {
+        let rank0 = engine.groups().world().rank() == 0;
+        if rank0 {
             let m = Manifest::read(&path)?;
             println!("saved {} in {}", path.display(), rate(&m, t0.elapsed()));
         }
-        if self.args.keep_checkpoints > 0 && engine.dp_rank() == 0 {
+        if self.args.keep_checkpoints > 0 && rank0 {
             checkpoint::prune(dir, self.args.keep_checkpoints)?;
         }
         Ok(())

@@ -142,6 +142,14 @@ impl Manifest {
         Ok(m)
     }
 
+    /// The logical model's parameter count (at tp > 1 more than `numel`, one rank's slices).
+    pub fn parameters(&self) -> usize {
+        self.params
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum()
+    }
+
     pub fn shard_path(&self, dir: &Path, shard: &ShardEntry) -> PathBuf {
         dir.join(&shard.file)
     }
