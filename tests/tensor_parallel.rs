@@ -310,3 +310,38 @@ fn sequence_parallel_collectives_follow_megatrons_count() {
     assert_eq!(at("all_reduce", 2 * d * 4), 1 + 2, "{counts:?}");
     assert_eq!(at("all_reduce", 128 * d * 4), 1, "{counts:?}");
 }
+
+/// `--init` reads whole tensors: each tensor-parallel rank takes its slice of the file, so
+/// tp = 2 started from a file trains as one process started from it.
+#[test]
+fn tp2_starts_from_a_whole_model_file() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new("tp-init");
+    let cfg = s.write("cfg.json", &adam_config(1, ""));
+    let weights = s.path("start.safetensors");
+    let base = format!(
+        "--config {} train --model tiny --eval-interval 0 --eval-batches 1",
+        cfg.display()
+    );
+    let made = run(
+        &format!("launch --nproc_per_node 1 {base} --steps 1 --seed 7 --save-weights {} --metrics-dir {}",
+            weights.display(), s.path("made").display()),
+        LIMIT,
+    );
+    assert!(made.status.success(), "{}", made.stderr);
+    let mut runs = Vec::new();
+    for (nproc, tp) in [(1, 1), (2, 2)] {
+        let dir = s.path(&format!("from-{tp}"));
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} {base} --steps 3 --tp {tp} --init {} --metrics-dir {}",
+            weights.display(),
+            dir.display()
+        );
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{cmd}: {}", f.stderr);
+        runs.push(losses(&dir));
+    }
+    // a different start than the seed's: the file was trained one step
+    assert_ne!(runs[0][0], losses(&s.path("made"))[0]);
+    assert_same_losses(&runs[1], &runs[0], REL, "tp=2 from --init vs one process");
+}

@@ -24,7 +24,30 @@ impl From<ZeroStage> for u8 {
     }
 }
 
+/// The stage's number, as ds_config spells it.
+impl std::fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", u8::from(*self))
+    }
+}
+
 impl ZeroStage {
+    /// Stages 1-3: each data-parallel rank keeps the master copy and optimizer states of its
+    /// shard only.
+    pub fn partitions_optimizer(self) -> bool {
+        self >= ZeroStage::OptimizerStates
+    }
+
+    /// Stages 2-3: gradients are reduced into the owning shard as backward goes.
+    pub fn partitions_gradients(self) -> bool {
+        self >= ZeroStage::Gradients
+    }
+
+    /// Stage 3: parameters live in shards and are gathered per layer.
+    pub fn partitions_parameters(self) -> bool {
+        self == ZeroStage::Weights
+    }
+
     fn from_value(v: &Value) -> std::result::Result<ZeroStage, &'static str> {
         const EXPECTED: &str = "0, 1, 2 or 3";
         // An int Enum in pydantic's lax mode: the value is converted like an int first.

@@ -6,8 +6,15 @@
 //! recomputation and communication happen between layers, never inside user code. Where a
 //! parameter lives and how gradients are reduced is ds-partition's business; how ranks talk is
 //! ds-comm's.
+//!
+//! Modules import one way: `model` (the API: `Layer`, `ParamSpec`, `Model`) and `kernels`
+//! (differentiable ops and CPU fast paths) know nothing of each other or of anything above;
+//! `parallel` (tensor parallelism) uses both; `gpt` (the built-in model) uses all three; the
+//! engine uses everything and nothing below it knows the engine.
 
 mod error;
+pub mod gpt;
+pub mod kernels;
 pub mod model;
 pub mod monitor;
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
 use ds_config::{hjson, resolve, ParallelDims};
-use ds_engine::model::gpt::GptConfig;
+use ds_engine::gpt::GptConfig;
 use ds_engine::model::weights;
 use ds_engine::{Engine, EngineOptions};
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use ds_comm::testkit::run_ranks;
 use ds_config::{hjson, resolve, ParallelDims};
 use ds_engine::data::Batch;
-use ds_engine::model::gpt::GptConfig;
+use ds_engine::gpt::GptConfig;
 use ds_engine::{Engine, EngineOptions};
 
 fn config(world: usize, stage: u8, extra: &str) -> ds_config::Config {

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use ds_comm::{Element, Group, ReduceOp};
+use ds_config::ZeroStage;
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
 use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
@@ -16,8 +17,7 @@ pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Res
 /// What a stage needs from ds_config `zero_optimization`.
 #[derive(Debug, Clone, Copy)]
 pub struct ZeroOptions {
-    /// 0 (plain data parallelism) to 3.
-    pub stage: u8,
+    pub stage: ZeroStage,
     pub reduce: ReduceConfig,
     /// Elements per all-gather piece when stages 1-2 make parameters whole after the step
     /// (`allgather_bucket_size`).
@@ -27,7 +27,7 @@ pub struct ZeroOptions {
 
 /// One rank's share of the model state under a ZeRO stage.
 pub struct Zero<T: Element> {
-    stage: u8,
+    stage: ZeroStage,
     layout: ShardLayout,
     group: Group,
     params: Box<dyn ParamStore<T>>,
@@ -51,20 +51,13 @@ impl<T: Element> Zero<T> {
         group: Group,
         init: &mut InitFn<'_, E>,
     ) -> std::result::Result<Zero<T>, E> {
-        if opts.stage > 3 {
-            return Err(crate::PartitionError::Invalid(format!(
-                "ZeRO stage {} does not exist (0-3)",
-                opts.stage
-            ))
-            .into());
-        }
         let layout = ShardLayout::new(numel, group.size());
-        let owned = match opts.stage {
-            0 => 0..layout.padded(),
-            _ => layout.shard(group.rank()),
+        let owned = match opts.stage.partitions_optimizer() {
+            false => 0..layout.padded(),
+            true => layout.shard(group.rank()),
         };
         let params: Box<dyn ParamStore<T>> = match opts.stage {
-            3 => {
+            ZeroStage::Weights => {
                 let shard = initial(layout, owned.clone(), init)?;
                 Box::new(ShardedParams::new(
                     shard,
@@ -73,11 +66,11 @@ impl<T: Element> Zero<T> {
                     opts.stage3,
                 ))
             }
-            s => {
+            stage => {
                 let values = initial(layout, 0..layout.padded(), init)?;
-                let publish = match s {
-                    0 => Publish::Local,
-                    _ => Publish::AllGather {
+                let publish = match stage.partitions_optimizer() {
+                    false => Publish::Local,
+                    true => Publish::AllGather {
                         piece: opts.allgather_bucket_size,
                     },
                 };
@@ -90,9 +83,11 @@ impl<T: Element> Zero<T> {
             }
         };
         let grads: Box<dyn GradStore<T>> = match opts.stage {
-            0 | 1 => Box::new(FullGrads::new(layout, group.clone(), opts.reduce)),
-            2 => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
-            _ => {
+            ZeroStage::Disabled | ZeroStage::OptimizerStates => {
+                Box::new(FullGrads::new(layout, group.clone(), opts.reduce))
+            }
+            ZeroStage::Gradients => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
+            ZeroStage::Weights => {
                 // The two buckets alive at once (Note [bounded buckets]) hold no more than
                 // the live parameters' gradients (ARCHITECTURE.md, ds-partition decisions).
                 let mut reduce = opts.reduce;
@@ -123,7 +118,7 @@ impl<T: Element> Zero<T> {
         self.tp = (group.size() > 1).then_some((group, replicated));
     }
 
-    pub fn stage(&self) -> u8 {
+    pub fn stage(&self) -> ZeroStage {
         self.stage
     }
     pub fn layout(&self) -> ShardLayout {
@@ -189,7 +184,7 @@ impl<T: Element> Zero<T> {
         };
         // [sliced, replicated] over the data-parallel shards
         let mut buf = [(total - replicated) as f32, replicated as f32];
-        if self.stage > 0 && self.group.size() > 1 {
+        if self.stage.partitions_optimizer() && self.group.size() > 1 {
             self.group.all_reduce(&mut buf, ReduceOp::Sum)?;
         }
         if let Some((tp, _)) = &self.tp {
@@ -230,7 +225,7 @@ impl<T: Element> Zero<T> {
     pub fn gather_master(&self) -> Result<Vec<f32>> {
         let mut all = vec![0f32; self.layout.padded()];
         all[self.owned.clone()].copy_from_slice(&self.master);
-        if self.stage > 0 && self.group.size() > 1 {
+        if self.stage.partitions_optimizer() && self.group.size() > 1 {
             let counts = vec![self.layout.shard_len(); self.layout.world()];
             self.group.all_gather_v(&mut all, &counts)?;
         }

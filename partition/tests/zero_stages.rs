@@ -11,8 +11,15 @@ const NUMEL: usize = 1009; // prime: shards never divide it
 const LAYERS: [std::ops::Range<usize>; 4] = [0..100, 100..400, 400..1000, 1000..1009];
 
 fn options(stage: u8, bucket: usize, overlap: bool) -> ZeroOptions {
+    use ds_config::ZeroStage;
+    let stages = [
+        ZeroStage::Disabled,
+        ZeroStage::OptimizerStates,
+        ZeroStage::Gradients,
+        ZeroStage::Weights,
+    ];
     ZeroOptions {
-        stage,
+        stage: stages[stage as usize],
         reduce: ReduceConfig {
             bucket_size: bucket,
             overlap_comm: overlap,

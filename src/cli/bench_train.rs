@@ -10,7 +10,7 @@ use anyhow::Context;
 use ds_comm::{init, options_from_env, Groups};
 use ds_config::{load, parallel_dims, resolve};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
-use ds_engine::model::gpt::GptConfig;
+use ds_engine::gpt::GptConfig;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
 
@@ -136,7 +136,7 @@ fn report(
     let tokens = (dp * s.micro_batch * s.grad_accum * seq) as f64;
     let row = serde_json::json!({
         "preset": args.preset, "config": args.config.display().to_string(),
-        "zero_stage": s.zero.stage, "nproc": world, "dp": dp, "tp": world / dp,
+        "zero_stage": u8::from(s.zero.stage), "nproc": world, "dp": dp, "tp": world / dp,
         "step_ms_median": 1e3 * median,
         "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
         "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),

@@ -18,7 +18,7 @@ use anyhow::Context;
 use ds_comm::{init, options_from_env, Communicator, Groups};
 use ds_config::{load, parallel_dims, resolve, Config};
 use ds_engine::data::TokenWidth;
-use ds_engine::model::gpt::GptConfig;
+use ds_engine::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};

@@ -165,7 +165,7 @@ impl Engine {
             Some(p) => LrSchedule::new(&p, base_lr)?,
             None => LrSchedule::constant(base_lr),
         };
-        let scaler = LossScaler::new(&settings.fp16, settings.zero_stage)?;
+        let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
         let updater = move |shard_len: usize| -> Result<update::Updater> {
             let opt = crate::optim::build_from_section(&section, shard_len)?;
             Ok(update::Updater::new(opt, schedule, scaler))
@@ -329,7 +329,7 @@ impl Engine {
         };
         let state = each!(&self.core, t => t.rank_state());
         // Stage 0 keeps the whole range on every data-parallel rank: one copy is enough.
-        let writes = self.settings.zero.stage > 0 || self.dp_rank() == 0;
+        let writes = self.settings.zero.stage.partitions_optimizer() || self.dp_rank() == 0;
         checkpoint::save(self.groups.world(), dir, tag, &state, writes, desc)
     }
 
@@ -385,7 +385,7 @@ impl Engine {
             dp: dims.dp(),
             tp: dims.tp,
             pp: dims.pp,
-            zero_stage: self.settings.zero.stage,
+            zero_stage: u8::from(self.settings.zero.stage),
             dtype: match self.settings.precision {
                 Precision::F32 => "f32",
                 Precision::BF16 => "bf16",

@@ -1,7 +1,7 @@
 //! What the engine takes from a resolved ds_config, read once at initialisation.
 
 use ds_config::precision::Fp16Config;
-use ds_config::{Config, ZeroStage};
+use ds_config::Config;
 use ds_partition::{ReduceConfig, Stage3Config, ZeroOptions};
 use serde_json::Value as Json;
 
@@ -31,7 +31,6 @@ pub struct Settings {
     /// (`stage3_max_reuse_distance`).
     pub max_reuse_distance: usize,
     pub fp16: Fp16Config,
-    pub zero_stage: ZeroStage,
     pub wall_clock_breakdown: bool,
 }
 
@@ -61,7 +60,6 @@ impl Settings {
                 "zero_optimization.stage3_max_reuse_distance",
             )?,
             fp16: cfg.fp16.clone(),
-            zero_stage: cfg.zero_stage(),
             wall_clock_breakdown: cfg.wall_clock_breakdown,
         })
     }
@@ -76,11 +74,11 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
     )?;
     let prescale = cfg.scalars.prescale_gradients.as_bool().unwrap_or(false);
     Ok(ZeroOptions {
-        stage: u8::from(z.stage),
+        stage: z.stage,
         reduce: ReduceConfig {
             bucket_size: elements(z.reduce_bucket_size, "zero_optimization.reduce_bucket_size")?,
             // Stages 0-1 reduce once per step, after backward, so there is nothing to overlap.
-            overlap_comm: z.overlap_comm && z.stage >= ZeroStage::Gradients,
+            overlap_comm: z.overlap_comm && z.stage.partitions_gradients(),
             // DeepSpeed applies the predivide factor only with prescale_gradients.
             predivide_factor: if prescale { predivide } else { 1.0 },
         },

@@ -191,7 +191,7 @@ impl<T: Dtype> Trainer<T> {
     /// a tape's parameters are dropped until its backward, which copies them again.
     fn release_params(&self, kept: Kept) -> Kept {
         match kept {
-            Kept::Tape { tape, .. } if self.settings.zero.stage < 3 => {
+            Kept::Tape { tape, .. } if !self.settings.zero.stage.partitions_parameters() => {
                 Kept::Tape { tape, params: None }
             }
             kept => kept,
@@ -438,7 +438,7 @@ fn keep_graph(settings: &Settings, index: &FlatIndex, layer_ids: &[Range<usize>]
     if settings.recompute {
         return vec![false; layer_ids.len()];
     }
-    if settings.zero.stage < 3 {
+    if !settings.zero.stage.partitions_parameters() {
         return vec![true; layer_ids.len()];
     }
     let (mut keep, mut after, mut live) = (vec![false; layer_ids.len()], 0, 0);

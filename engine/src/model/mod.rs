@@ -2,18 +2,10 @@
 //! (`ParamSpec`) and computes its output from a `VarBuilder` the engine fills with the values
 //! it has materialised for that layer at that moment (DESIGN.md invariant 1). The loss is the
 //! last layer. The engine runs forward and backward layer by layer, so it can gather (ZeRO-3),
-//! recompute (activation checkpointing) and, later, slice (TP) or place (PP) each layer
-//! without hooks into the layer's code.
+//! recompute (activation checkpointing), slice (TP: `ParamSpec::split`) and, later, place (PP)
+//! each layer without hooks into the layer's code.
 
-mod cpu_attention;
-mod cpu_matmul;
-mod fused_norm_loss;
-pub mod gpt;
-pub(crate) mod grad;
 mod init;
-pub mod nn;
-pub mod ops;
-mod vmath;
 pub mod weights;
 
 use candle_core::Tensor;

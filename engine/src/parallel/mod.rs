@@ -19,7 +19,7 @@ pub use partition_config::PartitionConfig;
 
 use candle_core::{Result, Tensor};
 
-use crate::model::grad::linear;
+use crate::kernels::grad::linear;
 
 /// A row-parallel linear `x W^T + b`: `x` is this rank's part of the input features
 /// [.., in/tp], `w` its columns [out, in/tp]; the partial products are summed over the

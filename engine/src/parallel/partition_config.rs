@@ -68,19 +68,19 @@ impl PartitionConfig {
             }
         }
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
-        for k in 0..specs.len() {
+        for (k, spec) in specs.iter_mut().enumerate() {
             let Some((weight, kind)) = self.rule_for(&names, k) else {
                 continue;
             };
-            let split = kind.split(&specs[k], weight)?;
-            let declared = specs[k].split;
+            let split = kind.split(spec, weight)?;
+            let declared = spec.split;
             if !declared.is_replicated() && declared != split {
                 return Err(EngineError::Invalid(format!(
                     "{PATH}: parameter {} is split {declared:?} by its layer, the config asks for {split:?}",
-                    specs[k].name
+                    spec.name
                 )));
             }
-            specs[k].split = split;
+            spec.split = split;
         }
         Ok(())
     }

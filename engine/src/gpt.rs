@@ -9,14 +9,16 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
-use super::cpu_attention;
-use super::fused_norm_loss::{
+use crate::kernels::cpu_attention;
+use crate::kernels::fused_norm_loss::{
     cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
 };
-use super::grad::{bias_backward, linear, linear_backward};
-use super::nn::{cross_entropy, layer_norm};
-use super::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
-use super::{tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped};
+use crate::kernels::grad::{bias_backward, linear, linear_backward};
+use crate::kernels::nn::{cross_entropy, layer_norm};
+use crate::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
+use crate::model::{
+    tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
+};
 use crate::parallel::{row_parallel_linear, vocab, Tp};
 
 const LN_EPS: f64 = 1e-5;

@@ -1,7 +1,7 @@
-//! Building blocks of hand-written backward passes (Note [taped layers]): the linear map and
-//! its gradients, and candle's autograd as the fallback for kernels a device lacks.
+//! Building blocks of hand-written backward passes (Note [taped layers] in model/mod.rs): the
+//! linear map and its gradients.
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{Result, Tensor};
 
 use super::cpu_matmul;
 use super::ops::{add_bias, column_sum};
@@ -56,25 +56,4 @@ fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 fn rows(x: &Tensor) -> Result<Tensor> {
     let last = x.dims().last().copied().unwrap_or(1);
     x.reshape((x.elem_count() / last.max(1), last))
-}
-
-/// The gradients of `f` at `inputs` for the upstream gradient `dy`, by candle's autograd:
-/// the backward of a kernel on devices that have only candle's primitive ops.
-pub fn by_autograd(
-    inputs: &[&Tensor],
-    dy: &Tensor,
-    f: impl Fn(&[Tensor]) -> Result<Tensor>,
-) -> Result<Vec<Tensor>> {
-    let vars = inputs
-        .iter()
-        .map(|t| Var::from_tensor(&t.detach()))
-        .collect::<Result<Vec<Var>>>()?;
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let grads = (f(&ts)? * dy)?.sum_all()?.backward()?;
-    vars.iter()
-        .map(|v| match grads.get(v.as_tensor()) {
-            Some(g) => Ok(g.clone()),
-            None => v.as_tensor().zeros_like(),
-        })
-        .collect()
 }

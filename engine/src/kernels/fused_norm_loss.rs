@@ -5,9 +5,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::grad::by_autograd;
-use super::nn::{layer_norm_primitive, softmax_last_dim};
-use super::ops::{f32_slice, from_f32, map_rows, to_f32};
+use super::cpu_storage::{f32_slice, from_f32, map_rows, to_f32};
+use super::primitive::{by_autograd, layer_norm_primitive, softmax_last_dim};
 use super::vmath::{self, exp_shifted};
 
 /// LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.

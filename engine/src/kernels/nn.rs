@@ -1,9 +1,14 @@
 //! Differentiable building blocks candle-nn lacks on CPU: candle-nn's fused LayerNorm and
-//! last-dim softmax have no backward, so training through them fails. These are written
-//! with candle's primitive ops, which all have one.
+//! last-dim softmax have no backward, so training through them fails. These run the fused
+//! kernels, with their backward, on CPU and the primitive compositions (`primitive`, home of
+//! the softmax) elsewhere.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
+
+use super::fused_norm_loss;
+use super::grad::linear;
+use super::primitive::layer_norm_primitive;
 
 /// LayerNorm over the last dimension with weight and bias (computed in f32).
 pub struct LayerNorm {
@@ -29,28 +34,9 @@ impl LayerNorm {
 /// LayerNorm over the last dimension: the fused kernel on CPU, primitives elsewhere.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     match x.device().is_cpu() {
-        true => super::fused_norm_loss::layer_norm(x, weight, bias, eps),
+        true => fused_norm_loss::layer_norm(x, weight, bias, eps),
         false => layer_norm_primitive(x, weight, bias, eps),
     }
-}
-
-/// LayerNorm from candle's primitive ops (normalised in f32), for devices without the kernel.
-pub(crate) fn layer_norm_primitive(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    eps: f64,
-) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let centered = x.broadcast_sub(&mean)?;
-    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
-    normed
-        .to_dtype(dtype)?
-        .broadcast_mul(weight)?
-        .broadcast_add(bias)
 }
 
 /// `x W^T + b` with candle-nn's Linear layout ([out, in] weight), the bias added by the fused
@@ -76,22 +62,15 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        super::grad::linear(&x.contiguous()?, &self.weight, self.bias.as_ref())
+        linear(&x.contiguous()?, &self.weight, self.bias.as_ref())
     }
-}
-
-/// Softmax over the last dimension, stabilised by the row maximum.
-pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32), in f32.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
     match logits.device().is_cpu() {
-        true => super::fused_norm_loss::cross_entropy(&logits, targets),
+        true => fused_norm_loss::cross_entropy(&logits, targets),
         false => candle_nn::loss::cross_entropy(&logits, targets),
     }
 }

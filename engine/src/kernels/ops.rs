@@ -4,9 +4,10 @@
 //! one pass. On other devices the primitive composition runs instead (same function).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 
+use super::cpu_storage::{f32_slice, from_f32, map_rows};
+use super::primitive::{by_autograd, softmax_last_dim};
 use super::vmath::{self, exp_shifted, tanh};
 
 /// tanh-approximated GELU, as torch's `gelu(approximate="tanh")`.
@@ -37,7 +38,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
         })
         .collect();
     let mask = Tensor::from_vec(mask, (t, t), x.device())?.to_dtype(x.dtype())?;
-    super::nn::softmax_last_dim(&x.broadcast_add(&mask)?)
+    softmax_last_dim(&x.broadcast_add(&mask)?)
 }
 
 /// `x + bias` over the last dimension. candle's broadcast add reduces the bias gradient with a
@@ -65,7 +66,7 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         true => x
             .contiguous()?
             .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad),
-        false => super::grad::by_autograd(&[x], dy, |t| t[0].gelu()).map(|mut g| g.remove(0)),
+        false => by_autograd(&[x], dy, |t| t[0].gelu()).map(|mut g| g.remove(0)),
     }
 }
 
@@ -262,51 +263,10 @@ fn square_last_dims(l: &Layout) -> Result<usize> {
     }
 }
 
-/// A copy of `src` made row by row, each row of `width` handed to `f` as soon as it is copied
-/// (while it is in cache) to be transformed in place.
-pub(crate) fn map_rows(src: &[f32], width: usize, mut f: impl FnMut(&mut [f32])) -> Vec<f32> {
-    let mut out = Vec::with_capacity(src.len());
-    for row in src.chunks(width.max(1)) {
-        let at = out.len();
-        out.extend_from_slice(row);
-        f(&mut out[at..]);
-    }
-    out
-}
-
-/// The contiguous elements of `s` as f32, borrowed when they are f32 already.
-pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<std::borrow::Cow<'a, [f32]>> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(std::borrow::Cow::Borrowed(&v[a..b])),
-        _ => Ok(std::borrow::Cow::Owned(to_f32(s, l)?)),
-    }
-}
-
-/// The contiguous elements of `s` as f32.
-pub(crate) fn to_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("fused op: input must be contiguous")
-    };
-    Ok(match s {
-        CpuStorage::F32(v) => v[a..b].to_vec(),
-        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        other => candle_core::bail!("fused op: unsupported dtype {:?}", other.dtype()),
-    })
-}
-
-pub(crate) fn from_f32(dtype: DType, v: Vec<f32>) -> CpuStorage {
-    match dtype {
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
-        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
-        _ => CpuStorage::F32(v),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     /// Forward and gradient against candle's own primitive composition of the same function.
     fn check(
@@ -387,7 +347,7 @@ mod tests {
                 })
                 .collect();
             let m = Tensor::from_vec(m, (t, t), x.device())?;
-            super::super::nn::softmax_last_dim(&x.broadcast_add(&m)?)
+            softmax_last_dim(&x.broadcast_add(&m)?)
         };
         check(
             |x| causal_softmax(x, 0.37),
