@@ -25,6 +25,8 @@ const REL: f64 = 1e-5;
 /// What a run left: each step's loss and the whole trained weights by name.
 struct Trained {
     losses: Vec<f64>,
+    /// Each step's gradient norm before clipping (clipping at 1.0 is active at these norms).
+    grad_norms: Vec<f64>,
     weights: HashMap<String, Vec<f32>>,
 }
 
@@ -67,6 +69,10 @@ fn train(name: &str, nproc: usize, tp: usize, stage: u8, extra: &str) -> Trained
     assert!(f.status.success(), "{name}: {cmd}\n{}", f.stderr);
     Trained {
         losses: losses(&dir),
+        grad_norms: steps(&dir)
+            .iter()
+            .map(|v| v["grad_norm"].as_f64().unwrap())
+            .collect(),
         weights: read_weights(&weights),
     }
 }
@@ -107,6 +113,9 @@ fn reference() -> &'static Trained {
 fn assert_same_as_reference(name: &str, got: &Trained) {
     let want = reference();
     assert_same_losses(&got.losses, &want.losses, REL, name);
+    // one global norm over tp and dp, replicated parameters counted once
+    let norms = format!("{name}: gradient norms");
+    assert_same_losses(&got.grad_norms, &want.grad_norms, REL, &norms);
     assert_eq!(got.weights.len(), want.weights.len(), "{name}: tensors");
     let mut worst = (0.0f64, String::new());
     for (tensor, b) in &want.weights {
