@@ -396,7 +396,9 @@ impl Engine {
     }
 
     /// Every parameter's fp32 master value by name, whole: the logical tensors, assembled
-    /// from every tensor-parallel rank's slices (a collective: all ranks call it).
+    /// from every tensor-parallel rank's slices (a collective: all ranks call it). A
+    /// replicated parameter that differs between tensor-parallel ranks (an invariant of
+    /// tensor parallelism, ARCHITECTURE.md) is an error naming it.
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let local = each!(&self.core, t => t.gather_master())?;
         let index = each!(&self.core, t => t.index());
@@ -410,12 +412,16 @@ impl Engine {
                 all
             }
         };
-        Ok(index
+        let held: Vec<&[f32]> = all.chunks(n.max(1)).collect();
+        index
             .entries()
             .iter()
             .map(|e| {
+                if e.split.is_replicated() {
+                    check_replicated(&e.name, &held, e.range())?;
+                }
                 let mut whole = vec![0f32; e.logical_numel()];
-                for (rank, held) in all.chunks(n.max(1)).enumerate() {
+                for (rank, held) in held.iter().enumerate() {
                     let slice = TpRank {
                         rank,
                         size: tp.size(),
@@ -426,9 +432,26 @@ impl Engine {
                             .copy_from_slice(&held[src..src + r.len]);
                     }
                 }
-                (e.name.clone(), whole)
+                Ok((e.name.clone(), whole))
             })
-            .collect())
+            .collect()
+    }
+}
+
+/// A replicated parameter must hold the same bits on every tensor-parallel rank (`held`: each
+/// rank's buffer; `range`: the parameter's place in it).
+fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) -> Result<()> {
+    let bits = |h: &[f32]| {
+        h[range.clone()]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    match (1..held.len()).find(|&r| bits(held[r]) != bits(held[0])) {
+        None => Ok(()),
+        Some(r) => Err(EngineError::Invalid(format!(
+            "{name} differs between tensor-parallel ranks 0 and {r}: a replicated parameter must stay identical"
+        ))),
     }
 }
 
