@@ -1,0 +1,75 @@
+//! What the launcher checks once before any rank starts: the config, and for ds-rs's own
+//! `train` the whole plan (config, layout, model), so that a mistake is one error line here
+//! instead of one per rank.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+
+/// Reads and resolves the config for the job's world size and layout once, so that a bad
+/// config, or one asking for what ds-rs cannot do yet, is one error line here instead of one
+/// per rank. The head prints the config's warnings; a node launcher leaves them to the head.
+pub(super) fn check_config(path: &Path, world: usize, head: bool) -> anyhow::Result<()> {
+    let doc = ds_config::load(path)?;
+    let config = ds_config::parallel_dims(&doc, world, None, None)
+        .and_then(|dims| ds_config::resolve(&doc, &dims))
+        .with_context(|| format!("{}", path.display()))?;
+    if head {
+        print_config_warnings(&config);
+    }
+    config
+        .check_implemented()
+        .with_context(|| format!("{}", path.display()))
+}
+
+/// `train ARGS` as its ranks will run it, planned once for the job's world size: a bad
+/// config, a layout that does not divide the world or a model that does not divide by the
+/// tensor-parallel degree is one error line here, before any rank starts. The ranks read the
+/// config their own `--config` names, else the launcher's (DS_RS_CONFIG), else the one they
+/// inherit; the head prints the warnings of the launcher's, which the ranks then skip.
+pub(super) fn check_train(
+    words: &[String],
+    launcher_config: Option<&Path>,
+    world: usize,
+    head: bool,
+) -> anyhow::Result<()> {
+    use clap::{Args, FromArgMatches};
+    let parser = crate::train::TrainArgs::augment_args(clap::Command::new("train"));
+    let matches = match parser.try_get_matches_from(words) {
+        Ok(m) => m,
+        // --help, --version: the ranks answer it.
+        Err(e) if !e.use_stderr() => return Ok(()),
+        Err(e) => bail!("train: {}", first_line(&e.to_string())),
+    };
+    let mut args = crate::train::TrainArgs::from_arg_matches(&matches)?;
+    let own = matches.value_source("config") == Some(clap::parser::ValueSource::CommandLine);
+    let warn = match (own, launcher_config) {
+        (false, Some(c)) => {
+            args.config = Some(c.to_path_buf());
+            head
+        }
+        _ => false,
+    };
+    let (_, config) = crate::train::plan(&args, world)?;
+    if warn {
+        print_config_warnings(&config);
+    }
+    Ok(())
+}
+
+/// A clap error's message without its `error: ` and the usage lines after it.
+fn first_line(message: &str) -> &str {
+    let line = message.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line)
+}
+
+/// Set on every rank the launcher starts with `--config`: the config whose warnings the head
+/// launcher printed, so that `train` reading that same file does not print them again.
+pub const CONFIG_WARNED: &str = "DS_RS_CONFIG_WARNED";
+
+/// The config's warnings (those of `config check`) on stderr, a `warning:` line each.
+pub fn print_config_warnings(config: &ds_config::Config) {
+    for w in &config.warnings {
+        eprintln!("warning: {w}");
+    }
+}
