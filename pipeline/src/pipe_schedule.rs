@@ -179,7 +179,7 @@ fn step_to_micro_batch(p: StagePlace, step: usize) -> (i64, bool) {
 pub fn inference_schedule(p: StagePlace) -> Vec<Vec<Instruction>> {
     use Instruction::*;
     let total = p.micro_batches + p.stages - 1;
-    let even_stage = p.stage % 2 == 0;
+    let even_stage = p.stage.is_multiple_of(2);
     (0..total)
         .map(|step| {
             let mb = step as i64 - p.stage as i64;
