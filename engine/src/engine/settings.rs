@@ -24,8 +24,13 @@ pub struct Settings {
     /// Global gradient-norm clipping threshold (0: off).
     pub clip: f64,
     pub zero: ZeroOptions,
-    /// Recompute layer internals in backward (ds_config `activation_checkpointing`).
+    /// Recompute layer internals in backward (ds_config `activation_checkpointing`, or a
+    /// `pipeline.activation_checkpoint_interval`).
     pub recompute: bool,
+    /// With `recompute`: forward keeps the input of every `checkpoint_interval`-th layer only,
+    /// and backward recomputes each such segment from it (DeepSpeed's
+    /// `pipeline.activation_checkpoint_interval`; 1 keeps every layer's input).
+    pub checkpoint_interval: usize,
     /// ZeRO-3: a layer whose parameters are reused by backward within this many parameter
     /// elements keeps them, with its graph, from forward to backward
     /// (`stage3_max_reuse_distance`).
@@ -36,7 +41,8 @@ pub struct Settings {
 
 impl Settings {
     pub fn from_config(cfg: &Config, recompute: bool) -> Result<Settings> {
-        let recompute = recompute || cfg.activation_checkpointing.in_config;
+        let interval = checkpoint_interval(cfg)?;
+        let recompute = recompute || cfg.activation_checkpointing.in_config || interval > 0;
         let precision = match (cfg.fp16.enabled, cfg.bf16.enabled) {
             (true, _) => Precision::F16,
             (_, true) => Precision::BF16,
@@ -55,6 +61,7 @@ impl Settings {
             clip: number(&cfg.scalars.gradient_clipping, "gradient_clipping", 0.0)?,
             zero: zero_options(cfg)?,
             recompute,
+            checkpoint_interval: interval.max(1),
             max_reuse_distance: elements(
                 cfg.zero_optimization.stage3_max_reuse_distance,
                 "zero_optimization.stage3_max_reuse_distance",
@@ -62,6 +69,19 @@ impl Settings {
             fp16: cfg.fp16.clone(),
             wall_clock_breakdown: cfg.wall_clock_breakdown,
         })
+    }
+}
+
+/// `pipeline.activation_checkpoint_interval` (DeepSpeed's default 0: no checkpointing).
+fn checkpoint_interval(cfg: &Config) -> Result<usize> {
+    const PATH: &str = "pipeline.activation_checkpoint_interval";
+    match cfg.pipeline.get("activation_checkpoint_interval") {
+        None | Some(Json::Null) => Ok(0),
+        Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+            EngineError::Invalid(format!(
+                "{PATH}: expected a whole number of layers, got {v}"
+            ))
+        }),
     }
 }
 

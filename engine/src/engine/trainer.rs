@@ -24,6 +24,9 @@ enum Saved {
     Kept(Kept),
     /// Only the input: backward gathers the parameters again and recomputes the layer.
     Input(Tensor),
+    /// Nothing: backward recomputes the layer's segment from the input the segment's first
+    /// layer kept (Note [checkpoint segments]).
+    Dropped,
 }
 
 /// What a layer's backward needs from its forward.
@@ -210,9 +213,11 @@ impl<T: Dtype> Trainer<T> {
             let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
-            self.saved.push(match self.keep_graph[i] {
-                true => Saved::Kept(self.release_params(kept)),
-                false => Saved::Input(x),
+            let checkpoint = i.is_multiple_of(self.settings.checkpoint_interval);
+            self.saved.push(match (self.keep_graph[i], checkpoint) {
+                (true, _) => Saved::Kept(self.release_params(kept)),
+                (false, true) => Saved::Input(x),
+                (false, false) => Saved::Dropped,
             });
             x = y;
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
@@ -240,6 +245,9 @@ impl<T: Dtype> Trainer<T> {
         let mut dy: Option<Tensor> = None;
         for i in (0..self.saved.len()).rev() {
             let t_layer = Instant::now();
+            if matches!(self.saved.last(), Some(Saved::Dropped)) {
+                self.recompute_segment(i)?;
+            }
             let kept = match self.saved.pop().expect("invariant: one per layer") {
                 Saved::Kept(Kept::Tape { tape, params: None }) => {
                     let params = Some(self.materialise(i, None)?);
@@ -250,6 +258,7 @@ impl<T: Dtype> Trainer<T> {
                     let params = self.materialise(i, i.checked_sub(1))?;
                     self.run_layer(i, params, x)?.1
                 }
+                Saved::Dropped => unreachable!("recompute_segment replaced it"),
             };
             self.note_peak(Some(&kept));
             let (dx, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
@@ -273,6 +282,29 @@ impl<T: Dtype> Trainer<T> {
         self.zero.finish_backward(boundary)?;
         self.micro_steps += 1;
         self.timings.backward += t0.elapsed();
+        Ok(())
+    }
+
+    /// Note [checkpoint segments]: with a checkpoint interval k, forward keeps the input of
+    /// layers 0, k, 2k, ... only (DeepSpeed's `activation_checkpoint_interval`). When backward
+    /// reaches a layer that kept nothing, it runs forward again from its segment's input over
+    /// the segment's layers up to this one, keeping what their backward needs, and then goes
+    /// on layer by layer as if forward had kept it: at most one segment's activations are
+    /// alive beside the checkpoints.
+    fn recompute_segment(&mut self, top: usize) -> Result<()> {
+        let start = (0..=top)
+            .rev()
+            .find(|&j| matches!(self.saved[j], Saved::Input(_)))
+            .expect("invariant: layer 0 keeps its input");
+        let Saved::Input(mut x) = std::mem::replace(&mut self.saved[start], Saved::Dropped) else {
+            unreachable!("found above")
+        };
+        for j in start..=top {
+            let params = self.materialise(j, None)?;
+            let (y, kept) = self.run_layer(j, params, x)?;
+            self.saved[j] = Saved::Kept(self.release_params(kept));
+            x = y;
+        }
         Ok(())
     }
 
@@ -339,6 +371,7 @@ impl<T: Dtype> Trainer<T> {
         let held = self.saved.iter().map(|s| match s {
             Saved::Input(x) => (tensor_bytes(x), 0),
             Saved::Kept(kept) => kept.bytes(),
+            Saved::Dropped => (0, 0),
         });
         let (activations, layer_params) = held
             .chain(current.map(Kept::bytes))
