@@ -4,4 +4,5 @@
 //! The engine executes the instructions over its stage's layers; nothing here runs a layer or
 //! moves a byte.
 
+pub mod partition;
 pub mod pipe_schedule;
