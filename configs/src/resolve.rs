@@ -53,7 +53,8 @@ impl std::fmt::Display for ParallelDims {
 /// The layout of a job of `world` ranks, decided once from the config and the command line:
 /// the tensor-parallel degree is `tp` when given (`--tp`), else the config's
 /// `tensor_parallel.autotp_size` (0 and 1: none, as in DeepSpeed); the pipeline degree is
-/// `pp` when given, else 1; data parallelism takes the rest. The error names the numbers
+/// `pp` when given (`--pp`), else the config's `pipeline.stages` ("auto", DeepSpeed's default,
+/// is 1); data parallelism takes the rest. The error names the numbers
 /// that do not divide.
 pub fn parallel_dims(
     doc: &Value,
@@ -77,7 +78,29 @@ pub fn parallel_dims(
             _ => 1,
         },
     };
-    ParallelDims::new(world, tp, pp.unwrap_or(1))
+    let pp = match pp {
+        Some(pp) => pp,
+        None => pipeline_stages(doc)?,
+    };
+    ParallelDims::new(world, tp, pp)
+}
+
+/// `pipeline.stages`: a positive integer, or "auto" (one stage).
+fn pipeline_stages(doc: &Value) -> Result<usize> {
+    let Value::Dict(root) = doc else {
+        return Ok(1);
+    };
+    let pipeline = crate::runtime::read_pipeline(root)?;
+    match &pipeline["stages"] {
+        Json::String(s) if s == "auto" => Ok(1),
+        v => v
+            .as_u64()
+            .filter(|&n| n > 0)
+            .map(|n| n as usize)
+            .ok_or_else(|| {
+                ConfigError::invalid("pipeline.stages", v, "a positive integer or \"auto\"")
+            }),
+    }
 }
 
 /// The resolved configuration: DeepSpeed's defaults applied, the batch triad filled, every

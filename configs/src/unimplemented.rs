@@ -6,8 +6,6 @@
 
 use std::fmt;
 
-use serde_json::Value as Json;
-
 use crate::error::{ConfigError, Result};
 use crate::resolve::Config;
 
@@ -48,11 +46,9 @@ impl fmt::Display for NotImplemented {
 }
 
 impl Config {
-    /// The settings of this config that ds-rs cannot carry out yet: pipeline, offload, in
-    /// that order.
+    /// The settings of this config that ds-rs cannot carry out yet: offload.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
         let mut found = Vec::new();
-        found.extend(self.pipeline_stages());
         found.extend(self.offload());
         found
     }
@@ -64,19 +60,6 @@ impl Config {
             true => Ok(()),
             false => Err(ConfigError::NotImplemented(found)),
         }
-    }
-
-    /// `pipeline.stages` above 1 (DeepSpeed's default "auto", or 1, is one stage).
-    fn pipeline_stages(&self) -> Option<NotImplemented> {
-        let stages = self.pipeline.get("stages")?;
-        let many = matches!(stages, Json::Number(n) if n.as_f64().is_some_and(|n| n > 1.0));
-        many.then(|| NotImplemented {
-            path: "pipeline.stages",
-            value: stages.to_string(),
-            feature: "pipeline parallelism",
-            issue: 17,
-            off: "1",
-        })
     }
 
     /// `offload_optimizer` / `offload_param` to any device (the deprecated `cpu_offload` and
@@ -132,8 +115,9 @@ mod tests {
             r#", "pipeline": {"stages": 1, "partition": "parameters"}"#,
             r#", "tensor_parallel": {"autotp_size": 1}"#,
             r#", "tensor_parallel": {"autotp_size": "auto"}"#,
-            // tensor parallelism is carried out (the layout takes it, `parallel_dims`)
+            // tensor and pipeline parallelism are carried out (the layout takes them)
             r#", "tensor_parallel": {"autotp_size": 2}"#,
+            r#", "pipeline": {"stages": 2}"#,
             r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
                 "offload_optimizer": {"device": "none"}}"#,
             r#", "zero_optimization": {"stage": 2, "cpu_offload": false}"#,
@@ -145,7 +129,6 @@ mod tests {
     #[test]
     fn each_setting_is_named_by_its_path() {
         let cases = [
-            (r#""pipeline": {"stages": 2}"#, "pipeline.stages"),
             (
                 r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}"#,
                 "zero_optimization.offload_optimizer.device",
@@ -167,7 +150,7 @@ mod tests {
     #[test]
     fn several_settings_make_one_line_naming_each() {
         let json = format!(
-            r#"{{{BATCH}, "pipeline": {{"stages": 4}},
+            r#"{{{BATCH},
             "zero_optimization": {{"stage": 3, "offload_optimizer": {{"device": "cpu"}},
             "offload_param": {{"device": "nvme", "nvme_path": "/x"}}}}}}"#
         );
@@ -179,13 +162,14 @@ mod tests {
         assert_eq!(
             e.paths(),
             [
-                "pipeline.stages",
                 "zero_optimization.offload_optimizer.device",
                 "zero_optimization.offload_param.device"
             ]
         );
         assert!(
-            text.starts_with("pipeline.stages = 4: pipeline parallelism is not implemented yet"),
+            text.starts_with(
+                "zero_optimization.offload_optimizer.device = \"cpu\": optimizer state offload"
+            ),
             "{text}"
         );
         assert!(text.contains(r#"offload_param.device = "nvme""#), "{text}");

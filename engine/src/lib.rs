@@ -28,5 +28,6 @@ pub mod parallel;
 pub mod schedule;
 
 pub use engine::{
-    Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings, StepOutcome, Timings,
+    stage_layers, Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings, StepOutcome,
+    Timings,
 };

@@ -38,6 +38,8 @@ pub struct Zero<T: Element> {
     /// Under tensor parallelism: the group holding the other slices, and the flat ranges of
     /// the parameters every tensor-parallel rank holds whole.
     tp: Option<(Group, Vec<Range<usize>>)>,
+    /// Under pipeline parallelism: the stages, each holding other layers.
+    pp: Option<Group>,
 }
 
 impl<T: Element> Zero<T> {
@@ -108,7 +110,14 @@ impl<T: Element> Zero<T> {
             owned,
             master,
             tp: None,
+            pp: None,
         })
+    }
+
+    /// This buffer holds one pipeline stage's layers; `group`'s other ranks hold the other
+    /// stages': the gradient norm sums over them.
+    pub fn set_pipeline(&mut self, group: Group) {
+        self.pp = (group.size() > 1).then_some(group);
     }
 
     /// This buffer holds one tensor-parallel rank's slices, `replicated` (flat ranges) being
@@ -192,7 +201,15 @@ impl<T: Element> Zero<T> {
             tp.all_reduce(&mut sliced, ReduceOp::Sum)?;
             buf[0] = sliced[0];
         }
-        Ok(buf[0] as f64 + buf[1] as f64)
+        let total = buf[0] as f64 + buf[1] as f64;
+        match &self.pp {
+            None => Ok(total),
+            Some(pp) => {
+                let mut stages = [total as f32];
+                pp.all_reduce(&mut stages, ReduceOp::Sum)?;
+                Ok(stages[0] as f64)
+            }
+        }
     }
 
     /// The fp32 master values of the owned range (the optimizer's parameters).

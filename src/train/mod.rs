@@ -87,6 +87,9 @@ pub struct TrainArgs {
     /// data parallelism takes the rest of the ranks.
     #[arg(long)]
     tp: Option<usize>,
+    /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
+    #[arg(long)]
+    pp: Option<usize>,
 }
 
 const DEFAULT_STEPS: u64 = 300;
@@ -96,13 +99,37 @@ const DEFAULT_STEPS: u64 = 300;
 /// the resolved config and its layout, checked against each other.
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config)> {
     let model = model_config(&args.model)?;
-    let cfg = read_config(args.config.as_deref(), world, args.tp)?;
+    let cfg = read_config(args.config.as_deref(), world, args.tp, args.pp)?;
     cfg.check_implemented()
         .with_context(|| config_name(args.config.as_deref()))?;
     model
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    if cfg.dims.pp > 1 {
+        check_pipeline(args, &model, &cfg)?;
+    }
     Ok((model, cfg))
+}
+
+/// A pipeline-parallel run: stages that split the model's layers, a ZeRO stage that combines
+/// with them, and nothing asked of it that needs the whole model on a rank yet.
+fn check_pipeline(args: &TrainArgs, model: &GptConfig, cfg: &Config) -> anyhow::Result<()> {
+    let stages = cfg.dims.pp;
+    if cfg.zero_stage().partitions_gradients() {
+        anyhow::bail!(
+            "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism ({stages} stages); use stage 0 or 1",
+            cfg.zero_stage()
+        );
+    }
+    let method = cfg.pipeline["partition"].as_str().unwrap_or("parameters");
+    ds_engine::stage_layers(&model.build(), stages, method)
+        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    if args.save_dir.is_some() || args.save_weights.is_some() {
+        anyhow::bail!(
+            "--save-dir / --save-weights with pipeline parallelism ({stages} stages) are not implemented yet (issue 17); use pp = 1"
+        );
+    }
+    Ok(())
 }
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
@@ -352,13 +379,18 @@ fn config_name(path: Option<&Path>) -> String {
 }
 
 /// The config resolved for its layout: `--tp`, else the config's own degree.
-fn read_config(path: Option<&Path>, world: usize, tp: Option<usize>) -> anyhow::Result<Config> {
+fn read_config(
+    path: Option<&Path>,
+    world: usize,
+    tp: Option<usize>,
+    pp: Option<usize>,
+) -> anyhow::Result<Config> {
     let doc = match path {
         Some(p) => load(p)?,
         None => ds_config::hjson::parse(DEFAULT_CONFIG)
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
-    let dims = parallel_dims(&doc, world, tp, None).with_context(|| config_name(path))?;
+    let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
     resolve(&doc, &dims).with_context(|| config_name(path))
 }
 

@@ -5,6 +5,7 @@
 mod initial;
 mod layers;
 mod memory;
+mod pipe;
 mod settings;
 mod trainer;
 mod update;
@@ -27,6 +28,7 @@ use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
+pub use pipe::stage_layers;
 pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::StepOutcome;
@@ -112,6 +114,8 @@ pub struct Engine {
     /// The resolved ds_config, as checkpoints record it.
     config: Config,
     groups: Groups,
+    /// Under pipeline parallelism: this rank's stage.
+    stage: Option<pipe::Stage>,
 }
 
 impl Engine {
@@ -131,15 +135,33 @@ impl Engine {
                 groups.dims()
             )));
         }
-        if config.dims.pp > 1 {
+        if config.dims.pp > 1 && config.zero_stage().partitions_gradients() {
+            // DeepSpeed's PipelineEngine asserts the same
             return Err(EngineError::Invalid(format!(
-                "pipeline parallelism (pp={}) is not implemented yet; use pp=1",
+                "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (pp = {}); use stage 0 or 1",
+                config.zero_stage(),
                 config.dims.pp
             )));
         }
         // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
+        let (model, stage) = match config.dims.pp {
+            1 => (model, None),
+            stages => {
+                let method = config.pipeline["partition"]
+                    .as_str()
+                    .unwrap_or("parameters");
+                let parts = pipe::stage_layers(&model, stages, method)?;
+                let s = groups.grid().stage_id();
+                let stage = pipe::Stage {
+                    group: groups.pp().clone(),
+                    stage: s,
+                    stages,
+                };
+                (model.into_stage(parts[s]..parts[s + 1]), Some(stage))
+            }
+        };
         let mut specs = model.params();
         if let Some(rules) = &config.tp_partition_config {
             PartitionConfig::parse(rules)?.apply(&mut specs)?;
@@ -178,6 +200,8 @@ impl Engine {
             settings: settings.clone(),
             dp: groups.dp().clone(),
             tp: groups.tp().clone(),
+            pp: stage.as_ref().map(|s| s.group.clone()),
+            first_stage: stage.as_ref().is_none_or(pipe::Stage::is_first),
             dev: opts.device.clone(),
         };
         let core = match settings.precision {
@@ -191,6 +215,7 @@ impl Engine {
             specs,
             config: config.clone(),
             groups: groups.clone(),
+            stage,
         })
     }
 
@@ -209,17 +234,20 @@ impl Engine {
 
     /// Forward of one micro-batch; returns this rank's loss of it.
     pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
+        self.not_pipelined("forward")?;
         each!(&mut self.core, t => t.forward(batch))
     }
 
     /// Backward of the last forward; gradients are reduced at accumulation boundaries
     /// (ZeRO-2/3: at every micro-step).
     pub fn backward(&mut self) -> Result<()> {
+        self.not_pipelined("backward")?;
         each!(&mut self.core, t => t.backward())
     }
 
     /// The optimizer step when an accumulation window is complete; `None` otherwise.
     pub fn step(&mut self) -> Result<Option<StepOutcome>> {
+        self.not_pipelined("step")?;
         each!(&mut self.core, t => t.step())
     }
 
@@ -234,6 +262,9 @@ impl Engine {
         mut next: impl FnMut(usize) -> Result<Batch>,
     ) -> Result<(f32, StepOutcome)> {
         let ga = self.settings.grad_accum;
+        if let Some(stage) = self.stage.clone() {
+            return self.train_batch_pipe(&stage, &mut next);
+        }
         let mut sum = 0.0f32;
         for k in 0..ga {
             sum += self.forward(&next(k)?)?;
@@ -249,11 +280,56 @@ impl Engine {
         Ok((self.mean_over_ranks(sum / ga as f32)?, outcome))
     }
 
+    /// One pipeline step: DeepSpeed's TrainSchedule over the accumulation steps' micro-batches
+    /// (Note [pipeline transfers] in pipe.rs); the loss, computed on the last stage, is sent
+    /// to every stage and averaged over the data-parallel ranks.
+    fn train_batch_pipe(
+        &mut self,
+        stage: &pipe::Stage,
+        next: &mut dyn FnMut(usize) -> Result<Batch>,
+    ) -> Result<(f32, StepOutcome)> {
+        let ga = self.settings.grad_accum;
+        let (sum, outcome) = each!(&mut self.core, t => pipe::train_batch(t, stage, ga, next))?;
+        let outcome = outcome.ok_or_else(|| {
+            EngineError::Invalid("pipe schedule: the batch ended without an optimizer step".into())
+        })?;
+        let mut loss = [sum / ga as f32];
+        stage.group.broadcast(&mut loss, stage.last())?;
+        Ok((self.mean_over_ranks(loss[0])?, outcome))
+    }
+
     /// The loss of a batch without gradients, averaged over the data-parallel ranks.
     pub fn eval_batch(&mut self, batch: &Batch) -> Result<f32> {
+        if let Some(stage) = self.stage.clone() {
+            let loss = each!(&mut self.core, t => pipe::eval_batch(t, &stage, batch))?;
+            return self.mean_over_ranks(loss);
+        }
         let loss = self.forward(batch)?;
         each!(&mut self.core, t => t.drop_saved());
         self.mean_over_ranks(loss)
+    }
+
+    /// What needs every layer on this rank's data-parallel and tensor-parallel peers, which
+    /// a pipeline stage does not have yet.
+    fn whole_model(&self, what: &str) -> Result<()> {
+        match &self.stage {
+            None => Ok(()),
+            Some(s) => Err(EngineError::Invalid(format!(
+                "{what} with pipeline parallelism ({} stages) is not implemented yet (issue 17); use pp = 1",
+                s.stages
+            ))),
+        }
+    }
+
+    /// DeepSpeed's PipelineEngine runs whole batches only: a stage has no loss of its own.
+    fn not_pipelined(&self, what: &str) -> Result<()> {
+        match &self.stage {
+            None => Ok(()),
+            Some(s) => Err(EngineError::Invalid(format!(
+                "{what}() with pipeline parallelism ({} stages): use train_batch / eval_batch, as DeepSpeed's PipelineEngine",
+                s.stages
+            ))),
+        }
     }
 
     fn mean_over_ranks(&self, v: f32) -> Result<f32> {
@@ -300,6 +376,7 @@ impl Engine {
     /// Writes the whole model as one safetensors file under the parameter names (fp32): every
     /// rank helps gather it, data-parallel rank 0 writes it. A collective.
     pub fn save_weights(&self, path: &Path) -> Result<()> {
+        self.whole_model("saving the whole weights")?;
         let params = self.gather_params()?;
         if self.groups.world().rank() == 0 {
             let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
@@ -317,6 +394,7 @@ impl Engine {
         tag: &str,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
+        self.whole_model("checkpoints")?;
         let index = each!(&self.core, t => t.index());
         let desc = checkpoint::Description {
             layout: self.checkpoint_layout(),
@@ -341,6 +419,7 @@ impl Engine {
         dir: &Path,
         tag: Option<&str>,
     ) -> Result<Option<checkpoint::Manifest>> {
+        self.whole_model("checkpoints")?;
         let tag = match tag {
             Some(t) => t.to_string(),
             None => match checkpoint::latest(dir)? {
@@ -400,6 +479,7 @@ impl Engine {
     /// replicated parameter that differs between tensor-parallel ranks (an invariant of
     /// tensor parallelism, ARCHITECTURE.md) is an error naming it.
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        self.whole_model("gathering the whole parameters")?;
         let local = each!(&self.core, t => t.gather_master())?;
         let index = each!(&self.core, t => t.index());
         let tp = self.groups.tp();

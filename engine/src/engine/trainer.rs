@@ -77,11 +77,20 @@ pub(crate) struct Trainer<T: Dtype> {
     keep_graph: Vec<bool>,
     dev: Device,
     dp: Group,
+    /// The first layer reads token ids (the model's first stage), not activations.
+    takes_ids: bool,
     saved: Vec<Saved>,
     targets: Option<Tensor>,
     micro_steps: u64,
     timings: Timings,
     peak: StepPeak,
+}
+
+/// One micro-batch's state between its forward and its backward.
+#[derive(Default)]
+pub(crate) struct Micro {
+    saved: Vec<Saved>,
+    targets: Option<Tensor>,
 }
 
 /// What a trainer is built from, whatever its dtype.
@@ -92,6 +101,10 @@ pub(crate) struct Parts {
     pub dp: Group,
     /// The tensor-parallel group whose other ranks hold the other slices.
     pub tp: Group,
+    /// Under pipeline parallelism: the pipeline's group (the gradient norm sums over it) and
+    /// whether this stage is the first (its first layer reads token ids).
+    pub pp: Option<Group>,
+    pub first_stage: bool,
     pub dev: Device,
 }
 
@@ -110,6 +123,8 @@ impl<T: Dtype> Trainer<T> {
             settings,
             dp,
             tp,
+            pp,
+            first_stage,
             dev,
         } = parts;
         let mut layer_ids = Vec::new();
@@ -125,6 +140,9 @@ impl<T: Dtype> Trainer<T> {
         zero.plan_buckets(&layer_flat);
         let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
         zero.set_tensor_parallel(tp, replicated.map(|e| e.range()).collect());
+        if let Some(pp) = pp {
+            zero.set_pipeline(pp);
+        }
         let updater = updater(zero.owned().len())?;
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
@@ -138,6 +156,7 @@ impl<T: Dtype> Trainer<T> {
             keep_graph,
             dev,
             dp,
+            takes_ids: first_stage,
             saved: Vec::new(),
             targets: None,
             micro_steps: 0,
@@ -174,8 +193,8 @@ impl<T: Dtype> Trainer<T> {
             let params = Some(params);
             return Ok((taped.output, Kept::Tape { tape, params }));
         }
-        let input = match i {
-            0 => x,
+        let input = match (i, self.takes_ids) {
+            (0, true) => x,
             _ => layers::leaf(&x)?.into_inner(),
         };
         let y = layers::forward(layer, &params, &input, &cx, dtype)?;
@@ -203,10 +222,26 @@ impl<T: Dtype> Trainer<T> {
 
     /// Forward of one micro-batch; returns its loss.
     pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
-        let t0 = Instant::now();
+        let (ids, targets) = self.batch_tensors(batch)?;
+        let loss = self.forward_stage(ids, targets)?;
+        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+    }
+
+    /// A micro-batch's token ids and targets as tensors [batch, seq].
+    pub fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor)> {
         let shape = (batch.batch, batch.seq);
-        let mut x = Tensor::from_slice(&batch.inputs, shape, &self.dev)?;
-        self.targets = Some(Tensor::from_slice(&batch.targets, shape, &self.dev)?);
+        Ok((
+            Tensor::from_slice(&batch.inputs, shape, &self.dev)?,
+            Tensor::from_slice(&batch.targets, shape, &self.dev)?,
+        ))
+    }
+
+    /// Forward of one micro-batch over this rank's layers from `x` (token ids on the first
+    /// stage, the previous stage's activations on the others); returns the last layer's
+    /// output (the loss on the last stage).
+    pub fn forward_stage(&mut self, mut x: Tensor, targets: Tensor) -> Result<Tensor> {
+        let t0 = Instant::now();
+        self.targets = Some(targets);
         self.saved.clear();
         let n = self.model.layers().len();
         for i in 0..n {
@@ -223,9 +258,8 @@ impl<T: Dtype> Trainer<T> {
             add_at(&mut self.timings.layer_forward, i, t_layer.elapsed());
         }
         self.note_peak(None);
-        let loss = x.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         self.timings.forward += t0.elapsed();
-        Ok(loss)
+        Ok(x)
     }
 
     /// Whether the backward about to run ends an accumulation window.
@@ -235,6 +269,13 @@ impl<T: Dtype> Trainer<T> {
 
     /// Backward of the last forward, layer by layer from the loss.
     pub fn backward(&mut self) -> Result<()> {
+        self.backward_stage(None).map(|_| ())
+    }
+
+    /// Backward of the last forward over this rank's layers, from `dy`, the gradient of the
+    /// stage's output (None on the last stage: the loss seed); returns the gradient of the
+    /// stage's input (None on the first stage: token ids have none).
+    pub fn backward_stage(&mut self, dy: Option<Tensor>) -> Result<Option<Tensor>> {
         if self.saved.len() != self.model.layers().len() {
             return Err(EngineError::Invalid(
                 "backward() needs a forward() first".into(),
@@ -242,7 +283,8 @@ impl<T: Dtype> Trainer<T> {
         }
         let t0 = Instant::now();
         let seed = self.updater.loss_scale() / self.settings.grad_accum as f64;
-        let mut dy: Option<Tensor> = None;
+        let mut dy = dy;
+        let mut dx_input = None;
         for i in (0..self.saved.len()).rev() {
             let t_layer = Instant::now();
             if matches!(self.saved.last(), Some(Saved::Dropped)) {
@@ -268,7 +310,10 @@ impl<T: Dtype> Trainer<T> {
                 g.with_parts(|parts| Ok(self.zero.add_grad(range, parts)?))?;
             }
             dy = match (i, dx) {
-                (0, _) => None,
+                (0, dx) => {
+                    dx_input = dx;
+                    None
+                }
                 (_, Some(dx)) => Some(dx),
                 (_, None) => {
                     return Err(EngineError::Invalid(format!(
@@ -282,7 +327,22 @@ impl<T: Dtype> Trainer<T> {
         self.zero.finish_backward(boundary)?;
         self.micro_steps += 1;
         self.timings.backward += t0.elapsed();
-        Ok(())
+        Ok(dx_input)
+    }
+
+    /// What this rank keeps of the micro-batch between its forward and backward, taken out
+    /// so that a pipeline stage can hold several micro-batches in flight.
+    pub fn take_micro(&mut self) -> Micro {
+        Micro {
+            saved: std::mem::take(&mut self.saved),
+            targets: self.targets.take(),
+        }
+    }
+
+    /// Puts back a micro-batch taken with `take_micro`.
+    pub fn put_micro(&mut self, m: Micro) {
+        self.saved = m.saved;
+        self.targets = m.targets;
     }
 
     /// Note [checkpoint segments]: with a checkpoint interval k, forward keeps the input of

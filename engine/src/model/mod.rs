@@ -204,4 +204,16 @@ impl Model {
     pub fn params(&self) -> Vec<ParamSpec> {
         self.layers.iter().flat_map(|l| l.params()).collect()
     }
+
+    /// Only layers `range` (a pipeline stage's), in order.
+    pub fn into_stage(self, range: std::ops::Range<usize>) -> Model {
+        Model {
+            layers: self
+                .layers
+                .into_iter()
+                .skip(range.start)
+                .take(range.len())
+                .collect(),
+        }
+    }
 }
