@@ -41,6 +41,10 @@ pub struct TrainBenchArgs {
     /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1).
     #[arg(long)]
     tp: Option<usize>,
+    /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1); the config's
+    /// gradient_accumulation_steps are the micro-batches of a pipeline step.
+    #[arg(long)]
+    pp: Option<usize>,
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
@@ -56,7 +60,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let env = options_from_env().context("reading the rank environment")?;
     let doc = load(&args.config)?;
     let name = || format!("{}", args.config.display());
-    let dims = parallel_dims(&doc, env.world_size, args.tp, None).with_context(name)?;
+    let dims = parallel_dims(&doc, env.world_size, args.tp, args.pp).with_context(name)?;
     let cfg = resolve(&doc, &dims).with_context(name)?;
     model
         .check_tp(dims.tp)
@@ -96,10 +100,60 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         m.parts.push(engine.take_timings());
     }
     m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
+    let bubble = measured_bubble(&comm.world(), &groups, args.warmup, &m)?;
     if rank == 0 {
         report(args, &s, world, dp, model.T, &m);
+        if dims.pp > 1 {
+            print_bubble(&bubble, dims.pp, s.grad_accum, args.json);
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each stage's idle fraction over the timed steps (time waiting for its neighbours over the
+/// step time; the mean over the stage's ranks), gathered from every rank.
+fn measured_bubble(
+    world: &ds_comm::Group,
+    groups: &ds_comm::Groups,
+    warmup: usize,
+    m: &Measured,
+) -> anyhow::Result<Vec<f64>> {
+    let timed = warmup.min(m.times.len());
+    let wait: f64 = m.parts[timed..]
+        .iter()
+        .map(|t| t.pipe_wait.as_secs_f64())
+        .sum();
+    let total: f64 = m.times[timed..].iter().sum();
+    let micros = |s: f64| (s * 1e6) as u64;
+    let mine = [groups.grid().stage_id() as u64, micros(wait), micros(total)];
+    let all = world.all_gather_u64(&mine)?;
+    let stages = groups.dims().pp;
+    let mut per_stage = vec![(0.0, 0.0); stages];
+    for r in all.chunks(3) {
+        let (w, t) = &mut per_stage[r[0] as usize];
+        *w += r[1] as f64;
+        *t += r[2] as f64;
+    }
+    Ok(per_stage.iter().map(|(w, t)| w / t.max(1.0)).collect())
+}
+
+/// The measured idle fraction per stage beside 1F1B's (p - 1) / (m + p - 1).
+fn print_bubble(idle: &[f64], stages: usize, micro_batches: usize, json: bool) {
+    let theory = (stages - 1) as f64 / (micro_batches + stages - 1) as f64;
+    let row = serde_json::json!({
+        "pipeline": {"stages": stages, "micro_batches": micro_batches,
+                     "idle_fraction_per_stage": idle, "theoretical_1f1b": theory}
+    });
+    match json {
+        true => println!("{row}"),
+        false => {
+            let idle: Vec<String> = idle.iter().map(|f| format!("{:.3}", f)).collect();
+            println!(
+                "pipeline bubble: {stages} stages, {micro_batches} micro-batches: idle fraction per stage {} (1F1B's (p-1)/(m+p-1) = {theory:.3})",
+                idle.join(", ")
+            );
+        }
+    }
 }
 
 /// What the steps measured on this rank, and every rank's peak RSS.

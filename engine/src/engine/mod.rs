@@ -68,6 +68,9 @@ pub struct Timings {
     pub layer_forward: Vec<Duration>,
     /// ... and backward time (recomputation and gradient hand-off included).
     pub layer_backward: Vec<Duration>,
+    /// Under pipeline parallelism: time in transfers with the neighbouring stages (blocking
+    /// sends and receives, so waiting for them included), the stage's share of the bubble.
+    pub pipe_wait: Duration,
 }
 
 impl Timings {
@@ -76,6 +79,7 @@ impl Timings {
         self.forward += other.forward;
         self.backward += other.backward;
         self.step += other.step;
+        self.pipe_wait += other.pipe_wait;
         for (mine, theirs) in [
             (&mut self.layer_forward, &other.layer_forward),
             (&mut self.layer_backward, &other.layer_backward),

@@ -110,7 +110,9 @@ pub(crate) fn train_batch<T: Dtype>(
                 }
             }
             Instruction::RecvActivation { buffer } => {
+                let t0 = std::time::Instant::now();
                 slots[buffer].input = Some(recv(&stage.group, stage.prev())?);
+                t.add_pipe_wait(t0.elapsed());
             }
             Instruction::ForwardPass { buffer } => {
                 let slot = &mut slots[buffer];
@@ -133,10 +135,14 @@ pub(crate) fn train_batch<T: Dtype>(
                     .output
                     .take()
                     .ok_or_else(|| missing("output", buffer))?;
+                let t0 = std::time::Instant::now();
                 send(&stage.group, &y, stage.next())?;
+                t.add_pipe_wait(t0.elapsed());
             }
             Instruction::RecvGrad { buffer } => {
+                let t0 = std::time::Instant::now();
                 slots[buffer].grad = Some(recv(&stage.group, stage.next())?);
+                t.add_pipe_wait(t0.elapsed());
             }
             Instruction::BackwardPass { buffer } => {
                 let slot = &mut slots[buffer];
@@ -148,7 +154,9 @@ pub(crate) fn train_batch<T: Dtype>(
                     .grad
                     .take()
                     .ok_or_else(|| missing("gradient", buffer))?;
+                let t0 = std::time::Instant::now();
                 send(&stage.group, &dx, stage.prev())?;
+                t.add_pipe_wait(t0.elapsed());
             }
             // no tied parameters yet; gradients are reduced at the last backward's boundary
             Instruction::ReduceTiedGrads | Instruction::ReduceGrads => {}

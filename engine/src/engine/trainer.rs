@@ -497,6 +497,11 @@ impl<T: Dtype> Trainer<T> {
         &self.model
     }
 
+    /// Adds time a pipeline stage waited for its neighbours.
+    pub fn add_pipe_wait(&mut self, d: std::time::Duration) {
+        self.timings.pipe_wait += d;
+    }
+
     pub fn take_timings(&mut self) -> Timings {
         std::mem::take(&mut self.timings)
     }
