@@ -207,6 +207,7 @@ mod tests {
             step: Duration::from_millis(800),
             layer_forward: vec![Duration::from_millis(300), Duration::from_millis(100)],
             layer_backward: vec![Duration::from_millis(600), Duration::from_millis(200)],
+            pipe_wait: Duration::ZERO,
         };
         let text = profile(&layers, &timings);
         let value = |key: &str| {
