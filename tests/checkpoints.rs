@@ -105,7 +105,7 @@ fn a_dp4_zero3_checkpoint_loads_at_dp2_zero1_and_at_dp1() {
         );
         let f = ok(&format!("{} {cmd}", launch(nproc, &cfg)));
         assert!(
-            f.stdout.contains("saved at dp 4 x tp 1 ZeRO-3"),
+            f.stdout.contains("saved at dp 4 x tp 1 x pp 1 ZeRO-3"),
             "{}",
             f.stdout
         );

@@ -116,3 +116,64 @@ fn bad_pipeline_layouts_are_one_error_before_any_rank_starts() {
     let partition = r#", "pipeline": {"stages": 2, "partition": "type:attention"}"#;
     refused(2, partition, 0, "", &["type:", "attention"]);
 }
+
+/// Checkpoints name whole-model parameters with the stage that held them, so a run saved at
+/// pp = 2 x dp = 2 resumes at pp = 1 x dp = 2 (and the reverse) with the losses of the
+/// straight run, and `checkpoint consolidate` of a pipeline checkpoint is the whole model
+/// `--save-weights` wrote (byte for byte).
+#[test]
+fn pipeline_checkpoints_reshard_and_consolidate() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new("pp-ckpt");
+    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
+    let job = |nproc: usize, args: &str, dir: &str, steps: u64| {
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} --config {} train --model tiny --steps {steps} {args} \
+             --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+            cfg.display(),
+            s.path(dir).display()
+        );
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+        f
+    };
+    job(2, "", "straight", 20);
+    let straight = losses(&s.path("straight"));
+    for (name, first, second) in [
+        ("pp2 -> pp1", (4, "--pp 2"), (2, "")),
+        ("pp1 -> pp2", (2, ""), (4, "--pp 2")),
+    ] {
+        let ckpt = s.path(&format!("ckpt-{}", name.replace(' ', "")));
+        let weights = s.path(&format!("w-{}.safetensors", name.replace(' ', "")));
+        let (dir, save) = (
+            format!("m-{}", name.replace(' ', "")),
+            ckpt.display().to_string(),
+        );
+        let args = format!(
+            "{} --save-dir {save} --save-weights {}",
+            first.1,
+            weights.display()
+        );
+        job(first.0, &args, &dir, 10);
+        let f = job(
+            second.0,
+            &format!("{} --save-dir {save} --resume", second.1),
+            &dir,
+            20,
+        );
+        assert!(f.stdout.contains("resumed from"), "{name}: {}", f.stdout);
+        assert_same_losses(&losses(&s.path(&dir)), &straight, REL, name);
+        // the step-10 checkpoint, consolidated, is the model the first run wrote
+        let out = s.path("consolidated.safetensors");
+        let c = run(
+            &format!(
+                "checkpoint consolidate {save} --tag global_step10 --out {}",
+                out.display()
+            ),
+            LIMIT,
+        );
+        assert!(c.status.success(), "{name}: {}", c.stderr);
+        let same = std::fs::read(&out).unwrap() == std::fs::read(&weights).unwrap();
+        assert!(same, "{name}: consolidate differs from --save-weights");
+    }
+}

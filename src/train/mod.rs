@@ -111,8 +111,8 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
     Ok((model, cfg))
 }
 
-/// A pipeline-parallel run: stages that split the model's layers, a ZeRO stage that combines
-/// with them, and nothing asked of it that needs the whole model on a rank yet.
+/// A pipeline-parallel run: stages that split the model's layers and a ZeRO stage that
+/// combines with them.
 fn check_pipeline(args: &TrainArgs, model: &GptConfig, cfg: &Config) -> anyhow::Result<()> {
     let stages = cfg.dims.pp;
     if cfg.zero_stage().partitions_gradients() {
@@ -124,11 +124,6 @@ fn check_pipeline(args: &TrainArgs, model: &GptConfig, cfg: &Config) -> anyhow::
     let method = cfg.pipeline["partition"].as_str().unwrap_or("parameters");
     ds_engine::stage_layers(&model.build(), stages, method)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
-    if args.save_dir.is_some() || args.save_weights.is_some() {
-        anyhow::bail!(
-            "--save-dir / --save-weights with pipeline parallelism ({stages} stages) are not implemented yet (issue 17); use pp = 1"
-        );
-    }
     Ok(())
 }
 

@@ -27,10 +27,11 @@ impl Run<'_> {
         };
         if rank0 {
             println!(
-                "resumed from {} (saved at dp {} x tp {} ZeRO-{}) at step {} in {}",
+                "resumed from {} (saved at dp {} x tp {} x pp {} ZeRO-{}) at step {} in {}",
                 dir.join(&m.tag).display(),
                 m.layout.dp,
                 m.layout.tp,
+                m.layout.pp,
                 m.layout.zero_stage,
                 m.global_steps,
                 rate(&m, t0.elapsed())

@@ -25,8 +25,8 @@ pub struct Manifest {
     pub layout: Layout,
     /// Every parameter in flat order: the logical model.
     pub params: Vec<ParamEntry>,
-    /// Elements of one tensor-parallel rank's flat buffer, without padding (the whole model
-    /// at tp = 1).
+    /// Elements of the first stage's tensor-parallel rank 0's flat buffer, without padding
+    /// (the whole model at tp = pp = 1); each buffer's size follows from `params`.
     pub numel: usize,
     /// The optimizer's state buffers, each stored beside the master copy in every shard.
     pub optimizer_buffers: Vec<String>,
@@ -60,6 +60,13 @@ pub struct ParamEntry {
     pub offset: usize,
     #[serde(default, skip_serializing_if = "SplitEntry::is_replicated")]
     pub split: SplitEntry,
+    /// The pipeline stage that held it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stage: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// `Split` as the manifest spells it: absent for replicated, else `{"dim": d, "blocks": b}`.
@@ -120,6 +127,9 @@ pub struct ShardEntry {
     /// flat buffer).
     #[serde(default)]
     pub tp_rank: usize,
+    /// The pipeline stage whose buffer it covers.
+    #[serde(default)]
+    pub stage: usize,
     pub start: usize,
     pub end: usize,
     pub bytes: u64,

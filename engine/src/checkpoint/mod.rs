@@ -52,9 +52,10 @@ pub struct Counters {
 pub struct Description {
     pub layout: Layout,
     pub params: Vec<ParamEntry>,
-    /// Elements of this rank's (tensor-parallel slice's) flat buffer.
+    /// Elements of this rank's (stage's, tensor-parallel slice's) flat buffer.
     pub numel: usize,
     pub tp_rank: usize,
+    pub stage: usize,
     pub counters: Counters,
     pub client_state: serde_json::Value,
     pub config: serde_json::Value,
@@ -100,7 +101,7 @@ pub fn save(
         Ok(None)
     };
     let entry = agree(group, written)?;
-    let entries = gather_entries(group, entry, state, desc.tp_rank)?;
+    let entries = gather_entries(group, entry, state, (desc.stage, desc.tp_rank))?;
     let committed = match group.rank() {
         0 => commit(dir, tag, &partial, &final_dir, desc, state, entries),
         _ => Ok(()),
@@ -166,7 +167,7 @@ fn gather_entries(
     group: &Group,
     entry: Option<(u64, u32)>,
     s: &RankState,
-    tp_rank: usize,
+    (stage, tp_rank): Buffer,
 ) -> Result<Vec<ShardEntry>> {
     let (bytes, crc) = entry.map_or((0, 0), |(b, c)| (b, c as u64));
     let mine = [
@@ -176,6 +177,7 @@ fn gather_entries(
         bytes,
         crc,
         tp_rank as u64,
+        stage as u64,
     ];
     let all = group.all_gather_u64(&mine)?;
     Ok(all
@@ -186,6 +188,7 @@ fn gather_entries(
             file: shard_name(rank),
             rank,
             tp_rank: v[5] as usize,
+            stage: v[6] as usize,
             start: v[1] as usize,
             end: v[2] as usize,
             bytes: v[3],
@@ -238,13 +241,15 @@ pub fn latest(dir: &Path) -> Result<Option<String>> {
 
 /// What a loading rank expects of a checkpoint.
 pub struct Expect<'a> {
+    /// The whole model's parameters, each tagged with the stage that holds it now.
     pub params: &'a [ParamEntry],
     /// The optimizer buffers to read (None: the master copy only, as consolidation needs).
     pub buffers: Option<&'a [String]>,
-    /// The flat range this rank owns now (padded coordinates of its slices' buffer).
+    /// The flat range this rank owns now (padded coordinates of its buffer).
     pub owned: Range<usize>,
-    /// Whose slices the loading rank holds.
+    /// Whose slices the loading rank holds, of which stage's layers.
     pub tp: TpRank,
+    pub stage: usize,
 }
 
 /// The master copy and the optimizer buffers being read for a range.
@@ -268,16 +273,17 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
             .collect(),
     };
     let mut files = Files::new(dir, &m);
-    let same_splits = m
+    let same_place = m
         .params
         .iter()
         .zip(expect.params)
-        .all(|(a, b)| a.split == b.split);
-    if m.layout.tp == expect.tp.size && same_splits {
-        // the same slices: the range is the same range of the same tensor-parallel rank
-        let numel = local_index(&m.params, expect.tp)?.numel();
+        .all(|(a, b)| a.split == b.split && a.stage == b.stage);
+    if m.layout.tp == expect.tp.size && same_place {
+        // the same buffers: the range is the same range of the same stage's same slices
+        let numel = local_index(&m.params, expect.stage, expect.tp)?.numel();
         let want = expect.owned.start..expect.owned.end.min(numel);
-        files.copy(expect.tp.rank, want, 0, &mut out)?;
+        let buffer = (expect.stage, expect.tp.rank);
+        files.copy(buffer, want, 0, &mut out)?;
     } else {
         reshard(&mut files, &m, expect, &mut out)?;
     }
@@ -290,32 +296,37 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
     Ok((m, state))
 }
 
-/// Note [resharding]: a checkpoint saved at tensor-parallel degree tp' is read at degree tp
-/// through logical coordinates. For each parameter overlapping the loading rank's range, its
-/// slice is a list of runs of logical elements (`runs`); each run is found in the saved
-/// slices (every saved rank's for a split parameter, rank 0's for a replicated one), whose
-/// runs say where those elements sit in that rank's flat buffer, and so in which file.
+/// Note [resharding]: a checkpoint saved at tensor-parallel degree tp' and with its layers on
+/// other pipeline stages is read through logical coordinates. For each parameter overlapping
+/// the loading rank's range, its slice is a list of runs of logical elements (`runs`); each
+/// run is found in the buffers of the stage that saved the parameter (every tensor-parallel
+/// rank's for a split parameter, rank 0's for a replicated one), whose runs say where those
+/// elements sit in that buffer, and so in which file.
 fn reshard(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -> Result<()> {
     let saved_tp = m.layout.tp.max(1);
-    let saved: Vec<FlatIndex> = (0..saved_tp)
-        .map(|rank| {
-            local_index(
-                &m.params,
-                TpRank {
-                    rank,
-                    size: saved_tp,
-                },
-            )
-        })
-        .collect::<Result<_>>()?;
-    let mine = local_index(expect.params, expect.tp)?;
+    let mut saved: HashMap<Buffer, FlatIndex> = HashMap::new();
+    for stage in stages_of(&m.params) {
+        for rank in 0..saved_tp {
+            let tp = TpRank {
+                rank,
+                size: saved_tp,
+            };
+            saved.insert((stage, rank), local_index(&m.params, stage, tp)?);
+        }
+    }
+    let stage_of: HashMap<&str, usize> = m
+        .params
+        .iter()
+        .map(|p| (p.name.as_str(), p.stage))
+        .collect();
+    let mine = local_index(expect.params, expect.stage, expect.tp)?;
     for (i, e) in mine.entries().iter().enumerate() {
         let p = e.range();
         let (a, b) = (p.start.max(expect.owned.start), p.end.min(expect.owned.end));
         if a >= b {
             continue;
         }
-        let pieces = saved_pieces(&saved, i);
+        let pieces = saved_pieces(&saved, stage_of[e.name.as_str()], saved_tp, &e.name);
         let mut result = Ok(());
         runs_within(&mine.runs(ParamId(i)), a - p.start..b - p.start, |r| {
             if result.is_err() {
@@ -329,30 +340,43 @@ fn reshard(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -
     Ok(())
 }
 
-/// A run of a saved parameter: `len` logical elements from `logical`, held by tensor-parallel
-/// rank `tp_rank` at `flat` in its buffer.
+/// A saved flat buffer: (pipeline stage, tensor-parallel rank).
+type Buffer = (usize, usize);
+
+/// A run of a saved parameter: `len` logical elements from `logical`, held in `buffer` at
+/// `flat`.
 struct Piece {
     logical: usize,
     len: usize,
-    tp_rank: usize,
+    buffer: Buffer,
     flat: usize,
 }
 
-/// Where parameter `i`'s logical elements were saved, sorted by logical position.
-fn saved_pieces(saved: &[FlatIndex], i: usize) -> Vec<Piece> {
-    let ranks = match saved[0].entries()[i].split.is_replicated() {
+/// Where parameter `name`'s logical elements were saved (by stage `stage`'s `tp` ranks),
+/// sorted by logical position.
+fn saved_pieces(
+    saved: &HashMap<Buffer, FlatIndex>,
+    stage: usize,
+    tp: usize,
+    name: &str,
+) -> Vec<Piece> {
+    let index = |rank: usize| &saved[&(stage, rank)];
+    let id = index(0)
+        .find(name)
+        .expect("invariant: the stage's index holds its parameters");
+    let ranks = match index(0).entry(id).split.is_replicated() {
         true => 1,
-        false => saved.len(),
+        false => tp,
     };
     let mut pieces: Vec<Piece> = (0..ranks)
         .flat_map(|rank| {
-            let e = &saved[rank].entries()[i];
-            runs(&e.logical_shape, e.split, saved[rank].tp())
+            let e = index(rank).entry(id);
+            runs(&e.logical_shape, e.split, index(rank).tp())
                 .into_iter()
                 .map(move |r| Piece {
                     logical: r.logical,
                     len: r.len,
-                    tp_rank: rank,
+                    buffer: (stage, rank),
                     flat: e.offset + r.local,
                 })
         })
@@ -378,17 +402,25 @@ fn copy_logical(
         }
         let (lo, hi) = (at.max(p.logical), want.end.min(p.logical + p.len));
         let from = p.flat + (lo - p.logical);
-        files.copy(p.tp_rank, from..from + (hi - lo), dst, out)?;
+        files.copy(p.buffer, from..from + (hi - lo), dst, out)?;
         dst += hi - lo;
         at = hi;
     }
     Ok(())
 }
 
-/// The flat index of the slices `tp` holds of the manifest's logical parameters.
-fn local_index(params: &[ParamEntry], tp: TpRank) -> Result<FlatIndex> {
+/// The stages that hold parameters, in order.
+fn stages_of(params: &[ParamEntry]) -> Vec<usize> {
+    let mut stages: Vec<usize> = params.iter().map(|p| p.stage).collect();
+    stages.sort_unstable();
+    stages.dedup();
+    stages
+}
+
+/// The flat index of the slices `tp` holds of stage `stage`'s logical parameters.
+fn local_index(params: &[ParamEntry], stage: usize, tp: TpRank) -> Result<FlatIndex> {
     let mut index = FlatIndex::sliced(tp);
-    for p in params {
+    for p in params.iter().filter(|p| p.stage == stage) {
         index.push_split(&p.name, &p.shape, p.split.into())?;
     }
     Ok(index)
@@ -410,11 +442,11 @@ impl<'a> Files<'a> {
         }
     }
 
-    /// Copies elements `src` of tensor-parallel rank `tp_rank`'s buffer (from whichever
-    /// shards hold them) into `out` at `dst`; an element no shard holds is an error.
+    /// Copies elements `src` of `buffer` (from whichever shards hold them) into `out` at
+    /// `dst`; an element no shard holds is an error.
     fn copy(
         &mut self,
-        tp_rank: usize,
+        buffer: Buffer,
         src: Range<usize>,
         dst: usize,
         out: &mut Target,
@@ -422,7 +454,7 @@ impl<'a> Files<'a> {
         let mut covered = 0;
         for (k, shard) in self.m.shards.iter().enumerate() {
             let (lo, hi) = (src.start.max(shard.start), src.end.min(shard.end));
-            if shard.tp_rank != tp_rank || lo >= hi {
+            if (shard.stage, shard.tp_rank) != buffer || lo >= hi {
                 continue;
             }
             let file = match self.open.entry(k) {
@@ -448,7 +480,8 @@ impl<'a> Files<'a> {
             false => Err(EngineError::file(
                 self.dir.join(MANIFEST),
                 format!(
-                    "no shard covers elements {src:?} of tensor-parallel rank {tp_rank}'s buffer"
+                    "no shard covers elements {src:?} of stage {}'s tensor-parallel rank {}'s buffer",
+                    buffer.0, buffer.1
                 ),
             )),
         }
@@ -486,23 +519,31 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
             ),
         ));
     }
-    if m.layout.pp != 1 {
-        return Err(EngineError::file(
-            &path,
-            format!("pp={}: this build maps only pp=1", m.layout.pp),
-        ));
-    }
+
     Ok(())
 }
 
 /// Every element of every tensor-parallel rank's buffer must come from some shard (a
 /// missing rank file is an error).
 fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
-    for tp_rank in 0..m.layout.tp.max(1) {
+    let tp = m.layout.tp.max(1);
+    for (stage, tp_rank) in stages_of(&m.params)
+        .into_iter()
+        .flat_map(|s| (0..tp).map(move |r| (s, r)))
+    {
+        let numel = local_index(
+            &m.params,
+            stage,
+            TpRank {
+                rank: tp_rank,
+                size: tp,
+            },
+        )?
+        .numel();
         let mut ranges: Vec<Range<usize>> = m
             .shards
             .iter()
-            .filter(|s| s.tp_rank == tp_rank)
+            .filter(|s| (s.stage, s.tp_rank) == (stage, tp_rank))
             .map(|s| s.start..s.end)
             .collect();
         ranges.sort_by_key(|r| r.start);
@@ -512,12 +553,11 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
                 at = at.max(r.end);
             }
         }
-        if at < m.numel {
+        if at < numel {
             return Err(EngineError::file(
                 dir.join(MANIFEST),
                 format!(
-                    "no shard covers elements {at}..{} of tensor-parallel rank {tp_rank}'s buffer",
-                    m.numel
+                    "no shard covers elements {at}..{numel} of stage {stage}'s tensor-parallel rank {tp_rank}'s buffer"
                 ),
             ));
         }
@@ -534,11 +574,21 @@ pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
         .iter()
         .map(|p| p.shape.iter().product::<usize>())
         .sum();
+    // the whole model as one buffer: one stage, no tensor parallelism
+    let whole: Vec<ParamEntry> = m
+        .params
+        .iter()
+        .map(|p| ParamEntry {
+            stage: 0,
+            ..p.clone()
+        })
+        .collect();
     let expect = Expect {
-        params: &m.params,
+        params: &whole,
         buffers: None,
         owned: 0..numel,
         tp: TpRank::WHOLE,
+        stage: 0,
     };
     let (_, state) = load(dir, &expect)?;
     Ok((m, state.master))

@@ -120,6 +120,8 @@ pub struct Engine {
     groups: Groups,
     /// Under pipeline parallelism: this rank's stage.
     stage: Option<pipe::Stage>,
+    /// The whole model's parameters as checkpoints record them (with their stages).
+    all_params: Vec<checkpoint::ParamEntry>,
 }
 
 impl Engine {
@@ -150,26 +152,41 @@ impl Engine {
         // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
-        let (model, stage) = match config.dims.pp {
-            1 => (model, None),
+        // every parameter of the whole model, split as tensor parallelism asks, and the
+        // pipeline stage that holds it (checkpoints record the whole model)
+        let mut all_specs = model.params();
+        if let Some(rules) = &config.tp_partition_config {
+            PartitionConfig::parse(rules)?.apply(&mut all_specs)?;
+        }
+        let (model, stage, stage_of) = match config.dims.pp {
+            1 => (model, None, vec![0; all_specs.len()]),
             stages => {
                 let method = config.pipeline["partition"]
                     .as_str()
                     .unwrap_or("parameters");
                 let parts = pipe::stage_layers(&model, stages, method)?;
+                let stage_of = pipe::param_stages(&model, &parts);
                 let s = groups.grid().stage_id();
                 let stage = pipe::Stage {
                     group: groups.pp().clone(),
                     stage: s,
                     stages,
                 };
-                (model.into_stage(parts[s]..parts[s + 1]), Some(stage))
+                (
+                    model.into_stage(parts[s]..parts[s + 1]),
+                    Some(stage),
+                    stage_of,
+                )
             }
         };
-        let mut specs = model.params();
-        if let Some(rules) = &config.tp_partition_config {
-            PartitionConfig::parse(rules)?.apply(&mut specs)?;
-        }
+        let my_stage = stage.as_ref().map_or(0, |s| s.stage);
+        let all_params = logical_entries(&all_specs, &stage_of);
+        let specs: Vec<ParamSpec> = all_specs
+            .into_iter()
+            .zip(&stage_of)
+            .filter(|(_, s)| **s == my_stage)
+            .map(|(p, _)| p)
+            .collect();
         let tp = TpRank {
             rank: groups.tp().rank(),
             size: groups.tp().size(),
@@ -220,6 +237,7 @@ impl Engine {
             config: config.clone(),
             groups: groups.clone(),
             stage,
+            all_params,
         })
     }
 
@@ -313,18 +331,6 @@ impl Engine {
         self.mean_over_ranks(loss)
     }
 
-    /// What needs every layer on this rank's data-parallel and tensor-parallel peers, which
-    /// a pipeline stage does not have yet.
-    fn whole_model(&self, what: &str) -> Result<()> {
-        match &self.stage {
-            None => Ok(()),
-            Some(s) => Err(EngineError::Invalid(format!(
-                "{what} with pipeline parallelism ({} stages) is not implemented yet (issue 17); use pp = 1",
-                s.stages
-            ))),
-        }
-    }
-
     /// DeepSpeed's PipelineEngine runs whole batches only: a stage has no loss of its own.
     fn not_pipelined(&self, what: &str) -> Result<()> {
         match &self.stage {
@@ -380,11 +386,15 @@ impl Engine {
     /// Writes the whole model as one safetensors file under the parameter names (fp32): every
     /// rank helps gather it, data-parallel rank 0 writes it. A collective.
     pub fn save_weights(&self, path: &Path) -> Result<()> {
-        self.whole_model("saving the whole weights")?;
         let params = self.gather_params()?;
         if self.groups.world().rank() == 0 {
-            let values: Vec<Vec<f32>> = params.into_iter().map(|(_, v)| v).collect();
-            weights::save(path, &self.specs, &values)?;
+            let tensors: Vec<(&str, &[usize], &[f32])> = self
+                .all_params
+                .iter()
+                .zip(&params)
+                .map(|(p, (_, v))| (p.name.as_str(), p.shape.as_slice(), v.as_slice()))
+                .collect();
+            weights::save_as(path, &tensors, false)?;
         }
         Ok(())
     }
@@ -398,13 +408,13 @@ impl Engine {
         tag: &str,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
-        self.whole_model("checkpoints")?;
         let index = each!(&self.core, t => t.index());
         let desc = checkpoint::Description {
             layout: self.checkpoint_layout(),
-            params: param_entries(index),
+            params: self.all_params.clone(),
             numel: index.numel(),
             tp_rank: self.groups.tp().rank(),
+            stage: self.stage.as_ref().map_or(0, |s| s.stage),
             counters: each!(&self.core, t => t.updater().counters()),
             client_state,
             config: serde_json::to_value(&self.config).unwrap_or_default(),
@@ -423,7 +433,6 @@ impl Engine {
         dir: &Path,
         tag: Option<&str>,
     ) -> Result<Option<checkpoint::Manifest>> {
-        self.whole_model("checkpoints")?;
         let tag = match tag {
             Some(t) => t.to_string(),
             None => match checkpoint::latest(dir)? {
@@ -432,7 +441,7 @@ impl Engine {
             },
         };
         let tag_dir = dir.join(&tag);
-        let expect_params = param_entries(each!(&self.core, t => t.index()));
+        let expect_params = self.all_params.clone();
         let buffers = each!(&self.core, t => t.buffer_names());
         let owned = each!(&self.core, t => t.owned());
         let expect = checkpoint::Expect {
@@ -443,6 +452,7 @@ impl Engine {
                 rank: self.groups.tp().rank(),
                 size: self.groups.tp().size(),
             },
+            stage: self.stage.as_ref().map_or(0, |s| s.stage),
         };
         let loaded = checkpoint::load(&tag_dir, &expect);
         // Every rank must succeed before any changes its state.
@@ -483,7 +493,38 @@ impl Engine {
     /// replicated parameter that differs between tensor-parallel ranks (an invariant of
     /// tensor parallelism, ARCHITECTURE.md) is an error naming it.
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        self.whole_model("gathering the whole parameters")?;
+        let mine = self.gather_stage_params()?;
+        let Some(stage) = &self.stage else {
+            return Ok(mine);
+        };
+        // every stage's tensors, in the whole model's order
+        let mut counts = vec![0; stage.stages];
+        for p in &self.all_params {
+            counts[p.stage] += p.shape.iter().product::<usize>();
+        }
+        let at: usize = counts[..stage.stage].iter().sum();
+        let mut flat = vec![0f32; counts.iter().sum()];
+        let mut put = at;
+        for (_, v) in &mine {
+            flat[put..put + v.len()].copy_from_slice(v);
+            put += v.len();
+        }
+        stage.group.all_gather_v(&mut flat, &counts)?;
+        let mut taken = 0;
+        Ok(self
+            .all_params
+            .iter()
+            .map(|p| {
+                let n: usize = p.shape.iter().product();
+                taken += n;
+                (p.name.clone(), flat[taken - n..taken].to_vec())
+            })
+            .collect())
+    }
+
+    /// This stage's parameters, whole: the logical tensors assembled from every
+    /// tensor-parallel rank's slices.
+    fn gather_stage_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let local = each!(&self.core, t => t.gather_master())?;
         let index = each!(&self.core, t => t.index());
         let tp = self.groups.tp();
@@ -540,20 +581,21 @@ fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) 
 }
 
 /// The logical parameters as a checkpoint records them: logical shapes, offsets in the
-/// logical flat order, and how tensor parallelism splits each.
-fn param_entries(index: &FlatIndex) -> Vec<checkpoint::ParamEntry> {
+/// logical flat order, how tensor parallelism splits each and which stage holds it.
+fn logical_entries(specs: &[ParamSpec], stage_of: &[usize]) -> Vec<checkpoint::ParamEntry> {
     let mut offset = 0;
-    index
-        .entries()
+    specs
         .iter()
-        .map(|e| {
+        .zip(stage_of)
+        .map(|(p, &stage)| {
             let entry = checkpoint::ParamEntry {
-                name: e.name.clone(),
-                shape: e.logical_shape.clone(),
+                name: p.name.clone(),
+                shape: p.shape.clone(),
                 offset,
-                split: e.split.into(),
+                split: p.split.into(),
+                stage,
             };
-            offset += e.logical_numel();
+            offset += p.numel();
             entry
         })
         .collect()

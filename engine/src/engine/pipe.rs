@@ -69,6 +69,19 @@ pub fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<us
         .map_err(|e| EngineError::Invalid(format!("pipeline: {e}")))
 }
 
+/// The stage of each parameter of `model`, in order, for the stage boundaries `parts`.
+pub fn param_stages(model: &Model, parts: &[usize]) -> Vec<usize> {
+    model
+        .layers()
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            let stage = parts.partition_point(|&p| p <= i) - 1;
+            std::iter::repeat_n(stage, l.params().len())
+        })
+        .collect()
+}
+
 /// One pipeline buffer: a micro-batch's tensors between the instructions that use them.
 #[derive(Default)]
 struct Slot {
