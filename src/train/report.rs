@@ -22,6 +22,9 @@ impl Run<'_> {
             self.steps,
             data.name
         );
+        if self.cfg.dims.pp > 1 {
+            println!("{}", self.stage_map());
+        }
         for (name, on) in [
             ("wandb", self.cfg.monitor.wandb.enabled),
             ("comet", self.cfg.monitor.comet.enabled),
@@ -34,6 +37,38 @@ impl Run<'_> {
             println!("the data's loss floor (entropy rate) is {floor:.4} nats");
         }
         println!("metrics: {}", self.dir.display());
+    }
+
+    /// DeepSpeed's partition report: which layers each pipeline stage runs.
+    fn stage_map(&self) -> String {
+        let model = self.model.build();
+        let method = self.cfg.pipeline["partition"]
+            .as_str()
+            .unwrap_or("parameters");
+        let Ok(parts) = ds_engine::stage_layers(&model, self.cfg.dims.pp, method) else {
+            return "pipeline: (no partition)".into();
+        };
+        let stages: Vec<String> = parts
+            .windows(2)
+            .enumerate()
+            .map(|(s, w)| {
+                let names: Vec<String> = model.layers()[w[0]..w[1]]
+                    .iter()
+                    .map(|l| l.display_name())
+                    .collect();
+                format!(
+                    "stage {s} = layers {}..{} ({})",
+                    w[0],
+                    w[1],
+                    names.join(", ")
+                )
+            })
+            .collect();
+        format!(
+            "pipeline: {} stages by {method}: {}",
+            self.cfg.dims.pp,
+            stages.join("; ")
+        )
     }
 
     pub(super) fn summary(
