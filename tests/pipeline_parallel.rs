@@ -221,3 +221,27 @@ fn checkpointed_stages_keep_the_losses_and_hold_fewer_activations() {
         }
     }
 }
+
+/// A stage that dies brings the job down like any rank: named, within 15 s, nothing left.
+#[test]
+fn a_killed_stage_brings_the_job_down() {
+    let s = Scratch::new("pp-kill");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
+    let dir = s.path("metrics");
+    let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
+    let child = start(&format!("{launch} {} --pp 2", train(&model, 100_000, &dir)));
+    wait_for_steps(&dir, 1);
+    let needle = dir.to_str().unwrap().to_string();
+    let victim = rank_pid(&needle, 1).expect("stage 1 is running");
+    signal(victim, "KILL");
+    let f = finish(child, Duration::from_secs(15));
+    assert!(!f.status.success());
+    assert!(
+        f.stderr
+            .contains("rank 1 on host localhost was killed by SIGKILL"),
+        "{}",
+        f.stderr
+    );
+    assert_nothing_left(&needle);
+}
