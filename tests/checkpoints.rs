@@ -344,3 +344,34 @@ fn a_restarted_job_resumes_and_ends_like_an_uninterrupted_one() {
     let b = consolidate(&hit.join("ckpt"), &s.path("b.safetensors"));
     assert!(a == b, "the final parameters differ");
 }
+
+/// Note [unpublished tags]: a tag `latest` names is never overwritten; a complete tag newer
+/// than `latest` (left by a save killed between its rename and `latest`) is written afresh
+/// by the resumed run that reaches its step again.
+#[test]
+fn published_tags_are_kept_and_unpublished_leftovers_replaced() {
+    let s = Scratch::new("ckpt-leftover");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z1.json", &config(1, ""));
+    let ckpt = s.path("ckpt");
+    let job = |steps: u64, dir: &str, extra: &str| {
+        let cmd = format!(
+            "{} {} --save-dir {} --save-interval 1 {extra}",
+            launch(2, &cfg),
+            train(&model, steps, &s.path(dir)),
+            ckpt.display()
+        );
+        run(&cmd, LIMIT)
+    };
+    assert!(job(3, "first", "").status.success());
+    // again from the start: global_step1 is published history, refused
+    let again = job(3, "again", "");
+    assert_eq!(again.status.code(), Some(1), "{}", again.stderr);
+    assert!(again.stderr.contains("exists already"), "{}", again.stderr);
+    // as if the save of step 3 was killed before `latest` named it
+    std::fs::write(ckpt.join("latest"), "global_step2").unwrap();
+    let resumed = job(3, "resumed", "--resume");
+    assert!(resumed.status.success(), "{}", resumed.stderr);
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "global_step3");
+}

@@ -76,13 +76,9 @@ pub fn save(
     let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
     if group.rank() == 0 {
         if final_dir.exists() {
-            return fail_all(
-                group,
-                EngineError::file(
-                    &final_dir,
-                    "this checkpoint tag exists already; nothing was overwritten",
-                ),
-            );
+            if let Err(e) = remove_unpublished(dir, &final_dir) {
+                return fail_all(group, e);
+            }
         }
         let made = std::fs::create_dir_all(dir)
             .and_then(|_| match partial.exists() {
@@ -108,6 +104,30 @@ pub fn save(
     };
     agree(group, committed)?;
     Ok(final_dir)
+}
+
+/// Note [unpublished tags]: a save killed between renaming its directory into place and
+/// replacing `latest` leaves a complete tag that `latest` never named, one step past it. A
+/// run resumed from `latest` reaches that step again and saves the same tag: that leftover
+/// (newer than every published checkpoint) is removed and written afresh. A tag `latest` names,
+/// or one older than it, is never overwritten.
+fn remove_unpublished(dir: &Path, existing: &Path) -> Result<()> {
+    let refuse = || {
+        Err(EngineError::file(
+            existing,
+            "this checkpoint tag exists already; nothing was overwritten",
+        ))
+    };
+    let published = match latest(dir)? {
+        Some(tag) => Manifest::read(&dir.join(tag))?.global_steps,
+        None => 0,
+    };
+    match Manifest::read(existing) {
+        Ok(m) if m.global_steps > published && latest(dir)?.as_deref() != Some(&m.tag) => {
+            std::fs::remove_dir_all(existing).map_err(|e| EngineError::file(existing, e))
+        }
+        _ => refuse(),
+    }
 }
 
 /// Every rank learns whether every rank succeeded; a failure anywhere fails everywhere, so
