@@ -46,10 +46,12 @@ impl fmt::Display for NotImplemented {
 }
 
 impl Config {
-    /// The settings of this config that ds-rs cannot carry out yet: offload.
+    /// The settings of this config that ds-rs cannot carry out yet: offload, partitioned
+    /// activation checkpoints.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
         let mut found = Vec::new();
         found.extend(self.offload());
+        found.extend(self.partition_activations());
         found
     }
 
@@ -60,6 +62,20 @@ impl Config {
             true => Ok(()),
             false => Err(ConfigError::NotImplemented(found)),
         }
+    }
+
+    /// `activation_checkpointing.partition_activations` under tensor parallelism: DeepSpeed
+    /// splits the checkpointed activations over the tensor-parallel ranks; ds-rs keeps them
+    /// whole on each (with one tensor-parallel rank there is nothing to split).
+    fn partition_activations(&self) -> Option<NotImplemented> {
+        let on = self.activation_checkpointing.partition_activations && self.dims.tp > 1;
+        on.then_some(NotImplemented {
+            path: "activation_checkpointing.partition_activations",
+            value: "true".into(),
+            feature: "activation checkpoints partitioned over the tensor-parallel ranks",
+            issue: 17,
+            off: "false",
+        })
     }
 
     /// `offload_optimizer` / `offload_param` to any device (the deprecated `cpu_offload` and
@@ -144,6 +160,21 @@ mod tests {
         ];
         for (extra, path) in cases {
             assert_eq!(paths(&format!("{{{BATCH}, {extra}}}")), [path], "{extra}");
+        }
+        // partitioned activation checkpoints matter only with tensor parallelism
+        let doc = hjson::parse(&format!(
+            r#"{{{BATCH}, "activation_checkpointing": {{"partition_activations": true}}}}"#
+        ))
+        .unwrap();
+        for (tp, refused) in [(1, false), (2, true)] {
+            let c = resolve(&doc, &ParallelDims::new(2, tp, 1).unwrap()).unwrap();
+            let found: Vec<_> = c.not_implemented().iter().map(|n| n.path).collect();
+            let want = ["activation_checkpointing.partition_activations"];
+            assert_eq!(
+                found.as_slice(),
+                if refused { &want[..] } else { &[] },
+                "tp {tp}"
+            );
         }
     }
 
