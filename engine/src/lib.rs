@@ -28,6 +28,6 @@ pub mod parallel;
 pub mod schedule;
 
 pub use engine::{
-    stage_layers, Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings, StepOutcome,
-    Timings,
+    pipeline_layout, stage_layers, Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings,
+    StepOutcome, Timings,
 };

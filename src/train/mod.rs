@@ -106,25 +106,10 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     if cfg.dims.pp > 1 {
-        check_pipeline(args, &model, &cfg)?;
+        // stages that split the model's layers, a ZeRO stage that combines with them
+        ds_engine::pipeline_layout(&cfg, &model.build())?;
     }
     Ok((model, cfg))
-}
-
-/// A pipeline-parallel run: stages that split the model's layers and a ZeRO stage that
-/// combines with them.
-fn check_pipeline(args: &TrainArgs, model: &GptConfig, cfg: &Config) -> anyhow::Result<()> {
-    let stages = cfg.dims.pp;
-    if cfg.zero_stage().partitions_gradients() {
-        anyhow::bail!(
-            "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism ({stages} stages); use stage 0 or 1",
-            cfg.zero_stage()
-        );
-    }
-    let method = cfg.pipeline["partition"].as_str().unwrap_or("parameters");
-    ds_engine::stage_layers(&model.build(), stages, method)
-        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
-    Ok(())
 }
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {

@@ -28,7 +28,7 @@ use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
-pub use pipe::stage_layers;
+pub use pipe::{pipeline_layout, stage_layers};
 pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::StepOutcome;
@@ -141,14 +141,7 @@ impl Engine {
                 groups.dims()
             )));
         }
-        if config.dims.pp > 1 && config.zero_stage().partitions_gradients() {
-            // DeepSpeed's PipelineEngine asserts the same
-            return Err(EngineError::Invalid(format!(
-                "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (pp = {}); use stage 0 or 1",
-                config.zero_stage(),
-                config.dims.pp
-            )));
-        }
+
         // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
@@ -161,10 +154,7 @@ impl Engine {
         let (model, stage, stage_of) = match config.dims.pp {
             1 => (model, None, vec![0; all_specs.len()]),
             stages => {
-                let method = config.pipeline["partition"]
-                    .as_str()
-                    .unwrap_or("parameters");
-                let parts = pipe::stage_layers(&model, stages, method)?;
+                let parts = pipe::pipeline_layout(config, &model)?;
                 let stage_of = pipe::param_stages(&model, &parts);
                 let s = groups.grid().stage_id();
                 let stage = pipe::Stage {
@@ -249,7 +239,7 @@ impl Engine {
     pub fn settings(&self) -> &Settings {
         &self.settings
     }
-    /// The model's parameters, in flat order.
+    /// This rank's parameters (its pipeline stage's, whole shapes), in flat order.
     pub fn param_specs(&self) -> &[ParamSpec] {
         &self.specs
     }

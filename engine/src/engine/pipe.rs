@@ -8,7 +8,7 @@
 //! forward slot meets its odd neighbour's backward slot), so blocking transfers cannot
 //! deadlock, and all of a rank's communication stays in ds-comm's one issue order.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use ds_comm::{Element, Group};
 use ds_pipeline::partition::{partition_layers, LayerInfo, PartitionMethod};
 use ds_pipeline::pipe_schedule::{train_buffers, train_schedule, Instruction, StagePlace};
@@ -82,6 +82,23 @@ pub fn param_stages(model: &Model, parts: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// The stage boundaries of `model` for a config with `pipeline.stages` > 1, after the check
+/// DeepSpeed's PipelineEngine makes (ZeRO-2 and -3 do not combine with pipelines); `train`
+/// calls it before any rank starts, `Engine::initialize` for programs embedding the engine.
+pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Vec<usize>> {
+    let stages = config.dims.pp;
+    if config.zero_stage().partitions_gradients() {
+        return Err(EngineError::Invalid(format!(
+            "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism ({stages} stages); use stage 0 or 1",
+            config.zero_stage()
+        )));
+    }
+    let method = config.pipeline["partition"]
+        .as_str()
+        .unwrap_or("parameters");
+    stage_layers(model, stages, method)
+}
+
 /// One pipeline buffer: a micro-batch's tensors between the instructions that use them.
 #[derive(Default)]
 struct Slot {
@@ -124,7 +141,7 @@ pub(crate) fn train_batch<T: Dtype>(
             }
             Instruction::RecvActivation { buffer } => {
                 let t0 = std::time::Instant::now();
-                slots[buffer].input = Some(recv(&stage.group, stage.prev())?);
+                slots[buffer].input = Some(recv(&stage.group, stage.prev(), t.device())?);
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::ForwardPass { buffer } => {
@@ -154,7 +171,7 @@ pub(crate) fn train_batch<T: Dtype>(
             }
             Instruction::RecvGrad { buffer } => {
                 let t0 = std::time::Instant::now();
-                slots[buffer].grad = Some(recv(&stage.group, stage.next())?);
+                slots[buffer].grad = Some(recv(&stage.group, stage.next(), t.device())?);
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::BackwardPass { buffer } => {
@@ -189,7 +206,7 @@ pub(crate) fn eval_batch<T: Dtype>(
     let (ids, targets) = t.batch_tensors(batch)?;
     let input = match stage.is_first() {
         true => ids,
-        false => recv(&stage.group, stage.prev())?,
+        false => recv(&stage.group, stage.prev(), t.device())?,
     };
     let y = t.forward_stage(input, targets)?;
     t.drop_saved();
@@ -247,7 +264,7 @@ fn send(group: &Group, t: &Tensor, to: usize) -> Result<()> {
     Ok(())
 }
 
-fn recv(group: &Group, from: usize) -> Result<Tensor> {
+fn recv(group: &Group, from: usize, dev: &Device) -> Result<Tensor> {
     let mut header = [0f32; HEADER];
     group.recv(&mut header, from)?;
     let rank = header[1] as usize;
@@ -256,9 +273,9 @@ fn recv(group: &Group, from: usize) -> Result<Tensor> {
         .map(|d| *d as usize)
         .collect();
     match header[0] as u8 {
-        0 => recv_as::<f32>(group, from, dims),
-        1 => recv_as::<bf16>(group, from, dims),
-        _ => recv_as::<f16>(group, from, dims),
+        0 => recv_as::<f32>(group, from, dims, dev),
+        1 => recv_as::<bf16>(group, from, dims, dev),
+        _ => recv_as::<f16>(group, from, dims, dev),
     }
 }
 
@@ -266,8 +283,9 @@ fn recv_as<T: Element + candle_core::WithDType>(
     group: &Group,
     from: usize,
     dims: Vec<usize>,
+    dev: &Device,
 ) -> Result<Tensor> {
     let mut buf = vec![T::default(); dims.iter().product()];
     group.recv(&mut buf, from)?;
-    Ok(Tensor::from_vec(buf, dims, &candle_core::Device::Cpu)?)
+    Ok(Tensor::from_vec(buf, dims, dev)?)
 }

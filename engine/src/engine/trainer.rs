@@ -493,6 +493,11 @@ impl<T: Dtype> Trainer<T> {
         Ok(())
     }
 
+    /// The device the layers compute on (received activations land there).
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
     pub fn model(&self) -> &Model {
         &self.model
     }
