@@ -413,6 +413,21 @@ pub(crate) fn send<T: Element>(cx: &mut Ctx, buf: &[T], to: usize) -> Result<()>
     )
 }
 
+/// Point-to-point sends and receives in one exchange, all progressing together; the lengths
+/// are known to both ends (no header), and several to one peer pair up in list order.
+pub(crate) fn send_recv(
+    cx: &mut Ctx,
+    sends: &[(usize, &[u8])],
+    recvs: &mut [(usize, &mut [u8])],
+) -> Result<()> {
+    let mut sends: Vec<SendOp> = sends.iter().map(|(to, b)| SendOp::new(*to, b)).collect();
+    let mut recvs: Vec<RecvOp> = recvs
+        .iter_mut()
+        .map(|(from, b)| RecvOp::to(*from, b))
+        .collect();
+    cx.xchg(&mut sends, &mut recvs)
+}
+
 pub(crate) fn recv<T: Element>(cx: &mut Ctx, buf: &mut [T], from: usize) -> Result<()> {
     let mut header = [0u8; 8];
     cx.xchg(&mut [], &mut [RecvOp::to(from, &mut header)])?;

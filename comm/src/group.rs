@@ -328,6 +328,33 @@ impl Group {
         self.run(OpKind::Recv, bytes, |cx| algo::recv(cx, buf, from))
     }
 
+    /// A combined send and receive (Megatron's `batch_isend_irecv`): bytes to and from global
+    /// ranks in one exchange, all progressing together, so that neighbours sending to each
+    /// other at once (a ring) cannot deadlock. Each buffer meets one of the same length at its
+    /// peer; several to or from one peer pair up in list order.
+    pub fn send_recv(
+        &self,
+        sends: &[(usize, &[u8])],
+        recvs: &mut [(usize, &mut [u8])],
+    ) -> Result<()> {
+        let peers: Vec<usize> = sends
+            .iter()
+            .map(|s| s.0)
+            .chain(recvs.iter().map(|r| r.0))
+            .collect();
+        for peer in peers {
+            self.peer(peer)?;
+        }
+        let bytes = sends.iter().map(|(_, b)| b.len() as u64).sum();
+        self.run(OpKind::Send, bytes, |cx| algo::send_recv(cx, sends, recvs))
+    }
+
+    /// Sends `buf` to global rank `to` on the worker thread, in this rank's collective order:
+    /// the caller goes on computing while the bytes leave.
+    pub fn send_async<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
+        self.spawn(move |g| g.send(&buf, to))
+    }
+
     pub fn barrier(&self) -> Result<()> {
         self.run(OpKind::Barrier, 0, algo::barrier)
     }

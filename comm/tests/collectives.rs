@@ -206,8 +206,48 @@ fn broadcast_send_recv_barrier_case<T: Element>(world: usize, transport: Transpo
                 "send/recv ws{world}"
             );
         }
+        if world > 1 {
+            combined_send_recv_ring::<T>(&g, me, world);
+        }
         g.barrier().unwrap();
     });
+}
+
+/// Every rank sends to both neighbours and receives from both at once, with `send_recv`
+/// (messages far larger than any socket or ring buffer, so one-sided blocking sends would
+/// deadlock); then async sends from even ranks to the odd rank after them, received there.
+fn combined_send_recv_ring<T: Element>(g: &ds_comm::Group, me: usize, world: usize) {
+    let (next, prev) = ((me + 1) % world, (me + world - 1) % world);
+    let len = 3 << 20;
+    let fwd = input::<T>(me, len);
+    let bwd = input::<T>(me + world, 1009);
+    let (mut from_prev, mut from_next) = (vec![T::default(); len], vec![T::default(); 1009]);
+    let sends = [
+        (next, bytemuck::cast_slice::<T, u8>(&fwd)),
+        (prev, bytemuck::cast_slice::<T, u8>(&bwd)),
+    ];
+    let mut recvs = [
+        (prev, bytemuck::cast_slice_mut::<T, u8>(&mut from_prev)),
+        (next, bytemuck::cast_slice_mut::<T, u8>(&mut from_next)),
+    ];
+    g.send_recv(&sends, &mut recvs).unwrap();
+    let same = |got: &[T], rank: usize| {
+        got.iter()
+            .enumerate()
+            .all(|(i, v)| v.to_f32() == value(rank, i))
+    };
+    assert!(same(&from_prev, prev), "send_recv ws{world}: forward");
+    assert!(
+        same(&from_next, next + world),
+        "send_recv ws{world}: backward"
+    );
+
+    if me % 2 == 0 && next % 2 == 1 {
+        g.send_async(fwd, next).wait().unwrap();
+    } else if me % 2 == 1 {
+        g.recv(&mut from_prev, prev).unwrap();
+        assert!(same(&from_prev, prev), "send_async ws{world}");
+    }
 }
 
 fn every_op(world: usize, transport: Transport) {

@@ -4,5 +4,6 @@
 //! The engine executes the instructions over its stage's layers; nothing here runs a layer or
 //! moves a byte.
 
+pub mod interleaved;
 pub mod partition;
 pub mod pipe_schedule;
