@@ -80,6 +80,41 @@ fn config_check_keeps_deepspeeds_verdict_on_them_and_warns() {
     }
 }
 
+/// The `activation_checkpointing` keys that tune DeepSpeed's CUDA checkpoint storage, which
+/// ds-rs reads but does not act on (it checkpoints by recomputation), and the ds-rs extension
+/// `pipeline.virtual_stages`: one warning line each, naming the key.
+#[test]
+fn activation_checkpointing_keys_without_effect_are_warned_about() {
+    let s = Scratch::new("ac-warnings");
+    let cfg = s.write(
+        "ac.json",
+        &with(
+            r#""activation_checkpointing": {"partition_activations": true,
+                "cpu_checkpointing": true, "contiguous_memory_optimization": true,
+                "number_checkpoints": 4, "synchronize_checkpoint_boundary": true,
+                "profile": true},
+            "pipeline": {"virtual_stages": 2}"#,
+        ),
+    );
+    let f = run(&format!("config check {}", cfg.display()), LIMIT);
+    assert!(f.status.success(), "{}", f.stderr);
+    for key in [
+        "partition_activations",
+        "cpu_checkpointing",
+        "contiguous_memory_optimization",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+        "activation_checkpointing.profile",
+        "pipeline.virtual_stages",
+    ] {
+        let warned: Vec<&str> = lines_with(&f, key)
+            .into_iter()
+            .filter(|l| l.starts_with("warning:"))
+            .collect();
+        assert_eq!(warned.len(), 1, "{key}: {}", f.stdout);
+    }
+}
+
 #[test]
 fn tensor_parallel_autotp_size_is_carried_out_not_refused() {
     let s = Scratch::new("refusals-autotp");

@@ -2,7 +2,8 @@
 //! 10 steps with DeepSpeed's TrainSchedule (synchronous 1F1B) at pp = 2, pp = 4, pp = 2 x dp = 2,
 //! pp = 2 x tp = 2 and pp = 2 x tp = 2 x dp = 2 (8 ranks) gives every step's loss of the
 //! single-process run on the same global batch (8 samples: 4 micro-batches of 2 per replica
-//! at dp = 1, 2 at dp = 2). Ranks are processes started by `ds-rs launch`; bad layouts are one
+//! at dp = 1, 2 at dp = 2), and so does Megatron's interleaved schedule (virtual stages) in
+//! the same layouts. Ranks are processes started by `ds-rs launch`; bad layouts are one
 //! error line from the launcher before any rank starts.
 //!
 //! Tolerance, 1e-5 relative: stages run the same operations as one process on the same
@@ -31,11 +32,12 @@ fn pipeline_config(stage: u8, extra: &str) -> String {
     )
 }
 
-/// Each step's loss of model tiny trained 10 steps on `nproc` ranks with `args`.
-fn losses_of(name: &str, nproc: usize, stage: u8, args: &str) -> Vec<f64> {
+/// Each step's loss of model tiny trained 10 steps on `nproc` ranks with `args` (and `extra`
+/// keys in the config).
+fn losses_of(name: &str, nproc: usize, stage: u8, args: &str, extra: &str) -> Vec<f64> {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new(&format!("pp-{name}"));
-    let cfg = s.write("cfg.json", &pipeline_config(stage, ""));
+    let cfg = s.write("cfg.json", &pipeline_config(stage, extra));
     let dir = s.path("metrics");
     let cmd = format!(
         "launch --nproc_per_node {nproc} --config {} train --model tiny --steps 10 {args} \
@@ -50,13 +52,13 @@ fn losses_of(name: &str, nproc: usize, stage: u8, args: &str) -> Vec<f64> {
 
 fn reference() -> &'static Vec<f64> {
     static REFERENCE: OnceLock<Vec<f64>> = OnceLock::new();
-    REFERENCE.get_or_init(|| losses_of("reference", 1, 0, ""))
+    REFERENCE.get_or_init(|| losses_of("reference", 1, 0, "", ""))
 }
 
 #[test]
 fn pp2_and_pp4_equal_one_process() {
     for (pp, stage) in [(2, 0), (4, 1)] {
-        let got = losses_of(&format!("pp{pp}"), pp, stage, &format!("--pp {pp}"));
+        let got = losses_of(&format!("pp{pp}"), pp, stage, &format!("--pp {pp}"), "");
         assert_same_losses(&got, reference(), REL, &format!("pp={pp} ZeRO-{stage}"));
     }
 }
@@ -68,7 +70,31 @@ fn pp2_with_data_and_tensor_parallelism_equals_one_process() {
         ("pp=2 x tp=2", 4, 0, "--pp 2 --tp 2"),
         ("pp=2 x tp=2 x dp=2 ZeRO-1", 8, 1, "--pp 2 --tp 2"),
     ] {
-        let got = losses_of(&name.replace([' ', '='], ""), nproc, stage, args);
+        let got = losses_of(&name.replace([' ', '='], ""), nproc, stage, args, "");
+        assert_same_losses(&got, reference(), REL, name);
+    }
+}
+
+const INTERLEAVED: &str = r#", "pipeline": {"virtual_stages": 2}"#;
+
+/// Megatron's interleaved schedule (`pipeline.virtual_stages`: 2 model chunks per stage, the
+/// last stage's first chunk sending back to the first stage) in every layout where tiny's 7
+/// layers make 2 chunks per stage and the micro-batches are a multiple of the stages.
+#[test]
+fn interleaved_schedule_equals_one_process() {
+    for (name, nproc, stage, args) in [
+        ("pp=2 v=2", 2, 0, "--pp 2"),
+        ("pp=2 v=2 x dp=2 ZeRO-1", 4, 1, "--pp 2"),
+        ("pp=2 v=2 x tp=2", 4, 0, "--pp 2 --tp 2"),
+        ("pp=2 v=2 x tp=2 x dp=2 ZeRO-1", 8, 1, "--pp 2 --tp 2"),
+    ] {
+        let got = losses_of(
+            &name.replace([' ', '='], ""),
+            nproc,
+            stage,
+            args,
+            INTERLEAVED,
+        );
         assert_same_losses(&got, reference(), REL, name);
     }
 }
@@ -115,18 +141,29 @@ fn bad_pipeline_layouts_are_one_error_before_any_rank_starts() {
     // a type: regex that matches no layer
     let partition = r#", "pipeline": {"stages": 2, "partition": "type:attention"}"#;
     refused(2, partition, 0, "", &["type:", "attention"]);
+    // interleaving: 2 x 3 virtual stages for 4 layers; 1 micro-batch for 2 stages
+    let chunks = r#", "pipeline": {"virtual_stages": 3}"#;
+    refused(2, chunks, 0, "--pp 2", &["4 layers", "6 pipeline stages"]);
+    refused(
+        8,
+        INTERLEAVED,
+        0,
+        "--pp 2",
+        &["virtual_stages", "multiple of the pipeline stages (2)"],
+    );
 }
 
 /// Checkpoints name whole-model parameters with the stage that held them, so a run saved at
-/// pp = 2 x dp = 2 resumes at pp = 1 x dp = 2 (and the reverse) with the losses of the
-/// straight run, and `checkpoint consolidate` of a pipeline checkpoint is the whole model
+/// pp = 2 x dp = 2 (with 1F1B, and interleaved: each stage's chunks apart in the model)
+/// resumes at pp = 1 x dp = 2 (and the reverse) with the losses of the straight run, and `checkpoint consolidate` of a pipeline checkpoint is the whole model
 /// `--save-weights` wrote (byte for byte).
 #[test]
 fn pipeline_checkpoints_reshard_and_consolidate() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new("pp-ckpt");
-    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
-    let job = |nproc: usize, args: &str, dir: &str, steps: u64| {
+    let plain = s.write("cfg.json", &pipeline_config(1, ""));
+    let interleaved = s.write("interleaved.json", &pipeline_config(1, INTERLEAVED));
+    let job = |cfg: &std::path::Path, nproc: usize, args: &str, dir: &str, steps: u64| {
         let cmd = format!(
             "launch --nproc_per_node {nproc} --config {} train --model tiny --steps {steps} {args} \
              --eval-interval 0 --eval-batches 1 --metrics-dir {}",
@@ -137,11 +174,16 @@ fn pipeline_checkpoints_reshard_and_consolidate() {
         assert!(f.status.success(), "{cmd}\n{}", f.stderr);
         f
     };
-    job(2, "", "straight", 20);
+    job(&plain, 2, "", "straight", 20);
     let straight = losses(&s.path("straight"));
     for (name, first, second) in [
-        ("pp2 -> pp1", (4, "--pp 2"), (2, "")),
-        ("pp1 -> pp2", (2, ""), (4, "--pp 2")),
+        ("pp2 -> pp1", (&plain, 4, "--pp 2"), (&plain, 2, "")),
+        ("pp1 -> pp2", (&plain, 2, ""), (&plain, 4, "--pp 2")),
+        (
+            "pp2 v2 -> pp1",
+            (&interleaved, 4, "--pp 2"),
+            (&plain, 2, ""),
+        ),
     ] {
         let ckpt = s.path(&format!("ckpt-{}", name.replace(' ', "")));
         let weights = s.path(&format!("w-{}.safetensors", name.replace(' ', "")));
@@ -151,13 +193,14 @@ fn pipeline_checkpoints_reshard_and_consolidate() {
         );
         let args = format!(
             "{} --save-dir {save} --save-weights {}",
-            first.1,
+            first.2,
             weights.display()
         );
-        job(first.0, &args, &dir, 10);
+        job(first.0, first.1, &args, &dir, 10);
         let f = job(
             second.0,
-            &format!("{} --save-dir {save} --resume", second.1),
+            second.1,
+            &format!("{} --save-dir {save} --resume", second.2),
             &dir,
             20,
         );
@@ -243,5 +286,34 @@ fn a_killed_stage_brings_the_job_down() {
         "{}",
         f.stderr
     );
+    assert_nothing_left(&needle);
+}
+
+/// A stage that stops answering (SIGSTOP: alive, silent) makes its neighbour's point-to-point
+/// wait run out at the communication timeout, and the error names the silent stage, not only
+/// its rank; the job then ends, nothing left.
+#[test]
+fn a_silent_stage_is_named_when_the_transfer_times_out() {
+    let s = Scratch::new("pp-stall");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
+    let dir = s.path("metrics");
+    let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
+    let cmd = format!("{launch} {} --pp 2", train(&model, 100_000, &dir));
+    let child = spawn_captured(
+        std::process::Command::new(BIN)
+            .args(words(&cmd))
+            .env("DS_RS_COMM_TIMEOUT", "4"),
+    );
+    wait_for_steps(&dir, 1);
+    let needle = dir.to_str().unwrap().to_string();
+    let victim = rank_pid(&needle, 1).expect("stage 1 is running");
+    signal(victim, "STOP");
+    let f = finish(child, Duration::from_secs(30));
+    assert!(!f.status.success());
+    let named = f.stderr.lines().any(|l| {
+        l.contains("stage 1") && l.contains("timed out after 4s") && l.contains("rank(s) 1")
+    });
+    assert!(named, "{}", f.stderr);
     assert_nothing_left(&needle);
 }

@@ -294,6 +294,11 @@ type Runtime = (Json, CheckpointConfig, DataTypesConfig, AioConfig);
 fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
     extras::hybrid_engine(root, &mut notes.autos)?;
     let pipeline = crate::runtime::read_pipeline(root)?;
+    if pipeline.get("virtual_stages").is_some() {
+        notes.warnings.push(
+            "pipeline.virtual_stages: a ds-rs extension (Megatron-LM's interleaved schedule); DeepSpeed 0.19.8 ignores this key".into(),
+        );
+    }
     extras::data_efficiency(root)?;
     let checkpoint = CheckpointConfig::read(root, &mut notes.warnings)?;
     let data_types = DataTypesConfig::read(root, &mut notes.warnings)?;

@@ -259,8 +259,31 @@ pub fn warning_checks(root: &Dict, c: &Config) -> Result<Vec<String>> {
 
 /// Settings DeepSpeed accepts that ask for something ds-rs does not do (yet).
 pub fn unsupported_feature_warnings(root: &Dict, c: &Config) -> Vec<String> {
-    let z = &c.zero_optimization;
+    let (z, ac) = (&c.zero_optimization, &c.activation_checkpointing);
     let checks = [
+        // ds-rs checkpoints by recomputation (in_config, pipeline.activation_checkpoint_interval);
+        // these tune where DeepSpeed's CUDA implementation keeps the checkpoints
+        (
+            ac.cpu_checkpointing,
+            "activation_checkpointing.cpu_checkpointing",
+        ),
+        (
+            ac.contiguous_memory_optimization,
+            "activation_checkpointing.contiguous_memory_optimization",
+        ),
+        (
+            ac.number_checkpoints.is_some(),
+            "activation_checkpointing.number_checkpoints",
+        ),
+        (
+            ac.synchronize_checkpoint_boundary,
+            "activation_checkpointing.synchronize_checkpoint_boundary",
+        ),
+        (ac.profile, "activation_checkpointing.profile"),
+        (
+            ac.partition_activations && c.dims.tp == 1,
+            "activation_checkpointing.partition_activations at tensor-parallel size 1 (nothing to partition)",
+        ),
         (root.contains_key("data_efficiency"), "data_efficiency"),
         (root.contains_key("expert_parallel"), "expert_parallel"),
         (root.contains_key("hybrid_engine"), "hybrid_engine"),

@@ -28,6 +28,6 @@ pub mod parallel;
 pub mod schedule;
 
 pub use engine::{
-    pipeline_layout, stage_layers, Dtype, Engine, EngineOptions, MemoryReport, Precision, Settings,
+    pipeline_layout, Dtype, Engine, EngineOptions, MemoryReport, PipeLayout, Precision, Settings,
     StepOutcome, Timings,
 };

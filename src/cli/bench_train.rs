@@ -104,7 +104,8 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     if rank == 0 {
         report(args, &s, world, dp, model.T, &m);
         if dims.pp > 1 {
-            print_bubble(&bubble, dims.pp, s.grad_accum, args.json);
+            let layout = ds_engine::pipeline_layout(&cfg, &model.build())?;
+            print_bubble(&bubble, &layout, s.grad_accum, args.json);
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -137,19 +138,28 @@ fn measured_bubble(
     Ok(per_stage.iter().map(|(w, t)| w / t.max(1.0)).collect())
 }
 
-/// The measured idle fraction per stage beside 1F1B's (p - 1) / (m + p - 1).
-fn print_bubble(idle: &[f64], stages: usize, micro_batches: usize, json: bool) {
-    let theory = (stages - 1) as f64 / (micro_batches + stages - 1) as f64;
+/// The measured idle fraction per stage beside the schedule's figure in theory: 1F1B's
+/// (p - 1) / (m + p - 1), or with v virtual stages the interleaved (p - 1) / (v m + p - 1).
+fn print_bubble(idle: &[f64], layout: &ds_engine::PipeLayout, micro_batches: usize, json: bool) {
+    let (stages, chunks) = (layout.stages, layout.chunks);
+    let p = stages as f64;
+    let one_f_one_b = (p - 1.0) / (micro_batches as f64 + p - 1.0);
+    let interleaved = layout.interleaved_bubble(micro_batches);
     let row = serde_json::json!({
-        "pipeline": {"stages": stages, "micro_batches": micro_batches,
-                     "idle_fraction_per_stage": idle, "theoretical_1f1b": theory}
+        "pipeline": {"stages": stages, "virtual_stages": chunks, "micro_batches": micro_batches,
+                     "idle_fraction_per_stage": idle, "theoretical_1f1b": one_f_one_b,
+                     "theoretical_interleaved": interleaved}
     });
     match json {
         true => println!("{row}"),
         false => {
             let idle: Vec<String> = idle.iter().map(|f| format!("{:.3}", f)).collect();
+            let theory = match interleaved {
+                Some(t) => format!("interleaved x {chunks}: (p-1)/(vm+p-1) = {t:.3}; 1F1B's (p-1)/(m+p-1) = {one_f_one_b:.3}"),
+                None => format!("1F1B's (p-1)/(m+p-1) = {one_f_one_b:.3}"),
+            };
             println!(
-                "pipeline bubble: {stages} stages, {micro_batches} micro-batches: idle fraction per stage {} (1F1B's (p-1)/(m+p-1) = {theory:.3})",
+                "pipeline bubble: {stages} stages, {micro_batches} micro-batches: idle fraction per stage {} ({theory})",
                 idle.join(", ")
             );
         }

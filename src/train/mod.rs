@@ -280,9 +280,8 @@ impl Run<'_> {
         let (batches, ga) = (self.args.eval_batches.max(1), engine.settings().grad_accum);
         let mut sum = 0.0f64;
         for b in 0..batches {
-            for k in 0..ga {
-                sum += engine.eval_batch(&data.eval.micro_batch(b, k)?)? as f64;
-            }
+            let micro = |k| Ok(data.eval.micro_batch(b, k)?);
+            sum += engine.eval_batch(micro)? as f64 * ga as f64;
         }
         Ok(EvalRecord {
             step,

@@ -39,34 +39,36 @@ impl Run<'_> {
         println!("metrics: {}", self.dir.display());
     }
 
-    /// DeepSpeed's partition report: which layers each pipeline stage runs.
+    /// DeepSpeed's partition report: which layers each pipeline stage runs (each of its
+    /// model chunks, with virtual stages).
     fn stage_map(&self) -> String {
         let model = self.model.build();
         let method = self.cfg.pipeline["partition"]
             .as_str()
             .unwrap_or("parameters");
-        let Ok(parts) = ds_engine::stage_layers(&model, self.cfg.dims.pp, method) else {
+        let Ok(layout) = ds_engine::pipeline_layout(self.cfg, &model) else {
             return "pipeline: (no partition)".into();
         };
-        let stages: Vec<String> = parts
-            .windows(2)
-            .enumerate()
-            .map(|(s, w)| {
-                let names: Vec<String> = model.layers()[w[0]..w[1]]
-                    .iter()
-                    .map(|l| l.display_name())
-                    .collect();
-                format!(
-                    "stage {s} = layers {}..{} ({})",
-                    w[0],
-                    w[1],
-                    names.join(", ")
-                )
+        let chunk = |r: std::ops::Range<usize>| {
+            let names: Vec<String> = model.layers()[r.clone()]
+                .iter()
+                .map(|l| l.display_name())
+                .collect();
+            format!("layers {}..{} ({})", r.start, r.end, names.join(", "))
+        };
+        let stages: Vec<String> = (0..layout.stages)
+            .map(|s| {
+                let chunks: Vec<String> = layout.chunk_layers(s).into_iter().map(chunk).collect();
+                format!("stage {s} = {}", chunks.join(" + "))
             })
             .collect();
+        let virtual_stages = match layout.chunks {
+            1 => String::new(),
+            v => format!(" x {v} virtual"),
+        };
         format!(
-            "pipeline: {} stages by {method}: {}",
-            self.cfg.dims.pp,
+            "pipeline: {} stages{virtual_stages} by {method}: {}",
+            layout.stages,
             stages.join("; ")
         )
     }

@@ -28,7 +28,7 @@ use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
-pub use pipe::{pipeline_layout, stage_layers};
+pub use pipe::{pipeline_layout, PipeLayout};
 pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::StepOutcome;
@@ -154,19 +154,26 @@ impl Engine {
         let (model, stage, stage_of) = match config.dims.pp {
             1 => (model, None, vec![0; all_specs.len()]),
             stages => {
-                let parts = pipe::pipeline_layout(config, &model)?;
-                let stage_of = pipe::param_stages(&model, &parts);
+                let layout = pipe::pipeline_layout(config, &model)?;
+                let stage_of = layout.param_stages(&model);
                 let s = groups.grid().stage_id();
+                let chunks = layout.chunk_layers(s);
+                // the chunks as ranges of the stage's own layers
+                let mut at = 0;
+                let local = chunks
+                    .iter()
+                    .map(|r| {
+                        at += r.len();
+                        at - r.len()..at
+                    })
+                    .collect();
                 let stage = pipe::Stage {
                     group: groups.pp().clone(),
                     stage: s,
                     stages,
+                    chunks: local,
                 };
-                (
-                    model.into_stage(parts[s]..parts[s + 1]),
-                    Some(stage),
-                    stage_of,
-                )
+                (model.into_stage(&chunks), Some(stage), stage_of)
             }
         };
         let my_stage = stage.as_ref().map_or(0, |s| s.stage);
@@ -310,15 +317,25 @@ impl Engine {
         Ok((self.mean_over_ranks(loss[0])?, outcome))
     }
 
-    /// The loss of a batch without gradients, averaged over the data-parallel ranks.
-    pub fn eval_batch(&mut self, batch: &Batch) -> Result<f32> {
-        if let Some(stage) = self.stage.clone() {
-            let loss = each!(&mut self.core, t => pipe::eval_batch(t, &stage, batch))?;
-            return self.mean_over_ranks(loss);
-        }
-        let loss = self.forward(batch)?;
-        each!(&mut self.core, t => t.drop_saved());
-        self.mean_over_ranks(loss)
+    /// The loss of `gradient_accumulation_steps` micro-batches from `next` without
+    /// gradients (DeepSpeed's `eval_batch`; pipelines run its InferenceSchedule), averaged
+    /// over the micro-batches and the data-parallel ranks.
+    pub fn eval_batch(&mut self, mut next: impl FnMut(usize) -> Result<Batch>) -> Result<f32> {
+        let ga = self.settings.grad_accum;
+        let sum = match self.stage.clone() {
+            Some(stage) => each!(&mut self.core, t => pipe::eval_batch(t, &stage, ga, &mut next))?,
+            None => {
+                let mut sum = 0.0f32;
+                for k in 0..ga {
+                    let (ids, targets) = each!(&self.core, t => t.batch_tensors(&next(k)?))?;
+                    let loss = each!(&mut self.core, t => t.forward_stage(ids, targets))?;
+                    each!(&mut self.core, t => t.drop_saved());
+                    sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+                }
+                sum
+            }
+        };
+        self.mean_over_ranks(sum / ga as f32)
     }
 
     /// DeepSpeed's PipelineEngine runs whole batches only: a stage has no loss of its own.
@@ -487,27 +504,34 @@ impl Engine {
         let Some(stage) = &self.stage else {
             return Ok(mine);
         };
-        // every stage's tensors, in the whole model's order
+        // every stage's tensors one stage after another, each stage's in model order (an
+        // interleaved stage holds several chunks of the model)
         let mut counts = vec![0; stage.stages];
         for p in &self.all_params {
             counts[p.stage] += p.shape.iter().product::<usize>();
         }
-        let at: usize = counts[..stage.stage].iter().sum();
+        let mut starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |at, c| {
+                *at += c;
+                Some(*at - c)
+            })
+            .collect();
         let mut flat = vec![0f32; counts.iter().sum()];
-        let mut put = at;
+        let mut put = starts[stage.stage];
         for (_, v) in &mine {
             flat[put..put + v.len()].copy_from_slice(v);
             put += v.len();
         }
         stage.group.all_gather_v(&mut flat, &counts)?;
-        let mut taken = 0;
         Ok(self
             .all_params
             .iter()
             .map(|p| {
                 let n: usize = p.shape.iter().product();
-                taken += n;
-                (p.name.clone(), flat[taken - n..taken].to_vec())
+                let at = &mut starts[p.stage];
+                *at += n;
+                (p.name.clone(), flat[*at - n..*at].to_vec())
             })
             .collect())
     }

@@ -2,17 +2,25 @@
 //! pipe schedule (ds-pipeline's instructions) over them, with activations and gradients sent
 //! point to point between neighbouring stages.
 //!
-//! Note [pipeline transfers]: every transfer is a blocking send or receive over the pipeline
-//! group, a header (dtype and shape) then the data. DeepSpeed's schedules pair each send of a
-//! step with its neighbour's receive in the same step and the same order (an even stage's
-//! forward slot meets its odd neighbour's backward slot), so blocking transfers cannot
-//! deadlock, and all of a rank's communication stays in ds-comm's one issue order.
+//! Note [pipeline transfers]: a transfer is a header (dtype and shape) then the data, over the
+//! pipeline group, issued in the schedule's order into ds-comm's one issue order (the order
+//! rules in ARCHITECTURE.md, "Pipeline parallelism"). DeepSpeed's schedules pair each send of
+//! a step with its neighbour's receive in the same step and order, so the blocking sequence
+//! cannot deadlock; sends leave asynchronously (on the communicator's worker, in their place
+//! in the order) while the stage computes, and are waited for before the optimizer step.
+//! Receives block where the schedule puts them. The interleaved schedule, a ring, exchanges
+//! once per tick with a combined send+receive instead (Note [interleaved ticks]).
 
 use candle_core::{DType, Device, Tensor};
-use ds_comm::{Element, Group};
+use ds_comm::{Group, Work};
+use ds_pipeline::interleaved::{interleaved_schedule, Interleaving, Tick, Transfer};
 use ds_pipeline::partition::{partition_layers, LayerInfo, PartitionMethod};
-use ds_pipeline::pipe_schedule::{train_buffers, train_schedule, Instruction, StagePlace};
+use ds_pipeline::pipe_schedule::{
+    inference_schedule, train_buffers, train_schedule, Instruction, StagePlace,
+};
 use half::{bf16, f16};
+use std::collections::HashMap;
+use std::ops::Range;
 
 use super::trainer::{Micro, Trainer};
 use super::Dtype;
@@ -26,6 +34,9 @@ pub(crate) struct Stage {
     pub group: Group,
     pub stage: usize,
     pub stages: usize,
+    /// This stage's model chunks as ranges of its own layers (one chunk without
+    /// interleaving).
+    pub chunks: Vec<Range<usize>>,
 }
 
 impl Stage {
@@ -40,21 +51,69 @@ impl Stage {
     pub fn rank_of(&self, s: usize) -> usize {
         self.group.global_ranks()[s]
     }
-    pub fn prev(&self) -> usize {
-        self.rank_of(self.stage - 1)
-    }
-    pub fn next(&self) -> usize {
-        self.rank_of(self.stage + 1)
-    }
     pub fn last(&self) -> usize {
         self.rank_of(self.stages - 1)
     }
 }
 
-/// The layer ranges of the stages (`stages + 1` offsets) for `model`, by DeepSpeed's
-/// `partition_method` (`pipeline.partition`: "parameters", also what "best" means,
-/// "uniform" or "type:REGEX" over the layers' report names).
-pub fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>> {
+/// Which layers each pipeline stage runs. The model's layers are cut into `stages * chunks`
+/// virtual stages of consecutive layers (`parts`, their offsets); stage `s` runs virtual
+/// stages `s, s + stages, s + 2 stages, ...`, one model chunk each (`chunks` is 1 unless the
+/// interleaved schedule is on: `pipeline.virtual_stages`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipeLayout {
+    pub parts: Vec<usize>,
+    pub stages: usize,
+    pub chunks: usize,
+}
+
+impl PipeLayout {
+    /// The layer ranges of stage `stage`'s chunks, in chunk order.
+    pub fn chunk_layers(&self, stage: usize) -> Vec<Range<usize>> {
+        (0..self.chunks)
+            .map(|c| {
+                let v = c * self.stages + stage;
+                self.parts[v]..self.parts[v + 1]
+            })
+            .collect()
+    }
+
+    /// The stage that runs layer `layer`.
+    pub fn stage_of_layer(&self, layer: usize) -> usize {
+        (self.parts.partition_point(|&p| p <= layer) - 1) % self.stages
+    }
+
+    /// The stage of each parameter of `model`, in order.
+    pub fn param_stages(&self, model: &Model) -> Vec<usize> {
+        model
+            .layers()
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| std::iter::repeat_n(self.stage_of_layer(i), l.params().len()))
+            .collect()
+    }
+
+    /// The idle fraction of the interleaved schedule in theory, (p - 1) / (v m + p - 1)
+    /// (None: plain 1F1B).
+    pub fn interleaved_bubble(&self, micro_batches: usize) -> Option<f64> {
+        self.interleaving(micro_batches)
+            .map(ds_pipeline::interleaved::interleaved_bubble)
+    }
+
+    /// Megatron's interleaving of this layout over `micro_batches` (None: plain 1F1B).
+    pub fn interleaving(&self, micro_batches: usize) -> Option<Interleaving> {
+        (self.chunks > 1).then_some(Interleaving {
+            stages: self.stages,
+            chunks: self.chunks,
+            micro_batches,
+        })
+    }
+}
+
+/// The virtual stage offsets (`stages + 1`) for `model`, by DeepSpeed's `partition_method`
+/// (`pipeline.partition`: "parameters", also what "best" means, "uniform" or "type:REGEX"
+/// over the layers' report names).
+fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>> {
     let method = PartitionMethod::parse(method)
         .map_err(|e| EngineError::Invalid(format!("pipeline.partition: {e}")))?;
     let layers: Vec<LayerInfo> = model
@@ -69,23 +128,27 @@ pub fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<us
         .map_err(|e| EngineError::Invalid(format!("pipeline: {e}")))
 }
 
-/// The stage of each parameter of `model`, in order, for the stage boundaries `parts`.
-pub fn param_stages(model: &Model, parts: &[usize]) -> Vec<usize> {
-    model
-        .layers()
-        .iter()
-        .enumerate()
-        .flat_map(|(i, l)| {
-            let stage = parts.partition_point(|&p| p <= i) - 1;
-            std::iter::repeat_n(stage, l.params().len())
-        })
-        .collect()
+/// `pipeline.virtual_stages` (a ds-rs extension, Megatron-LM's interleaved schedule): model
+/// chunks per stage, 1 by default.
+fn virtual_stages(config: &ds_config::Config) -> Result<usize> {
+    const PATH: &str = "pipeline.virtual_stages";
+    match config.pipeline.get("virtual_stages") {
+        None | Some(serde_json::Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n >= 1)
+            .map(|n| n as usize)
+            .ok_or_else(|| {
+                EngineError::Invalid(format!("{PATH} = {v}: expected a positive integer"))
+            }),
+    }
 }
 
-/// The stage boundaries of `model` for a config with `pipeline.stages` > 1, after the check
-/// DeepSpeed's PipelineEngine makes (ZeRO-2 and -3 do not combine with pipelines); `train`
-/// calls it before any rank starts, `Engine::initialize` for programs embedding the engine.
-pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Vec<usize>> {
+/// The pipeline layout of `model` for a config with `pipeline.stages` > 1, after the checks
+/// DeepSpeed's PipelineEngine makes (ZeRO-2 and -3 do not combine with pipelines) and, with
+/// `pipeline.virtual_stages`, Megatron's for interleaving; `train` calls it before any rank
+/// starts, `Engine::initialize` for programs embedding the engine.
+pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<PipeLayout> {
     let stages = config.dims.pp;
     if config.zero_stage().partitions_gradients() {
         return Err(EngineError::Invalid(format!(
@@ -93,10 +156,26 @@ pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Vec<
             config.zero_stage()
         )));
     }
+    let chunks = virtual_stages(config)?;
     let method = config.pipeline["partition"]
         .as_str()
         .unwrap_or("parameters");
-    stage_layers(model, stages, method)
+    let layout = PipeLayout {
+        parts: stage_layers(model, stages * chunks, method)?,
+        stages,
+        chunks,
+    };
+    let micro_batches = config
+        .gradient_accumulation_steps
+        .as_i64()
+        .unwrap_or(1)
+        .max(1) as usize;
+    if let Some(shape) = layout.interleaving(micro_batches) {
+        shape.check().map_err(|e| {
+            EngineError::Invalid(format!("pipeline.virtual_stages = {chunks}: {e}"))
+        })?;
+    }
+    Ok(layout)
 }
 
 /// One pipeline buffer: a micro-batch's tensors between the instructions that use them.
@@ -112,8 +191,22 @@ struct Slot {
     micro: Micro,
 }
 
-/// Runs DeepSpeed's TrainSchedule for this stage over `micro_batches` micro-batches from
-/// `next`; returns the sum of the micro-batches' losses on the last stage (0 elsewhere) and
+/// Sends still leaving (Note [pipeline transfers]): waited for before the batch ends.
+#[derive(Default)]
+struct Pending(Vec<(usize, Work<()>)>);
+
+impl Pending {
+    fn finish(self) -> Result<()> {
+        for (peer, work) in self.0 {
+            work.wait().map_err(at_stage("sending to", peer))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs this stage's pipe schedule over `micro_batches` micro-batches from `next`:
+/// DeepSpeed's TrainSchedule, or Megatron's interleaved one when the stage has several model
+/// chunks. Returns the sum of the micro-batches' losses on the last stage (0 elsewhere) and
 /// whether the optimizer stepped.
 pub(crate) fn train_batch<T: Dtype>(
     t: &mut Trainer<T>,
@@ -121,6 +214,9 @@ pub(crate) fn train_batch<T: Dtype>(
     micro_batches: usize,
     next: &mut dyn FnMut(usize) -> Result<Batch>,
 ) -> Result<(f32, Option<super::StepOutcome>)> {
+    if stage.chunks.len() > 1 {
+        return train_batch_interleaved(t, stage, micro_batches, next);
+    }
     let place = StagePlace {
         micro_batches,
         stages: stage.stages,
@@ -128,7 +224,9 @@ pub(crate) fn train_batch<T: Dtype>(
     };
     let mut slots: Vec<Slot> = (0..train_buffers(place)).map(|_| Slot::default()).collect();
     let (mut loaded, mut loss, mut outcome) = (0, 0.0f32, None);
+    let mut pending = Pending::default();
     for cmd in train_schedule(place).into_iter().flatten() {
+        let t0 = std::time::Instant::now();
         match cmd {
             Instruction::LoadMicroBatch { buffer } => {
                 let (ids, targets) = t.batch_tensors(&next(loaded)?)?;
@@ -140,18 +238,13 @@ pub(crate) fn train_batch<T: Dtype>(
                 }
             }
             Instruction::RecvActivation { buffer } => {
-                let t0 = std::time::Instant::now();
-                slots[buffer].input = Some(recv(&stage.group, stage.prev(), t.device())?);
+                slots[buffer].input = Some(recv(stage, stage.stage - 1, t.device())?);
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::ForwardPass { buffer } => {
                 let slot = &mut slots[buffer];
                 let input = slot.input.take().ok_or_else(|| missing("input", buffer))?;
-                // middle stages have no targets of their own; the loss layer is elsewhere
-                let targets = match slot.targets.take() {
-                    Some(t) => t,
-                    None => input.zeros_like()?.to_dtype(DType::U32)?,
-                };
+                let targets = targets_or_none(slot.targets.take(), &input)?;
                 let y = t.forward_stage(input, targets)?;
                 if stage.is_last() {
                     loss += y.to_dtype(DType::F32)?.to_scalar::<f32>()?;
@@ -165,13 +258,11 @@ pub(crate) fn train_batch<T: Dtype>(
                     .output
                     .take()
                     .ok_or_else(|| missing("output", buffer))?;
-                let t0 = std::time::Instant::now();
-                send(&stage.group, &y, stage.next())?;
+                pending.0.extend(send_async(stage, &y, stage.stage + 1)?);
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::RecvGrad { buffer } => {
-                let t0 = std::time::Instant::now();
-                slots[buffer].grad = Some(recv(&stage.group, stage.next(), t.device())?);
+                slots[buffer].grad = Some(recv(stage, stage.stage + 1, t.device())?);
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::BackwardPass { buffer } => {
@@ -184,44 +275,249 @@ pub(crate) fn train_batch<T: Dtype>(
                     .grad
                     .take()
                     .ok_or_else(|| missing("gradient", buffer))?;
-                let t0 = std::time::Instant::now();
-                send(&stage.group, &dx, stage.prev())?;
+                pending.0.extend(send_async(stage, &dx, stage.stage - 1)?);
                 t.add_pipe_wait(t0.elapsed());
             }
             // no tied parameters yet; gradients are reduced at the last backward's boundary
             Instruction::ReduceTiedGrads | Instruction::ReduceGrads => {}
-            Instruction::OptimizerStep => outcome = t.step()?,
+            Instruction::OptimizerStep => {
+                let t0 = std::time::Instant::now();
+                std::mem::take(&mut pending).finish()?;
+                t.add_pipe_wait(t0.elapsed());
+                outcome = t.step()?;
+            }
         }
     }
     Ok((loss, outcome))
 }
 
-/// The loss of one micro-batch without gradients: forward stage after stage (DeepSpeed's
-/// InferenceSchedule with one micro-batch); the last stage's loss, on every stage.
+/// Middle stages have no targets of their own (the loss layer is elsewhere): zeros of the
+/// input's batch shape stand in.
+fn targets_or_none(targets: Option<Tensor>, input: &Tensor) -> Result<Tensor> {
+    match targets {
+        Some(t) => Ok(t),
+        None => Ok(input.zeros_like()?.to_dtype(DType::U32)?),
+    }
+}
+
+/// The micro-batches' token ids and targets, loaded once each as the first or last stage
+/// first needs them (in micro-batch order, as DeepSpeed's LoadMicroBatch).
+struct Loader<'a> {
+    next: &'a mut dyn FnMut(usize) -> Result<Batch>,
+    loaded: HashMap<usize, (Option<Tensor>, Option<Tensor>)>,
+}
+
+impl Loader<'_> {
+    fn get<T: Dtype>(
+        &mut self,
+        t: &Trainer<T>,
+        micro: usize,
+    ) -> Result<&mut (Option<Tensor>, Option<Tensor>)> {
+        if !self.loaded.contains_key(&micro) {
+            let (ids, targets) = t.batch_tensors(&(self.next)(micro)?)?;
+            self.loaded.insert(micro, (Some(ids), Some(targets)));
+        }
+        Ok(self.loaded.get_mut(&micro).expect("inserted above"))
+    }
+}
+
+/// Megatron's interleaved 1F1B (ds-pipeline's `interleaved`): this stage's ticks, each one
+/// chunk's forward or backward and then one combined exchange with the neighbours.
+fn train_batch_interleaved<T: Dtype>(
+    t: &mut Trainer<T>,
+    stage: &Stage,
+    micro_batches: usize,
+    next: &mut dyn FnMut(usize) -> Result<Batch>,
+) -> Result<(f32, Option<super::StepOutcome>)> {
+    let shape = Interleaving {
+        stages: stage.stages,
+        chunks: stage.chunks.len(),
+        micro_batches,
+    };
+    let ticks: Vec<Tick> = interleaved_schedule(shape)
+        .map_err(|e| EngineError::Invalid(format!("pipeline.virtual_stages: {e}")))?
+        .swap_remove(stage.stage);
+    let last_chunk = stage.chunks.len() - 1;
+    let mut loader = Loader {
+        next,
+        loaded: HashMap::new(),
+    };
+    // (chunk, micro) -> what arrived or is to leave
+    let (mut inputs, mut grads) = (HashMap::new(), HashMap::new());
+    let (mut outputs, mut dxs) = (HashMap::new(), HashMap::new());
+    let mut micros: HashMap<(usize, usize), Micro> = HashMap::new();
+    let mut loss = 0.0f32;
+    for tick in ticks {
+        if let Some(w) = tick.work {
+            let key = (w.chunk, w.micro);
+            let layers = stage.chunks[w.chunk].clone();
+            let first = stage.is_first() && w.chunk == 0;
+            let last = stage.is_last() && w.chunk == last_chunk;
+            if w.forward {
+                let input = match first {
+                    true => loader.get(t, w.micro)?.0.take(),
+                    false => inputs.remove(&key),
+                };
+                let input = input.ok_or_else(|| missing("input", w.micro))?;
+                let targets = match last {
+                    true => loader.get(t, w.micro)?.1.take(),
+                    false => None,
+                };
+                let targets = targets_or_none(targets, &input)?;
+                let y = t.forward_layers(layers, input, targets)?;
+                match last {
+                    true => loss += y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                    false => drop(outputs.insert(key, y)),
+                }
+                micros.insert(key, t.take_micro());
+            } else {
+                let micro = micros
+                    .remove(&key)
+                    .ok_or_else(|| missing("forward", w.micro))?;
+                t.put_micro(micro);
+                let dy = match last {
+                    true => None,
+                    false => Some(
+                        grads
+                            .remove(&key)
+                            .ok_or_else(|| missing("gradient", w.micro))?,
+                    ),
+                };
+                // chunk 0's backward is the micro-batch's last on this stage
+                if let Some(dx) = t.backward_layers(dy, w.chunk == 0)? {
+                    if !first {
+                        dxs.insert(key, dx);
+                    }
+                }
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let sends = tick
+            .sends
+            .iter()
+            .map(|x| {
+                let key = (x.chunk, x.micro);
+                let held = match x.activation {
+                    true => outputs.remove(&key),
+                    false => dxs.remove(&key),
+                };
+                held.map(|t| (x.peer, t))
+                    .ok_or_else(|| missing("tensor to send", x.micro))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let from: Vec<usize> = tick.recvs.iter().map(|x| x.peer).collect();
+        let got = exchange(stage, sends, &from, t.device())?;
+        for (x, tensor) in tick.recvs.iter().zip(got) {
+            let Transfer { chunk, micro, .. } = *x;
+            match x.activation {
+                true => inputs.insert((chunk, micro), tensor),
+                false => grads.insert((chunk, micro), tensor),
+            };
+        }
+        t.add_pipe_wait(t0.elapsed());
+    }
+    Ok((loss, t.step()?))
+}
+
+/// The summed loss of `micro_batches` micro-batches from `next` without gradients, on every
+/// stage: DeepSpeed's InferenceSchedule (two buffers, neighbours' sends and receives paired
+/// by stage parity); with model chunks, each micro-batch goes round the stages chunk by chunk.
 pub(crate) fn eval_batch<T: Dtype>(
     t: &mut Trainer<T>,
     stage: &Stage,
-    batch: &Batch,
+    micro_batches: usize,
+    next: &mut dyn FnMut(usize) -> Result<Batch>,
 ) -> Result<f32> {
-    let (ids, targets) = t.batch_tensors(batch)?;
-    let input = match stage.is_first() {
-        true => ids,
-        false => recv(&stage.group, stage.prev(), t.device())?,
-    };
-    let y = t.forward_stage(input, targets)?;
-    t.drop_saved();
     let mut loss = [0f32];
-    match stage.is_last() {
-        true => loss[0] = y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
-        false => send(&stage.group, &y, stage.next())?,
+    if stage.chunks.len() > 1 {
+        for micro in 0..micro_batches {
+            loss[0] += eval_round(t, stage, &next(micro)?)?;
+        }
+    } else {
+        let place = StagePlace {
+            micro_batches,
+            stages: stage.stages,
+            stage: stage.stage,
+        };
+        let mut slots: [Slot; 2] = Default::default();
+        let (mut loaded, mut pending) = (0, Pending::default());
+        for cmd in inference_schedule(place).into_iter().flatten() {
+            match cmd {
+                Instruction::LoadMicroBatch { buffer } => {
+                    let (ids, targets) = t.batch_tensors(&next(loaded)?)?;
+                    loaded += 1;
+                    slots[buffer].targets = Some(targets);
+                    if stage.is_first() {
+                        slots[buffer].input = Some(ids);
+                    }
+                }
+                Instruction::RecvActivation { buffer } => {
+                    slots[buffer].input = Some(recv(stage, stage.stage - 1, t.device())?);
+                }
+                Instruction::ForwardPass { buffer } => {
+                    let slot = &mut slots[buffer];
+                    let input = slot.input.take().ok_or_else(|| missing("input", buffer))?;
+                    let targets = targets_or_none(slot.targets.take(), &input)?;
+                    let y = t.forward_stage(input, targets)?;
+                    t.drop_saved();
+                    match stage.is_last() {
+                        true => loss[0] += y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                        false => slot.output = Some(y),
+                    }
+                }
+                Instruction::SendActivation { buffer } => {
+                    let y = slots[buffer]
+                        .output
+                        .take()
+                        .ok_or_else(|| missing("output", buffer))?;
+                    pending.0.extend(send_async(stage, &y, stage.stage + 1)?);
+                }
+                other => {
+                    return Err(EngineError::Invalid(format!(
+                        "inference schedule: unexpected {}",
+                        other.name()
+                    )))
+                }
+            }
+        }
+        pending.finish()?;
     }
     stage.group.broadcast(&mut loss, stage.last())?;
     Ok(loss[0])
 }
 
-fn missing(what: &str, buffer: usize) -> EngineError {
+/// One micro-batch forward through every chunk of an interleaved pipeline, one virtual stage
+/// after another (a chain: one transfer in flight at a time); the loss on every stage's
+/// return value is the last virtual stage's (0 elsewhere).
+fn eval_round<T: Dtype>(t: &mut Trainer<T>, stage: &Stage, batch: &Batch) -> Result<f32> {
+    let (ids, targets) = t.batch_tensors(batch)?;
+    let (p, last_chunk) = (stage.stages, stage.chunks.len() - 1);
+    let (mut ids, mut targets) = (Some(ids), Some(targets));
+    let mut loss = 0.0;
+    for (c, layers) in stage.chunks.clone().into_iter().enumerate() {
+        let first = stage.is_first() && c == 0;
+        let last = stage.is_last() && c == last_chunk;
+        let input = match first {
+            true => ids.take().expect("chunk 0 runs once"),
+            false => recv(stage, (stage.stage + p - 1) % p, t.device())?,
+        };
+        let tg = match last {
+            true => targets.take().expect("the last chunk runs once"),
+            false => targets_or_none(None, &input)?,
+        };
+        let y = t.forward_layers(layers, input, tg)?;
+        t.drop_saved();
+        match last {
+            true => loss = y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+            false => send(stage, &y, (stage.stage + 1) % p)?,
+        }
+    }
+    Ok(loss)
+}
+
+fn missing(what: &str, at: usize) -> EngineError {
     EngineError::Invalid(format!(
-        "pipe schedule: no {what} in buffer {buffer} (an instruction out of order)"
+        "pipe schedule: no {what} for buffer or micro-batch {at} (an instruction out of order)"
     ))
 }
 
@@ -229,63 +525,185 @@ fn missing(what: &str, buffer: usize) -> EngineError {
 /// exactly below 2^24).
 const HEADER: usize = 8;
 
-fn send(group: &Group, t: &Tensor, to: usize) -> Result<()> {
-    let dims = t.dims();
-    if dims.len() > HEADER - 2 {
-        return Err(EngineError::Invalid(format!(
-            "pipeline: a tensor of {} dimensions cannot be sent (at most {})",
-            dims.len(),
-            HEADER - 2
-        )));
-    }
-    let code = match t.dtype() {
-        DType::F32 => 0.0,
-        DType::BF16 => 1.0,
-        DType::F16 => 2.0,
-        d => {
+/// A tensor's elements on their way to or from another stage.
+enum Payload {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+/// A tensor as it crosses: its header and its elements.
+struct Wire {
+    header: [f32; HEADER],
+    payload: Payload,
+}
+
+impl Wire {
+    fn of(t: &Tensor) -> Result<Wire> {
+        let dims = t.dims();
+        if dims.len() > HEADER - 2 {
             return Err(EngineError::Invalid(format!(
-                "pipeline: cannot send {d:?} tensors"
-            )))
+                "pipeline: a tensor of {} dimensions cannot be sent (at most {})",
+                dims.len(),
+                HEADER - 2
+            )));
         }
+        let flat = t.flatten_all()?;
+        let (code, payload) = match t.dtype() {
+            DType::F32 => (0.0, Payload::F32(flat.to_vec1()?)),
+            DType::BF16 => (1.0, Payload::Bf16(flat.to_vec1()?)),
+            DType::F16 => (2.0, Payload::F16(flat.to_vec1()?)),
+            d => {
+                return Err(EngineError::Invalid(format!(
+                    "pipeline: cannot send {d:?} tensors"
+                )))
+            }
+        };
+        let mut header = [0f32; HEADER];
+        header[0] = code;
+        header[1] = dims.len() as f32;
+        for (h, d) in header[2..].iter_mut().zip(dims) {
+            *h = *d as f32;
+        }
+        Ok(Wire { header, payload })
+    }
+
+    /// Room for the tensor a received header announces.
+    fn expect(header: [f32; HEADER]) -> Wire {
+        let n = Self::dims_of(&header).iter().product();
+        let payload = match header[0] as u8 {
+            0 => Payload::F32(vec![0.0; n]),
+            1 => Payload::Bf16(vec![bf16::ZERO; n]),
+            _ => Payload::F16(vec![f16::ZERO; n]),
+        };
+        Wire { header, payload }
+    }
+
+    fn dims_of(header: &[f32; HEADER]) -> Vec<usize> {
+        let rank = (header[1] as usize).min(HEADER - 2);
+        header[2..2 + rank].iter().map(|d| *d as usize).collect()
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.payload {
+            Payload::F32(v) => bytemuck::cast_slice(v),
+            Payload::Bf16(v) => bytemuck::cast_slice(v),
+            Payload::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.payload {
+            Payload::F32(v) => bytemuck::cast_slice_mut(v),
+            Payload::Bf16(v) => bytemuck::cast_slice_mut(v),
+            Payload::F16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+
+    fn into_tensor(self, dev: &Device) -> Result<Tensor> {
+        let dims = Self::dims_of(&self.header);
+        Ok(match self.payload {
+            Payload::F32(v) => Tensor::from_vec(v, dims, dev)?,
+            Payload::Bf16(v) => Tensor::from_vec(v, dims, dev)?,
+            Payload::F16(v) => Tensor::from_vec(v, dims, dev)?,
+        })
+    }
+}
+
+/// Names the neighbour of a failed transfer by its stage (the error already names its rank).
+fn at_stage(what: &str, peer: usize) -> impl FnOnce(ds_comm::CommError) -> EngineError {
+    let what = format!("pipeline: {what} stage {peer}");
+    move |e| EngineError::Comm(e.during(&what))
+}
+
+fn send(stage: &Stage, t: &Tensor, to: usize) -> Result<()> {
+    let wire = Wire::of(t)?;
+    let rank = stage.rank_of(to);
+    let g = &stage.group;
+    let sent = g
+        .send(&wire.header, rank)
+        .and_then(|_| match &wire.payload {
+            Payload::F32(v) => g.send(v, rank),
+            Payload::Bf16(v) => g.send(v, rank),
+            Payload::F16(v) => g.send(v, rank),
+        });
+    sent.map_err(at_stage("sending to", to))
+}
+
+/// Sends `t` to stage `to` on the communicator's worker thread, in this rank's issue order:
+/// the stage goes on computing while it leaves (Note [pipeline transfers]).
+fn send_async(stage: &Stage, t: &Tensor, to: usize) -> Result<Vec<(usize, Work<()>)>> {
+    let wire = Wire::of(t)?;
+    let rank = stage.rank_of(to);
+    let header = stage.group.send_async(wire.header.to_vec(), rank);
+    let data = match wire.payload {
+        Payload::F32(v) => stage.group.send_async(v, rank),
+        Payload::Bf16(v) => stage.group.send_async(v, rank),
+        Payload::F16(v) => stage.group.send_async(v, rank),
     };
-    let mut header = [0f32; HEADER];
-    header[0] = code;
-    header[1] = dims.len() as f32;
-    for (h, d) in header[2..].iter_mut().zip(dims) {
-        *h = *d as f32;
-    }
-    group.send(&header, to)?;
-    let flat = t.flatten_all()?;
-    match t.dtype() {
-        DType::F32 => group.send(&flat.to_vec1::<f32>()?, to)?,
-        DType::BF16 => group.send(&flat.to_vec1::<bf16>()?, to)?,
-        _ => group.send(&flat.to_vec1::<f16>()?, to)?,
-    }
-    Ok(())
+    Ok(vec![(to, header), (to, data)])
 }
 
-fn recv(group: &Group, from: usize, dev: &Device) -> Result<Tensor> {
+fn recv(stage: &Stage, from: usize, dev: &Device) -> Result<Tensor> {
+    let rank = stage.rank_of(from);
     let mut header = [0f32; HEADER];
-    group.recv(&mut header, from)?;
-    let rank = header[1] as usize;
-    let dims: Vec<usize> = header[2..2 + rank.min(HEADER - 2)]
-        .iter()
-        .map(|d| *d as usize)
-        .collect();
-    match header[0] as u8 {
-        0 => recv_as::<f32>(group, from, dims, dev),
-        1 => recv_as::<bf16>(group, from, dims, dev),
-        _ => recv_as::<f16>(group, from, dims, dev),
+    stage
+        .group
+        .recv(&mut header, rank)
+        .map_err(at_stage("receiving from", from))?;
+    let mut wire = Wire::expect(header);
+    let g = &stage.group;
+    match &mut wire.payload {
+        Payload::F32(v) => g.recv(v, rank),
+        Payload::Bf16(v) => g.recv(v, rank),
+        Payload::F16(v) => g.recv(v, rank),
     }
+    .map_err(at_stage("receiving from", from))?;
+    wire.into_tensor(dev)
 }
 
-fn recv_as<T: Element + candle_core::WithDType>(
-    group: &Group,
-    from: usize,
-    dims: Vec<usize>,
+/// One tick's exchange (Note [interleaved ticks]): the headers of every tensor both ways,
+/// then their elements, each as one combined send+receive with both neighbours.
+fn exchange(
+    stage: &Stage,
+    sends: Vec<(usize, Tensor)>,
+    from: &[usize],
     dev: &Device,
-) -> Result<Tensor> {
-    let mut buf = vec![T::default(); dims.iter().product()];
-    group.recv(&mut buf, from)?;
-    Ok(Tensor::from_vec(buf, dims, dev)?)
+) -> Result<Vec<Tensor>> {
+    let out: Vec<(usize, Wire)> = sends
+        .iter()
+        .map(|(to, t)| Ok((stage.rank_of(*to), Wire::of(t)?)))
+        .collect::<Result<_>>()?;
+    let from: Vec<usize> = from.iter().map(|&s| stage.rank_of(s)).collect();
+    let what = format!(
+        "pipeline: stage {} exchanging with its neighbours",
+        stage.stage
+    );
+    let fail = |e: ds_comm::CommError| EngineError::Comm(e.during(&what));
+    let mut headers = vec![[0f32; HEADER]; from.len()];
+    let head_out: Vec<(usize, &[u8])> = out
+        .iter()
+        .map(|(r, w)| (*r, bytemuck::cast_slice(&w.header[..])))
+        .collect();
+    let mut head_in: Vec<(usize, &mut [u8])> = from
+        .iter()
+        .zip(headers.iter_mut())
+        .map(|(r, h)| (*r, bytemuck::cast_slice_mut(&mut h[..])))
+        .collect();
+    stage
+        .group
+        .send_recv(&head_out, &mut head_in)
+        .map_err(fail)?;
+    let mut wires: Vec<Wire> = headers.into_iter().map(Wire::expect).collect();
+    let data_out: Vec<(usize, &[u8])> = out.iter().map(|(r, w)| (*r, w.bytes())).collect();
+    let mut data_in: Vec<(usize, &mut [u8])> = from
+        .iter()
+        .zip(wires.iter_mut())
+        .map(|(r, w)| (*r, w.bytes_mut()))
+        .collect();
+    stage
+        .group
+        .send_recv(&data_out, &mut data_in)
+        .map_err(fail)?;
+    wires.into_iter().map(|w| w.into_tensor(dev)).collect()
 }

@@ -80,6 +80,8 @@ pub(crate) struct Trainer<T: Dtype> {
     /// The first layer reads token ids (the model's first stage), not activations.
     takes_ids: bool,
     saved: Vec<Saved>,
+    /// The layers the micro-batch in `saved` ran forward through.
+    running: Range<usize>,
     targets: Option<Tensor>,
     micro_steps: u64,
     timings: Timings,
@@ -90,6 +92,7 @@ pub(crate) struct Trainer<T: Dtype> {
 #[derive(Default)]
 pub(crate) struct Micro {
     saved: Vec<Saved>,
+    running: Range<usize>,
     targets: Option<Tensor>,
 }
 
@@ -158,6 +161,7 @@ impl<T: Dtype> Trainer<T> {
             dp,
             takes_ids: first_stage,
             saved: Vec::new(),
+            running: 0..0,
             targets: None,
             micro_steps: 0,
             timings: Timings::default(),
@@ -239,16 +243,28 @@ impl<T: Dtype> Trainer<T> {
     /// Forward of one micro-batch over this rank's layers from `x` (token ids on the first
     /// stage, the previous stage's activations on the others); returns the last layer's
     /// output (the loss on the last stage).
-    pub fn forward_stage(&mut self, mut x: Tensor, targets: Tensor) -> Result<Tensor> {
+    pub fn forward_stage(&mut self, x: Tensor, targets: Tensor) -> Result<Tensor> {
+        self.forward_layers(0..self.model.layers().len(), x, targets)
+    }
+
+    /// Forward of one micro-batch over this rank's layers `layers` (a model chunk of an
+    /// interleaved pipeline, or all of them).
+    pub fn forward_layers(
+        &mut self,
+        layers: Range<usize>,
+        mut x: Tensor,
+        targets: Tensor,
+    ) -> Result<Tensor> {
         let t0 = Instant::now();
         self.targets = Some(targets);
         self.saved.clear();
-        let n = self.model.layers().len();
-        for i in 0..n {
+        self.running = layers.clone();
+        for i in layers.clone() {
             let t_layer = Instant::now();
-            let params = self.materialise(i, (i + 1 < n).then_some(i + 1))?;
+            let params = self.materialise(i, (i + 1 < layers.end).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
-            let checkpoint = i.is_multiple_of(self.settings.checkpoint_interval);
+            // the chunk's first layer always keeps its input (Note [checkpoint segments])
+            let checkpoint = (i - layers.start).is_multiple_of(self.settings.checkpoint_interval);
             self.saved.push(match (self.keep_graph[i], checkpoint) {
                 (true, _) => Saved::Kept(self.release_params(kept)),
                 (false, true) => Saved::Input(x),
@@ -276,7 +292,19 @@ impl<T: Dtype> Trainer<T> {
     /// stage's output (None on the last stage: the loss seed); returns the gradient of the
     /// stage's input (None on the first stage: token ids have none).
     pub fn backward_stage(&mut self, dy: Option<Tensor>) -> Result<Option<Tensor>> {
-        if self.saved.len() != self.model.layers().len() {
+        self.backward_layers(dy, true)
+    }
+
+    /// Backward of the last forward (`forward_layers`) over its layers; `ends_micro` when no
+    /// other chunk of this micro-batch is left to differentiate on this rank (the micro-step,
+    /// and a possible accumulation boundary, ends here).
+    pub fn backward_layers(
+        &mut self,
+        dy: Option<Tensor>,
+        ends_micro: bool,
+    ) -> Result<Option<Tensor>> {
+        let layers = self.running.clone();
+        if self.saved.len() != layers.len() || layers.is_empty() {
             return Err(EngineError::Invalid(
                 "backward() needs a forward() first".into(),
             ));
@@ -285,10 +313,11 @@ impl<T: Dtype> Trainer<T> {
         let seed = self.updater.loss_scale() / self.settings.grad_accum as f64;
         let mut dy = dy;
         let mut dx_input = None;
-        for i in (0..self.saved.len()).rev() {
+        for k in (0..self.saved.len()).rev() {
+            let i = layers.start + k;
             let t_layer = Instant::now();
             if matches!(self.saved.last(), Some(Saved::Dropped)) {
-                self.recompute_segment(i)?;
+                self.recompute_segment(k)?;
             }
             let kept = match self.saved.pop().expect("invariant: one per layer") {
                 Saved::Kept(Kept::Tape { tape, params: None }) => {
@@ -297,7 +326,8 @@ impl<T: Dtype> Trainer<T> {
                 }
                 Saved::Kept(kept) => kept,
                 Saved::Input(x) => {
-                    let params = self.materialise(i, i.checked_sub(1))?;
+                    let before = (k > 0).then(|| i - 1);
+                    let params = self.materialise(i, before)?;
                     self.run_layer(i, params, x)?.1
                 }
                 Saved::Dropped => unreachable!("recompute_segment replaced it"),
@@ -309,7 +339,7 @@ impl<T: Dtype> Trainer<T> {
                 let range = self.layer_flat[i].clone();
                 g.with_parts(|parts| Ok(self.zero.add_grad(range, parts)?))?;
             }
-            dy = match (i, dx) {
+            dy = match (k, dx) {
                 (0, dx) => {
                     dx_input = dx;
                     None
@@ -323,9 +353,11 @@ impl<T: Dtype> Trainer<T> {
             };
             add_at(&mut self.timings.layer_backward, i, t_layer.elapsed());
         }
-        let boundary = self.is_boundary();
-        self.zero.finish_backward(boundary)?;
-        self.micro_steps += 1;
+        if ends_micro {
+            let boundary = self.is_boundary();
+            self.zero.finish_backward(boundary)?;
+            self.micro_steps += 1;
+        }
         self.timings.backward += t0.elapsed();
         Ok(dx_input)
     }
@@ -335,6 +367,7 @@ impl<T: Dtype> Trainer<T> {
     pub fn take_micro(&mut self) -> Micro {
         Micro {
             saved: std::mem::take(&mut self.saved),
+            running: std::mem::take(&mut self.running),
             targets: self.targets.take(),
         }
     }
@@ -342,6 +375,7 @@ impl<T: Dtype> Trainer<T> {
     /// Puts back a micro-batch taken with `take_micro`.
     pub fn put_micro(&mut self, m: Micro) {
         self.saved = m.saved;
+        self.running = m.running;
         self.targets = m.targets;
     }
 
@@ -355,13 +389,14 @@ impl<T: Dtype> Trainer<T> {
         let start = (0..=top)
             .rev()
             .find(|&j| matches!(self.saved[j], Saved::Input(_)))
-            .expect("invariant: layer 0 keeps its input");
+            .expect("invariant: a chunk's first layer keeps its input");
         let Saved::Input(mut x) = std::mem::replace(&mut self.saved[start], Saved::Dropped) else {
             unreachable!("found above")
         };
+        let first = self.running.start;
         for j in start..=top {
-            let params = self.materialise(j, None)?;
-            let (y, kept) = self.run_layer(j, params, x)?;
+            let params = self.materialise(first + j, None)?;
+            let (y, kept) = self.run_layer(first + j, params, x)?;
             self.saved[j] = Saved::Kept(self.release_params(kept));
             x = y;
         }
@@ -525,6 +560,7 @@ impl<T: Dtype> Trainer<T> {
     /// Forgets a forward that will not be followed by backward (evaluation).
     pub fn drop_saved(&mut self) {
         self.saved.clear();
+        self.running = 0..0;
     }
 }
 

@@ -205,14 +205,15 @@ impl Model {
         self.layers.iter().flat_map(|l| l.params()).collect()
     }
 
-    /// Only layers `range` (a pipeline stage's), in order.
-    pub fn into_stage(self, range: std::ops::Range<usize>) -> Model {
+    /// Only the layers in `ranges` (a pipeline stage's model chunks), in order.
+    pub fn into_stage(self, ranges: &[std::ops::Range<usize>]) -> Model {
         Model {
             layers: self
                 .layers
                 .into_iter()
-                .skip(range.start)
-                .take(range.len())
+                .enumerate()
+                .filter(|(i, _)| ranges.iter().any(|r| r.contains(i)))
+                .map(|(_, l)| l)
                 .collect(),
         }
     }
