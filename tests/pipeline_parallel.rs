@@ -317,3 +317,65 @@ fn a_silent_stage_is_named_when_the_transfer_times_out() {
     assert!(named, "{}", f.stderr);
     assert_nothing_left(&needle);
 }
+
+/// A GPT whose LM head is tied to the token embedding (`"tie_embeddings": true` in the model
+/// JSON; DeepSpeed's TiedLayerSpec): the two uses sit on the first and last stages, so their
+/// gradients cross stages (ReduceTiedGrads) where one process sums them locally. The same
+/// losses in every layout; the two copies still bit-identical after training (summed
+/// gradients, the same update); and tying changes the model (the untied run differs).
+#[test]
+fn tied_embeddings_train_alike_across_stages() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Scratch::new("pp-tied");
+    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
+    let model = |tied: bool| {
+        let text =
+            format!(r#"{{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2, "tie_embeddings": {tied}}}"#);
+        s.write(&format!("model-{tied}.json"), &text)
+    };
+    let job = |name: &str, tied: bool, nproc: usize, args: &str| {
+        let (dir, weights) = (s.path(name), s.path(&format!("{name}.safetensors")));
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} --config {} train --model {} --steps 10 {args} \
+             --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-weights {}",
+            cfg.display(),
+            model(tied).display(),
+            dir.display(),
+            weights.display()
+        );
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+        let w = read_weights(&weights);
+        (losses(&dir), w)
+    };
+    let (one, w) = job("one", true, 1, "");
+    assert_eq!(w["wte.weight"], w["lm_head.weight"], "one process");
+    for (name, nproc, args) in [("pp2", 2, "--pp 2"), ("pp2dp2", 4, "--pp 2")] {
+        let (got, w) = job(name, true, nproc, args);
+        assert_same_losses(&got, &one, REL, name);
+        let same = w["wte.weight"] == w["lm_head.weight"];
+        assert!(same, "{name}: the tied copies drifted apart");
+    }
+    let (untied, _) = job("untied", false, 1, "");
+    let differs = untied
+        .iter()
+        .zip(&one)
+        .any(|(a, b)| (a - b).abs() > 1e-3 * b.abs());
+    assert!(differs, "tying changed nothing: {untied:?} vs {one:?}");
+}
+
+fn read_weights(path: &std::path::Path) -> std::collections::HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let v = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (name, v)
+        })
+        .collect()
+}

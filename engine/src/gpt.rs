@@ -42,6 +42,10 @@ pub struct GptConfig {
     pub H: usize,
     /// Blocks.
     pub L: usize,
+    /// The LM head reads the token embedding (`lm_head.weight` tied to `wte.weight`); the
+    /// peer's model, and the default, is untied.
+    #[serde(default)]
+    pub tie_embeddings: bool,
 }
 
 /// The presets of ../shared/bench/gpt.py.
@@ -54,6 +58,7 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             d: 256,
             H: 4,
             L: 4,
+            tie_embeddings: false,
         },
     ),
     (
@@ -64,6 +69,7 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             d: 512,
             H: 8,
             L: 6,
+            tie_embeddings: false,
         },
     ),
     (
@@ -74,6 +80,7 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             d: 768,
             H: 12,
             L: 12,
+            tie_embeddings: false,
         },
     ),
 ];
@@ -94,7 +101,7 @@ impl GptConfig {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let GptConfig { V, T, d, H, L } = *self;
+        let GptConfig { V, T, d, H, L, .. } = *self;
         if [V, T, d, H, L].contains(&0) {
             return Err(format!("every size must be positive, got {self:?}"));
         }
@@ -104,10 +111,12 @@ impl GptConfig {
         Ok(())
     }
 
-    /// Parameter count: embeddings, L blocks of 12d^2 + 13d, final LayerNorm, lm_head.
+    /// Parameter count: embeddings, L blocks of 12d^2 + 13d, final LayerNorm, lm_head
+    /// (once: a tied head is the embedding).
     pub fn n_params(&self) -> usize {
         let GptConfig { V, T, d, L, .. } = *self;
-        V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d + V * d
+        let head = if self.tie_embeddings { 0 } else { V * d };
+        V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d + head
     }
 
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
@@ -519,7 +528,7 @@ fn scale(hd: usize) -> f64 {
     1.0 / (hd as f64).sqrt()
 }
 
-/// Final LayerNorm and the untied lm_head: [B, T, d] to logits [B, T, V]; under tensor
+/// Final LayerNorm and lm_head (tied to wte with `tie_embeddings`): [B, T, d] to logits [B, T, V]; under tensor
 /// parallelism lm_head is split by vocabulary rows and a rank's logits are its V/tp columns.
 struct Head(GptConfig, Tp);
 
@@ -556,10 +565,14 @@ impl Head {
 impl Layer for Head {
     fn params(&self) -> Vec<ParamSpec> {
         let c = self.0;
+        let head = ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0));
         vec![
             ParamSpec::new("ln_f.weight", &[c.d], Init::Ones),
             ParamSpec::new("ln_f.bias", &[c.d], Init::Zeros),
-            ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0)),
+            match c.tie_embeddings {
+                true => head.tied_to("wte.weight"),
+                false => head,
+            },
         ]
     }
 
@@ -795,6 +808,7 @@ mod tests {
             d: 16,
             H: 2,
             L: 1,
+            tie_embeddings: false,
         };
         let (b, t) = (3, 7); // t < T exercises the unused positions of wpe
         let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % c.V) as u32).collect();

@@ -14,6 +14,7 @@ const MODEL: GptConfig = GptConfig {
     d: 16,
     H: 2,
     L: 1,
+    tie_embeddings: false,
 };
 
 fn config(json: &str, world: usize, tp: usize) -> ds_config::Config {

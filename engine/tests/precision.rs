@@ -28,6 +28,7 @@ const SMALL: GptConfig = GptConfig {
     d: 64,
     H: 4,
     L: 2,
+    tie_embeddings: false,
 };
 
 fn batch(step: u64, rank: usize) -> Batch {

@@ -17,6 +17,7 @@ const GPT: GptConfig = GptConfig {
     d: 32,
     H: 4,
     L: 2,
+    tie_embeddings: false,
 };
 
 /// Parameters one tensor-parallel rank holds, from the architecture (not from the code's

@@ -291,6 +291,7 @@ const GPT: GptConfig = GptConfig {
     d: 256,
     H: 4,
     L: 8,
+    tie_embeddings: false,
 };
 const MICRO: usize = 2;
 /// `stage3_max_live_parameters`: about one block (789,760 parameters here).
@@ -440,7 +441,7 @@ fn per_rank_bound(c: GptConfig, world: usize) -> Bound {
     //                    h2, MLP pre-activation 4 and GELU 4 = 16 B T d, probabilities
     //                    B H T^2) and as much again for its backward's temporaries
     // + 4 B T V          logits, the loss's kept probabilities, their gradient, one more
-    let GptConfig { V, T, d, H, L } = c;
+    let GptConfig { V, T, d, H, L, .. } = c;
     let btd = MICRO * T * d;
     let activations =
         F32 * ((L + 2) * btd + 2 * (16 * btd + MICRO * H * T * T) + 4 * MICRO * T * V);

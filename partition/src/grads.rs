@@ -42,6 +42,10 @@ pub trait GradStore<T: Element>: Send {
     fn zero(&mut self);
     /// Bytes of gradients held between steps.
     fn bytes(&self) -> usize;
+    /// The whole buffer's gradients, where this store holds them all (stages 0-1).
+    fn whole_mut(&mut self) -> Option<&mut [T]> {
+        None
+    }
     /// Most bytes held at once in reduction buffers besides the gradients (buckets).
     fn peak_buffer_bytes(&self) -> usize {
         0
@@ -105,6 +109,10 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 
     fn bytes(&self) -> usize {
         std::mem::size_of_val(self.grads.as_slice())
+    }
+
+    fn whole_mut(&mut self) -> Option<&mut [T]> {
+        Some(&mut self.grads)
     }
 }
 

@@ -40,6 +40,9 @@ pub struct Zero<T: Element> {
     tp: Option<(Group, Vec<Range<usize>>)>,
     /// Under pipeline parallelism: the stages, each holding other layers.
     pp: Option<Group>,
+    /// Flat ranges holding a copy of a parameter held elsewhere too (a tied parameter's
+    /// second use): left out of the gradient norm, which counts the original.
+    duplicates: Vec<Range<usize>>,
 }
 
 impl<T: Element> Zero<T> {
@@ -111,6 +114,7 @@ impl<T: Element> Zero<T> {
             master,
             tp: None,
             pp: None,
+            duplicates: Vec::new(),
         })
     }
 
@@ -125,6 +129,18 @@ impl<T: Element> Zero<T> {
     /// slices of every rank and the replicated parameters once.
     pub fn set_tensor_parallel(&mut self, group: Group, replicated: Vec<Range<usize>>) {
         self.tp = (group.size() > 1).then_some((group, replicated));
+    }
+
+    /// `ranges` (flat, none of them replicated over tensor parallelism) are copies of
+    /// parameters counted elsewhere: the gradient norm leaves them out.
+    pub fn set_duplicates(&mut self, ranges: Vec<Range<usize>>) {
+        self.duplicates = ranges;
+    }
+
+    /// Every gradient of the buffer, reduced (stages 0-1, after the boundary's backward),
+    /// for sums across tied parameters; None where the gradients are sharded (stages 2-3).
+    pub fn whole_grads_mut(&mut self) -> Option<&mut [T]> {
+        self.grads.whole_mut()
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -178,9 +194,8 @@ impl<T: Element> Zero<T> {
     pub fn grad_norm_sq(&self) -> Result<f64> {
         let grads = self.owned_grads();
         let total = sum_squares(grads);
-        let replicated: f64 = match &self.tp {
-            None => 0.0,
-            Some((_, ranges)) => ranges
+        let within = |ranges: &[Range<usize>]| -> f64 {
+            ranges
                 .iter()
                 .map(|r| {
                     let (a, b) = (r.start.max(self.owned.start), r.end.min(self.owned.end));
@@ -189,10 +204,12 @@ impl<T: Element> Zero<T> {
                         false => 0.0,
                     }
                 })
-                .sum(),
+                .sum()
         };
+        let replicated = self.tp.as_ref().map_or(0.0, |(_, r)| within(r));
+        let duplicated = within(&self.duplicates);
         // [sliced, replicated] over the data-parallel shards
-        let mut buf = [(total - replicated) as f32, replicated as f32];
+        let mut buf = [(total - replicated - duplicated) as f32, replicated as f32];
         if self.stage.partitions_optimizer() && self.group.size() > 1 {
             self.group.all_reduce(&mut buf, ReduceOp::Sum)?;
         }

@@ -7,6 +7,7 @@ mod layers;
 mod memory;
 mod pipe;
 mod settings;
+mod tied;
 mod trainer;
 mod update;
 
@@ -179,10 +180,10 @@ impl Engine {
         let my_stage = stage.as_ref().map_or(0, |s| s.stage);
         let all_params = logical_entries(&all_specs, &stage_of);
         let specs: Vec<ParamSpec> = all_specs
-            .into_iter()
+            .iter()
             .zip(&stage_of)
             .filter(|(_, s)| **s == my_stage)
-            .map(|(p, _)| p)
+            .map(|(p, _)| p.clone())
             .collect();
         let tp = TpRank {
             rank: groups.tp().rank(),
@@ -191,6 +192,14 @@ impl Engine {
         let mut index = FlatIndex::sliced(tp);
         for s in &specs {
             index.push_split(&s.name, &s.shape, s.split)?;
+        }
+        let rank_of = |s: usize| stage.as_ref().map_or(0, |st| st.rank_of(s));
+        let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
+        if !ties.is_empty() && settings.zero.stage.partitions_gradients() {
+            return Err(EngineError::Invalid(format!(
+                "zero_optimization.stage = {}: tied parameters need ZeRO stage 0 or 1 (their gradients are summed from whole gradient buffers)",
+                settings.zero.stage
+            )));
         }
         let source = match &opts.init {
             Some(path) => initial::Source::File(weights::WeightsFile::open(path, &specs)?),
@@ -220,6 +229,7 @@ impl Engine {
             tp: groups.tp().clone(),
             pp: stage.as_ref().map(|s| s.group.clone()),
             first_stage: stage.as_ref().is_none_or(pipe::Stage::is_first),
+            ties,
             dev: opts.device.clone(),
         };
         let core = match settings.precision {

@@ -278,7 +278,7 @@ pub(crate) fn train_batch<T: Dtype>(
                 pending.0.extend(send_async(stage, &dx, stage.stage - 1)?);
                 t.add_pipe_wait(t0.elapsed());
             }
-            // no tied parameters yet; gradients are reduced at the last backward's boundary
+            // the step sums tied gradients (tied.rs); dp reduces at the last backward
             Instruction::ReduceTiedGrads | Instruction::ReduceGrads => {}
             Instruction::OptimizerStep => {
                 let t0 = std::time::Instant::now();

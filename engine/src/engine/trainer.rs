@@ -11,6 +11,7 @@ use ds_partition::{FlatIndex, InitFn, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
+use super::tied::{self, Tie};
 use super::update::{StepOutcome, Updater};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
@@ -77,6 +78,8 @@ pub(crate) struct Trainer<T: Dtype> {
     keep_graph: Vec<bool>,
     dev: Device,
     dp: Group,
+    pp: Option<Group>,
+    ties: Vec<Tie>,
     /// The first layer reads token ids (the model's first stage), not activations.
     takes_ids: bool,
     saved: Vec<Saved>,
@@ -108,6 +111,8 @@ pub(crate) struct Parts {
     /// whether this stage is the first (its first layer reads token ids).
     pub pp: Option<Group>,
     pub first_stage: bool,
+    /// The tied parameters this stage takes part in.
+    pub ties: Vec<Tie>,
     pub dev: Device,
 }
 
@@ -128,6 +133,7 @@ impl<T: Dtype> Trainer<T> {
             tp,
             pp,
             first_stage,
+            ties,
             dev,
         } = parts;
         let mut layer_ids = Vec::new();
@@ -141,10 +147,15 @@ impl<T: Dtype> Trainer<T> {
             layer_ids.iter().map(|r| index.span(r.clone())).collect();
         let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
         zero.plan_buckets(&layer_flat);
+        let copies: Vec<Range<usize>> = ties.iter().filter_map(Tie::copy_range).collect();
         let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
-        zero.set_tensor_parallel(tp, replicated.map(|e| e.range()).collect());
-        if let Some(pp) = pp {
-            zero.set_pipeline(pp);
+        let replicated = replicated
+            .map(|e| e.range())
+            .filter(|r| !copies.contains(r));
+        zero.set_tensor_parallel(tp, replicated.collect());
+        zero.set_duplicates(copies);
+        if let Some(pp) = &pp {
+            zero.set_pipeline(pp.clone());
         }
         let updater = updater(zero.owned().len())?;
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
@@ -159,6 +170,8 @@ impl<T: Dtype> Trainer<T> {
             keep_graph,
             dev,
             dp,
+            pp,
+            ties,
             takes_ids: first_stage,
             saved: Vec::new(),
             running: 0..0,
@@ -451,6 +464,12 @@ impl<T: Dtype> Trainer<T> {
             return Ok(None);
         }
         let t0 = Instant::now();
+        if !self.ties.is_empty() {
+            let grads = self.zero.whole_grads_mut().ok_or_else(|| {
+                EngineError::Invalid("tied parameters need whole gradients (ZeRO 0 or 1)".into())
+            })?;
+            tied::reduce_tied(&self.ties, grads, self.pp.as_ref())?;
+        }
         let outcome = self.updater.step(&mut self.zero, self.settings.clip)?;
         self.timings.step += t0.elapsed();
         Ok(Some(outcome))

@@ -24,12 +24,13 @@ pub fn fill_values(spec: &ParamSpec, seed: u64, start: usize, dst: &mut [f32]) {
         Init::Const(c) => dst.fill(c as f32),
         Init::Normal { mean, std } => {
             // two draws per element (Box-Muller's pair)
-            let mut rng = SplitMix64::at(seed ^ fnv1a(spec.name.as_bytes()), 2 * start as u64);
+            let mut rng =
+                SplitMix64::at(seed ^ fnv1a(spec.value_name().as_bytes()), 2 * start as u64);
             dst.iter_mut()
                 .for_each(|v| *v = (mean + std * rng.normal()) as f32);
         }
         Init::Uniform { lo, hi } => {
-            let mut rng = SplitMix64::at(seed ^ fnv1a(spec.name.as_bytes()), start as u64);
+            let mut rng = SplitMix64::at(seed ^ fnv1a(spec.value_name().as_bytes()), start as u64);
             dst.iter_mut()
                 .for_each(|v| *v = (lo + (hi - lo) * rng.uniform()) as f32);
         }

@@ -39,6 +39,9 @@ pub struct ParamSpec {
     pub shape: Vec<usize>,
     pub init: Init,
     pub split: Split,
+    /// A copy of the parameter of this name (DeepSpeed's TiedLayerSpec): the same initial
+    /// values, and the two gradients summed before every step, so the two stay equal.
+    pub tied: Option<String>,
 }
 
 impl ParamSpec {
@@ -49,7 +52,19 @@ impl ParamSpec {
             shape: shape.to_vec(),
             init,
             split: Split::Replicated,
+            tied: None,
         }
+    }
+
+    /// This parameter tied to `owner` (a layer's use of another layer's parameter).
+    pub fn tied_to(mut self, owner: &str) -> ParamSpec {
+        self.tied = Some(owner.to_string());
+        self
+    }
+
+    /// The name its initial values are drawn under: the owner's, for a tied copy.
+    pub fn value_name(&self) -> &str {
+        self.tied.as_deref().unwrap_or(&self.name)
     }
 
     /// The same parameter split over the tensor-parallel group.
