@@ -319,49 +319,62 @@ fn a_silent_stage_is_named_when_the_transfer_times_out() {
 }
 
 /// A GPT whose LM head is tied to the token embedding (`"tie_embeddings": true` in the model
-/// JSON; DeepSpeed's TiedLayerSpec): the two uses sit on the first and last stages, so their
-/// gradients cross stages (ReduceTiedGrads) where one process sums them locally. The same
-/// losses in every layout; the two copies still bit-identical after training (summed
-/// gradients, the same update); and tying changes the model (the untied run differs).
+/// JSON; DeepSpeed's TiedLayerSpec), against PyTorch: tests/fixtures/tied holds the peer's GPT
+/// with `lm_head.weight` tied to `wte.weight`, its initial weights, tokens, and the losses of
+/// 5 SGD steps in float64 (gen_tied_reference.py). ds-rs from the same weights on the same
+/// samples: in one process the two uses share a stage and their gradients are summed there;
+/// at pp = 2 (and pp = 2 x dp = 2) they sit on the first and last stages and the sum crosses
+/// (ReduceTiedGrads). Every step's loss within 1e-5 relative (float32 against float64 over a
+/// model of 21k parameters: measured 1e-7), and the two copies still bit-identical at the end.
 #[test]
-fn tied_embeddings_train_alike_across_stages() {
+fn tied_embeddings_train_as_pytorchs_tied_gpt() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tied");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("reference.json")).unwrap())
+            .unwrap();
+    let want: Vec<f64> = reference["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
     let s = Scratch::new("pp-tied");
-    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
-    let model = |tied: bool| {
-        let text =
-            format!(r#"{{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2, "tie_embeddings": {tied}}}"#);
-        s.write(&format!("model-{tied}.json"), &text)
-    };
-    let job = |name: &str, tied: bool, nproc: usize, args: &str| {
-        let (dir, weights) = (s.path(name), s.path(&format!("{name}.safetensors")));
+    let cfg = s.write(
+        "cfg.json",
+        &format!(
+            r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {{"type": "SGD", "params": {{"lr": {}}}}}}}"#,
+            reference["global_batch"], reference["lr"]
+        ),
+    );
+    for (name, nproc, args) in [
+        ("one process", 1, ""),
+        ("pp=2", 2, "--pp 2"),
+        ("pp=2 x dp=2", 4, "--pp 2"),
+    ] {
+        let tag = name.replace([' ', '='], "");
+        let (dir, weights) = (s.path(&tag), s.path(&format!("{tag}.safetensors")));
         let cmd = format!(
-            "launch --nproc_per_node {nproc} --config {} train --model {} --steps 10 {args} \
-             --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-weights {}",
+            "launch --nproc_per_node {nproc} --config {} train --model {} --init {} --data {} \
+             --steps {} {args} --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-weights {}",
             cfg.display(),
-            model(tied).display(),
+            fixtures.join("model.json").display(),
+            fixtures.join("init.safetensors").display(),
+            fixtures.join("tokens.bin").display(),
+            want.len(),
             dir.display(),
             weights.display()
         );
         let f = run(&cmd, LIMIT);
         assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+        assert_same_losses(&losses(&dir), &want, REL, name);
         let w = read_weights(&weights);
-        (losses(&dir), w)
-    };
-    let (one, w) = job("one", true, 1, "");
-    assert_eq!(w["wte.weight"], w["lm_head.weight"], "one process");
-    for (name, nproc, args) in [("pp2", 2, "--pp 2"), ("pp2dp2", 4, "--pp 2")] {
-        let (got, w) = job(name, true, nproc, args);
-        assert_same_losses(&got, &one, REL, name);
-        let same = w["wte.weight"] == w["lm_head.weight"];
-        assert!(same, "{name}: the tied copies drifted apart");
+        assert!(
+            w["wte.weight"] == w["lm_head.weight"],
+            "{name}: the tied copies drifted apart"
+        );
     }
-    let (untied, _) = job("untied", false, 1, "");
-    let differs = untied
-        .iter()
-        .zip(&one)
-        .any(|(a, b)| (a - b).abs() > 1e-3 * b.abs());
-    assert!(differs, "tying changed nothing: {untied:?} vs {one:?}");
 }
 
 fn read_weights(path: &std::path::Path) -> std::collections::HashMap<String, Vec<f32>> {

@@ -202,7 +202,9 @@ impl Engine {
             )));
         }
         let source = match &opts.init {
-            Some(path) => initial::Source::File(weights::WeightsFile::open(path, &specs)?),
+            Some(path) => {
+                initial::Source::File(weights::WeightsFile::open(path, &specs, &all_specs)?)
+            }
             None => initial::Source::Seed(opts.seed),
         };
         let section = config

@@ -56,9 +56,10 @@ pub struct WeightsFile {
 }
 
 impl WeightsFile {
-    /// Opens `path` and checks it holds exactly `specs` (names and shapes) in a float dtype;
-    /// a name the model does not declare is an error too (a different model).
-    pub fn open(path: &Path, specs: &[ParamSpec]) -> Result<WeightsFile> {
+    /// Opens `path` for the parameters `specs` (a pipeline stage's, or all) and checks it holds
+    /// them (names and shapes) in a float dtype; a name the whole `model` does not declare is
+    /// an error too (a different model).
+    pub fn open(path: &Path, specs: &[ParamSpec], model: &[ParamSpec]) -> Result<WeightsFile> {
         let file = File::open(path).map_err(|e| EngineError::file(path, e))?;
         // Safety: the file is only read; a writer changing it meanwhile is the user's race,
         // as with any reader of a file being rewritten.
@@ -68,7 +69,7 @@ impl WeightsFile {
         let tensors = meta.tensors();
         if let Some(extra) = tensors
             .keys()
-            .find(|k| !specs.iter().any(|s| &s.name == *k))
+            .find(|k| !model.iter().any(|s| &s.name == *k))
         {
             return Err(EngineError::file(
                 path,
