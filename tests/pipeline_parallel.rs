@@ -375,6 +375,28 @@ fn tied_embeddings_train_as_pytorchs_tied_gpt() {
             "{name}: the tied copies drifted apart"
         );
     }
+    // ZeRO-2 shards the gradients the sum needs: one error before any rank starts
+    let zero2 = s.write(
+        "zero2.json",
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}}"#,
+    );
+    let cmd = format!(
+        "launch --nproc_per_node 2 --config {} train --model {} --steps 1 --metrics-dir {}",
+        zero2.display(),
+        fixtures.join("model.json").display(),
+        s.path("zero2").display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert_eq!(f.status.code(), Some(1), "{cmd}: {}", f.stderr);
+    let errors = error_lines(&f.stderr);
+    assert!(
+        errors.len() == 1
+            && errors[0].contains("tied parameters (lm_head.weight tied to wte.weight)"),
+        "{cmd}: {}",
+        f.stderr
+    );
+    assert!(!f.stdout.contains("[rank"), "a rank started: {}", f.stdout);
 }
 
 fn read_weights(path: &std::path::Path) -> std::collections::HashMap<String, Vec<f32>> {

@@ -28,6 +28,6 @@ pub mod parallel;
 pub mod schedule;
 
 pub use engine::{
-    pipeline_layout, Dtype, Engine, EngineOptions, MemoryReport, PipeLayout, Precision, Settings,
-    StepOutcome, Timings,
+    check_ties, pipeline_layout, Dtype, Engine, EngineOptions, MemoryReport, PipeLayout, Precision,
+    Settings, StepOutcome, Timings,
 };

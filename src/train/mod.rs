@@ -105,10 +105,12 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
     model
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    let layers = model.build();
     if cfg.dims.pp > 1 {
         // stages that split the model's layers, a ZeRO stage that combines with them
-        ds_engine::pipeline_layout(&cfg, &model.build())?;
+        ds_engine::pipeline_layout(&cfg, &layers)?;
     }
+    ds_engine::check_ties(&cfg, &layers)?;
     Ok((model, cfg))
 }
 

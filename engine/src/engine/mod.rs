@@ -31,6 +31,7 @@ pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
 pub use settings::{Precision, Settings};
+pub use tied::check_ties;
 use trainer::Trainer;
 pub use update::StepOutcome;
 
@@ -145,6 +146,7 @@ impl Engine {
 
         // Offload and pipeline stages in the file would otherwise be ignored.
         config.check_implemented()?;
+        tied::check_ties(config, &model)?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
         // every parameter of the whole model, split as tensor parallelism asks, and the
         // pipeline stage that holds it (checkpoints record the whole model)
@@ -195,12 +197,6 @@ impl Engine {
         }
         let rank_of = |s: usize| stage.as_ref().map_or(0, |st| st.rank_of(s));
         let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
-        if !ties.is_empty() && settings.zero.stage.partitions_gradients() {
-            return Err(EngineError::Invalid(format!(
-                "zero_optimization.stage = {}: tied parameters need ZeRO stage 0 or 1 (their gradients are summed from whole gradient buffers)",
-                settings.zero.stage
-            )));
-        }
         let source = match &opts.init {
             Some(path) => {
                 initial::Source::File(weights::WeightsFile::open(path, &specs, &all_specs)?)

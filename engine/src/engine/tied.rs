@@ -46,6 +46,20 @@ impl Tie {
     }
 }
 
+/// Tied parameters need whole gradients (ZeRO stage 0 or 1): `train` checks it before any
+/// rank starts, `Engine::initialize` for programs embedding the engine.
+pub fn check_ties(config: &ds_config::Config, model: &crate::model::Model) -> Result<()> {
+    let tied = model.params().into_iter().find(|p| p.tied.is_some());
+    match (tied, config.zero_stage()) {
+        (Some(p), stage) if stage.partitions_gradients() => Err(EngineError::Invalid(format!(
+            "zero_optimization.stage = {stage}: tied parameters ({} tied to {}) need ZeRO stage 0 or 1 (their gradients are summed from whole gradient buffers)",
+            p.name,
+            p.tied.unwrap_or_default()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The ties this stage takes part in. `all` is the whole model's parameters, `stage_of`
 /// the stage holding each, `index` this stage's flat buffer and `rank_of(stage)` a stage's
 /// global rank in this rank's pipeline.
