@@ -5,6 +5,7 @@ mod bench_comm;
 mod bench_train;
 mod checkpoint;
 mod config_check;
+mod estimate;
 mod local_ranks;
 
 use std::process::ExitCode;
@@ -35,8 +36,8 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
-    /// Estimate the memory a model needs per rank for each ZeRO stage.
-    Estimate(Pending),
+    /// Estimate the memory a model needs per rank (DeepSpeed's ZeRO-2/3 estimators).
+    Estimate(estimate::EstimateArgs),
     /// Measure communication, kernels and training throughput.
     Bench {
         #[command(subcommand)]
@@ -80,7 +81,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Launch(args) => return crate::launch::run(&args),
         Command::Train(args) => return crate::train::run(&args),
         Command::Autotune(_) => "autotune",
-        Command::Estimate(_) => "estimate",
+        Command::Estimate(args) => return estimate::run(&args),
         Command::Bench {
             command: BenchCommand::Comm(args),
         } => return bench_comm::run(&args),

@@ -1,0 +1,4 @@
+//! ds-autotune: what a configuration will cost before it runs. `deepspeed_estimate` is
+//! DeepSpeed's own model-state estimators, number for number.
+
+pub mod deepspeed_estimate;
