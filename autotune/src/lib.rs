@@ -2,3 +2,4 @@
 //! DeepSpeed's own model-state estimators, number for number.
 
 pub mod deepspeed_estimate;
+pub mod memory;

@@ -1,18 +1,36 @@
-//! `ds-rs estimate`: DeepSpeed's model-state estimators (`--zero-stage 2|3 --params N`).
+//! `ds-rs estimate`: DeepSpeed's model-state estimators (`--zero-stage 2|3 --params N`), or
+//! ds-rs's own memory model of a config, a model and a layout (`--config`).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use ds_autotune::deepspeed_estimate::{parse_count, table, zero2_rows, zero3_rows, Cluster};
+use ds_autotune::memory::{model_states, Run};
 
 #[derive(clap::Args, Debug)]
 pub struct EstimateArgs {
     /// The ZeRO stage whose DeepSpeed estimator to run: 2 or 3.
-    #[arg(long)]
-    zero_stage: u8,
+    #[arg(long, conflicts_with = "config")]
+    zero_stage: Option<u8>,
     /// The model's parameter count: an integer or a number with K, M, B or T (7.5B, 350M).
+    #[arg(long, conflicts_with = "config")]
+    params: Option<String>,
+    /// ds-rs's own estimate of this ds_config, per rank.
     #[arg(long)]
-    params: String,
+    config: Option<PathBuf>,
+    /// With --config: the model, tiny, small, gpt2 or a model JSON.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// With --config: the ranks of the job.
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    /// With --config: the tensor-parallel degree (default: the config's autotp_size).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// With --config: the pipeline stages (default: the config's pipeline.stages).
+    #[arg(long)]
+    pp: Option<usize>,
     /// The parameters of the largest layer (ZeRO-3: the parameters gathered at once).
     #[arg(long)]
     largest_layer_params: Option<String>,
@@ -29,7 +47,58 @@ pub struct EstimateArgs {
 }
 
 pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
-    let total = parse_count(&args.params).map_err(|e| anyhow::anyhow!("--params {e}"))?;
+    match &args.config {
+        Some(path) => ds_rs_model(args, path),
+        None => deepspeed(args),
+    }
+}
+
+/// ds-rs's own model of the config's layout: one line (or JSON object) per rank.
+fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let model = crate::train::model_config(&args.model)?;
+    let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp)?;
+    let ranks = model_states(&Run {
+        config: &config,
+        model: &model,
+    })?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "ranks": ranks }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    println!(
+        "ds-rs memory estimate: --model {}, {} ({} ranks), ZeRO stage {}",
+        args.model,
+        config.dims,
+        config.dims.world_size,
+        config.zero_stage()
+    );
+    println!(" rank | stage | tp | dp | params MiB | grads MiB | optimizer MiB | model states MiB");
+    for r in &ranks {
+        println!(
+            " {:4} | {:5} | {:2} | {:2} | {:10.2} | {:9.2} | {:13.2} | {:16.2}",
+            r.rank,
+            r.stage,
+            r.tp_rank,
+            r.dp_rank,
+            mib(r.params_bytes),
+            mib(r.grads_bytes),
+            mib(r.optimizer_states_bytes),
+            mib(r.model_states())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// DeepSpeed's estimators.
+fn deepspeed(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
+    let (Some(stage), Some(params)) = (args.zero_stage, &args.params) else {
+        bail!("estimate needs --zero-stage and --params (DeepSpeed's estimators), or --config (ds-rs's own model)");
+    };
+    let total = parse_count(params).map_err(|e| anyhow::anyhow!("--params {e}"))?;
     if args.num_gpus_per_node == 0 || args.num_nodes == 0 {
         bail!("--num-gpus-per-node and --num-nodes must be at least 1");
     }
@@ -42,7 +111,7 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
         nodes: args.num_nodes,
         buffer_factor: factor,
     };
-    let (rows, largest) = match args.zero_stage {
+    let (rows, largest) = match stage {
         2 => (zero2_rows(total, &cluster), None),
         3 => {
             let text = args.largest_layer_params.as_deref().context(

@@ -337,7 +337,7 @@ impl Run<'_> {
     }
 }
 
-fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
+pub(crate) fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
     if let Some(c) = GptConfig::preset(spec) {
         return Ok(c);
     }
@@ -360,7 +360,7 @@ fn config_name(path: Option<&Path>) -> String {
 }
 
 /// The config resolved for its layout: `--tp`, else the config's own degree.
-fn read_config(
+pub(crate) fn read_config(
     path: Option<&Path>,
     world: usize,
     tp: Option<usize>,
