@@ -74,11 +74,13 @@ fn bad_estimate_input_is_one_clear_error() {
 }
 
 /// `ds-rs estimate --config` predicts each rank's model states (parameters, gradients,
-/// optimizer states) to the byte: the `memory_report` of a real run of the same layout, for
-/// ZeRO 0-3 at dp 1, 2 and 4, with tensor and pipeline parallelism, fp32 and bf16, AdamW and
-/// SGD. The model's 4-head, odd-sized vocabulary leaves padding in every shard.
+/// optimizer states) and a micro-batch's activations to the byte: the `memory_report` of a
+/// real run of the same layout, for ZeRO 0-3 at dp 1, 2 and 4, with tensor and pipeline
+/// parallelism (1F1B and interleaved), activation checkpointing (every layer, every second
+/// layer), fp32 and bf16, AdamW and SGD. The model's odd-sized vocabulary leaves padding in
+/// every shard.
 #[test]
-fn model_states_equal_memory_report() {
+fn model_states_and_activations_equal_memory_report() {
     let s = Scratch::new("estimate-states");
     let model = s.write(
         "model.json",
@@ -106,6 +108,18 @@ fn model_states_equal_memory_report() {
     cases.push(("z0-pp2-tp2".into(), 4, 0, "--pp 2 --tp 2", ""));
     cases.push(("z2-bf16".into(), 2, 2, "", r#", "bf16": {"enabled": true}"#));
     cases.push(("z1-sgd".into(), 2, 1, "", "sgd"));
+    cases.push((
+        "z1-ac".into(),
+        1,
+        1,
+        "",
+        r#", "activation_checkpointing": {}"#,
+    ));
+    let every_second = r#", "pipeline": {"activation_checkpoint_interval": 2}"#;
+    cases.push(("z3-ac2-dp2".into(), 2, 3, "", every_second));
+    cases.push(("z1-pp2-ac2".into(), 2, 1, "--pp 2", every_second));
+    let interleaved = r#", "pipeline": {"virtual_stages": 2}"#;
+    cases.push(("z0-pp2-v2".into(), 2, 0, "--pp 2", interleaved));
     for (name, nproc, stage, args, extra) in cases {
         let cfg = s.write(&format!("{name}.json"), &config(stage, extra));
         let dir = s.path(&name);
@@ -136,7 +150,12 @@ fn model_states_equal_memory_report() {
         for m in measured {
             let rank = m["rank"].as_u64().unwrap() as usize;
             let e = &est["ranks"][rank];
-            for key in ["params_bytes", "grads_bytes", "optimizer_states_bytes"] {
+            for key in [
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_states_bytes",
+                "activations_bytes",
+            ] {
                 assert_eq!(e[key], m[key], "{name} rank {rank} {key}");
             }
         }

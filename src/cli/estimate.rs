@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use ds_autotune::deepspeed_estimate::{parse_count, table, zero2_rows, zero3_rows, Cluster};
-use ds_autotune::memory::{model_states, Run};
+use ds_autotune::memory::{estimate, Run};
 
 #[derive(clap::Args, Debug)]
 pub struct EstimateArgs {
@@ -31,6 +31,10 @@ pub struct EstimateArgs {
     /// With --config: the pipeline stages (default: the config's pipeline.stages).
     #[arg(long)]
     pp: Option<usize>,
+    /// With --config: rows per micro-batch (default: the config's
+    /// train_micro_batch_size_per_gpu).
+    #[arg(long)]
+    micro_batch: Option<usize>,
     /// The parameters of the largest layer (ZeRO-3: the parameters gathered at once).
     #[arg(long)]
     largest_layer_params: Option<String>,
@@ -57,9 +61,10 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
 fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
     let model = crate::train::model_config(&args.model)?;
     let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp)?;
-    let ranks = model_states(&Run {
+    let ranks = estimate(&Run {
         config: &config,
         model: &model,
+        micro_batch: args.micro_batch,
     })?;
     if args.json {
         println!(
@@ -76,10 +81,10 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
         config.dims.world_size,
         config.zero_stage()
     );
-    println!(" rank | stage | tp | dp | params MiB | grads MiB | optimizer MiB | model states MiB");
+    println!(" rank | stage | tp | dp | params MiB | grads MiB | optimizer MiB | model states MiB | activations MiB (without / with checkpointing)");
     for r in &ranks {
         println!(
-            " {:4} | {:5} | {:2} | {:2} | {:10.2} | {:9.2} | {:13.2} | {:16.2}",
+            " {:4} | {:5} | {:2} | {:2} | {:10.2} | {:9.2} | {:13.2} | {:16.2} | {:.2} ({:.2} / {:.2})",
             r.rank,
             r.stage,
             r.tp_rank,
@@ -87,7 +92,10 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
             mib(r.params_bytes),
             mib(r.grads_bytes),
             mib(r.optimizer_states_bytes),
-            mib(r.model_states())
+            mib(r.model_states()),
+            mib(r.activations_bytes),
+            mib(r.activations_without_checkpointing_bytes),
+            mib(r.activations_with_checkpointing_bytes),
         );
     }
     Ok(ExitCode::SUCCESS)

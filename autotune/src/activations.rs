@@ -1,0 +1,125 @@
+//! The activations one micro-batch holds on a rank of the built-in GPT, by the rules of
+//! ds-engine's trainer (Note [checkpoint segments], Note [ZeRO-3 reuse]): what each layer's
+//! forward keeps (its tape, its input only, or nothing), and the most held at once, at the end
+//! of forward or while backward differentiates a layer with the layers below it still saved.
+
+use ds_engine::gpt::GptConfig;
+
+/// Per layer of a stage: the bytes of its input and of its tape (what its backward needs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerActivations {
+    pub input: u64,
+    pub tape: u64,
+}
+
+/// The shape of a micro-batch on one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct MicroBatch {
+    pub rows: u64,
+    /// Tensor-parallel degree (heads, MLP width and vocabulary split; no sequence parallelism).
+    pub tp: u64,
+    /// Bytes of the compute dtype.
+    pub dtype: u64,
+}
+
+/// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.
+pub fn gpt_layers(c: &GptConfig, m: MicroBatch) -> Vec<LayerActivations> {
+    let (b, t, d, v) = (m.rows, c.T as u64, c.d as u64, c.V as u64);
+    let (tp, e) = (m.tp, m.dtype);
+    let tokens = b * t;
+    let hidden = tokens * d * e;
+    // the fused attention keeps its probabilities in f32 when it computes in f32; otherwise
+    // the generic path keeps them in the compute dtype
+    let probs = b * (c.H as u64 / tp) * t * t * e;
+    let block = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
+        + tokens * 3 * d / tp * e // q|k|v
+        + probs
+        + tokens * d / tp * e // the heads' outputs
+        + 2 * tokens * 4 * d / tp * e; // the MLP's pre-activation and GELU
+    let loss = match tp {
+        // softmax rows in f32 and the targets (u32)
+        1 => tokens * v * 4 + tokens * 4,
+        // this rank's softmax columns in f32, its local targets (u32) and their mask
+        _ => tokens * v / tp * 4 + tokens * 4 + tokens * e,
+    };
+    let mut layers = vec![LayerActivations {
+        input: tokens * 4,
+        tape: tokens * 4,
+    }];
+    layers.extend((0..c.L).map(|_| LayerActivations {
+        input: hidden,
+        tape: block,
+    }));
+    layers.push(LayerActivations {
+        input: hidden,
+        tape: 2 * hidden,
+    });
+    layers.push(LayerActivations {
+        input: tokens * v / tp * e,
+        tape: loss,
+    });
+    layers
+}
+
+/// What forward keeps of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    Tape,
+    Input,
+    Nothing,
+}
+
+/// The most activation bytes held at once over a micro-batch's forward and backward through
+/// `layers` (a stage's or chunk's), each kept as `kept` says.
+pub fn peak(layers: &[LayerActivations], kept: &[Kept]) -> u64 {
+    let saved = |j: usize| match kept[j] {
+        Kept::Tape => layers[j].tape,
+        Kept::Input => layers[j].input,
+        Kept::Nothing => 0,
+    };
+    let end_of_forward: u64 = (0..layers.len()).map(saved).sum();
+    // backward at layer i: the layers below its segment still saved, its segment recomputed
+    // (every layer from the segment's checkpoint up to i holds its tape)
+    let during_backward = (0..layers.len()).map(|i| {
+        let start = match kept[i] {
+            Kept::Nothing => (0..=i).rev().find(|&j| kept[j] == Kept::Input).unwrap_or(0),
+            _ => i,
+        };
+        let below: u64 = (0..start).map(saved).sum();
+        below + layers[start..=i].iter().map(|l| l.tape).sum::<u64>()
+    });
+    during_backward.fold(end_of_forward, u64::max)
+}
+
+/// The trainer's choice per layer: with recomputation, the input of every `interval`-th layer
+/// (counted from the first) and nothing else; without, the tape of the layers `keep_graph`
+/// keeps and the input of the others.
+pub fn kept(n: usize, recompute: Option<usize>, keep_graph: &[bool]) -> Vec<Kept> {
+    (0..n)
+        .map(|i| match (recompute, keep_graph[i]) {
+            (Some(k), _) if i % k.max(1) == 0 => Kept::Input,
+            (Some(_), _) => Kept::Nothing,
+            (None, true) => Kept::Tape,
+            (None, false) => Kept::Input,
+        })
+        .collect()
+}
+
+/// ZeRO-3's Note [ZeRO-3 reuse]: walking back from the last layer, a layer keeps its graph
+/// while the parameters used after it stay within `max_reuse_distance` and the live ones
+/// within `max_live`; at stages 0-2 every layer keeps it. `numel`: each layer's elements.
+pub fn keep_graph(numel: &[usize], zero3: Option<(usize, usize)>) -> Vec<bool> {
+    let Some((max_reuse_distance, max_live)) = zero3 else {
+        return vec![true; numel.len()];
+    };
+    let (mut keep, mut after, mut live) = (vec![false; numel.len()], 0, 0);
+    for i in (0..numel.len()).rev() {
+        live += numel[i];
+        if after > max_reuse_distance || live > max_live {
+            break;
+        }
+        keep[i] = true;
+        after += numel[i];
+    }
+    keep
+}
