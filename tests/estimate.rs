@@ -161,3 +161,60 @@ fn model_states_and_activations_equal_memory_report() {
         }
     }
 }
+
+/// The predicted peak RSS against the measured one (VmHWM of each rank) on model tiny: within
+/// 15%, where this machine measures at most 8% on tiny and small over ZeRO 0-3, dp 1-2, tp 2,
+/// pp 2 and checkpointing (ARCHITECTURE.md, ds-autotune). The rest of the gap is the
+/// allocator's (freed blocks kept in arenas), which no byte count sees.
+#[test]
+fn predicted_peak_rss_is_within_15_percent_of_the_measured() {
+    let s = Scratch::new("estimate-rss");
+    for (name, nproc, stage, extra) in [
+        ("z0", 2, 0, ""),
+        ("z3", 2, 3, ""),
+        ("z1-ac", 1, 1, r#", "activation_checkpointing": {}"#),
+    ] {
+        let cfg = s.write(
+            &format!("{name}.json"),
+            &format!(
+                r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": 4,
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+                "zero_optimization": {{"stage": {stage}}}{extra}}}"#,
+                4 * nproc
+            ),
+        );
+        let dir = s.path(name);
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} --config {} train --model tiny --steps 3 \
+             --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+            cfg.display(),
+            dir.display()
+        );
+        let f = run(&cmd, Duration::from_secs(120));
+        assert!(f.status.success(), "{cmd}: {}", f.stderr);
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap())
+                .unwrap();
+        let est = run(
+            &format!(
+                "estimate --config {} --model tiny --world-size {nproc} --json",
+                cfg.display()
+            ),
+            LIMIT,
+        );
+        assert!(est.status.success(), "{name}: {}", est.stderr);
+        let est: serde_json::Value = serde_json::from_str(&est.stdout).unwrap();
+        for m in summary["ranks"].as_array().unwrap() {
+            let rank = m["rank"].as_u64().unwrap() as usize;
+            let predicted = est["ranks"][rank]["predicted_peak_bytes"].as_f64().unwrap();
+            let measured = m["peak_rss_mib"].as_f64().unwrap() * (1u64 << 20) as f64;
+            let err = (predicted - measured) / measured;
+            assert!(
+                err.abs() <= 0.15,
+                "{name} rank {rank}: predicted {:.0} MiB, measured {:.0} MiB",
+                predicted / (1u64 << 20) as f64,
+                measured / (1u64 << 20) as f64
+            );
+        }
+    }
+}

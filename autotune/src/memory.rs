@@ -38,6 +38,21 @@ pub struct RankEstimate {
     pub activations_without_checkpointing_bytes: u64,
     /// The same with activation checkpointing at the config's interval (1 if none is set).
     pub activations_with_checkpointing_bytes: u64,
+    /// Micro-batches whose activations a stage holds at once (1 without pipelines; 1F1B:
+    /// up to `stages - stage`).
+    pub micro_batches_in_flight: u64,
+    /// The largest layer's parameters materialised for its forward or backward (at ZeRO-3,
+    /// those of every layer that keeps its graph), and its gradients handed to the store.
+    pub layer_bytes: u64,
+    /// Reduction buckets (ZeRO-2/3) and ZeRO-3's parameter prefetch, at their most.
+    pub comm_buffers_bytes: u64,
+    /// The backward's largest temporary besides the tapes: the gradient of the logits.
+    pub transient_bytes: u64,
+    /// The process's own cost (code, thread stacks, allocator arenas), measured as the peak
+    /// RSS of a one-layer model.
+    pub fixed_bytes: u64,
+    /// The predicted peak RSS: the sum of all the above.
+    pub predicted_peak_bytes: u64,
 }
 
 impl RankEstimate {
@@ -120,6 +135,33 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
                 .unwrap_or(0)
         };
         let (without, with) = (activations(None), activations(Some(interval)));
+        let activations = if settings.recompute { with } else { without };
+        let in_flight = match dims.pp {
+            1 => 1,
+            p => (p - pp_stage).min(settings.grad_accum) as u64,
+        };
+        // the layer being computed; at ZeRO-3 the layers that keep their graph hold their
+        // gathered parameters until backward (Note [tapes hold no parameters])
+        let largest = numel.iter().flatten().copied().max().unwrap_or(0) as u64;
+        let graphs: u64 = match (zero3, settings.recompute) {
+            (Some(_), false) => numel
+                .iter()
+                .map(|n| {
+                    let keep = keep_graph(n, zero3);
+                    n.iter()
+                        .zip(keep)
+                        .filter(|(_, k)| *k)
+                        .map(|(n, _)| *n as u64)
+                        .sum::<u64>()
+                })
+                .sum(),
+            _ => 0,
+        };
+        let layer_bytes = (largest.max(graphs) + largest) * dtype;
+        let comm = comm_buffers(&settings, &numel, shard as usize, padded as usize) as u64 * dtype;
+        let transient = micro.rows * run.model.T as u64 * (run.model.V / tp) as u64 * dtype;
+        let states = dtype * (params + grads) + owned * (4 + per_element);
+        let predicted = states + activations * in_flight + layer_bytes + comm + transient + FIXED;
         out.push(RankEstimate {
             rank,
             stage: pp_stage,
@@ -128,12 +170,67 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             params_bytes: dtype * params,
             grads_bytes: dtype * grads,
             optimizer_states_bytes: owned * (4 + per_element),
-            activations_bytes: if settings.recompute { with } else { without },
+            activations_bytes: activations,
             activations_without_checkpointing_bytes: without,
             activations_with_checkpointing_bytes: with,
+            micro_batches_in_flight: in_flight,
+            layer_bytes,
+            comm_buffers_bytes: comm,
+            transient_bytes: transient,
+            fixed_bytes: FIXED,
+            predicted_peak_bytes: predicted,
         });
     }
     Ok(out)
+}
+
+/// The peak RSS of a rank training a one-layer model (V = 64, d = 64) at ZeRO-0 and ZeRO-3:
+/// 19-20 MiB (ARCHITECTURE.md, ds-partition decisions).
+const FIXED: u64 = 20 << 20;
+
+/// The most elements held in reduction buckets and ZeRO-3 prefetches at once: at stages 2-3
+/// the bucket being filled and, with `overlap_comm`, the one being reduced (buckets of whole
+/// layers up to the bucket size, Note [bounded buckets]); at stage 3 also the next layer's
+/// gathered parameters.
+fn comm_buffers(s: &Settings, numel: &[Vec<usize>], shard: usize, padded: usize) -> usize {
+    let stage = s.zero.stage;
+    if !stage.partitions_gradients() {
+        return 0;
+    }
+    let layers: Vec<usize> = numel.iter().flatten().copied().filter(|&n| n > 0).collect();
+    let bound = ((padded - shard) / 4).max(1);
+    let mut size = s.zero.reduce.bucket_size.min(bound);
+    if stage == ZeroStage::Weights {
+        size = size.min(s.zero.stage3.max_live_parameters / 2);
+    }
+    // backward fills buckets from the last layer down
+    let mut buckets: Vec<usize> = Vec::new();
+    for &n in layers.iter().rev() {
+        match buckets.last_mut() {
+            Some(b) if *b + n <= size => *b += n,
+            _ => buckets.push(n),
+        }
+    }
+    let overlap = s.zero.reduce.overlap_comm;
+    let held = (0..buckets.len())
+        .map(|i| buckets[i] + if overlap && i > 0 { buckets[i - 1] } else { 0 })
+        .max()
+        .unwrap_or(0);
+    let z3 = &s.zero.stage3;
+    let prefetch = match stage {
+        ZeroStage::Weights => layers
+            .iter()
+            .copied()
+            .filter(|&n| {
+                n > z3.param_persistence_threshold
+                    && n <= z3.prefetch_bucket_size
+                    && 2 * n <= z3.max_live_parameters
+            })
+            .max()
+            .unwrap_or(0),
+        _ => 0,
+    };
+    held + prefetch
 }
 
 /// Per chunk, per layer: the elements the layer's parameters take in tensor-parallel rank

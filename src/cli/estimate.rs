@@ -81,10 +81,12 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
         config.dims.world_size,
         config.zero_stage()
     );
-    println!(" rank | stage | tp | dp | params MiB | grads MiB | optimizer MiB | model states MiB | activations MiB (without / with checkpointing)");
+    println!(
+        " rank | stage | tp | dp | params | grads | optimizer | activations (without / with checkpointing) x in flight | layer | buckets | predicted peak RSS   (MiB)"
+    );
     for r in &ranks {
         println!(
-            " {:4} | {:5} | {:2} | {:2} | {:10.2} | {:9.2} | {:13.2} | {:16.2} | {:.2} ({:.2} / {:.2})",
+            " {:4} | {:5} | {:2} | {:2} | {:6.1} | {:5.1} | {:9.1} | {:.1} ({:.1} / {:.1}) x {} | {:5.1} | {:7.1} | {:.1}",
             r.rank,
             r.stage,
             r.tp_rank,
@@ -92,12 +94,19 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
             mib(r.params_bytes),
             mib(r.grads_bytes),
             mib(r.optimizer_states_bytes),
-            mib(r.model_states()),
             mib(r.activations_bytes),
             mib(r.activations_without_checkpointing_bytes),
             mib(r.activations_with_checkpointing_bytes),
+            r.micro_batches_in_flight,
+            mib(r.layer_bytes),
+            mib(r.comm_buffers_bytes),
+            mib(r.predicted_peak_bytes),
         );
     }
+    println!(
+        "predicted peak RSS = model states + activations x in flight + layer + buckets + the logits' gradient + {:.0} MiB of the process itself",
+        mib(ranks.first().map_or(0, |r| r.fixed_bytes))
+    );
     Ok(ExitCode::SUCCESS)
 }
 
