@@ -81,8 +81,9 @@ fn config_check_keeps_deepspeeds_verdict_on_them_and_warns() {
 }
 
 /// The `activation_checkpointing` keys that tune DeepSpeed's CUDA checkpoint storage, which
-/// ds-rs reads but does not act on (it checkpoints by recomputation), and the ds-rs extension
-/// `pipeline.virtual_stages`: one warning line each, naming the key.
+/// ds-rs reads but does not act on (it checkpoints by recomputation), the `pipeline` keys
+/// without effect in ds-rs, and the ds-rs extension `pipeline.virtual_stages`: one warning
+/// line each, naming the key.
 #[test]
 fn activation_checkpointing_keys_without_effect_are_warned_about() {
     let s = Scratch::new("ac-warnings");
@@ -93,7 +94,8 @@ fn activation_checkpointing_keys_without_effect_are_warned_about() {
                 "cpu_checkpointing": true, "contiguous_memory_optimization": true,
                 "number_checkpoints": 4, "synchronize_checkpoint_boundary": true,
                 "profile": true},
-            "pipeline": {"virtual_stages": 2}"#,
+            "pipeline": {"virtual_stages": 2, "seed_layers": true, "pipe_partitioned": false,
+                "grad_partitioned": true}"#,
         ),
     );
     let f = run(&format!("config check {}", cfg.display()), LIMIT);
@@ -106,6 +108,9 @@ fn activation_checkpointing_keys_without_effect_are_warned_about() {
         "synchronize_checkpoint_boundary",
         "activation_checkpointing.profile",
         "pipeline.virtual_stages",
+        "pipeline.seed_layers",
+        "pipeline.pipe_partitioned",
+        "pipeline.grad_partitioned",
     ] {
         let warned: Vec<&str> = lines_with(&f, key)
             .into_iter()

@@ -294,16 +294,30 @@ type Runtime = (Json, CheckpointConfig, DataTypesConfig, AioConfig);
 fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
     extras::hybrid_engine(root, &mut notes.autos)?;
     let pipeline = crate::runtime::read_pipeline(root)?;
-    if pipeline.get("virtual_stages").is_some() {
-        notes.warnings.push(
-            "pipeline.virtual_stages: a ds-rs extension (Megatron-LM's interleaved schedule); DeepSpeed 0.19.8 ignores this key".into(),
-        );
-    }
+    notes.warnings.extend(pipeline_warnings(root)?);
     extras::data_efficiency(root)?;
     let checkpoint = CheckpointConfig::read(root, &mut notes.warnings)?;
     let data_types = DataTypesConfig::read(root, &mut notes.warnings)?;
     let aio = AioConfig::read(root, &mut notes.warnings)?;
     Ok((pipeline, checkpoint, data_types, aio))
+}
+
+/// The `pipeline` keys the user wrote that ds-rs reads differently from DeepSpeed.
+fn pipeline_warnings(root: &Dict) -> Result<Vec<String>> {
+    let Some(user) = crate::lenient::dict_at(root, "pipeline")? else {
+        return Ok(Vec::new());
+    };
+    let notes = [
+        ("virtual_stages", "a ds-rs extension (Megatron-LM's interleaved schedule); DeepSpeed 0.19.8 ignores this key"),
+        ("seed_layers", "no effect: ds-rs draws every parameter from (seed, name), the same values in every layout"),
+        ("pipe_partitioned", "no effect: each tensor-parallel rank sends its whole activation to its counterpart on the next stage (the same values, more bytes)"),
+        ("grad_partitioned", "no effect: each tensor-parallel rank sends its whole gradient to its counterpart on the previous stage (the same values, more bytes)"),
+    ];
+    Ok(notes
+        .iter()
+        .filter(|(key, _)| user.contains_key(key))
+        .map(|(key, why)| format!("pipeline.{key}: {why}"))
+        .collect())
 }
 
 /// The sections ds-rs checks but does not act on; returns `compile.deepcompile` and
