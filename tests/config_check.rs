@@ -261,18 +261,6 @@ fn bad_layout_is_an_error() {
 }
 
 #[test]
-fn commands_of_later_releases_say_so_and_exit_2() {
-    for cmd in ["autotune", "estimate"] {
-        let out = ds_rs(&[cmd]);
-        assert_eq!(out.status.code(), Some(2), "{cmd}");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("not available yet"),
-            "{cmd}"
-        );
-    }
-}
-
-#[test]
 fn tp_defaults_to_the_configs_autotp_size_as_train_decides_it() {
     let file = temp_file(
         "autotp.json",

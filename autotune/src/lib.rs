@@ -4,3 +4,4 @@
 pub mod activations;
 pub mod deepspeed_estimate;
 pub mod memory;
+pub mod tuning;

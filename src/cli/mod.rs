@@ -1,5 +1,6 @@
 //! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
 
+pub(crate) mod autotune;
 mod bench_adam;
 mod bench_comm;
 mod bench_train;
@@ -29,8 +30,8 @@ enum Command {
     Launch(crate::launch::LaunchArgs),
     /// Train a model (one rank; run it under `launch` for several).
     Train(crate::train::TrainArgs),
-    /// Search for the fastest configuration for a model on this cluster.
-    Autotune(Pending),
+    /// Search for the fastest configuration (the same as `launch --autotuning tune`).
+    Autotune(crate::launch::LaunchArgs),
     /// Inspect DeepSpeed config files.
     Config {
         #[command(subcommand)]
@@ -66,33 +67,24 @@ enum BenchCommand {
     Train(bench_train::TrainBenchArgs),
 }
 
-/// The arguments of a command that a later release provides.
-#[derive(clap::Args, Debug)]
-struct Pending {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    rest: Vec<String>,
-}
-
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let name = match cli.command {
+    match cli.command {
         Command::Config {
             command: ConfigCommand::Check(args),
-        } => return config_check::run(&args),
-        Command::Launch(args) => return crate::launch::run(&args),
-        Command::Train(args) => return crate::train::run(&args),
-        Command::Autotune(_) => "autotune",
-        Command::Estimate(args) => return estimate::run(&args),
+        } => config_check::run(&args),
+        Command::Launch(args) => crate::launch::run(&args),
+        Command::Train(args) => crate::train::run(&args),
+        Command::Autotune(args) => autotune::run(&args, autotune::Mode::Tune),
+        Command::Estimate(args) => estimate::run(&args),
         Command::Bench {
             command: BenchCommand::Comm(args),
-        } => return bench_comm::run(&args),
+        } => bench_comm::run(&args),
         Command::Bench {
             command: BenchCommand::Adam(args),
-        } => return bench_adam::run(&args),
+        } => bench_adam::run(&args),
         Command::Bench {
             command: BenchCommand::Train(args),
-        } => return bench_train::run(&args),
-        Command::Checkpoint { command } => return checkpoint::run(&command),
-    };
-    eprintln!("error: `ds-rs {name}` is not available yet in this build");
-    Ok(ExitCode::from(2))
+        } => bench_train::run(&args),
+        Command::Checkpoint { command } => checkpoint::run(&command),
+    }
 }

@@ -22,7 +22,7 @@ use preflight::{check_config, check_train};
 pub use preflight::{print_config_warnings, CONFIG_WARNED};
 use relay::Sink;
 use remote::{Launcher, Remote};
-use signals::StopFlag;
+pub(crate) use signals::StopFlag;
 
 /// DeepSpeed's default hostfile, used when it exists and no other is named.
 const DEFAULT_HOSTFILE: &str = "/job/hostfile";
@@ -88,7 +88,7 @@ pub struct LaunchArgs {
     no_prefix: bool,
     /// The ds_config every rank reads (passed as DS_RS_CONFIG).
     #[arg(long)]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Bind each local rank to its own contiguous share of the cores (and give it that many
     /// compute threads), as DeepSpeed's launcher does for CPU jobs.
     #[arg(long = "bind_cores_to_rank", alias = "bind-cores-to-rank")]
@@ -106,12 +106,38 @@ pub struct LaunchArgs {
     /// Set by a head launcher: every host and its slots.
     #[arg(long = "world_info", alias = "world-info", hide = true)]
     world_info: Option<String>,
+    /// Tune the configuration first (DeepSpeed's autotuner, driven by the config's
+    /// `autotuning` section): `tune` writes the best to its results_dir, `run` then runs it.
+    #[arg(long, value_enum)]
+    pub(crate) autotuning: Option<crate::cli::autotune::Mode>,
+    /// With --autotuning: the memory one rank may use, e.g. 2G (default: this host's RAM
+    /// divided among its ranks); the memory model rules out what would not fit.
+    #[arg(long = "memory_per_rank", alias = "memory-per-rank")]
+    pub(crate) memory_per_rank: Option<String>,
+    /// With --autotuning: seconds a trial may run before it is stopped and recorded as failed.
+    #[arg(long = "trial_timeout", alias = "trial-timeout", default_value_t = 900)]
+    pub(crate) trial_timeout: u64,
     /// `train [ARGS]`, another ds-rs command, or any program that embeds the engine.
     #[arg(required = true, trailing_var_arg = true)]
-    program: Vec<String>,
+    pub(crate) program: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// The ranks a job of these arguments starts on this host; autotuning trials run on one
+    /// host for now.
+    pub(crate) fn local_ranks(&self) -> anyhow::Result<usize> {
+        let hosts = select_hosts(self)?;
+        if hosts.0.len() > 1 {
+            bail!("autotuning trials on several hosts (side by side on disjoint hosts) are not implemented yet in ds-rs (issue 18); tune on one host");
+        }
+        Ok(hosts.world_size())
+    }
 }
 
 pub fn run(args: &LaunchArgs) -> anyhow::Result<ExitCode> {
+    if let Some(mode) = args.autotuning {
+        return crate::cli::autotune::run(args, mode);
+    }
     let stop = StopFlag::on_signals()?;
     if let (Some(node), Some(info)) = (args.node_rank, &args.world_info) {
         // A node launcher: the head holds our stdin and closes it when it stops.

@@ -37,7 +37,7 @@ pub struct TrainArgs {
     pub(crate) config: Option<PathBuf>,
     /// tiny, small, gpt2, or a model JSON {"V","T","d","H","L"}.
     #[arg(long, default_value = "tiny")]
-    model: String,
+    pub(crate) model: String,
     /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens),
     /// a token file *.bin, or a text file read as bytes.
     #[arg(long, default_value = "markov")]
@@ -86,10 +86,10 @@ pub struct TrainArgs {
     /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1);
     /// data parallelism takes the rest of the ranks.
     #[arg(long)]
-    tp: Option<usize>,
+    pub(crate) tp: Option<usize>,
     /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
     #[arg(long)]
-    pp: Option<usize>,
+    pub(crate) pp: Option<usize>,
 }
 
 const DEFAULT_STEPS: u64 = 300;

@@ -1,0 +1,188 @@
+//! `ds-rs launch --autotuning tune` on this host: DeepSpeed's fast-mode search over ZeRO stage
+//! and micro-batch, with the memory model ruling out what cannot fit `--memory_per_rank`.
+//! Every trial that ran was predicted to fit; the outputs are DeepSpeed's layout; the chosen
+//! configuration is the best metric among the trials' own metrics files; bad input is one
+//! error each with nothing written.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(600);
+const MODEL: &str = r#"{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2}"#;
+
+fn config(autotuning: &str, extra: &str) -> String {
+    format!(
+        r#"{{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}{extra},
+        "autotuning": {{"enabled": true, "start_profile_step": 1, "end_profile_step": 3,
+            "max_train_micro_batch_size_per_gpu": 64{autotuning}}}}}"#
+    )
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn tuning_stays_within_the_memory_model_and_picks_the_best_trial() {
+    let s = Scratch::new("autotune");
+    let model = s.write("model.json", MODEL);
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &format!(
+                r#", "results_dir": "{}", "exps_dir": "{}""#,
+                results.display(),
+                exps.display()
+            ),
+            r#", "zero_optimization": {"stage": [0, 3]}"#,
+        ),
+    );
+    // 45 MiB: above a rank's fixed cost and model states, below the activations of the
+    // largest micro-batches (64) at ZeRO-0
+    let memory = 45u64 << 20;
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 2 --memory_per_rank 45M --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    for file in [
+        "summary.txt",
+        "ds_config_optimal.json",
+        "cmd_optimal.txt",
+        "records.json",
+    ] {
+        assert!(results.join(file).exists(), "{file} missing");
+    }
+    let records = json(&results.join("records.json"));
+    let mut best: Option<(String, f64)> = None;
+    let mut ran = 0;
+    for r in records.as_array().unwrap() {
+        let name = r["experiment"]["name"].as_str().unwrap().to_string();
+        let predicted = r["predicted_peak_bytes"].as_u64().unwrap();
+        if r["outcome"].get("metric").is_none() {
+            continue;
+        }
+        ran += 1;
+        assert!(
+            predicted <= memory,
+            "{name} ran though predicted {predicted} bytes"
+        );
+        let dir = results.join(&name);
+        for file in [
+            "ds_config.json",
+            "cmd.txt",
+            "metrics.json",
+            "stdout.log",
+            "stderr.log",
+        ] {
+            assert!(dir.join(file).exists(), "{name}: {file} missing");
+        }
+        assert!(
+            exps.join(format!("{name}.json")).exists(),
+            "{name}: no experiment file"
+        );
+        // the trial's own measurement, not the tuner's record of it
+        let throughput = json(&dir.join("metrics.json"))["throughput"]
+            .as_f64()
+            .unwrap();
+        if best.as_ref().is_none_or(|(_, b)| throughput > *b) {
+            best = Some((name, throughput));
+        }
+    }
+    assert!(ran >= 2, "{records}");
+    let (name, _) = best.unwrap();
+    let optimal = json(&results.join("ds_config_optimal.json"));
+    let chosen = json(&results.join(&name).join("ds_config.json"));
+    assert_eq!(
+        optimal, chosen,
+        "the optimal config is not the best trial's ({name})"
+    );
+    assert!(f.stdout.contains(&format!("best {name}")), "{}", f.stdout);
+    // the memory model, not the cap of 64, bounded the micro-batches tried at ZeRO-0
+    let largest_z0 = records
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["experiment"]["stage"] == 0)
+        .filter_map(|r| r["experiment"]["micro_batch"].as_u64())
+        .max()
+        .unwrap();
+    assert!(largest_z0 < 64, "{records}");
+}
+
+#[test]
+fn bad_autotuning_input_is_one_error_and_nothing_written() {
+    let s = Scratch::new("autotune-bad");
+    let model = s.write("model.json", MODEL);
+    let results = s.path("results");
+    let blocker = s.write("a-file", "");
+    let dirs = format!(r#", "results_dir": "{}""#, results.display());
+    let cases = [
+        (
+            config(&format!(r#"{dirs}, "metric": "speed""#), ""),
+            "autotuning.metric",
+        ),
+        (
+            config(&format!(r#"{dirs}, "tuner_type": "bayes""#), ""),
+            "autotuning.tuner_type",
+        ),
+        (
+            config(&dirs, "").replace(
+                r#""train_micro_batch_size_per_gpu": 1"#,
+                r#""train_micro_batch_size_per_gpu": [2, 0]"#,
+            ),
+            "train_micro_batch_size_per_gpu",
+        ),
+        (
+            config(
+                &format!(r#", "results_dir": "{}/sub""#, blocker.display()),
+                "",
+            ),
+            "autotuning",
+        ),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let cfg = s.write(&format!("cfg{i}.json"), text);
+        let cmd = format!(
+            "launch --autotuning tune --nproc_per_node 1 --config {} train --model {}",
+            cfg.display(),
+            model.display()
+        );
+        let f = run(&cmd, LIMIT);
+        assert_eq!(f.status.code(), Some(1), "{cmd}: {}", f.stderr);
+        let errors = error_lines(&f.stderr);
+        assert!(
+            errors.len() == 1 && errors[0].contains(needle),
+            "{needle}: {}",
+            f.stderr
+        );
+        assert!(!results.exists(), "{needle}: results were written");
+    }
+    // a program that fails at once: every trial fails, recorded with its reason
+    let cfg = s.write("ok.json", &config(&dirs, ""));
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 1 --memory_per_rank 1G --config {} train --model {} --data missing.bin",
+        cfg.display(),
+        model.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert_eq!(f.status.code(), Some(1), "{cmd}: {}", f.stderr);
+    assert!(
+        error_lines(&f.stderr)[0].contains("no trial ran successfully"),
+        "{}",
+        f.stderr
+    );
+    let summary = std::fs::read_to_string(results.join("summary.txt")).unwrap();
+    assert!(
+        summary.contains("failed: exit status 1") && summary.contains("missing.bin"),
+        "{summary}"
+    );
+}
