@@ -58,6 +58,7 @@ fn tuning_stays_within_the_memory_model_and_picks_the_best_trial() {
         "ds_config_optimal.json",
         "cmd_optimal.txt",
         "records.json",
+        "autotune.png",
     ] {
         assert!(results.join(file).exists(), "{file} missing");
     }
@@ -116,6 +117,43 @@ fn tuning_stays_within_the_memory_model_and_picks_the_best_trial() {
         .max()
         .unwrap();
     assert!(largest_z0 < 64, "{records}");
+}
+
+/// `--autotuning run` tunes, then trains with the best configuration and the user's own
+/// arguments (here 2 steps).
+#[test]
+fn run_mode_trains_with_the_best_configuration() {
+    let s = Scratch::new("autotune-run");
+    let model = s.write("model.json", MODEL);
+    let results = s.path("results");
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &format!(
+                r#", "results_dir": "{}", "exps_dir": "{}""#,
+                results.display(),
+                s.path("exps").display()
+            ),
+            "",
+        )
+        .replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [2, 4]"#,
+        ),
+    );
+    let metrics = s.path("final");
+    let cmd = format!(
+        "launch --autotuning run --nproc_per_node 1 --memory_per_rank 1G --config {} train --model {} --steps 2 --metrics-dir {}",
+        cfg.display(),
+        model.display(),
+        metrics.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    assert_eq!(steps(&metrics).len(), 2, "{}", f.stdout);
+    let optimal = json(&results.join("ds_config_optimal.json"));
+    let chosen = optimal["train_micro_batch_size_per_gpu"].as_u64().unwrap();
+    assert!([2, 4].contains(&chosen), "{optimal}");
 }
 
 #[test]

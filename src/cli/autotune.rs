@@ -236,18 +236,19 @@ impl Tuner {
             std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
         };
         write("records.json", serde_json::to_string_pretty(records)?)?;
+        self.chart(records)?;
         let mut summary = format!(
-            "ds-rs autotuning ({} mode, metric {}): model {}, {} ranks, {} MiB per rank\n\n| experiment | stage | micro-batch | gas | predicted peak MiB | result |\n| --- | --- | --- | --- | --- | --- |\n",
+            "ds-rs autotuning ({} mode, metric {}): model {}, {} ranks, {} MiB per rank\n\n| # | experiment | stage | micro-batch | gas | predicted peak MiB | result |\n| --- | --- | --- | --- | --- | --- | --- |\n",
             "fast",
             self.metric,
             self.user_program.iter().skip_while(|a| *a != "--model").nth(1).map_or("tiny", String::as_str),
             self.nproc,
             self.memory_per_rank >> 20
         );
-        for r in records {
+        for (i, r) in records.iter().enumerate() {
             let e = &r.experiment;
             summary.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} |\n",
+                "| {i} | {} | {} | {} | {} | {} | {} |\n",
                 e.name,
                 e.stage,
                 e.micro_batch,
@@ -281,6 +282,55 @@ impl Tuner {
             write("cmd_optimal.txt", command_line(&cmd) + "\n")?;
         }
         write("summary.txt", summary)
+    }
+}
+
+impl Tuner {
+    /// `autotune.png`: each trial's metric (gaps where it failed or was pruned) and its
+    /// predicted peak beside the memory per rank, by trial number (summary.txt's `#`).
+    fn chart(&self, records: &[Record]) -> anyhow::Result<()> {
+        let metric: Vec<(f64, f64)> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| match r.outcome {
+                Outcome::Metric(v) if self.metric == "latency" => (i as f64, -v),
+                Outcome::Metric(v) => (i as f64, v),
+                _ => (i as f64, f64::NAN),
+            })
+            .collect();
+        let peak: Vec<(f64, f64)> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                (
+                    i as f64,
+                    r.predicted_peak_bytes as f64 / (1u64 << 20) as f64,
+                )
+            })
+            .collect();
+        let limit = self.memory_per_rank as f64 / (1u64 << 20) as f64;
+        let series = [
+            crate::train::chart::Series {
+                title: "each trial's metric (gaps: failed or pruned)",
+                y_label: &self.metric,
+                points: &metric,
+                floor: None,
+            },
+            crate::train::chart::Series {
+                title: "predicted peak RSS of the largest rank (MiB)",
+                y_label: "MiB",
+                points: &peak,
+                floor: Some((limit, "memory per rank")),
+            },
+        ];
+        let path = self.results.join("autotune.png");
+        crate::train::chart::write_png_over(
+            &path,
+            "ds-rs autotuning",
+            "trial (# in summary.txt)",
+            &series,
+        )?;
+        Ok(())
     }
 }
 

@@ -86,9 +86,19 @@ pub enum ChartError {
 /// Writes a PNG at `path` with `title` on top and one panel per series
 /// stacked vertically, all sharing "optimizer step" as the x axis title.
 pub fn write_png(path: &Path, title: &str, series: &[Series]) -> Result<(), ChartError> {
+    write_png_over(path, title, "optimizer step", series)
+}
+
+/// `write_png` with another x axis title.
+pub fn write_png_over(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    series: &[Series],
+) -> Result<(), ChartError> {
     check_panel_count(path, series.len())?;
     let height = TITLE_HEIGHT + PANEL_HEIGHT * series.len() as u32;
-    let pixels = render(title, series, height).map_err(|reason| ChartError::Draw {
+    let pixels = render(title, x_label, series, height).map_err(|reason| ChartError::Draw {
         path: path.to_path_buf(),
         reason,
     })?;
@@ -120,7 +130,7 @@ fn ensure_font() -> Result<(), String> {
 }
 
 /// Draws the whole chart into an RGB8 buffer of `WIDTH x height`.
-fn render(title: &str, series: &[Series], height: u32) -> Result<Vec<u8>, String> {
+fn render(title: &str, x_label: &str, series: &[Series], height: u32) -> Result<Vec<u8>, String> {
     ensure_font()?;
     let mut pixels = vec![0u8; WIDTH as usize * height as usize * 3];
     {
@@ -131,7 +141,7 @@ fn render(title: &str, series: &[Series], height: u32) -> Result<Vec<u8>, String
             .map_err(|e| e.to_string())?;
         let panels = body.split_evenly((series.len(), 1));
         for (index, (panel, s)) in panels.iter().zip(series).enumerate() {
-            draw_panel(panel, s, PALETTE[index % PALETTE.len()])?;
+            draw_panel(panel, s, x_label, PALETTE[index % PALETTE.len()])?;
         }
         root.present().map_err(|e| e.to_string())?;
     }
@@ -209,6 +219,7 @@ fn padded_range(values: impl Iterator<Item = f64>, margin: f64) -> Range<f64> {
 fn draw_panel(
     area: &DrawingArea<BitMapBackend, Shift>,
     series: &Series,
+    x_label: &str,
     color: RGBColor,
 ) -> Result<(), String> {
     let data = PanelData::new(series);
@@ -221,7 +232,7 @@ fn draw_panel(
         .y_label_area_size(76)
         .build_cartesian_2d(data.x.clone(), data.y.clone())
         .map_err(|e| e.to_string())?;
-    draw_mesh(&mut chart, series.y_label, &data)?;
+    draw_mesh(&mut chart, x_label, series.y_label, &data)?;
     draw_data(&mut chart, &data, color)?;
     draw_floor(&mut chart, &data)?;
     if data.points.is_empty() {
@@ -252,7 +263,12 @@ fn caption(title: &str, data: &PanelData) -> String {
 }
 
 /// Grid, axes, tick labels and axis titles.
-fn draw_mesh(chart: &mut Chart, y_label: &str, data: &PanelData) -> Result<(), String> {
+fn draw_mesh(
+    chart: &mut Chart,
+    x_label: &str,
+    y_label: &str,
+    data: &PanelData,
+) -> Result<(), String> {
     let x_step = (data.x.end - data.x.start) / 10.0;
     let y_step = (data.y.end - data.y.start) / 8.0;
     let x_fmt = move |v: &f64| format_tick(*v, x_step);
@@ -265,7 +281,7 @@ fn draw_mesh(chart: &mut Chart, y_label: &str, data: &PanelData) -> Result<(), S
         .y_labels(8)
         .x_label_formatter(&x_fmt)
         .y_label_formatter(&y_fmt)
-        .x_desc("optimizer step")
+        .x_desc(x_label)
         .y_desc(y_label)
         .label_style((FONT, 14))
         .axis_desc_style((FONT, 16))

@@ -2,7 +2,7 @@
 //! rank or as every rank of a job that `ds-rs launch` (or a scheduler) started. Rank 0 shows
 //! progress and writes the metrics contract (metrics.jsonl, summary.json) and a chart.
 
-mod chart;
+pub(crate) mod chart;
 mod data;
 mod flops;
 mod metrics;
