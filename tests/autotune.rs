@@ -186,6 +186,10 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
             ),
             "autotuning",
         ),
+        (
+            config(&format!(r#"{dirs}, "overwrite": false"#), ""),
+            "autotuning.overwrite",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let cfg = s.write(&format!("cfg{i}.json"), text);
@@ -223,4 +227,51 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
         summary.contains("failed: exit status 1") && summary.contains("missing.bin"),
         "{summary}"
     );
+}
+
+/// Ctrl-C (SIGINT to the tuner) stops the trial in flight and leaves the results so far
+/// readable: the summary and every record written, exit status 130, no process left.
+#[test]
+fn ctrl_c_stops_the_trials_and_keeps_the_results() {
+    let s = Scratch::new("autotune-stop");
+    let model = s.write("model.json", MODEL);
+    let results = s.path("results");
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &format!(
+                r#", "results_dir": "{}", "exps_dir": "{}""#,
+                results.display(),
+                s.path("exps").display()
+            ),
+            r#", "zero_optimization": {"stage": [0, 1, 2, 3]}"#,
+        )
+        .replace(r#""end_profile_step": 3"#, r#""end_profile_step": 100000"#),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 1 --memory_per_rank 1G --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let child = start(&cmd);
+    let pid = child.id();
+    // the first trial has written some steps
+    let started = wait_for(Duration::from_secs(60), || {
+        std::fs::read_dir(&results).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.path().join("metrics/metrics.jsonl").exists())
+        })
+    });
+    assert!(started, "no trial started");
+    signal(pid, "INT");
+    let f = finish(child, Duration::from_secs(30));
+    assert_eq!(f.status.code(), Some(130), "{}\n{}", f.stdout, f.stderr);
+    assert!(
+        f.stderr.contains("stopped; the results so far"),
+        "{}",
+        f.stderr
+    );
+    let summary = std::fs::read_to_string(results.join("summary.txt")).unwrap();
+    assert!(summary.contains("failed: stopped"), "{summary}");
+    assert_nothing_left(&results.display().to_string());
 }

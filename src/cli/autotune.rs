@@ -56,12 +56,6 @@ pub fn run(args: &LaunchArgs, mode: Mode) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let records = tune(&tuner.space, &mut trials)?;
     tuner.report(&records, started.elapsed())?;
-    let Some(winner) = best(&records) else {
-        bail!(
-            "autotuning: no trial ran successfully; see {}",
-            tuner.results.join("summary.txt").display()
-        );
-    };
     if stop.get().is_some() {
         eprintln!(
             "autotuning: stopped; the results so far are in {}",
@@ -69,6 +63,12 @@ pub fn run(args: &LaunchArgs, mode: Mode) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(130));
     }
+    let Some(winner) = best(&records) else {
+        bail!(
+            "autotuning: no trial ran successfully; see {}",
+            tuner.results.join("summary.txt").display()
+        );
+    };
     println!(
         "autotuning: best {} ({}); optimal config in {}",
         winner.experiment.name,
@@ -144,6 +144,27 @@ impl Tuner {
         }
         if at.get("fast").and_then(Json::as_bool) == Some(false) {
             bail!("{}: autotuning.fast = false: tuning ZeRO's other settings beyond stage and micro-batch is not implemented yet in ds-rs (issue 18); set it to true", name());
+        }
+        if at.get("overwrite").and_then(Json::as_bool) == Some(false) {
+            bail!("{}: autotuning.overwrite = false: reusing earlier trials' results is not implemented yet in ds-rs (issue 18); remove it or set it to true", name());
+        }
+        for (key, why) in [
+            (
+                "model_info",
+                "ds-rs computes the model's size from the model itself",
+            ),
+            (
+                "model_info_path",
+                "ds-rs computes the model's size from the model itself",
+            ),
+            (
+                "metric_path",
+                "each trial's metrics are read from its own metrics directory",
+            ),
+        ] {
+            if at.get(key).is_some() {
+                println!("warning: autotuning.{key}: ignored; {why}");
+            }
         }
         let space = space_of(&user, at, nproc, &name)?;
         let results = PathBuf::from(text("results_dir", "autotuning_results"));
