@@ -23,6 +23,15 @@ fn config(autotuning: &str, extra: &str) -> String {
     )
 }
 
+/// The autotuning keys that put the results and experiments in `results` and `exps`.
+fn dirs(results: &Path, exps: &Path) -> String {
+    format!(
+        r#", "results_dir": "{}", "exps_dir": "{}""#,
+        results.display(),
+        exps.display()
+    )
+}
+
 fn json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
@@ -128,15 +137,7 @@ fn run_mode_trains_with_the_best_configuration() {
     let results = s.path("results");
     let cfg = s.write(
         "cfg.json",
-        &config(
-            &format!(
-                r#", "results_dir": "{}", "exps_dir": "{}""#,
-                results.display(),
-                s.path("exps").display()
-            ),
-            "",
-        )
-        .replace(
+        &config(&dirs(&results, &s.path("exps")), "").replace(
             r#""train_micro_batch_size_per_gpu": 1"#,
             r#""train_micro_batch_size_per_gpu": [2, 4]"#,
         ),
@@ -239,11 +240,7 @@ fn ctrl_c_stops_the_trials_and_keeps_the_results() {
     let cfg = s.write(
         "cfg.json",
         &config(
-            &format!(
-                r#", "results_dir": "{}", "exps_dir": "{}""#,
-                results.display(),
-                s.path("exps").display()
-            ),
+            &dirs(&results, &s.path("exps")),
             r#", "zero_optimization": {"stage": [0, 1, 2, 3]}"#,
         )
         .replace(r#""end_profile_step": 3"#, r#""end_profile_step": 100000"#),

@@ -122,29 +122,8 @@ fn model_states_and_activations_equal_memory_report() {
     cases.push(("z0-pp2-v2".into(), 2, 0, "--pp 2", interleaved));
     for (name, nproc, stage, args, extra) in cases {
         let cfg = s.write(&format!("{name}.json"), &config(stage, extra));
-        let dir = s.path(&name);
-        let cmd = format!(
-            "launch --nproc_per_node {nproc} --config {} train --model {} --steps 1 {args} \
-             --eval-interval 0 --eval-batches 1 --metrics-dir {}",
-            cfg.display(),
-            model.display(),
-            dir.display()
-        );
-        let f = run(&cmd, Duration::from_secs(120));
-        assert!(f.status.success(), "{cmd}: {}", f.stderr);
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap())
-                .unwrap();
-        let est = run(
-            &format!(
-                "estimate --config {} --model {} --world-size {nproc} {args} --json",
-                cfg.display(),
-                model.display()
-            ),
-            LIMIT,
-        );
-        assert!(est.status.success(), "{name}: {}", est.stderr);
-        let est: serde_json::Value = serde_json::from_str(&est.stdout).unwrap();
+        let model = model.display().to_string();
+        let (summary, est) = train_and_estimate(&s.path(&name), &cfg, &model, nproc, 1, args);
         let measured = summary["ranks"].as_array().unwrap();
         assert_eq!(measured.len(), nproc, "{name}");
         for m in measured {
@@ -183,27 +162,7 @@ fn predicted_peak_rss_is_within_15_percent_of_the_measured() {
                 4 * nproc
             ),
         );
-        let dir = s.path(name);
-        let cmd = format!(
-            "launch --nproc_per_node {nproc} --config {} train --model tiny --steps 3 \
-             --eval-interval 0 --eval-batches 1 --metrics-dir {}",
-            cfg.display(),
-            dir.display()
-        );
-        let f = run(&cmd, Duration::from_secs(120));
-        assert!(f.status.success(), "{cmd}: {}", f.stderr);
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap())
-                .unwrap();
-        let est = run(
-            &format!(
-                "estimate --config {} --model tiny --world-size {nproc} --json",
-                cfg.display()
-            ),
-            LIMIT,
-        );
-        assert!(est.status.success(), "{name}: {}", est.stderr);
-        let est: serde_json::Value = serde_json::from_str(&est.stdout).unwrap();
+        let (summary, est) = train_and_estimate(&s.path(name), &cfg, "tiny", nproc, 3, "");
         for m in summary["ranks"].as_array().unwrap() {
             let rank = m["rank"].as_u64().unwrap() as usize;
             let predicted = est["ranks"][rank]["predicted_peak_bytes"].as_f64().unwrap();
@@ -217,4 +176,35 @@ fn predicted_peak_rss_is_within_15_percent_of_the_measured() {
             );
         }
     }
+}
+
+/// Trains `model` for `steps` on `nproc` ranks with `cfg` and `args` (metrics in `dir`), and
+/// asks `estimate` about the same run: (the run's summary.json, the estimate's JSON).
+fn train_and_estimate(
+    dir: &std::path::Path,
+    cfg: &std::path::Path,
+    model: &str,
+    nproc: usize,
+    steps: u64,
+    args: &str,
+) -> (serde_json::Value, serde_json::Value) {
+    let cmd = format!(
+        "launch --nproc_per_node {nproc} --config {} train --model {model} --steps {steps} {args} \
+         --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+        cfg.display(),
+        dir.display()
+    );
+    let f = run(&cmd, Duration::from_secs(120));
+    assert!(f.status.success(), "{cmd}: {}", f.stderr);
+    let summary = std::fs::read_to_string(dir.join("summary.json")).unwrap();
+    let est = format!(
+        "estimate --config {} --model {model} --world-size {nproc} {args} --json",
+        cfg.display()
+    );
+    let e = run(&est, LIMIT);
+    assert!(e.status.success(), "{est}: {}", e.stderr);
+    (
+        serde_json::from_str(&summary).unwrap(),
+        serde_json::from_str(&e.stdout).unwrap(),
+    )
 }

@@ -398,19 +398,3 @@ fn tied_embeddings_train_as_pytorchs_tied_gpt() {
     );
     assert!(!f.stdout.contains("[rank"), "a rank started: {}", f.stdout);
 }
-
-fn read_weights(path: &std::path::Path) -> std::collections::HashMap<String, Vec<f32>> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let v = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            (name, v)
-        })
-        .collect()
-}

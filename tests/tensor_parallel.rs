@@ -12,7 +12,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -75,22 +74,6 @@ fn train(name: &str, nproc: usize, tp: usize, stage: u8, extra: &str) -> Trained
             .collect(),
         weights: read_weights(&weights),
     }
-}
-
-fn read_weights(path: &Path) -> HashMap<String, Vec<f32>> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let v = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            (name, v)
-        })
-        .collect()
 }
 
 /// The single-process run every layout is compared with.

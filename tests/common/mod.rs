@@ -237,3 +237,20 @@ pub fn signal(pid: u32, sig: &str) {
 pub fn error_lines(text: &str) -> Vec<&str> {
     text.lines().filter(|l| l.starts_with("error:")).collect()
 }
+
+/// The f32 tensors of a safetensors file (`--save-weights`, `checkpoint consolidate`) by name.
+pub fn read_weights(path: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let v = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (name, v)
+        })
+        .collect()
+}

@@ -196,6 +196,16 @@ struct Slot {
 struct Pending(Vec<(usize, Work<()>)>);
 
 impl Pending {
+    /// Sends the output of the micro-batch in `slot` (pipe buffer `buffer`) to the next stage.
+    fn send_output(&mut self, stage: &Stage, slot: &mut Slot, buffer: usize) -> Result<()> {
+        let y = slot
+            .output
+            .take()
+            .ok_or_else(|| missing("output", buffer))?;
+        self.0.extend(send_async(stage, &y, stage.stage + 1)?);
+        Ok(())
+    }
+
     fn finish(self) -> Result<()> {
         for (peer, work) in self.0 {
             work.wait().map_err(at_stage("sending to", peer))?;
@@ -254,11 +264,7 @@ pub(crate) fn train_batch<T: Dtype>(
                 slot.micro = t.take_micro();
             }
             Instruction::SendActivation { buffer } => {
-                let y = slots[buffer]
-                    .output
-                    .take()
-                    .ok_or_else(|| missing("output", buffer))?;
-                pending.0.extend(send_async(stage, &y, stage.stage + 1)?);
+                pending.send_output(stage, &mut slots[buffer], buffer)?;
                 t.add_pipe_wait(t0.elapsed());
             }
             Instruction::RecvGrad { buffer } => {
@@ -466,11 +472,7 @@ pub(crate) fn eval_batch<T: Dtype>(
                     }
                 }
                 Instruction::SendActivation { buffer } => {
-                    let y = slots[buffer]
-                        .output
-                        .take()
-                        .ok_or_else(|| missing("output", buffer))?;
-                    pending.0.extend(send_async(stage, &y, stage.stage + 1)?);
+                    pending.send_output(stage, &mut slots[buffer], buffer)?;
                 }
                 other => {
                     return Err(EngineError::Invalid(format!(
