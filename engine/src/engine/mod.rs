@@ -316,12 +316,16 @@ impl Engine {
         next: &mut dyn FnMut(usize) -> Result<Batch>,
     ) -> Result<(f32, StepOutcome)> {
         let ga = self.settings.grad_accum;
-        let (sum, outcome) = each!(&mut self.core, t => pipe::train_batch(t, stage, ga, next))?;
+        let (sum, outcome) = each!(&mut self.core, t => pipe::train_batch(t, stage, ga, next))
+            .map_err(|e| pipe::name_stages(e, stage))?;
         let outcome = outcome.ok_or_else(|| {
             EngineError::Invalid("pipe schedule: the batch ended without an optimizer step".into())
         })?;
         let mut loss = [sum / ga as f32];
-        stage.group.broadcast(&mut loss, stage.last())?;
+        stage
+            .group
+            .broadcast(&mut loss, stage.last())
+            .map_err(|e| pipe::name_stages(e.into(), stage))?;
         Ok((self.mean_over_ranks(loss[0])?, outcome))
     }
 
@@ -331,7 +335,8 @@ impl Engine {
     pub fn eval_batch(&mut self, mut next: impl FnMut(usize) -> Result<Batch>) -> Result<f32> {
         let ga = self.settings.grad_accum;
         let sum = match self.stage.clone() {
-            Some(stage) => each!(&mut self.core, t => pipe::eval_batch(t, &stage, ga, &mut next))?,
+            Some(stage) => each!(&mut self.core, t => pipe::eval_batch(t, &stage, ga, &mut next))
+                .map_err(|e| pipe::name_stages(e, &stage))?,
             None => {
                 let mut sum = 0.0f32;
                 for k in 0..ga {

@@ -193,7 +193,7 @@ struct Slot {
 
 /// Sends still leaving (Note [pipeline transfers]): waited for before the batch ends.
 #[derive(Default)]
-struct Pending(Vec<(usize, Work<()>)>);
+struct Pending(Vec<Work<()>>);
 
 impl Pending {
     /// Sends the output of the micro-batch in `slot` (pipe buffer `buffer`) to the next stage.
@@ -207,8 +207,8 @@ impl Pending {
     }
 
     fn finish(self) -> Result<()> {
-        for (peer, work) in self.0 {
-            work.wait().map_err(at_stage("sending to", peer))?;
+        for work in self.0 {
+            work.wait()?;
         }
         Ok(())
     }
@@ -612,10 +612,28 @@ impl Wire {
     }
 }
 
-/// Names the neighbour of a failed transfer by its stage (the error already names its rank).
-fn at_stage(what: &str, peer: usize) -> impl FnOnce(ds_comm::CommError) -> EngineError {
-    let what = format!("pipeline: {what} stage {peer}");
-    move |e| EngineError::Comm(e.during(&what))
+/// A communication failure inside a pipeline step that involves ranks of this pipeline
+/// names their stages too, whatever collective it happened in (a transfer, the loss broadcast,
+/// the gradient norm, tied gradients): "pipeline stage 1: recv: timed out ... rank(s) 1".
+pub(crate) fn name_stages(e: EngineError, stage: &Stage) -> EngineError {
+    let EngineError::Comm(c) = e else {
+        return e;
+    };
+    let ranks = match &c {
+        ds_comm::CommError::Timeout { missing, .. } => missing.clone(),
+        ds_comm::CommError::PeerLost { peer, .. } => vec![*peer],
+        _ => Vec::new(),
+    };
+    let group = stage.group.global_ranks();
+    let stages: Vec<String> = ranks
+        .iter()
+        .filter_map(|r| group.iter().position(|g| g == r))
+        .map(|s| s.to_string())
+        .collect();
+    match stages.is_empty() {
+        true => EngineError::Comm(c),
+        false => EngineError::Comm(c.during(&format!("pipeline stage {}", stages.join(", ")))),
+    }
 }
 
 fn send(stage: &Stage, t: &Tensor, to: usize) -> Result<()> {
@@ -629,12 +647,12 @@ fn send(stage: &Stage, t: &Tensor, to: usize) -> Result<()> {
             Payload::Bf16(v) => g.send(v, rank),
             Payload::F16(v) => g.send(v, rank),
         });
-    sent.map_err(at_stage("sending to", to))
+    Ok(sent?)
 }
 
 /// Sends `t` to stage `to` on the communicator's worker thread, in this rank's issue order:
 /// the stage goes on computing while it leaves (Note [pipeline transfers]).
-fn send_async(stage: &Stage, t: &Tensor, to: usize) -> Result<Vec<(usize, Work<()>)>> {
+fn send_async(stage: &Stage, t: &Tensor, to: usize) -> Result<Vec<Work<()>>> {
     let wire = Wire::of(t)?;
     let rank = stage.rank_of(to);
     let header = stage.group.send_async(wire.header.to_vec(), rank);
@@ -643,24 +661,20 @@ fn send_async(stage: &Stage, t: &Tensor, to: usize) -> Result<Vec<(usize, Work<(
         Payload::Bf16(v) => stage.group.send_async(v, rank),
         Payload::F16(v) => stage.group.send_async(v, rank),
     };
-    Ok(vec![(to, header), (to, data)])
+    Ok(vec![header, data])
 }
 
 fn recv(stage: &Stage, from: usize, dev: &Device) -> Result<Tensor> {
     let rank = stage.rank_of(from);
     let mut header = [0f32; HEADER];
-    stage
-        .group
-        .recv(&mut header, rank)
-        .map_err(at_stage("receiving from", from))?;
+    stage.group.recv(&mut header, rank)?;
     let mut wire = Wire::expect(header);
     let g = &stage.group;
     match &mut wire.payload {
         Payload::F32(v) => g.recv(v, rank),
         Payload::Bf16(v) => g.recv(v, rank),
         Payload::F16(v) => g.recv(v, rank),
-    }
-    .map_err(at_stage("receiving from", from))?;
+    }?;
     wire.into_tensor(dev)
 }
 
