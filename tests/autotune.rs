@@ -163,7 +163,8 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
     let model = s.write("model.json", MODEL);
     let results = s.path("results");
     let blocker = s.write("a-file", "");
-    let dirs = format!(r#", "results_dir": "{}""#, results.display());
+    let exps = s.path("exps");
+    let dirs = dirs(&results, &exps);
     let cases = [
         (
             config(&format!(r#"{dirs}, "metric": "speed""#), ""),
@@ -182,7 +183,11 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
         ),
         (
             config(
-                &format!(r#", "results_dir": "{}/sub""#, blocker.display()),
+                &format!(
+                    r#", "results_dir": "{}/sub", "exps_dir": "{}""#,
+                    blocker.display(),
+                    exps.display()
+                ),
                 "",
             ),
             "autotuning",
@@ -208,6 +213,7 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
             f.stderr
         );
         assert!(!results.exists(), "{needle}: results were written");
+        assert!(!exps.exists(), "{needle}: experiments were written");
     }
     // a program that fails at once: every trial fails, recorded with its reason
     let cfg = s.write("ok.json", &config(&dirs, ""));
