@@ -312,7 +312,9 @@ fn a_silent_stage_is_named_when_the_transfer_times_out() {
     let f = finish(child, Duration::from_secs(30));
     assert!(!f.status.success());
     let named = f.stderr.lines().any(|l| {
-        l.contains("pipeline stage 1: ") && l.contains("timed out after 4s") && l.contains("rank(s) 1")
+        l.contains("pipeline stage 1: ")
+            && l.contains("timed out after 4s")
+            && l.contains("rank(s) 1")
     });
     assert!(named, "{}", f.stderr);
     assert_nothing_left(&needle);
