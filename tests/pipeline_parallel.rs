@@ -265,20 +265,36 @@ fn checkpointed_stages_keep_the_losses_and_hold_fewer_activations() {
     }
 }
 
-/// A stage that dies brings the job down like any rank: named, within 15 s, nothing left.
-#[test]
-fn a_killed_stage_brings_the_job_down() {
-    let s = Scratch::new("pp-kill");
+/// Starts a long pp = 2 job (with `env`), waits for its first step, sends `sig` to stage 1's
+/// rank, and returns how the job ended within `limit`, with the text naming its processes.
+fn signal_stage_one(
+    tag: &str,
+    sig: &str,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (Finished, String) {
+    let s = Scratch::new(tag);
     let model = s.write("model.json", SMALL_MODEL);
     let cfg = s.write("cfg.json", &pipeline_config(1, ""));
     let dir = s.path("metrics");
     let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
-    let child = start(&format!("{launch} {} --pp 2", train(&model, 100_000, &dir)));
+    let cmd = format!("{launch} {} --pp 2", train(&model, 100_000, &dir));
+    let child = spawn_captured(
+        std::process::Command::new(BIN)
+            .args(words(&cmd))
+            .envs(env.iter().copied()),
+    );
     wait_for_steps(&dir, 1);
     let needle = dir.to_str().unwrap().to_string();
     let victim = rank_pid(&needle, 1).expect("stage 1 is running");
-    signal(victim, "KILL");
-    let f = finish(child, Duration::from_secs(15));
+    signal(victim, sig);
+    (finish(child, limit), needle)
+}
+
+/// A stage that dies brings the job down like any rank: named, within 15 s, nothing left.
+#[test]
+fn a_killed_stage_brings_the_job_down() {
+    let (f, needle) = signal_stage_one("pp-kill", "KILL", &[], Duration::from_secs(15));
     assert!(!f.status.success());
     assert!(
         f.stderr
@@ -289,27 +305,13 @@ fn a_killed_stage_brings_the_job_down() {
     assert_nothing_left(&needle);
 }
 
-/// A stage that stops answering (SIGSTOP: alive, silent) makes its neighbour's point-to-point
-/// wait run out at the communication timeout, and the error names the silent stage, not only
-/// its rank; the job then ends, nothing left.
+/// A stage that stops answering (SIGSTOP: alive, silent) makes its neighbour's wait run out at
+/// the communication timeout, and the error names the silent stage, not only its rank; the
+/// job then ends, nothing left.
 #[test]
 fn a_silent_stage_is_named_when_the_transfer_times_out() {
-    let s = Scratch::new("pp-stall");
-    let model = s.write("model.json", SMALL_MODEL);
-    let cfg = s.write("cfg.json", &pipeline_config(1, ""));
-    let dir = s.path("metrics");
-    let launch = format!("launch --nproc_per_node 2 --config {}", cfg.display());
-    let cmd = format!("{launch} {} --pp 2", train(&model, 100_000, &dir));
-    let child = spawn_captured(
-        std::process::Command::new(BIN)
-            .args(words(&cmd))
-            .env("DS_RS_COMM_TIMEOUT", "4"),
-    );
-    wait_for_steps(&dir, 1);
-    let needle = dir.to_str().unwrap().to_string();
-    let victim = rank_pid(&needle, 1).expect("stage 1 is running");
-    signal(victim, "STOP");
-    let f = finish(child, Duration::from_secs(30));
+    let env = [("DS_RS_COMM_TIMEOUT", "4")];
+    let (f, needle) = signal_stage_one("pp-stall", "STOP", &env, Duration::from_secs(30));
     assert!(!f.status.success());
     let named = f.stderr.lines().any(|l| {
         l.contains("pipeline stage 1: ")

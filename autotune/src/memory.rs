@@ -59,6 +59,17 @@ impl RankEstimate {
     pub fn model_states(&self) -> u64 {
         self.params_bytes + self.grads_bytes + self.optimizer_states_bytes
     }
+
+    /// The predicted peak RSS: the model states, the activations of the micro-batches in
+    /// flight, and the step's working memory.
+    fn peak(&self) -> u64 {
+        self.model_states()
+            + self.activations_bytes * self.micro_batches_in_flight
+            + self.layer_bytes
+            + self.comm_buffers_bytes
+            + self.transient_bytes
+            + self.fixed_bytes
+    }
 }
 
 /// What the estimate needs to know of the run.
@@ -160,9 +171,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
         let layer_bytes = (largest.max(graphs) + largest) * dtype;
         let comm = comm_buffers(&settings, &numel, shard as usize, padded as usize) as u64 * dtype;
         let transient = micro.rows * run.model.T as u64 * (run.model.V / tp) as u64 * dtype;
-        let states = dtype * (params + grads) + owned * (4 + per_element);
-        let predicted = states + activations * in_flight + layer_bytes + comm + transient + FIXED;
-        out.push(RankEstimate {
+        let mut r = RankEstimate {
             rank,
             stage: pp_stage,
             tp_rank,
@@ -178,8 +187,10 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             comm_buffers_bytes: comm,
             transient_bytes: transient,
             fixed_bytes: FIXED,
-            predicted_peak_bytes: predicted,
-        });
+            predicted_peak_bytes: 0,
+        };
+        r.predicted_peak_bytes = r.peak();
+        out.push(r);
     }
     Ok(out)
 }
