@@ -1,8 +1,10 @@
-//! `ds-rs launch --autotuning tune` on this host: DeepSpeed's fast-mode search over ZeRO stage
-//! and micro-batch, with the memory model ruling out what cannot fit `--memory_per_rank`.
+//! `ds-rs launch --autotuning tune` on this host: DeepSpeed's search over ZeRO stage and
+//! micro-batch, with the memory model ruling out what cannot fit `--memory_per_rank`.
 //! Every trial that ran was predicted to fit; the outputs are DeepSpeed's layout; the chosen
-//! configuration is the best metric among the trials' own metrics files; bad input is one
-//! error each with nothing written.
+//! configuration is the best metric among the trials' own metrics files; a program that
+//! embeds the engine is tuned through its own flags; an earlier search's trials are reused
+//! without `overwrite`; bad input is one error each with nothing written. (The tuners' logic
+//! is tested in autotune/tuning.rs; trials side by side on two hosts in launch_hosts.rs.)
 
 mod common;
 
@@ -77,7 +79,7 @@ fn tuning_stays_within_the_memory_model_and_picks_the_best_trial() {
     for r in records.as_array().unwrap() {
         let name = r["experiment"]["name"].as_str().unwrap().to_string();
         let predicted = r["predicted_peak_bytes"].as_u64().unwrap();
-        if r["outcome"].get("metric").is_none() {
+        if r["outcome"].get("ran").is_none() {
             continue;
         }
         ran += 1;
@@ -193,8 +195,8 @@ fn bad_autotuning_input_is_one_error_and_nothing_written() {
             "autotuning",
         ),
         (
-            config(&format!(r#"{dirs}, "overwrite": false"#), ""),
-            "autotuning.overwrite",
+            config(&dirs, r#", "tensor_parallel": {"autotp_size": [0, 2]}"#),
+            "tensor_parallel.autotp_size",
         ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
@@ -277,4 +279,99 @@ fn ctrl_c_stops_the_trials_and_keeps_the_results() {
     let summary = std::fs::read_to_string(results.join("summary.txt")).unwrap();
     assert!(summary.contains("failed: stopped"), "{summary}");
     assert_nothing_left(&results.display().to_string());
+}
+
+/// A program that embeds the engine (the custom-loop example), tuned through its own flag:
+/// `arg_mappings` puts each trial's micro-batch on its command line (`--micro-batch`), and
+/// the engine's trial hook times the profiled steps, writes the metrics file and ends the
+/// program, whose own loop would run 100 steps.
+#[test]
+fn a_program_embedding_the_engine_is_tuned_through_its_own_flags() {
+    let s = Scratch::new("autotune-program");
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let tuning = format!(
+        r#"{}, "arg_mappings": {{"train_micro_batch_size_per_gpu": "--micro-batch"}},
+        "model_info": {{"num_params": 5000}}"#,
+        dirs(&results, &exps)
+    );
+    let cfg = s.write(
+        "cfg.json",
+        &config(&tuning, r#", "zero_optimization": {"stage": [0, 2]}"#).replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [1, 4]"#,
+        ),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 2 --memory_per_rank 1G --config {} {} --steps 100",
+        cfg.display(),
+        custom_loop_example().display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    let records = json(&results.join("records.json"));
+    let records = records.as_array().unwrap();
+    assert_eq!(records.len(), 4, "{records:?}");
+    for r in records {
+        assert!(r["outcome"].get("ran").is_some(), "{r}");
+        let name = r["experiment"]["name"].as_str().unwrap();
+        let m = r["experiment"]["micro_batch"].as_u64().unwrap();
+        let dir = results.join(name);
+        let line = std::fs::read_to_string(dir.join("cmd.txt")).unwrap();
+        assert!(line.contains(&format!("--micro-batch {m}")), "{line}");
+        // the program's own report: the micro-batch it trained with, and no step 10 reached
+        let out = std::fs::read_to_string(dir.join("stdout.log")).unwrap();
+        assert!(out.contains(&format!("micro-batch {m} x")), "{out}");
+        assert!(
+            !out.contains("step   10"),
+            "the trial ran past its profile: {out}"
+        );
+        let metrics = json(&dir.join("metrics.json"));
+        assert!(metrics["latency"].as_f64().unwrap() > 0.0, "{metrics}");
+    }
+    let optimal = json(&results.join("ds_config_optimal.json"));
+    assert!(optimal.get("autotuning").is_none(), "{optimal}");
+}
+
+/// `"overwrite": false` (DeepSpeed's rule): a second search over the same results_dir reuses
+/// the trials whose metrics are there instead of running them again.
+#[test]
+fn without_overwrite_a_second_search_reuses_the_trials() {
+    let s = Scratch::new("autotune-reuse");
+    let model = s.write("model.json", MODEL);
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let tuning = format!(r#"{}, "overwrite": false"#, dirs(&results, &exps));
+    let cfg = s.write(
+        "cfg.json",
+        &config(&tuning, "").replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [1, 2]"#,
+        ),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 1 --memory_per_rank 1G --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let first = run(&cmd, LIMIT);
+    assert!(first.status.success(), "{}", first.stderr);
+    assert_eq!(
+        first.stdout.matches("[autotune] trial ").count(),
+        2,
+        "{}",
+        first.stdout
+    );
+    let second = run(&cmd, LIMIT);
+    assert!(second.status.success(), "{}", second.stderr);
+    assert_eq!(
+        second.stdout.matches("[autotune] trial ").count(),
+        0,
+        "{}",
+        second.stdout
+    );
+    assert_eq!(
+        second.stdout.matches("from an earlier search").count(),
+        2,
+        "{}",
+        second.stdout
+    );
 }

@@ -7,9 +7,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -23,47 +21,10 @@ const STEPS: usize = 4;
 const REL: f64 = 1e-5;
 const LIMIT: Duration = Duration::from_secs(240);
 
-/// The example's executable, built once by cargo with this test's profile (`cargo test` builds
-/// into target/debug with the `test` profile, `cargo test --release` into target/release).
-/// Selecting ds-rs beside ds-engine gives the dependencies the features this test was built
-/// with, so cargo reuses them instead of compiling candle a second time.
-fn example() -> &'static PathBuf {
-    static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(|| {
-        let me = std::env::current_exe().unwrap();
-        // .../target/<profile dir>/deps/custom_loop-<hash>
-        let dir = me.parent().and_then(|d| d.parent()).unwrap();
-        let profile = match dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "test".to_string(),
-            Some(other) => other.to_string(),
-        };
-        let out = Command::new(env!("CARGO"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--profile", &profile])
-            .args(["-p", "ds-rs", "-p", "ds-engine"])
-            .args([
-                "--example",
-                "custom_loop",
-                "--message-format=json-render-diagnostics",
-            ])
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "building the example failed");
-        let exe = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["target"]["name"] == "custom_loop")
-            .find_map(|v| v["executable"].as_str().map(PathBuf::from));
-        exe.expect("cargo named no custom_loop executable")
-    })
-}
-
 /// The example run alone (`args` after the program), without DS_RS_CONFIG.
 fn alone(args: &[String]) -> Finished {
     let child = spawn_captured(
-        Command::new(example())
+        Command::new(custom_loop_example())
             .args(args)
             .env_remove("DS_RS_CONFIG"),
     );
@@ -112,7 +73,7 @@ fn two_ranks_split_the_global_batch_and_print_the_losses_of_one() {
     let launch = format!(
         "launch --nproc_per_node 2 --config {} {}",
         cfg.display(),
-        example().display()
+        custom_loop_example().display()
     );
     let two = run(&format!("{launch} {}", steps.join(" ")), LIMIT);
     assert!(two.status.success(), "two ranks: {}", two.stderr);
@@ -181,7 +142,7 @@ fn a_user_model_split_by_partition_config_prints_the_losses_of_one_rank() {
         let cmd = format!(
             "launch --nproc_per_node {nproc} --config {} {} {}",
             split.display(),
-            example().display(),
+            custom_loop_example().display(),
             steps.join(" ")
         );
         let f = run(&cmd, LIMIT);
@@ -207,7 +168,7 @@ fn a_partition_config_pattern_matching_nothing_is_named() {
     let cmd = format!(
         "launch --nproc_per_node 2 --config {} {} --steps 1",
         cfg.display(),
-        example().display()
+        custom_loop_example().display()
     );
     let f = run(&cmd, LIMIT);
     assert_eq!(f.status.code(), Some(1), "{}", f.stderr);

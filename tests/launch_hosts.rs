@@ -196,3 +196,69 @@ fn an_unreachable_host_is_named() {
         .to_string();
     assert!(last.contains("node 1 (host no-such-host)"), "{}", f.stderr);
 }
+
+/// `--autotuning tune` over two hosts whose trials take one host each (`--num_nodes 1`): the
+/// tuner runs trials on both hosts at the same time, each with its own rendezvous (the
+/// second host's address asked of it through the template), and the all-reduce it measures
+/// for its time model runs through the same launcher.
+#[test]
+fn the_autotuner_runs_trials_side_by_side_on_both_hosts() {
+    let Some(hosts) = two_hosts("a") else { return };
+    let s = Scratch::new("hosts-autotune");
+    let model = s.write("model.json", SMALL_MODEL);
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let cfg = s.write(
+        "tune.json",
+        &format!(
+            r#"{{"train_micro_batch_size_per_gpu": [1, 2], "gradient_accumulation_steps": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+            "zero_optimization": {{"stage": [0, 1]}},
+            "autotuning": {{"enabled": true, "start_profile_step": 1, "end_profile_step": 3,
+                "results_dir": "{}", "exps_dir": "{}"}}}}"#,
+            results.display(),
+            exps.display()
+        ),
+    );
+    let mut args = launch(
+        &hosts,
+        &hostfile(&s, &hosts, ["2", "2"]),
+        29564,
+        &cfg,
+        &format!("train --model {}", model.display()),
+    );
+    let at = args.iter().position(|a| a == "launch").unwrap() + 1;
+    let tuning = words("--autotuning tune --num_nodes 1 --num_gpus 2 --memory_per_rank 1G");
+    args.splice(at..at, tuning);
+    let f = finish(start_args(&args), Duration::from_secs(300));
+    assert!(f.status.success(), "{}\n{}", f.stdout, f.stderr);
+    let records: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(results.join("records.json")).unwrap())
+            .unwrap();
+    // where and when each trial ran, from its own results directory
+    let mut spans: Vec<(String, f64, f64)> = Vec::new();
+    for r in records.as_array().unwrap() {
+        assert!(r["outcome"].get("ran").is_some(), "{r}");
+        let name = r["experiment"]["name"].as_str().unwrap();
+        let text = std::fs::read_to_string(results.join(name).join("trial.json")).unwrap();
+        let t: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let host = t["hosts"].as_str().unwrap().split(':').next().unwrap();
+        let (a, b) = (
+            t["started_s"].as_f64().unwrap(),
+            t["finished_s"].as_f64().unwrap(),
+        );
+        spans.push((host.to_string(), a, b));
+    }
+    assert_eq!(spans.len(), 4, "{records}");
+    for h in &hosts.names {
+        assert!(
+            spans.iter().any(|(x, ..)| x == h),
+            "no trial on {h}: {spans:?}"
+        );
+    }
+    let side_by_side = spans.iter().any(|(h1, a1, b1)| {
+        spans
+            .iter()
+            .any(|(h2, a2, b2)| h1 != h2 && a1 < b2 && a2 < b1)
+    });
+    assert!(side_by_side, "no two trials overlapped in time: {spans:?}");
+}

@@ -4,4 +4,5 @@
 pub mod activations;
 pub mod deepspeed_estimate;
 pub mod memory;
+pub mod time;
 pub mod tuning;

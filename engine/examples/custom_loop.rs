@@ -19,8 +19,10 @@
 //! ds-rs launch --nproc_per_node 2 --config ds_config.json target/release/examples/custom_loop
 //! ```
 //!
-//! Options: `--config FILE` (else `DS_RS_CONFIG`, else the built-in config) and `--steps N`
-//! (optimizer steps, default 100). Rank 0 prints the loss every `steps_per_print` steps (the
+//! Options: `--config FILE` (else `DS_RS_CONFIG`, else the built-in config), `--steps N`
+//! (optimizer steps, default 100) and `--micro-batch N` (the micro-batch per rank, over the
+//! config's, as a training script's own batch-size flag does: what `ds-rs launch --autotuning`
+//! sets through `autotuning.arg_mappings`). Rank 0 prints the loss every `steps_per_print` steps (the
 //! ds_config key, default 10): the mean over the whole global batch, so for one
 //! `train_batch_size` it is the same whatever the number of ranks.
 use std::path::PathBuf;
@@ -93,14 +95,16 @@ type Error = Box<dyn std::error::Error>;
 struct Args {
     config: Option<PathBuf>,
     steps: u64,
+    micro_batch: Option<i64>,
 }
 
-const USAGE: &str = "usage: custom_loop [--config FILE] [--steps N]";
+const USAGE: &str = "usage: custom_loop [--config FILE] [--steps N] [--micro-batch N]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         config: std::env::var_os("DS_RS_CONFIG").map(PathBuf::from),
         steps: 100,
+        micro_batch: None,
     };
     let mut it = std::env::args_os().skip(1);
     while let Some(arg) = it.next() {
@@ -125,6 +129,13 @@ fn parse_args() -> Result<Args, String> {
                 args.steps = v
                     .parse()
                     .map_err(|_| format!("--steps {v}: expected a whole number of steps"))?;
+            }
+            "--micro-batch" => {
+                let v = value()?;
+                let m = v.parse().ok().filter(|&m: &i64| m > 0);
+                args.micro_batch = Some(
+                    m.ok_or_else(|| format!("--micro-batch {v}: expected a positive number"))?,
+                );
             }
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
@@ -156,13 +167,18 @@ fn run(args: &Args) -> Result<(), Error> {
     // Join the job: alone this is rank 0 of 1; under `ds-rs launch` (or torchrun, mpirun,
     // srun) each rank finds its place from the environment.
     let comm = ds_comm::init_from_env()?;
-    let (doc, source) = match &args.config {
+    let (mut doc, source) = match &args.config {
         Some(path) => (ds_config::load(path)?, path.display().to_string()),
         None => (
             ds_config::hjson::parse_bytes(BUILT_IN_CONFIG.as_bytes())?,
             "the built-in config".to_string(),
         ),
     };
+    // The flag wins over the file; the global batch then follows from it.
+    if let (Some(m), ds_config::Value::Dict(d)) = (args.micro_batch, &mut doc) {
+        d.insert("train_micro_batch_size_per_gpu", ds_config::Value::Int(m));
+        d.remove("train_batch_size");
+    }
     // The layout, decided once: the config's tensor-parallel degree, data parallelism over
     // the rest; the groups every collective of the engine runs on.
     let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None)

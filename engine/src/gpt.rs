@@ -119,6 +119,12 @@ impl GptConfig {
         V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d + head
     }
 
+    /// Model FLOPs per trained token (forward + backward): 6 per parameter for the matrix
+    /// products plus 12 L T d for attention's scores and weighted sums (the PaLM paper's count).
+    pub fn flops_per_token(&self) -> f64 {
+        6.0 * self.n_params() as f64 + 12.0 * (self.L * self.T * self.d) as f64
+    }
+
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
     pub fn build(&self) -> Model {
         self.build_parallel(&Tp::none())

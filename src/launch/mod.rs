@@ -123,14 +123,18 @@ pub struct LaunchArgs {
 }
 
 impl LaunchArgs {
-    /// The ranks a job of these arguments starts on this host; autotuning trials run on one
-    /// host for now.
-    pub(crate) fn local_ranks(&self) -> anyhow::Result<usize> {
-        let hosts = select_hosts(self)?;
-        if hosts.0.len() > 1 {
-            bail!("autotuning trials on several hosts (side by side on disjoint hosts) are not implemented yet in ds-rs (issue 18); tune on one host");
-        }
-        Ok(hosts.world_size())
+    /// For autotuning: the whole cluster (the hostfile after --include/--exclude), and the
+    /// hosts and ranks per host one trial takes, where the user limited them.
+    pub(crate) fn trial_shape(&self) -> anyhow::Result<(Hosts, Option<usize>, Option<usize>)> {
+        let (hosts, per_node) = cluster(self)?;
+        Ok((hosts, self.num_nodes, per_node))
+    }
+
+    /// For autotuning: the user's rendezvous address, the port trials start from, and the
+    /// remote-exec template.
+    pub(crate) fn rendezvous(&self) -> (Option<String>, u16, &str) {
+        let port = self.master_port.unwrap_or(DEFAULT_MASTER_PORT);
+        (self.master_addr.clone(), port, &self.ssh_template)
     }
 }
 
@@ -417,6 +421,17 @@ pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
 
 /// The hosts after the hostfile, --include/--exclude and the per-node limits.
 fn select_hosts(args: &LaunchArgs) -> anyhow::Result<Hosts> {
+    let (hosts, per_node) = cluster(args)?;
+    let hosts = hosts.limit(args.num_nodes, per_node);
+    if hosts.world_size() == 0 {
+        bail!("no slots left to run on after --include/--exclude/--num_nodes");
+    }
+    Ok(hosts)
+}
+
+/// The hostfile's hosts after --include/--exclude (this host alone without one), and the
+/// ranks per host asked for.
+fn cluster(args: &LaunchArgs) -> anyhow::Result<(Hosts, Option<usize>)> {
     let per_node = match (args.num_gpus, args.nproc_per_node) {
         (Some(a), Some(b)) if a != b => bail!("--num_gpus {a} and --nproc_per_node {b} disagree"),
         (a, b) => a.or(b),
@@ -441,11 +456,7 @@ fn select_hosts(args: &LaunchArgs) -> anyhow::Result<Hosts> {
     } else if !args.exclude.is_empty() {
         hosts = hosts.exclude(&args.exclude)?;
     }
-    let hosts = hosts.limit(args.num_nodes, per_node);
-    if hosts.world_size() == 0 {
-        bail!("no slots left to run on after --include/--exclude/--num_nodes");
-    }
-    Ok(hosts)
+    Ok((hosts, per_node))
 }
 
 /// `train ...` and the other ds-rs commands run this executable; anything else is a program

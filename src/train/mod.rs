@@ -189,7 +189,7 @@ impl Run<'_> {
         let s = engine.settings().clone();
         let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.dp()) as f64;
         let tokens = samples * self.model.T as f64;
-        let flops_per_token = flops_per_token(&self.model);
+        let flops_per_token = self.model.flops_per_token();
         let start = self.resume(engine, rank0)?;
         let (mut file, mut records, mut evals) = match rank0 {
             true => {
@@ -386,12 +386,6 @@ fn metrics_dir(args: &TrainArgs, rank: usize) -> anyhow::Result<PathBuf> {
             .with_context(|| format!("creating metrics directory {}", dir.display()))?;
     }
     Ok(dir)
-}
-
-/// Model FLOPs per trained token (forward + backward): 6 per parameter for the matrix
-/// products plus 12 L T d for attention's scores and weighted sums (the PaLM paper's count).
-fn flops_per_token(m: &GptConfig) -> f64 {
-    6.0 * m.n_params() as f64 + 12.0 * (m.L * m.T * m.d) as f64
 }
 
 /// DeepSpeed's per-step monitor events, with the samples seen so far as the x value.

@@ -5,6 +5,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ds-rs");
@@ -253,4 +254,41 @@ pub fn read_weights(path: &Path) -> std::collections::HashMap<String, Vec<f32>> 
             (name, v)
         })
         .collect()
+}
+
+/// The custom-loop example's executable (engine/examples/custom_loop.rs), built once by cargo with this test's profile (`cargo test` builds
+/// into target/debug with the `test` profile, `cargo test --release` into target/release).
+/// Selecting ds-rs beside ds-engine gives the dependencies the features this test was built
+/// with, so cargo reuses them instead of compiling candle a second time.
+pub fn custom_loop_example() -> &'static PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let me = std::env::current_exe().unwrap();
+        // .../target/<profile dir>/deps/custom_loop-<hash>
+        let dir = me.parent().and_then(|d| d.parent()).unwrap();
+        let profile = match dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "test".to_string(),
+            Some(other) => other.to_string(),
+        };
+        let out = Command::new(env!("CARGO"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--profile", &profile])
+            .args(["-p", "ds-rs", "-p", "ds-engine"])
+            .args([
+                "--example",
+                "custom_loop",
+                "--message-format=json-render-diagnostics",
+            ])
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "building the example failed");
+        let exe = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"]["name"] == "custom_loop")
+            .find_map(|v| v["executable"].as_str().map(PathBuf::from));
+        exe.expect("cargo named no custom_loop executable")
+    })
 }

@@ -2,6 +2,7 @@
 //! `backward`, `step` (which knows accumulation boundaries), `train_batch`, `eval_batch`,
 //! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
 
+mod autotuning;
 mod initial;
 mod layers;
 mod memory;
@@ -124,6 +125,8 @@ pub struct Engine {
     stage: Option<pipe::Stage>,
     /// The whole model's parameters as checkpoints record them (with their stages).
     all_params: Vec<checkpoint::ParamEntry>,
+    /// An autotuning trial's step timer (a config with `autotuning.metric_path`).
+    probe: Option<autotuning::TrialProbe>,
 }
 
 impl Engine {
@@ -235,6 +238,8 @@ impl Engine {
             Precision::BF16 => Core::Bf16(Trainer::new(parts, &mut fill, updater)?),
             Precision::F16 => Core::F16(Trainer::new(parts, &mut fill, updater)?),
         };
+        let samples = settings.micro_batch * settings.grad_accum * config.dims.dp();
+        let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
         Ok(Engine {
             core,
             settings,
@@ -243,6 +248,7 @@ impl Engine {
             groups: groups.clone(),
             stage,
             all_params,
+            probe,
         })
     }
 
@@ -275,7 +281,20 @@ impl Engine {
     /// The optimizer step when an accumulation window is complete; `None` otherwise.
     pub fn step(&mut self) -> Result<Option<StepOutcome>> {
         self.not_pipelined("step")?;
-        each!(&mut self.core, t => t.step())
+        let outcome = each!(&mut self.core, t => t.step())?;
+        if outcome.is_some() {
+            self.after_step()?;
+        }
+        Ok(outcome)
+    }
+
+    /// An autotuning trial ends its process after its last profiled step.
+    fn after_step(&mut self) -> Result<()> {
+        let steps = self.global_steps();
+        match &mut self.probe {
+            Some(probe) => probe.after_step(steps),
+            None => Ok(()),
+        }
     }
 
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
@@ -326,7 +345,9 @@ impl Engine {
             .group
             .broadcast(&mut loss, stage.last())
             .map_err(|e| pipe::name_stages(e.into(), stage))?;
-        Ok((self.mean_over_ranks(loss[0])?, outcome))
+        let loss = self.mean_over_ranks(loss[0])?;
+        self.after_step()?;
+        Ok((loss, outcome))
     }
 
     /// The loss of `gradient_accumulation_steps` micro-batches from `next` without
