@@ -375,3 +375,64 @@ fn without_overwrite_a_second_search_reuses_the_trials() {
         second.stdout
     );
 }
+
+/// Beyond DeepSpeed: lists in `tensor_parallel.autotp_size` and `pipeline.stages` are tuning
+/// dimensions. Each trial's config carries its layout; tp 2 x pp 2 cannot be laid out over a
+/// trial's 2 ranks and ZeRO-2 is refused with a pipeline: both are recorded with the reason
+/// and never launched.
+#[test]
+fn tensor_and_pipeline_degrees_are_tuned_and_impossible_layouts_pruned() {
+    let s = Scratch::new("autotune-layouts");
+    let model = s.write("model.json", MODEL);
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &dirs(&results, &exps),
+            r#", "zero_optimization": {"stage": [0, 2]},
+            "tensor_parallel": {"autotp_size": [1, 2]}, "pipeline": {"stages": [1, 2]}"#,
+        )
+        .replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [2]"#,
+        ),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 2 --memory_per_rank 1G --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    let records = json(&results.join("records.json"));
+    let mut ran = Vec::new();
+    for r in records.as_array().unwrap() {
+        let e = &r["experiment"];
+        let (tp, pp, stage) = (
+            e["layout"]["tp"].as_u64().unwrap(),
+            e["layout"]["pp"].as_u64().unwrap(),
+            e["stage"].as_u64().unwrap(),
+        );
+        let impossible = tp * pp > 2 || (pp > 1 && stage >= 2);
+        match r["outcome"].get("ran") {
+            Some(_) => {
+                assert!(!impossible, "{r}");
+                let trial = json(
+                    &results
+                        .join(e["name"].as_str().unwrap())
+                        .join("ds_config.json"),
+                );
+                assert_eq!(trial["tensor_parallel"]["autotp_size"], tp, "{trial}");
+                assert_eq!(trial["pipeline"]["stages"], pp, "{trial}");
+                ran.push((tp, pp, stage));
+            }
+            None => assert!(impossible && r["outcome"].get("pruned").is_some(), "{r}"),
+        }
+    }
+    ran.sort();
+    assert_eq!(
+        ran,
+        vec![(1, 1, 0), (1, 1, 2), (1, 2, 0), (2, 1, 0), (2, 1, 2)],
+        "{records}"
+    );
+}

@@ -222,31 +222,37 @@ impl Tuner {
         Ok(Tuner { groups, ..tuner })
     }
 
-    /// Every layout of the space must suit the model and the ranks at one stage at least:
-    /// refused before anything runs, naming the layout (a stage the layout excludes, such as
-    /// ZeRO-2 with a pipeline, is pruned with the reason instead).
+    /// One layout of the space at least must suit the model and the ranks at one stage:
+    /// else the search is refused before anything runs, naming the layout. The others (tp x
+    /// pp over more ranks than a trial has, ZeRO-2 with a pipeline) are pruned with the reason.
     fn check_layouts(&self, name: &dyn Fn() -> String) -> anyhow::Result<()> {
-        for &layout in &self.space.layouts {
-            let check = |stage: u8| {
-                let s = &self.space;
-                let e = Experiment::new(stage, layout, s.min_micro_batch, s.gas, Vec::new(), s);
-                self.resolved(&e)
-                    .and_then(|c| self.workload.peak(&c, e.micro_batch).map(drop))
-            };
-            let mut errors = self.space.stages.iter().map(|&s| check(s));
-            let first = errors.next().and_then(Result::err);
-            let none_valid = first.is_some() && errors.all(|r| r.is_err());
-            if let (Some(first), true) = (first, none_valid) {
-                return Err(first.context(format!(
-                    "{}: autotuning a layout of tp {} x pp {} over {} ranks",
-                    name(),
-                    layout.tp,
-                    layout.pp,
-                    self.ranks
-                )));
+        let s = &self.space;
+        let check = |layout, stage| {
+            let e = Experiment::new(stage, layout, s.min_micro_batch, s.gas, Vec::new(), s);
+            self.resolved(&e)
+                .and_then(|c| self.workload.peak(&c, e.micro_batch).map(drop))
+        };
+        let mut first = None;
+        for &layout in &s.layouts {
+            for &stage in &s.stages {
+                match check(layout, stage) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        first.get_or_insert((layout, e));
+                    }
+                }
             }
         }
-        Ok(())
+        match first {
+            Some((layout, e)) => Err(e.context(format!(
+                "{}: autotuning a layout of tp {} x pp {} over {} ranks",
+                name(),
+                layout.tp,
+                layout.pp,
+                self.ranks
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The trial's ds_config: the user's with this experiment's values, no lists left
