@@ -17,6 +17,7 @@ mod layout;
 mod memory;
 mod params;
 mod slice;
+pub mod swap;
 mod zero;
 
 pub use error::{PartitionError, Result};

@@ -13,9 +13,12 @@ pub trait ParamStore<T: Element>: Send {
     fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>>;
     /// `range` will be asked for next: a sharded store starts gathering it now.
     fn prefetch(&mut self, range: Range<usize>) -> Result<()>;
-    /// Writes the updated fp32 master values of this rank's owned range back and makes the
-    /// parameters whole again where the store keeps them whole.
-    fn publish(&mut self, owned: Range<usize>, master: &[f32]) -> Result<()>;
+    /// Writes updated fp32 master values of `range` (within this rank's owned range) into
+    /// the compute-dtype copy; the owned range may come in parts (streamed from disk).
+    fn write_owned(&mut self, range: Range<usize>, master: &[f32]) -> Result<()>;
+    /// After the owned range was written: makes the parameters whole again where the store
+    /// keeps them whole.
+    fn publish(&mut self) -> Result<()>;
     /// The current values of `range` (within this rank's keeping) as f32.
     fn values_f32(&self, range: Range<usize>) -> Vec<f32>;
     /// Bytes held between steps.
@@ -67,8 +70,12 @@ impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
         Ok(())
     }
 
-    fn publish(&mut self, owned: Range<usize>, master: &[f32]) -> Result<()> {
-        convert_into(&mut self.values[owned], master);
+    fn write_owned(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
+        convert_into(&mut self.values[range], master);
+        Ok(())
+    }
+
+    fn publish(&mut self) -> Result<()> {
         let Publish::AllGather { piece } = self.publish else {
             return Ok(());
         };
@@ -187,11 +194,21 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         Ok(())
     }
 
-    fn publish(&mut self, _owned: Range<usize>, master: &[f32]) -> Result<()> {
+    fn write_owned(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
         if let Some((_, work)) = self.in_flight.take() {
-            work.wait()?; // a stale prefetch: finish it so the collective order stays aligned
+            // a stale prefetch: finish it (it reads the shard) so the collective order stays
+            // aligned
+            work.wait()?;
         }
-        convert_into(&mut self.shard, master);
+        let start = self.layout.shard(self.group.rank()).start;
+        convert_into(
+            &mut self.shard[range.start - start..range.end - start],
+            master,
+        );
+        Ok(())
+    }
+
+    fn publish(&mut self) -> Result<()> {
         self.persistent.clear(); // the step changed them
         Ok(())
     }

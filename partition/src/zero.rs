@@ -245,7 +245,28 @@ impl<T: Element> Zero<T> {
 
     /// After an optimizer step: master values back into the parameters; gradients cleared.
     pub fn publish(&mut self) -> Result<()> {
-        self.params.publish(self.owned.clone(), &self.master)?;
+        self.params.write_owned(self.owned.clone(), &self.master)?;
+        self.params.publish()?;
+        self.grads.zero();
+        Ok(())
+    }
+
+    /// Hands the master copy over (to the NVMe tier, which then streams it through
+    /// `write_owned` and `publish_written` at each step); this store keeps none.
+    pub fn take_master(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.master)
+    }
+
+    /// Writes updated master values of the owned range from offset `at` into the parameters.
+    pub fn write_owned(&mut self, at: usize, values: &[f32]) -> Result<()> {
+        let start = self.owned.start + at;
+        self.params.write_owned(start..start + values.len(), values)
+    }
+
+    /// After the owned range was written through `write_owned`: the parameters made whole
+    /// again where kept whole, gradients cleared.
+    pub fn publish_written(&mut self) -> Result<()> {
+        self.params.publish()?;
         self.grads.zero();
         Ok(())
     }
@@ -257,8 +278,13 @@ impl<T: Element> Zero<T> {
 
     /// The whole fp32 master parameters (numel elements), gathered from every rank.
     pub fn gather_master(&self) -> Result<Vec<f32>> {
+        self.gather(&self.master)
+    }
+
+    /// The whole fp32 parameters from every rank's owned `local` values (numel elements).
+    pub fn gather(&self, local: &[f32]) -> Result<Vec<f32>> {
         let mut all = vec![0f32; self.layout.padded()];
-        all[self.owned.clone()].copy_from_slice(&self.master);
+        all[self.owned.clone()].copy_from_slice(local);
         if self.stage.partitions_optimizer() && self.group.size() > 1 {
             let counts = vec![self.layout.shard_len(); self.layout.world()];
             self.group.all_gather_v(&mut all, &counts)?;

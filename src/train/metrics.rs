@@ -123,6 +123,8 @@ pub struct RankMemory {
     pub comm_buffers_bytes: u64,
     /// The sum of the above byte counts.
     pub accounted_bytes: u64,
+    /// On disk, not in memory (NVMe offload): not part of the above.
+    pub offloaded_bytes: u64,
 }
 
 impl RankMemory {
@@ -142,10 +144,14 @@ impl RankMemory {
             // the step's peaks are summed though they need not coincide
             false => format!("- {:.0} MiB of peaks that did not coincide", -rest),
         };
+        let disk = match self.offloaded_bytes {
+            0 => String::new(),
+            b => format!("; {:.0} MiB offloaded to NVMe", mib(b)),
+        };
         format!(
             "memory (rank {}): peak RSS {:.0} MiB = {:.0} MiB accounted (model states {:.0}, \
              activations {:.0}, layer parameters {:.0}, layer gradients {:.0}, communication \
-             buffers {:.0}) {}",
+             buffers {:.0}) {}{disk}",
             self.rank,
             self.peak_rss_mib,
             mib(self.accounted_bytes),
@@ -174,6 +180,7 @@ pub fn gather_memory(
         report.layer_grads as u64,
         report.comm_buffers as u64,
         report.total() as u64,
+        report.offloaded as u64,
     ];
     let all = g.all_gather_u64(&mine)?;
     Ok(all
@@ -190,6 +197,7 @@ pub fn gather_memory(
             layer_grads_bytes: v[6],
             comm_buffers_bytes: v[7],
             accounted_bytes: v[8],
+            offloaded_bytes: v[9],
         })
         .collect())
 }

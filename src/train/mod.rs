@@ -111,6 +111,10 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
         ds_engine::pipeline_layout(&cfg, &layers)?;
     }
     ds_engine::check_ties(&cfg, &layers)?;
+    // what the engine reads of the config (offload's settings among them), before any rank
+    // starts
+    ds_engine::Settings::from_config(&cfg, false)
+        .with_context(|| config_name(args.config.as_deref()))?;
     Ok((model, cfg))
 }
 

@@ -24,10 +24,13 @@ pub struct MemoryReport {
     pub layer_grads: usize,
     /// Reduction buckets and parameter gathers, at their most.
     pub comm_buffers: usize,
+    /// On disk, not in memory: the master copy and optimizer states offloaded to NVMe (the
+    /// chunk they stream through is in `optimizer_states`).
+    pub offloaded: usize,
 }
 
 impl MemoryReport {
-    pub(crate) fn new(states: StateBytes, step: StepPeak) -> MemoryReport {
+    pub(crate) fn new(states: StateBytes, step: StepPeak, offloaded: usize) -> MemoryReport {
         MemoryReport {
             params: states.params,
             grads: states.grads,
@@ -36,6 +39,7 @@ impl MemoryReport {
             layer_params: step.layer_params,
             layer_grads: step.layer_grads,
             comm_buffers: states.comm_buffers,
+            offloaded,
         }
     }
 

@@ -6,6 +6,7 @@ mod autotuning;
 mod initial;
 mod layers;
 mod memory;
+mod offload;
 mod pipe;
 mod settings;
 mod tied;
@@ -460,7 +461,7 @@ impl Engine {
             client_state,
             config: serde_json::to_value(&self.config).unwrap_or_default(),
         };
-        let state = each!(&self.core, t => t.rank_state());
+        let state = each!(&self.core, t => t.rank_state())?;
         // Stage 0 keeps the whole range on every data-parallel rank: one copy is enough.
         let writes = self.settings.zero.stage.partitions_optimizer() || self.dp_rank() == 0;
         checkpoint::save(self.groups.world(), dir, tag, &state, writes, desc)

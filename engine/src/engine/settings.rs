@@ -1,7 +1,7 @@
 //! What the engine takes from a resolved ds_config, read once at initialisation.
 
 use ds_config::precision::Fp16Config;
-use ds_config::Config;
+use ds_config::{Config, OffloadDevice};
 use ds_partition::{ReduceConfig, Stage3Config, ZeroOptions};
 use serde_json::Value as Json;
 
@@ -37,6 +37,9 @@ pub struct Settings {
     pub max_reuse_distance: usize,
     pub fp16: Fp16Config,
     pub wall_clock_breakdown: bool,
+    /// `offload_optimizer: {"device": "nvme"}`: the master copy and optimizer states in
+    /// files under this path, streamed through this many chunk buffers.
+    pub nvme_optimizer: Option<(std::path::PathBuf, usize)>,
 }
 
 impl Settings {
@@ -68,8 +71,40 @@ impl Settings {
             )?,
             fp16: cfg.fp16.clone(),
             wall_clock_breakdown: cfg.wall_clock_breakdown,
+            nvme_optimizer: nvme_optimizer(cfg)?,
         })
     }
+}
+
+/// `offload_optimizer` to NVMe: its `nvme_path` and `buffer_count`; a ZeRO stage that
+/// partitions the optimizer is required (DeepSpeed's offload works on the partitioned
+/// optimizer).
+fn nvme_optimizer(cfg: &Config) -> Result<Option<(std::path::PathBuf, usize)>> {
+    const PATH: &str = "zero_optimization.offload_optimizer";
+    let z = &cfg.zero_optimization;
+    let Some(o) = z
+        .offload_optimizer
+        .as_ref()
+        .filter(|o| o.device == OffloadDevice::Nvme)
+    else {
+        return Ok(None);
+    };
+    if !z.stage.partitions_optimizer() {
+        return Err(EngineError::Invalid(format!(
+            "{PATH}.device = \"nvme\" needs zero_optimization.stage 1, 2 or 3 (stage {} keeps no partitioned optimizer to offload)",
+            u8::from(z.stage)
+        )));
+    }
+    let path = o
+        .nvme_path
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| {
+            EngineError::Invalid(format!(
+            "{PATH}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
+        ))
+        })?;
+    Ok(Some((path.into(), o.buffer_count.max(1) as usize)))
 }
 
 /// `pipeline.activation_checkpoint_interval` (DeepSpeed's default 0: no checkpointing).

@@ -11,8 +11,9 @@ use ds_partition::{FlatIndex, InitFn, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
+use super::offload::OffloadedStates;
 use super::tied::{self, Tie};
-use super::update::{StepOutcome, Updater};
+use super::update::{StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::data::Batch;
@@ -157,7 +158,19 @@ impl<T: Dtype> Trainer<T> {
         if let Some(pp) = &pp {
             zero.set_pipeline(pp.clone());
         }
-        let updater = updater(zero.owned().len())?;
+        let updater = match &settings.nvme_optimizer {
+            None => updater(zero.owned().len())?,
+            Some((path, buffers)) => {
+                // the optimizer holds one streamed chunk's state; the rest lives on disk
+                let owned = zero.owned().len();
+                let mut u = updater(STEP_PIECE.min(owned).max(1))?;
+                let names = u.optimizer().state_names();
+                let master = zero.take_master();
+                let rank = dp.global_ranks()[dp.rank()];
+                u.offload_to(OffloadedStates::new(path, rank, *buffers, &master, &names)?);
+                u
+            }
+        };
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
             model,
@@ -476,7 +489,12 @@ impl<T: Dtype> Trainer<T> {
     }
 
     pub fn memory_report(&self) -> MemoryReport {
-        MemoryReport::new(self.zero.memory(self.updater.state_bytes()), self.peak)
+        let offloaded = self.updater.offloaded().map_or(0, |o| o.bytes());
+        MemoryReport::new(
+            self.zero.memory(self.updater.state_bytes()),
+            self.peak,
+            offloaded,
+        )
     }
 
     /// Records the activations and layer parameters alive now: what forward keeps for
@@ -508,18 +526,28 @@ impl<T: Dtype> Trainer<T> {
     }
 
     /// This rank's share of the training state, for a checkpoint.
-    pub fn rank_state(&self) -> RankState {
+    pub fn rank_state(&self) -> Result<RankState> {
         let opt = self.updater.optimizer().state();
-        RankState {
+        let (master, buffers) = match self.updater.offloaded() {
+            None => (
+                self.zero.master().to_vec(),
+                opt.buffers
+                    .iter()
+                    .map(|(n, b)| (n.to_string(), b.to_vec()))
+                    .collect(),
+            ),
+            // the same files as without offload, read back from disk
+            Some(o) => {
+                let names: Vec<&str> = opt.buffers.iter().map(|(n, _)| *n).collect();
+                (o.master()?, o.states(&names)?)
+            }
+        };
+        Ok(RankState {
             owned: self.zero.owned(),
-            master: self.zero.master().to_vec(),
+            master,
             optimizer_step: opt.step,
-            buffers: opt
-                .buffers
-                .iter()
-                .map(|(n, b)| (n.to_string(), b.to_vec()))
-                .collect(),
-        }
+            buffers,
+        })
     }
 
     /// The optimizer's state buffer names.
@@ -531,19 +559,24 @@ impl<T: Dtype> Trainer<T> {
     /// Resumes from a checkpoint: this rank's master range and optimizer state, the counters;
     /// then the compute-dtype parameters follow from the master copy (a collective).
     pub fn restore(&mut self, state: RankState, counters: Counters) -> Result<()> {
-        if state.owned != self.zero.owned() || state.master.len() != self.zero.master().len() {
+        if state.owned != self.zero.owned() || state.master.len() != self.zero.owned().len() {
             return Err(EngineError::Invalid(format!(
                 "checkpoint state covers {:?}, this rank owns {:?}",
                 state.owned,
                 self.zero.owned()
             )));
         }
-        self.zero.master_mut().copy_from_slice(&state.master);
         self.updater
             .restore(counters, state.optimizer_step, &state.buffers)?;
         self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
         self.saved.clear();
-        self.zero.publish()?;
+        match self.updater.offloaded() {
+            Some(o) => o.restore_master(&state.master, &mut self.zero)?,
+            None => {
+                self.zero.master_mut().copy_from_slice(&state.master);
+                self.zero.publish()?;
+            }
+        }
         Ok(())
     }
 
@@ -567,7 +600,10 @@ impl<T: Dtype> Trainer<T> {
 
     /// Every parameter's fp32 master value, whole, in flat order (a collective).
     pub fn gather_master(&self) -> Result<Vec<f32>> {
-        Ok(self.zero.gather_master()?)
+        match self.updater.offloaded() {
+            Some(o) => Ok(self.zero.gather(&o.master()?)?),
+            None => Ok(self.zero.gather_master()?),
+        }
     }
 
     pub fn index(&self) -> &FlatIndex {

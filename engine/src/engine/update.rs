@@ -8,6 +8,8 @@ use crate::checkpoint::Counters;
 use crate::loss_scale::LossScaler;
 use crate::optim::{Optimizer, OptimizerState};
 use crate::schedule::LrSchedule;
+
+use super::offload::OffloadedStates;
 use crate::{EngineError, Result};
 
 /// What one optimizer step did.
@@ -33,10 +35,13 @@ pub struct Updater {
     /// Optimizer steps attempted (DeepSpeed's global_steps: skipped ones count).
     global_steps: u64,
     skipped_steps: u64,
+    /// The master copy and the optimizer's states on NVMe (the optimizer then holds one
+    /// chunk's state).
+    offload: Option<OffloadedStates>,
 }
 
 /// Elements of the shard updated at a time (4 MiB of fp32 gradients).
-const STEP_PIECE: usize = 1 << 20;
+pub const STEP_PIECE: usize = 1 << 20;
 
 impl Updater {
     pub fn new(optimizer: Box<dyn Optimizer>, schedule: LrSchedule, scaler: LossScaler) -> Updater {
@@ -46,7 +51,17 @@ impl Updater {
             scaler,
             global_steps: 0,
             skipped_steps: 0,
+            offload: None,
         }
+    }
+
+    /// From now on the master copy and the optimizer's states live in `offload`.
+    pub fn offload_to(&mut self, offload: OffloadedStates) {
+        self.offload = Some(offload);
+    }
+
+    pub fn offloaded(&self) -> Option<&OffloadedStates> {
+        self.offload.as_ref()
     }
 
     pub fn loss_scale(&self) -> f64 {
@@ -88,11 +103,20 @@ impl Updater {
         step: u64,
         buffers: &[(String, Vec<f32>)],
     ) -> Result<()> {
+        if let Some(o) = &self.offload {
+            o.restore_states(buffers)?;
+        }
+        // offloaded, the optimizer holds one chunk: it takes the step count and which
+        // buffers are live, and each step streams the values in
+        let held = match self.offload {
+            Some(_) => self.optimizer.shard_len(),
+            None => usize::MAX,
+        };
         let state = OptimizerState {
             step,
             buffers: buffers
                 .iter()
-                .map(|(n, b)| (n.as_str(), b.as_slice()))
+                .map(|(n, b)| (n.as_str(), &b[..held.min(b.len())]))
                 .collect(),
         };
         self.optimizer.load_state(&state)?;
@@ -138,6 +162,10 @@ impl Updater {
             self.optimizer.set_momentum(m);
         }
         self.optimizer.begin(lr);
+        if let Some(o) = &self.offload {
+            o.step(self.optimizer.as_mut(), zero, k)?;
+            return Ok(outcome);
+        }
         // The owned range in pieces: the fp32 gradients of one piece at a time, never of the
         // whole shard (a whole-model temporary at stage 0).
         let (master, grads) = zero.master_and_grads();

@@ -129,6 +129,14 @@ impl Optimizer for Adam {
         }
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        vec!["exp_avg", "exp_avg_sq"]
+    }
+
+    fn state_mut(&mut self) -> Vec<&mut [f32]> {
+        vec![&mut self.exp_avg, &mut self.exp_avg_sq]
+    }
+
     fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError> {
         let n = self.exp_avg.len();
         let (mut m, mut v) = (None, None);

@@ -75,6 +75,15 @@ pub trait Optimizer: Send {
     /// and the number of steps taken, for checkpoints.
     fn state(&self) -> OptimizerState<'_>;
 
+    /// The names of the state buffers [`Optimizer::state`] gives once stepping, known before
+    /// the first step: the files an offloaded optimizer keeps (empty: no state).
+    fn state_names(&self) -> Vec<&'static str>;
+
+    /// The state buffers in [`Optimizer::state_names`] order, for an optimizer that holds one
+    /// chunk of an offloaded shard: the chunk's values are copied in before
+    /// `update(0, ..)` and out after it. Valid after [`Optimizer::begin`].
+    fn state_mut(&mut self) -> Vec<&mut [f32]>;
+
     /// Restores what [`Optimizer::state`] gave; an error names the offending buffer.
     fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError>;
 

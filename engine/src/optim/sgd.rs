@@ -106,6 +106,20 @@ impl Optimizer for Sgd {
         }
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        match self.hp.momentum != 0.0 {
+            true => vec!["momentum_buffer"],
+            false => Vec::new(),
+        }
+    }
+
+    fn state_mut(&mut self) -> Vec<&mut [f32]> {
+        match self.hp.momentum != 0.0 {
+            true => vec![&mut self.buf[..]],
+            false => Vec::new(),
+        }
+    }
+
     /// A checkpoint without `momentum_buffer` is torch's state before any momentum step.
     fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError> {
         let mut loaded = None;
