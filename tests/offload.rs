@@ -1,6 +1,7 @@
-//! ZeRO-Infinity's NVMe tier for optimizer states (`offload_optimizer: {"device": "nvme"}`),
+//! ZeRO-Infinity's NVMe tier (`offload_optimizer` / `offload_param: {"device": "nvme"}`),
 //! end to end with the real binary: the same losses, bit for bit, as the run that keeps
-//! everything in memory, at ZeRO 1-3 over 2 ranks; checkpoints that are the same files
+//! everything in memory, optimizer states at ZeRO 1-3 and parameters (alone and with them) at
+//! ZeRO-3, over 2 ranks; checkpoints that are the same files
 //! (resuming an offloaded run without offload, and the other way, is exact); the swap files
 //! gone after every run; bad input named.
 
@@ -28,6 +29,13 @@ fn nvme(path: &Path) -> String {
     )
 }
 
+fn nvme_params(path: &Path) -> String {
+    format!(
+        r#", "offload_param": {{"device": "nvme", "nvme_path": "{}"}}"#,
+        path.display()
+    )
+}
+
 fn ok(cmd: &str) -> Finished {
     let f = run(cmd, LIMIT);
     assert!(f.status.success(), "{cmd}: {}", f.stderr);
@@ -48,28 +56,30 @@ fn empty(dir: &Path) -> bool {
 }
 
 #[test]
-fn optimizer_states_on_nvme_train_bit_identically_at_every_stage() {
+fn states_on_nvme_train_bit_identically() {
     let s = Scratch::new("offload-equal");
     let model = s.write("model.json", SMALL_MODEL);
     let swap = s.path("nvme");
     std::fs::create_dir_all(&swap).unwrap();
-    for stage in 1..=3 {
-        let memory = s.write(&format!("mem{stage}.json"), &offload_config(stage, ""));
-        let disk = s.write(
-            &format!("nvme{stage}.json"),
-            &offload_config(stage, &nvme(&swap)),
-        );
-        let (a, b): (PathBuf, PathBuf) = (
-            s.path(&format!("mem{stage}")),
-            s.path(&format!("nvme{stage}")),
-        );
+    let cases = [
+        (1, nvme(&swap)),
+        (2, nvme(&swap)),
+        (3, nvme(&swap)),
+        (3, nvme_params(&swap)),
+        (3, nvme(&swap) + &nvme_params(&swap)),
+    ];
+    for (i, (stage, offload)) in cases.iter().enumerate() {
+        let stage = *stage;
+        let memory = s.write(&format!("mem{i}.json"), &offload_config(stage, ""));
+        let disk = s.write(&format!("nvme{i}.json"), &offload_config(stage, offload));
+        let (a, b): (PathBuf, PathBuf) = (s.path(&format!("mem{i}")), s.path(&format!("nvme{i}")));
         ok(&train_cmd(&memory, &model, 8, &a, ""));
         ok(&train_cmd(&disk, &model, 8, &b, ""));
         let (in_memory, on_disk) = (losses(&a), losses(&b));
         assert_eq!(in_memory.len(), 8);
         assert_eq!(
             on_disk, in_memory,
-            "ZeRO-{stage}: offloading changed the losses"
+            "ZeRO-{stage} {offload}: offloading changed the losses"
         );
         assert!(
             empty(&swap),
@@ -90,25 +100,28 @@ fn optimizer_states_on_nvme_train_bit_identically_at_every_stage() {
 }
 
 /// Checkpoints of an offloaded run are the files of a run in memory: 3 steps offloaded, then
-/// 3 more resumed in memory, give the losses of 6 straight steps offloaded, and the reverse.
+/// 3 more resumed in memory, give the losses of 6 straight steps offloaded, and the reverse
+/// (optimizer states at ZeRO-2; optimizer states and parameters at ZeRO-3).
 #[test]
 fn checkpoints_resume_across_offload_exactly() {
     let s = Scratch::new("offload-resume");
     let model = s.write("model.json", SMALL_MODEL);
     let swap = s.path("nvme");
     std::fs::create_dir_all(&swap).unwrap();
-    let memory = s.write("mem.json", &offload_config(2, ""));
-    let disk = s.write("nvme.json", &offload_config(2, &nvme(&swap)));
-    let straight = s.path("straight");
-    ok(&train_cmd(&disk, &model, 6, &straight, ""));
-    for (first, second, name) in [(&disk, &memory, "to-memory"), (&memory, &disk, "to-disk")] {
-        let split = s.path(name);
-        ok(&train_cmd(first, &model, 3, &split, ""));
-        let resumed = ok(&train_cmd(second, &model, 6, &split, "--resume"));
-        assert!(resumed.stdout.contains("at step 3"), "{}", resumed.stdout);
-        assert_eq!(losses(&split), losses(&straight), "{name}");
+    for (stage, offload) in [(2, nvme(&swap)), (3, nvme(&swap) + &nvme_params(&swap))] {
+        let memory = s.write("mem.json", &offload_config(stage, ""));
+        let disk = s.write("nvme.json", &offload_config(stage, &offload));
+        let straight = s.path(&format!("straight{stage}"));
+        ok(&train_cmd(&disk, &model, 6, &straight, ""));
+        for (first, second, name) in [(&disk, &memory, "to-memory"), (&memory, &disk, "to-disk")] {
+            let split = s.path(&format!("{name}{stage}"));
+            ok(&train_cmd(first, &model, 3, &split, ""));
+            let resumed = ok(&train_cmd(second, &model, 6, &split, "--resume"));
+            assert!(resumed.stdout.contains("at step 3"), "{}", resumed.stdout);
+            assert_eq!(losses(&split), losses(&straight), "ZeRO-{stage} {name}");
+        }
+        assert!(empty(&swap), "swap files left in {}", swap.display());
     }
-    assert!(empty(&swap), "swap files left in {}", swap.display());
 }
 
 #[test]
@@ -126,6 +139,10 @@ fn bad_offload_settings_are_one_clear_error() {
         (
             offload_config(0, &nvme(&s.path(""))),
             "zero_optimization.stage 1, 2 or 3",
+        ),
+        (
+            offload_config(2, &nvme_params(&s.path(""))),
+            "offload_param.device = \"nvme\" needs zero_optimization.stage 3",
         ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {

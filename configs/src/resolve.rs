@@ -295,7 +295,7 @@ fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
     extras::hybrid_engine(root, &mut notes.autos)?;
     let pipeline = crate::runtime::read_pipeline(root)?;
     notes.warnings.extend(pipeline_warnings(root)?);
-    notes.warnings.extend(aio_warnings(root)?);
+    notes.warnings.extend(aio_warnings(root));
     extras::data_efficiency(root)?;
     let checkpoint = CheckpointConfig::read(root, &mut notes.warnings)?;
     let data_types = DataTypesConfig::read(root, &mut notes.warnings)?;
@@ -322,18 +322,19 @@ fn pipeline_warnings(root: &Dict) -> Result<Vec<String>> {
 }
 
 /// The `aio` keys the user wrote: ds-rs's NVMe tier does its own I/O.
-fn aio_warnings(root: &Dict) -> Result<Vec<String>> {
-    let Some(user) = crate::lenient::dict_at(root, "aio")? else {
-        return Ok(Vec::new());
+fn aio_warnings(root: &Dict) -> Vec<String> {
+    // DeepSpeed reads the section with `dict.get`: null or another value is no section
+    let Some(Value::Dict(user)) = root.get("aio") else {
+        return Vec::new();
     };
     let keys: Vec<&str> = user.0.iter().map(|(k, _)| k.as_str()).collect();
-    Ok(match keys.is_empty() {
+    match keys.is_empty() {
         true => Vec::new(),
         false => vec![format!(
             "aio ({}): no effect: ds-rs's NVMe tier reads and writes with pread/pwrite on one I/O thread per rank",
             keys.join(", ")
         )],
-    })
+    }
 }
 
 /// The sections ds-rs checks but does not act on; returns `compile.deepcompile` and

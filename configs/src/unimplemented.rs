@@ -99,10 +99,8 @@ impl Config {
         ]
         .into_iter()
         .filter_map(|(path, device, feature)| {
-            // optimizer states on NVMe are carried out (ds-engine's offload.rs)
-            let nvme_optimizer =
-                path.ends_with("offload_optimizer.device") && device == Some(OffloadDevice::Nvme);
-            if nvme_optimizer {
+            // NVMe is carried out (ds-partition's swap.rs, ds-engine's offload.rs)
+            if device == Some(OffloadDevice::Nvme) {
                 return None;
             }
             let name = device?.name()?;
@@ -144,8 +142,9 @@ mod tests {
             r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
                 "offload_optimizer": {"device": "none"}}"#,
             r#", "zero_optimization": {"stage": 2, "cpu_offload": false}"#,
-            // optimizer states on NVMe are carried out (ds-engine's offload.rs)
+            // NVMe is carried out (ds-engine's offload.rs, ds-partition's swap.rs)
             r#", "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}"#,
+            r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}"#,
         ] {
             assert!(paths(&format!("{{{BATCH}{extra}}}")).is_empty(), "{extra}");
         }
@@ -154,10 +153,6 @@ mod tests {
     #[test]
     fn each_setting_is_named_by_its_path() {
         let cases = [
-            (
-                r#""zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}"#,
-                "zero_optimization.offload_param.device",
-            ),
             (
                 r#""zero_optimization": {"stage": 2, "cpu_offload": true}"#,
                 "zero_optimization.offload_optimizer.device",
@@ -192,7 +187,7 @@ mod tests {
         let json = format!(
             r#"{{{BATCH},
             "zero_optimization": {{"stage": 3, "offload_optimizer": {{"device": "cpu"}},
-            "offload_param": {{"device": "nvme", "nvme_path": "/x"}}}}}}"#
+            "offload_param": {{"device": "cpu"}}}}}}"#
         );
         let doc = hjson::parse(&json).unwrap();
         let c = resolve(&doc, &ParallelDims::new(1, 1, 1).unwrap()).unwrap();
@@ -212,6 +207,6 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(text.contains(r#"offload_param.device = "nvme""#), "{text}");
+        assert!(text.contains(r#"offload_param.device = "cpu""#), "{text}");
     }
 }

@@ -2,10 +2,12 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::path::Path;
 
 use ds_comm::{Element, Group, Work};
 
-use crate::{Result, ShardLayout};
+use crate::swap::{SwapDir, SwapFile};
+use crate::{PartitionError, Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
 pub trait ParamStore<T: Element>: Send {
@@ -26,6 +28,17 @@ pub trait ParamStore<T: Element>: Send {
     /// Most bytes of gathered parameters held by the store at once besides `bytes`: a
     /// prefetch in flight (what `get` hands out is the caller's to count).
     fn peak_gathered_bytes(&self) -> usize {
+        0
+    }
+    /// Moves the kept values to a file under `nvme_path` (ZeRO-Infinity's parameter tier);
+    /// only a store that keeps a shard (stage 3) can.
+    fn offload(&mut self, _nvme_path: &Path, _rank: usize) -> Result<()> {
+        Err(PartitionError::Invalid(
+            "parameters are offloaded at ZeRO stage 3 only".into(),
+        ))
+    }
+    /// Bytes kept on disk instead of memory.
+    fn offloaded_bytes(&self) -> usize {
         0
     }
 }
@@ -115,7 +128,7 @@ pub struct Stage3Config {
 /// Stage 3: each rank keeps its shard; a layer's range is all-gathered when asked for and
 /// dropped by the caller after use.
 pub struct ShardedParams<T: Element> {
-    shard: Vec<T>,
+    shard: Shard<T>,
     layout: ShardLayout,
     group: Group,
     limits: Stage3Config,
@@ -131,7 +144,7 @@ impl<T: Element> ShardedParams<T> {
     pub fn new(shard: Vec<T>, layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
         debug_assert_eq!(shard.len(), layout.shard_len());
         ShardedParams {
-            shard,
+            shard: Shard::Memory(shard),
             layout,
             group,
             limits,
@@ -142,17 +155,18 @@ impl<T: Element> ShardedParams<T> {
     }
 
     /// A buffer for `range` holding this rank's part in place, with the parts' counts.
-    fn gather_input(&self, range: &Range<usize>) -> (Vec<T>, Vec<usize>) {
+    fn gather_input(&self, range: &Range<usize>) -> Result<(Vec<T>, Vec<usize>)> {
         let me = self.group.rank();
         let mine = self.layout.owned_within(range, me);
         let shard_start = self.layout.shard(me).start;
         let mut buf = vec![T::default(); range.len()];
-        if mine.is_empty() {
-            return (buf, self.layout.counts_within(range));
+        if !mine.is_empty() {
+            self.shard.read(
+                mine.start - shard_start..mine.end - shard_start,
+                &mut buf[mine.start - range.start..mine.end - range.start],
+            )?;
         }
-        buf[mine.start - range.start..mine.end - range.start]
-            .copy_from_slice(&self.shard[mine.start - shard_start..mine.end - shard_start]);
-        (buf, self.layout.counts_within(range))
+        Ok((buf, self.layout.counts_within(range)))
     }
 }
 
@@ -167,7 +181,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
                 if let Some((_, work)) = other {
                     work.wait()?; // not what was prefetched: finish it to keep collectives aligned
                 }
-                let (mut buf, counts) = self.gather_input(&range);
+                let (mut buf, counts) = self.gather_input(&range)?;
                 self.group.all_gather_v(&mut buf, &counts)?;
                 buf
             }
@@ -186,7 +200,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             && 2 * range.len() <= self.limits.max_live_parameters;
         let kept = self.persistent.iter().any(|(r, _)| *r == range);
         if self.in_flight.is_none() && fits && !kept && !range.is_empty() {
-            let (buf, counts) = self.gather_input(&range);
+            let (buf, counts) = self.gather_input(&range)?;
             let work = self.group.all_gather_v_async(buf, counts);
             self.peak_prefetch = self.peak_prefetch.max(range.len());
             self.in_flight = Some((range, work));
@@ -201,11 +215,8 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             work.wait()?;
         }
         let start = self.layout.shard(self.group.rank()).start;
-        convert_into(
-            &mut self.shard[range.start - start..range.end - start],
-            master,
-        );
-        Ok(())
+        self.shard
+            .write(range.start - start..range.end - start, master)
     }
 
     fn publish(&mut self) -> Result<()> {
@@ -215,19 +226,104 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
 
     fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
         let start = self.layout.shard(self.group.rank()).start;
-        self.shard[range.start - start..range.end - start]
-            .iter()
-            .map(|v| v.to_f32())
-            .collect()
+        let mut out = vec![T::default(); range.len()];
+        // the values are read once at initialisation, before any offload
+        self.shard
+            .read(range.start - start..range.end - start, &mut out)
+            .expect("invariant: values_f32 reads a shard in memory");
+        out.iter().map(|v| v.to_f32()).collect()
     }
 
     fn bytes(&self) -> usize {
         let kept: usize = self.persistent.iter().map(|(_, v)| v.len()).sum();
-        (self.shard.len() + kept) * std::mem::size_of::<T>()
+        self.shard.resident_bytes() + kept * std::mem::size_of::<T>()
     }
 
     fn peak_gathered_bytes(&self) -> usize {
         self.peak_prefetch * std::mem::size_of::<T>()
+    }
+
+    fn offload(&mut self, nvme_path: &Path, rank: usize) -> Result<()> {
+        let Shard::Memory(values) = &self.shard else {
+            return Ok(());
+        };
+        let dir = SwapDir::create(nvme_path, rank, "params")?;
+        let file = dir.file("params", values.len())?;
+        let mut staging = Vec::new();
+        for (i, piece) in values.chunks(DISK_PIECE).enumerate() {
+            staging.clear();
+            staging.extend(piece.iter().map(|v| v.to_f32()));
+            file.write(i * DISK_PIECE, &staging)?;
+        }
+        self.shard = Shard::Disk { file, _dir: dir };
+        Ok(())
+    }
+
+    fn offloaded_bytes(&self) -> usize {
+        match &self.shard {
+            Shard::Memory(_) => 0,
+            Shard::Disk { file, .. } => file.len() * 4,
+        }
+    }
+}
+
+/// Elements staged per read or write of an offloaded shard.
+const DISK_PIECE: usize = 1 << 20;
+
+/// Stage 3's own shard: in memory, or in a file (kept as f32: bf16 and f16 round-trip
+/// exactly through it).
+enum Shard<T> {
+    Memory(Vec<T>),
+    Disk {
+        file: SwapFile,
+        /// Removes the file when the store is dropped.
+        _dir: SwapDir,
+    },
+}
+
+impl<T: Element> Shard<T> {
+    /// Values `range` (shard coordinates) into `out`.
+    fn read(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        match self {
+            Shard::Memory(v) => out.copy_from_slice(&v[range]),
+            Shard::Disk { file, .. } => {
+                let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
+                for (i, dst) in out.chunks_mut(DISK_PIECE).enumerate() {
+                    let part = &mut staging[..dst.len()];
+                    file.read(range.start + i * DISK_PIECE, part)?;
+                    dst.iter_mut()
+                        .zip(part.iter())
+                        .for_each(|(d, s)| *d = T::from_f32(*s));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Updated master values of `range` (shard coordinates), in the compute dtype.
+    fn write(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
+        match self {
+            Shard::Memory(v) => convert_into(&mut v[range], master),
+            Shard::Disk { file, .. } => {
+                let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
+                for (i, src) in master.chunks(DISK_PIECE).enumerate() {
+                    let part = &mut staging[..src.len()];
+                    // rounded to the compute dtype, as in memory
+                    part.iter_mut()
+                        .zip(src)
+                        .for_each(|(d, m)| *d = T::from_f32(*m).to_f32());
+                    file.write(range.start + i * DISK_PIECE, part)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn resident_bytes(&self) -> usize {
+        match self {
+            Shard::Memory(v) => std::mem::size_of_val(v.as_slice()),
+            Shard::Disk { .. } => 0,
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use std::sync::mpsc;
 
 use crate::{PartitionError, Result};
 
-/// One rank's swap directory: `<nvme_path>/ds-rs-swap-<pid>-rank<rank>`.
+/// One rank's swap directory for one kind of state: `<nvme_path>/ds-rs-swap-<pid>-rank<rank>-<tag>`.
 #[derive(Debug)]
 pub struct SwapDir {
     path: PathBuf,
@@ -29,7 +29,7 @@ pub struct SwapDir {
 impl SwapDir {
     /// Creates this run's directory; the error names `nvme_path` when it is missing, not a
     /// directory or not writable.
-    pub fn create(nvme_path: &Path, rank: usize) -> Result<SwapDir> {
+    pub fn create(nvme_path: &Path, rank: usize, tag: &str) -> Result<SwapDir> {
         let bad = |why: String| {
             PartitionError::Invalid(format!("nvme_path {}: {why}", nvme_path.display()))
         };
@@ -38,7 +38,10 @@ impl SwapDir {
             Ok(_) => return Err(bad("not a directory".into())),
             Err(e) => return Err(bad(e.to_string())),
         }
-        let path = nvme_path.join(format!("ds-rs-swap-{}-rank{rank}", std::process::id()));
+        let path = nvme_path.join(format!(
+            "ds-rs-swap-{}-rank{rank}-{tag}",
+            std::process::id()
+        ));
         std::fs::create_dir_all(&path)
             .map_err(|e| bad(format!("cannot create {}: {e}", path.display())))?;
         Ok(SwapDir { path })
@@ -297,7 +300,7 @@ mod tests {
     #[test]
     fn values_survive_the_round_trip_exactly() {
         let root = scratch("roundtrip");
-        let dir = SwapDir::create(&root, 0).unwrap();
+        let dir = SwapDir::create(&root, 0, "t").unwrap();
         let f = dir.file("master", 1000).unwrap();
         let values: Vec<f32> = (0..1000)
             .map(|i| (i as f32).sin() * 1e-3 + f32::EPSILON)
@@ -321,7 +324,7 @@ mod tests {
     #[test]
     fn streaming_updates_every_chunk_once_whatever_the_buffer_count() {
         let root = scratch("stream");
-        let dir = SwapDir::create(&root, 3).unwrap();
+        let dir = SwapDir::create(&root, 3, "t").unwrap();
         let n = 10_007;
         let a0: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let b0: Vec<f32> = (0..n).map(|i| (n - i) as f32 * 0.5).collect();
@@ -357,7 +360,7 @@ mod tests {
     #[test]
     fn a_missing_or_unwritable_path_and_a_full_disk_are_named() {
         let missing = std::env::temp_dir().join("ds-rs-no-such-dir/deeper");
-        let e = SwapDir::create(&missing, 0).unwrap_err().to_string();
+        let e = SwapDir::create(&missing, 0, "t").unwrap_err().to_string();
         assert!(
             e.contains("nvme_path") && e.contains("ds-rs-no-such-dir"),
             "{e}"

@@ -251,6 +251,16 @@ impl<T: Element> Zero<T> {
         Ok(())
     }
 
+    /// Moves the parameter shard to a file under `nvme_path` (ZeRO-3 only).
+    pub fn offload_params(&mut self, nvme_path: &std::path::Path, rank: usize) -> Result<()> {
+        self.params.offload(nvme_path, rank)
+    }
+
+    /// Bytes of parameters kept on disk.
+    pub fn offloaded_param_bytes(&self) -> usize {
+        self.params.offloaded_bytes()
+    }
+
     /// Hands the master copy over (to the NVMe tier, which then streams it through
     /// `write_owned` and `publish_written` at each step); this store keeps none.
     pub fn take_master(&mut self) -> Vec<f32> {

@@ -36,7 +36,7 @@ impl OffloadedStates {
         master: &[f32],
         state_names: &[&'static str],
     ) -> Result<OffloadedStates> {
-        let dir = SwapDir::create(nvme_path, rank).map_err(|e| {
+        let dir = SwapDir::create(nvme_path, rank, "optimizer").map_err(|e| {
             EngineError::Invalid(format!("zero_optimization.offload_optimizer.{e}"))
         })?;
         let file = dir.file("master", master.len())?;

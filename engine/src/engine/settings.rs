@@ -40,6 +40,9 @@ pub struct Settings {
     /// `offload_optimizer: {"device": "nvme"}`: the master copy and optimizer states in
     /// files under this path, streamed through this many chunk buffers.
     pub nvme_optimizer: Option<(std::path::PathBuf, usize)>,
+    /// `offload_param: {"device": "nvme"}` (ZeRO-3): the parameter shard in a file under this
+    /// path.
+    pub nvme_params: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -72,8 +75,39 @@ impl Settings {
             fp16: cfg.fp16.clone(),
             wall_clock_breakdown: cfg.wall_clock_breakdown,
             nvme_optimizer: nvme_optimizer(cfg)?,
+            nvme_params: nvme_params(cfg)?,
         })
     }
+}
+
+/// `offload_param` to NVMe: its `nvme_path`; ZeRO-3 is required (DeepSpeed offloads the
+/// parameters of stage 3's partitioned store only).
+fn nvme_params(cfg: &Config) -> Result<Option<std::path::PathBuf>> {
+    const PATH: &str = "zero_optimization.offload_param";
+    let z = &cfg.zero_optimization;
+    let Some(o) = z
+        .offload_param
+        .as_ref()
+        .filter(|o| o.device == OffloadDevice::Nvme)
+    else {
+        return Ok(None);
+    };
+    if z.stage != ds_config::ZeroStage::Weights {
+        return Err(EngineError::Invalid(format!(
+            "{PATH}.device = \"nvme\" needs zero_optimization.stage 3 (stage {} keeps every parameter whole on every rank)",
+            u8::from(z.stage)
+        )));
+    }
+    let path = o
+        .nvme_path
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| {
+            EngineError::Invalid(format!(
+            "{PATH}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
+        ))
+        })?;
+    Ok(Some(path.into()))
 }
 
 /// `offload_optimizer` to NVMe: its `nvme_path` and `buffer_count`; a ZeRO stage that

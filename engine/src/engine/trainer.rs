@@ -158,6 +158,12 @@ impl<T: Dtype> Trainer<T> {
         if let Some(pp) = &pp {
             zero.set_pipeline(pp.clone());
         }
+        let rank = dp.global_ranks()[dp.rank()];
+        if let Some(path) = &settings.nvme_params {
+            zero.offload_params(path, rank).map_err(|e| {
+                EngineError::Invalid(format!("zero_optimization.offload_param.{e}"))
+            })?;
+        }
         let updater = match &settings.nvme_optimizer {
             None => updater(zero.owned().len())?,
             Some((path, buffers)) => {
@@ -166,7 +172,6 @@ impl<T: Dtype> Trainer<T> {
                 let mut u = updater(STEP_PIECE.min(owned).max(1))?;
                 let names = u.optimizer().state_names();
                 let master = zero.take_master();
-                let rank = dp.global_ranks()[dp.rank()];
                 u.offload_to(OffloadedStates::new(path, rank, *buffers, &master, &names)?);
                 u
             }
@@ -489,7 +494,8 @@ impl<T: Dtype> Trainer<T> {
     }
 
     pub fn memory_report(&self) -> MemoryReport {
-        let offloaded = self.updater.offloaded().map_or(0, |o| o.bytes());
+        let offloaded =
+            self.updater.offloaded().map_or(0, |o| o.bytes()) + self.zero.offloaded_param_bytes();
         MemoryReport::new(
             self.zero.memory(self.updater.state_bytes()),
             self.peak,
