@@ -226,12 +226,15 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
 
     fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
         let start = self.layout.shard(self.group.rank()).start;
-        let mut out = vec![T::default(); range.len()];
-        // the values are read once at initialisation, before any offload
-        self.shard
-            .read(range.start - start..range.end - start, &mut out)
-            .expect("invariant: values_f32 reads a shard in memory");
-        out.iter().map(|v| v.to_f32()).collect()
+        match &self.shard {
+            // no staging copy: this is the master copy, built at start-up beside the shard
+            Shard::Memory(v) => v[range.start - start..range.end - start]
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            // the master is taken before the shard is offloaded (Zero::new)
+            Shard::Disk { .. } => unreachable!("values_f32 of an offloaded shard"),
+        }
     }
 
     fn bytes(&self) -> usize {

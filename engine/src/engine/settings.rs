@@ -1,7 +1,9 @@
 //! What the engine takes from a resolved ds_config, read once at initialisation.
 
+use std::path::PathBuf;
+
 use ds_config::precision::Fp16Config;
-use ds_config::{Config, OffloadDevice};
+use ds_config::{Config, OffloadDevice, ZeroStage};
 use ds_partition::{ReduceConfig, Stage3Config, ZeroOptions};
 use serde_json::Value as Json;
 
@@ -39,10 +41,10 @@ pub struct Settings {
     pub wall_clock_breakdown: bool,
     /// `offload_optimizer: {"device": "nvme"}`: the master copy and optimizer states in
     /// files under this path, streamed through this many chunk buffers.
-    pub nvme_optimizer: Option<(std::path::PathBuf, usize)>,
+    pub nvme_optimizer: Option<(PathBuf, usize)>,
     /// `offload_param: {"device": "nvme"}` (ZeRO-3): the parameter shard in a file under this
     /// path.
-    pub nvme_params: Option<std::path::PathBuf>,
+    pub nvme_params: Option<PathBuf>,
 }
 
 impl Settings {
@@ -82,63 +84,65 @@ impl Settings {
 
 /// `offload_param` to NVMe: its `nvme_path`; ZeRO-3 is required (DeepSpeed offloads the
 /// parameters of stage 3's partitioned store only).
-fn nvme_params(cfg: &Config) -> Result<Option<std::path::PathBuf>> {
-    const PATH: &str = "zero_optimization.offload_param";
+fn nvme_params(cfg: &Config) -> Result<Option<PathBuf>> {
     let z = &cfg.zero_optimization;
-    let Some(o) = z
-        .offload_param
-        .as_ref()
-        .filter(|o| o.device == OffloadDevice::Nvme)
-    else {
-        return Ok(None);
+    let o = z.offload_param.as_ref();
+    let stage = match z.stage {
+        ZeroStage::Weights => Ok(()),
+        s => Err(format!(
+            "zero_optimization.stage 3 (stage {} keeps every parameter whole on every rank)",
+            u8::from(s)
+        )),
     };
-    if z.stage != ds_config::ZeroStage::Weights {
-        return Err(EngineError::Invalid(format!(
-            "{PATH}.device = \"nvme\" needs zero_optimization.stage 3 (stage {} keeps every parameter whole on every rank)",
-            u8::from(z.stage)
-        )));
-    }
-    let path = o
-        .nvme_path
-        .as_deref()
-        .filter(|p| !p.is_empty())
-        .ok_or_else(|| {
-            EngineError::Invalid(format!(
-            "{PATH}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
-        ))
-        })?;
-    Ok(Some(path.into()))
+    nvme_dir(
+        "zero_optimization.offload_param",
+        o.map(|o| (o.device, o.nvme_path.as_deref())),
+        stage,
+    )
 }
 
 /// `offload_optimizer` to NVMe: its `nvme_path` and `buffer_count`; a ZeRO stage that
 /// partitions the optimizer is required (DeepSpeed's offload works on the partitioned
 /// optimizer).
-fn nvme_optimizer(cfg: &Config) -> Result<Option<(std::path::PathBuf, usize)>> {
-    const PATH: &str = "zero_optimization.offload_optimizer";
+fn nvme_optimizer(cfg: &Config) -> Result<Option<(PathBuf, usize)>> {
     let z = &cfg.zero_optimization;
-    let Some(o) = z
-        .offload_optimizer
-        .as_ref()
-        .filter(|o| o.device == OffloadDevice::Nvme)
-    else {
+    let o = z.offload_optimizer.as_ref();
+    let stage = match z.stage.partitions_optimizer() {
+        true => Ok(()),
+        false => Err(format!(
+            "zero_optimization.stage 1, 2 or 3 (stage {} keeps no partitioned optimizer to offload)",
+            u8::from(z.stage)
+        )),
+    };
+    let dir = nvme_dir(
+        "zero_optimization.offload_optimizer",
+        o.map(|o| (o.device, o.nvme_path.as_deref())),
+        stage,
+    )?;
+    Ok(dir.zip(o.map(|o| o.buffer_count.max(1) as usize)))
+}
+
+/// The swap directory of an offload `section` (its device and nvme_path) when the device is
+/// NVMe; `stage`: whether the ZeRO stage can offload it, else what it needs.
+fn nvme_dir(
+    section: &str,
+    offload: Option<(OffloadDevice, Option<&str>)>,
+    stage: std::result::Result<(), String>,
+) -> Result<Option<PathBuf>> {
+    let Some((OffloadDevice::Nvme, path)) = offload else {
         return Ok(None);
     };
-    if !z.stage.partitions_optimizer() {
+    if let Err(needs) = stage {
         return Err(EngineError::Invalid(format!(
-            "{PATH}.device = \"nvme\" needs zero_optimization.stage 1, 2 or 3 (stage {} keeps no partitioned optimizer to offload)",
-            u8::from(z.stage)
+            "{section}.device = \"nvme\" needs {needs}"
         )));
     }
-    let path = o
-        .nvme_path
-        .as_deref()
-        .filter(|p| !p.is_empty())
-        .ok_or_else(|| {
-            EngineError::Invalid(format!(
-            "{PATH}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
-        ))
-        })?;
-    Ok(Some((path.into(), o.buffer_count.max(1) as usize)))
+    match path.filter(|p| !p.is_empty()) {
+        Some(p) => Ok(Some(p.into())),
+        None => Err(EngineError::Invalid(format!(
+            "{section}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
+        ))),
+    }
 }
 
 /// `pipeline.activation_checkpoint_interval` (DeepSpeed's default 0: no checkpointing).
