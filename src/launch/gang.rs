@@ -18,6 +18,8 @@ const GRACE: Duration = Duration::from_secs(5);
 /// How long output of exited members may still drain (a grandchild may hold the pipe).
 const DRAIN: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(20);
+/// How long the other members get after one failed to exit by themselves and say why.
+const REPORT: Duration = Duration::from_secs(1);
 
 /// How a job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +83,7 @@ impl Gang {
                 break Outcome::Stopped { signal };
             }
             if let Some(failed) = self.poll()? {
+                self.let_others_report();
                 break failed;
             }
             if self.members.iter().all(|m| m.status.is_some()) {
@@ -109,6 +112,28 @@ impl Gang {
             }
         }
         Ok(None)
+    }
+
+    /// After a member failed: the others usually fail within moments for the same reason (a
+    /// collective that learnt of it) and print their own error, often the cause (rank 0's
+    /// checkpoint error behind rank 1's "rank 0 failed"). They get `REPORT` to exit by
+    /// themselves before the SIGTERM.
+    fn let_others_report(&mut self) {
+        let deadline = Instant::now() + REPORT;
+        while Instant::now() < deadline {
+            let live = self.members.iter_mut().filter(|m| m.status.is_none());
+            let mut any = false;
+            for m in live {
+                match m.child.try_wait() {
+                    Ok(Some(status)) => m.status = Some(status),
+                    _ => any = true,
+                }
+            }
+            if !any {
+                return;
+            }
+            std::thread::sleep(POLL);
+        }
     }
 
     /// SIGTERM to every live member's process group, SIGKILL after the grace period, then
