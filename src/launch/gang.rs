@@ -83,7 +83,11 @@ impl Gang {
                 break Outcome::Stopped { signal };
             }
             if let Some(failed) = self.poll()? {
-                self.let_others_report();
+                // a member that exited with an error may have learnt it from another, which
+                // is about to say why; one killed by a signal is the cause itself
+                if matches!(&failed, Outcome::Failed { how, .. } if how.starts_with("exited")) {
+                    self.let_others_report();
+                }
                 break failed;
             }
             if self.members.iter().all(|m| m.status.is_some()) {
@@ -114,10 +118,10 @@ impl Gang {
         Ok(None)
     }
 
-    /// After a member failed: the others usually fail within moments for the same reason (a
-    /// collective that learnt of it) and print their own error, often the cause (rank 0's
-    /// checkpoint error behind rank 1's "rank 0 failed"). They get `REPORT` to exit by
-    /// themselves before the SIGTERM.
+    /// After a member exited with an error: the others usually fail within moments for the
+    /// same reason (a collective that learnt of it) and print their own error, often the
+    /// cause (rank 0's checkpoint error behind rank 1's "rank 0 failed"). They get `REPORT` to
+    /// exit by themselves before the SIGTERM.
     fn let_others_report(&mut self) {
         let deadline = Instant::now() + REPORT;
         while Instant::now() < deadline {
