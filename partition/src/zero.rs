@@ -246,9 +246,7 @@ impl<T: Element> Zero<T> {
     /// After an optimizer step: master values back into the parameters; gradients cleared.
     pub fn publish(&mut self) -> Result<()> {
         self.params.write_owned(self.owned.clone(), &self.master)?;
-        self.params.publish()?;
-        self.grads.zero();
-        Ok(())
+        self.publish_written()
     }
 
     /// Moves the parameter shard to a file under `nvme_path` (ZeRO-3 only).

@@ -8,9 +8,9 @@ use crate::checkpoint::Counters;
 use crate::loss_scale::LossScaler;
 use crate::optim::{Optimizer, OptimizerState};
 use crate::schedule::LrSchedule;
+use crate::{EngineError, Result};
 
 use super::offload::OffloadedStates;
-use crate::{EngineError, Result};
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq)]
