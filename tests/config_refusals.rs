@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -19,12 +20,16 @@ fn with(extra: &str) -> String {
     )
 }
 
-/// Configs DeepSpeed accepts that ask for what ds-rs does not do yet, with the key named.
+/// Configs DeepSpeed accepts that ask for what ds-rs does not do yet, with the key named (of
+/// a job of 2 ranks).
 fn refused_configs() -> [(&'static str, String, &'static str); 1] {
     [(
-        "cpu-offload",
-        with(r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}"#),
-        "zero_optimization.offload_optimizer.device",
+        "partitioned-activations",
+        with(
+            r#""tensor_parallel": {"autotp_size": 2},
+            "activation_checkpointing": {"partition_activations": true}"#,
+        ),
+        "activation_checkpointing.partition_activations",
     )]
 }
 
@@ -48,8 +53,15 @@ fn settings_not_implemented_yet_are_refused_with_one_line_naming_the_key() {
     for (name, text, key) in refused_configs() {
         let cfg = s.write(&format!("{name}.json"), &text);
         let dir = s.path(name);
+        // rank 0 of 2, as a launcher would start it: the refusal comes before it joins
         let job = format!("{} --config {}", train(&model, 2, &dir), cfg.display());
-        let f = run(&job, LIMIT);
+        let rank0 = spawn_captured(
+            Command::new(BIN)
+                .args(words(&job))
+                .envs([("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")])
+                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")]),
+        );
+        let f = finish(rank0, LIMIT);
         assert_refused(&f, key, &format!("train, {name}"));
         assert!(!dir.exists(), "train {name}: refused only after starting");
 

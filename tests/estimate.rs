@@ -91,9 +91,14 @@ fn model_states_and_activations_equal_memory_report() {
     let config = |stage: u8, extra: &str| {
         let optimizer = if extra == "sgd" { SGD } else { ADAMW };
         let extra = if extra == "sgd" { "" } else { extra };
+        // an `extra` with its own zero_optimization section replaces the plain one
+        let zero = match extra.contains("zero_optimization") {
+            true => String::new(),
+            false => format!(r#", "zero_optimization": {{"stage": {stage}}}"#),
+        };
         format!(
             r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {optimizer}, "zero_optimization": {{"stage": {stage}}}{extra}}}"#
+            "optimizer": {optimizer}{zero}{extra}}}"#
         )
     };
     let mut cases: Vec<(String, usize, u8, &str, &str)> = Vec::new();
@@ -120,6 +125,25 @@ fn model_states_and_activations_equal_memory_report() {
     cases.push(("z1-pp2-ac2".into(), 2, 1, "--pp 2", every_second));
     let interleaved = r#", "pipeline": {"virtual_stages": 2}"#;
     cases.push(("z0-pp2-v2".into(), 2, 0, "--pp 2", interleaved));
+    // NVMe offload: what stays resident, and what goes to disk
+    let nvme = s.path("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let offload = |what: &str| {
+        format!(
+            r#""{what}": {{"device": "nvme", "nvme_path": "{}"}}"#,
+            nvme.display()
+        )
+    };
+    let (optimizer, params) = (offload("offload_optimizer"), offload("offload_param"));
+    let zero = |stage: u8, sections: &str| {
+        format!(r#", "zero_optimization": {{"stage": {stage}, {sections}}}"#)
+    };
+    let z1_optimizer = zero(1, &optimizer);
+    let z3_both = zero(3, &format!("{optimizer}, {params}"));
+    let z3_params_bf16 = zero(3, &params) + r#", "bf16": {"enabled": true}"#;
+    cases.push(("z1-nvme-optimizer-dp2".into(), 2, 1, "", &z1_optimizer));
+    cases.push(("z3-nvme-both-dp2".into(), 2, 3, "", &z3_both));
+    cases.push(("z3-nvme-params-bf16".into(), 2, 3, "", &z3_params_bf16));
     for (name, nproc, stage, args, extra) in cases {
         let cfg = s.write(&format!("{name}.json"), &config(stage, extra));
         let model = model.display().to_string();
@@ -134,6 +158,7 @@ fn model_states_and_activations_equal_memory_report() {
                 "grads_bytes",
                 "optimizer_states_bytes",
                 "activations_bytes",
+                "offloaded_bytes",
             ] {
                 assert_eq!(e[key], m[key], "{name} rank {rank} {key}");
             }

@@ -13,7 +13,7 @@ use std::ops::Range;
 use ds_config::{Config, ZeroStage};
 use ds_engine::gpt::GptConfig;
 use ds_engine::model::Model;
-use ds_engine::{pipeline_layout, Precision, Settings};
+use ds_engine::{pipeline_layout, Precision, Settings, STEP_PIECE};
 use ds_partition::{FlatIndex, ShardLayout, TpRank};
 use serde::Serialize;
 
@@ -46,13 +46,18 @@ pub struct RankEstimate {
     pub layer_bytes: u64,
     /// Reduction buckets (ZeRO-2/3) and ZeRO-3's parameter prefetch, at their most.
     pub comm_buffers_bytes: u64,
-    /// The backward's largest temporary besides the tapes: the gradient of the logits.
+    /// The largest temporary besides the tapes: the gradient of the logits in backward, or
+    /// with the optimizer on NVMe the step's stream buffers, whichever is larger.
     pub transient_bytes: u64,
     /// The process's own cost (code, thread stacks, allocator arenas), measured as the peak
     /// RSS of a one-layer model.
     pub fixed_bytes: u64,
     /// The predicted peak RSS: the sum of all the above.
     pub predicted_peak_bytes: u64,
+    /// On disk, not in memory (`offload_param` / `offload_optimizer` to NVMe): the parameter
+    /// shard as f32, the master copy and the optimizer's states; the chunks they stream
+    /// through are counted above.
+    pub offloaded_bytes: u64,
 }
 
 impl RankEstimate {
@@ -126,7 +131,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             .flatten()
             .filter(|&&n| n <= z3.param_persistence_threshold)
             .sum();
-        let (params, grads, owned) = match stage {
+        let (mut params, grads, owned) = match stage {
             ZeroStage::Disabled => (padded, padded, padded),
             ZeroStage::OptimizerStates => (padded, padded, shard),
             ZeroStage::Gradients => (padded, shard, shard),
@@ -170,7 +175,23 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
         };
         let layer_bytes = (largest.max(graphs) + largest) * dtype;
         let comm = comm_buffers(&settings, &numel, shard as usize, padded as usize) as u64 * dtype;
-        let transient = micro.rows * run.model.T as u64 * (run.model.V / tp) as u64 * dtype;
+        let logits_grad = micro.rows * run.model.T as u64 * (run.model.V / tp) as u64 * dtype;
+        let mut transient = logits_grad;
+        let mut optimizer_states = owned * (4 + per_element);
+        let mut offloaded = 0;
+        if settings.nvme_params.is_some() {
+            offloaded += shard * 4; // f32 on disk, whatever the compute dtype
+            params -= shard;
+        }
+        if let Some((_, buffers)) = &settings.nvme_optimizer {
+            offloaded += optimizer_states;
+            // the optimizer holds one chunk's states; the step streams master and states
+            // through `buffer_count` sets of chunk buffers, after the logits' gradient is gone
+            let chunk = owned.min(STEP_PIECE as u64);
+            optimizer_states = chunk * per_element;
+            let streamed = (*buffers as u64 * (4 + per_element) + 4) * chunk;
+            transient = transient.max(streamed);
+        }
         let mut r = RankEstimate {
             rank,
             stage: pp_stage,
@@ -178,7 +199,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             dp_rank,
             params_bytes: dtype * params,
             grads_bytes: dtype * grads,
-            optimizer_states_bytes: owned * (4 + per_element),
+            optimizer_states_bytes: optimizer_states,
             activations_bytes: activations,
             activations_without_checkpointing_bytes: without,
             activations_with_checkpointing_bytes: with,
@@ -188,6 +209,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             transient_bytes: transient,
             fixed_bytes: FIXED,
             predicted_peak_bytes: 0,
+            offloaded_bytes: offloaded,
         };
         r.predicted_peak_bytes = r.peak();
         out.push(r);

@@ -15,7 +15,7 @@ use crate::runtime::{
 use crate::section::Section;
 use crate::toplevel::{self, Scalars};
 use crate::value::{Dict, Value};
-use crate::zero::{ZeroConfig, ZeroStage};
+use crate::zero::{OffloadDevice, ZeroConfig, ZeroStage};
 use crate::{extras, removed};
 
 /// The parallel layout a config is resolved for.
@@ -248,7 +248,35 @@ fn read_zero(root: &Dict, notes: &mut Notes) -> Result<ZeroConfig> {
     notes.autos.extend(s.finish()?);
     let z = z?;
     z.validate("zero_optimization")?;
+    notes.warnings.extend(cpu_offload_warnings(&z));
     Ok(z)
+}
+
+/// `offload_optimizer` / `offload_param` to `"cpu"` (also the deprecated `cpu_offload` flags):
+/// on a CPU build the states live in host memory and the optimizer steps on the CPU already,
+/// so the setting moves nothing (DeepSpeed's ZeRO-Offload moves them off the GPU).
+fn cpu_offload_warnings(z: &ZeroConfig) -> Vec<String> {
+    let on_cpu = |d: Option<OffloadDevice>| d == Some(OffloadDevice::Cpu);
+    [
+        (
+            "offload_optimizer",
+            on_cpu(z.offload_optimizer.as_ref().map(|o| o.device)),
+            "the master copy and optimizer states",
+        ),
+        (
+            "offload_param",
+            on_cpu(z.offload_param.as_ref().map(|o| o.device)),
+            "the parameters",
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, on, _)| *on)
+    .map(|(key, _, what)| {
+        format!(
+            "zero_optimization.{key}.device = \"cpu\": no effect on this CPU build: {what} are in host memory already"
+        )
+    })
+    .collect()
 }
 
 fn read_comms_logger(root: &Dict, notes: &mut Notes) -> Result<Option<CommsLoggerConfig>> {

@@ -8,7 +8,6 @@ use std::fmt;
 
 use crate::error::{ConfigError, Result};
 use crate::resolve::Config;
-use crate::zero::OffloadDevice;
 
 /// One such setting, named by its JSON path.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,13 +46,10 @@ impl fmt::Display for NotImplemented {
 }
 
 impl Config {
-    /// The settings of this config that ds-rs cannot carry out yet: offload, partitioned
-    /// activation checkpoints.
+    /// The settings of this config that ds-rs cannot carry out yet: partitioned activation
+    /// checkpoints under tensor parallelism.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
-        let mut found = Vec::new();
-        found.extend(self.offload());
-        found.extend(self.partition_activations());
-        found
+        self.partition_activations().into_iter().collect()
     }
 
     /// Err naming every setting of `not_implemented`, on one line.
@@ -78,52 +74,23 @@ impl Config {
             off: "false",
         })
     }
-
-    /// `offload_optimizer` / `offload_param` to any device (the deprecated `cpu_offload` and
-    /// `cpu_offload_param` flags land here too, as in DeepSpeed).
-    fn offload(&self) -> Vec<NotImplemented> {
-        let z = &self.zero_optimization;
-        let optimizer = z.offload_optimizer.as_ref().map(|o| o.device);
-        let param = z.offload_param.as_ref().map(|o| o.device);
-        [
-            (
-                "zero_optimization.offload_optimizer.device",
-                optimizer,
-                "optimizer state offload (ZeRO-Offload)",
-            ),
-            (
-                "zero_optimization.offload_param.device",
-                param,
-                "parameter offload (ZeRO-Infinity)",
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(path, device, feature)| {
-            // NVMe is carried out (ds-partition's swap.rs, ds-engine's offload.rs)
-            if device == Some(OffloadDevice::Nvme) {
-                return None;
-            }
-            let name = device?.name()?;
-            Some(NotImplemented {
-                path,
-                value: format!("\"{name}\""),
-                feature,
-                issue: 19,
-                off: "\"none\"",
-            })
-        })
-        .collect()
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::{hjson, resolve, ParallelDims};
+    use crate::{hjson, resolve, Config, ParallelDims};
+
+    fn read(json: &str, tp: usize) -> Config {
+        let doc = hjson::parse(json).unwrap();
+        resolve(&doc, &ParallelDims::new(2, tp, 1).unwrap()).unwrap()
+    }
 
     fn paths(json: &str) -> Vec<&'static str> {
-        let doc = hjson::parse(json).unwrap();
-        let c = resolve(&doc, &ParallelDims::new(1, 1, 1).unwrap()).unwrap();
-        c.not_implemented().iter().map(|n| n.path).collect()
+        read(json, 1)
+            .not_implemented()
+            .iter()
+            .map(|n| n.path)
+            .collect()
     }
 
     const BATCH: &str = r#""train_micro_batch_size_per_gpu": 1"#;
@@ -145,68 +112,74 @@ mod tests {
             // NVMe is carried out (ds-engine's offload.rs, ds-partition's swap.rs)
             r#", "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}"#,
             r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}"#,
+            // the CPU holds every state already (a warning, below)
+            r#", "zero_optimization": {"stage": 2, "cpu_offload": true}"#,
+            r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#,
         ] {
             assert!(paths(&format!("{{{BATCH}{extra}}}")).is_empty(), "{extra}");
         }
     }
 
     #[test]
-    fn each_setting_is_named_by_its_path() {
-        let cases = [
-            (
-                r#""zero_optimization": {"stage": 2, "cpu_offload": true}"#,
-                "zero_optimization.offload_optimizer.device",
-            ),
-            (
-                r#""zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#,
-                "zero_optimization.offload_param.device",
-            ),
-        ];
-        for (extra, path) in cases {
-            assert_eq!(paths(&format!("{{{BATCH}, {extra}}}")), [path], "{extra}");
-        }
-        // partitioned activation checkpoints matter only with tensor parallelism
-        let doc = hjson::parse(&format!(
+    fn partitioned_activations_are_refused_under_tensor_parallelism_only() {
+        let json = format!(
             r#"{{{BATCH}, "activation_checkpointing": {{"partition_activations": true}}}}"#
-        ))
-        .unwrap();
+        );
         for (tp, refused) in [(1, false), (2, true)] {
-            let c = resolve(&doc, &ParallelDims::new(2, tp, 1).unwrap()).unwrap();
-            let found: Vec<_> = c.not_implemented().iter().map(|n| n.path).collect();
-            let want = ["activation_checkpointing.partition_activations"];
-            assert_eq!(
-                found.as_slice(),
-                if refused { &want[..] } else { &[] },
-                "tp {tp}"
-            );
+            let e = read(&json, tp).check_implemented();
+            assert_eq!(e.is_err(), refused, "tp {tp}");
+            if let Err(e) = e {
+                let text = e.to_string();
+                assert_eq!(
+                    e.paths(),
+                    ["activation_checkpointing.partition_activations"]
+                );
+                assert!(!text.contains('\n'), "{text}");
+                assert!(text.contains("not implemented yet"), "{text}");
+            }
         }
     }
 
+    /// `"cpu"` offload (and the deprecated flags that mean it) moves nothing on a CPU build:
+    /// one warning per section, naming its key.
     #[test]
-    fn several_settings_make_one_line_naming_each() {
-        let json = format!(
-            r#"{{{BATCH},
-            "zero_optimization": {{"stage": 3, "offload_optimizer": {{"device": "cpu"}},
-            "offload_param": {{"device": "cpu"}}}}}}"#
-        );
-        let doc = hjson::parse(&json).unwrap();
-        let c = resolve(&doc, &ParallelDims::new(1, 1, 1).unwrap()).unwrap();
-        let e = c.check_implemented().unwrap_err();
-        let text = e.to_string();
-        assert!(!text.contains('\n'), "{text}");
-        assert_eq!(
-            e.paths(),
-            [
-                "zero_optimization.offload_optimizer.device",
-                "zero_optimization.offload_param.device"
-            ]
-        );
-        assert!(
-            text.starts_with(
-                "zero_optimization.offload_optimizer.device = \"cpu\": optimizer state offload"
+    fn cpu_offload_is_one_warning_per_section() {
+        let cases = [
+            (
+                r#""stage": 2, "cpu_offload": true"#,
+                vec!["offload_optimizer"],
             ),
-            "{text}"
-        );
-        assert!(text.contains(r#"offload_param.device = "cpu""#), "{text}");
+            (
+                r#""stage": 3, "offload_param": {"device": "cpu"}"#,
+                vec!["offload_param"],
+            ),
+            (
+                r#""stage": 3, "offload_param": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu"}"#,
+                vec!["offload_optimizer", "offload_param"],
+            ),
+            (
+                r#""stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}"#,
+                vec![],
+            ),
+        ];
+        for (zero, keys) in cases {
+            let c = read(
+                &format!(r#"{{{BATCH}, "zero_optimization": {{{zero}}}}}"#),
+                1,
+            );
+            let warned: Vec<&String> = c
+                .warnings
+                .iter()
+                .filter(|w| w.contains("no effect on this CPU build"))
+                .collect();
+            assert_eq!(warned.len(), keys.len(), "{zero}: {:?}", c.warnings);
+            for (w, key) in warned.iter().zip(&keys) {
+                assert!(
+                    w.starts_with(&format!("zero_optimization.{key}.device")),
+                    "{w}"
+                );
+            }
+        }
     }
 }

@@ -27,7 +27,9 @@ pub mod optim;
 pub mod parallel;
 pub mod schedule;
 
+/// NVMe offload's I/O between two readings (`Timings::swap`).
+pub use ds_partition::swap::IoTotals;
 pub use engine::{
     check_ties, pipeline_layout, Dtype, Engine, EngineOptions, MemoryReport, PipeLayout, Precision,
-    Settings, StepOutcome, Timings,
+    Settings, StepOutcome, Timings, STEP_PIECE,
 };

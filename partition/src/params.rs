@@ -3,10 +3,11 @@
 use std::borrow::Cow;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 use ds_comm::{Element, Group, Work};
 
-use crate::swap::{SwapDir, SwapFile};
+use crate::swap::{SwapDir, SwapFile, SwapIo};
 use crate::{PartitionError, Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
@@ -32,7 +33,7 @@ pub trait ParamStore<T: Element>: Send {
     }
     /// Moves the kept values to a file under `nvme_path` (ZeRO-Infinity's parameter tier);
     /// only a store that keeps a shard (stage 3) can.
-    fn offload(&mut self, _nvme_path: &Path, _rank: usize) -> Result<()> {
+    fn offload(&mut self, _nvme_path: &Path, _rank: usize, _io: &Arc<SwapIo>) -> Result<()> {
         Err(PartitionError::Invalid(
             "parameters are offloaded at ZeRO stage 3 only".into(),
         ))
@@ -246,11 +247,11 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         self.peak_prefetch * std::mem::size_of::<T>()
     }
 
-    fn offload(&mut self, nvme_path: &Path, rank: usize) -> Result<()> {
+    fn offload(&mut self, nvme_path: &Path, rank: usize, io: &Arc<SwapIo>) -> Result<()> {
         let Shard::Memory(values) = &self.shard else {
             return Ok(());
         };
-        let dir = SwapDir::create(nvme_path, rank, "params")?;
+        let dir = SwapDir::create(nvme_path, rank, "params", io)?;
         let file = dir.file("params", values.len())?;
         let mut staging = Vec::new();
         for (i, piece) in values.chunks(DISK_PIECE).enumerate() {

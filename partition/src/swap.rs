@@ -14,22 +14,79 @@
 //! removed when the `SwapDir` is dropped (also when the run fails).
 
 use std::fs::File;
+use std::ops::{AddAssign, Sub};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use crate::{PartitionError, Result};
+
+/// The bytes a rank's swap files read and wrote, and the time their reads and writes took
+/// (shared by the files of a rank's directories; `bench train` reports it per step).
+#[derive(Debug, Default)]
+pub struct SwapIo {
+    read: AtomicU64,
+    written: AtomicU64,
+    busy_ns: AtomicU64,
+}
+
+/// A reading of `SwapIo`; the difference of two is what happened between them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoTotals {
+    pub read_bytes: u64,
+    pub written_bytes: u64,
+    /// Time inside reads and writes (summed over the threads doing them).
+    pub busy: Duration,
+}
+
+impl SwapIo {
+    pub fn totals(&self) -> IoTotals {
+        IoTotals {
+            read_bytes: self.read.load(Ordering::Relaxed),
+            written_bytes: self.written.load(Ordering::Relaxed),
+            busy: Duration::from_nanos(self.busy_ns.load(Ordering::Relaxed)),
+        }
+    }
+
+    fn record(&self, counter: &AtomicU64, bytes: usize, since: Instant) {
+        counter.fetch_add(bytes as u64, Ordering::Relaxed);
+        let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+impl Sub for IoTotals {
+    type Output = IoTotals;
+    fn sub(self, earlier: IoTotals) -> IoTotals {
+        IoTotals {
+            read_bytes: self.read_bytes.saturating_sub(earlier.read_bytes),
+            written_bytes: self.written_bytes.saturating_sub(earlier.written_bytes),
+            busy: self.busy.saturating_sub(earlier.busy),
+        }
+    }
+}
+
+impl AddAssign for IoTotals {
+    fn add_assign(&mut self, other: IoTotals) {
+        self.read_bytes += other.read_bytes;
+        self.written_bytes += other.written_bytes;
+        self.busy += other.busy;
+    }
+}
 
 /// One rank's swap directory for one kind of state: `<nvme_path>/ds-rs-swap-<pid>-rank<rank>-<tag>`.
 #[derive(Debug)]
 pub struct SwapDir {
     path: PathBuf,
+    io: Arc<SwapIo>,
 }
 
 impl SwapDir {
-    /// Creates this run's directory; the error names `nvme_path` when it is missing, not a
-    /// directory or not writable.
-    pub fn create(nvme_path: &Path, rank: usize, tag: &str) -> Result<SwapDir> {
+    /// Creates this run's directory, its files counting their I/O in `io`; the error names
+    /// `nvme_path` when it is missing, not a directory or not writable.
+    pub fn create(nvme_path: &Path, rank: usize, tag: &str, io: &Arc<SwapIo>) -> Result<SwapDir> {
         let bad = |why: String| {
             PartitionError::Invalid(format!("nvme_path {}: {why}", nvme_path.display()))
         };
@@ -44,7 +101,10 @@ impl SwapDir {
         ));
         std::fs::create_dir_all(&path)
             .map_err(|e| bad(format!("cannot create {}: {e}", path.display())))?;
-        Ok(SwapDir { path })
+        Ok(SwapDir {
+            path,
+            io: io.clone(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -60,7 +120,12 @@ impl SwapDir {
             .create_new(true)
             .open(&path)
             .map_err(|e| io_error(&path, "creating", e))?;
-        let f = SwapFile { file, path, len };
+        let f = SwapFile {
+            file,
+            path,
+            len,
+            io: self.io.clone(),
+        };
         // allocate every block now: a full disk fails here, not in the middle of a step
         f.fill_zeros()?;
         Ok(f)
@@ -79,6 +144,7 @@ pub struct SwapFile {
     file: File,
     path: PathBuf,
     len: usize,
+    io: Arc<SwapIo>,
 }
 
 /// Elements per write when a file is first filled.
@@ -96,6 +162,7 @@ impl SwapFile {
             file,
             path: path.to_path_buf(),
             len,
+            io: Arc::default(),
         })
     }
 
@@ -126,17 +193,24 @@ impl SwapFile {
     pub fn read(&self, at: usize, out: &mut [f32]) -> Result<()> {
         self.check(at, out.len())?;
         let bytes = as_bytes_mut(out);
+        let t0 = Instant::now();
         self.file
             .read_exact_at(bytes, (at * 4) as u64)
-            .map_err(|e| io_error(&self.path, "reading", e))
+            .map_err(|e| io_error(&self.path, "reading", e))?;
+        self.io.record(&self.io.read, bytes.len(), t0);
+        Ok(())
     }
 
     /// Writes `values` at `at`.
     pub fn write(&self, at: usize, values: &[f32]) -> Result<()> {
         self.check(at, values.len())?;
+        let bytes = as_bytes(values);
+        let t0 = Instant::now();
         self.file
-            .write_all_at(as_bytes(values), (at * 4) as u64)
-            .map_err(|e| io_error(&self.path, "writing", e))
+            .write_all_at(bytes, (at * 4) as u64)
+            .map_err(|e| io_error(&self.path, "writing", e))?;
+        self.io.record(&self.io.written, bytes.len(), t0);
+        Ok(())
     }
 
     fn check(&self, at: usize, n: usize) -> Result<()> {
@@ -300,7 +374,7 @@ mod tests {
     #[test]
     fn values_survive_the_round_trip_exactly() {
         let root = scratch("roundtrip");
-        let dir = SwapDir::create(&root, 0, "t").unwrap();
+        let dir = SwapDir::create(&root, 0, "t", &Arc::default()).unwrap();
         let f = dir.file("master", 1000).unwrap();
         let values: Vec<f32> = (0..1000)
             .map(|i| (i as f32).sin() * 1e-3 + f32::EPSILON)
@@ -324,7 +398,8 @@ mod tests {
     #[test]
     fn streaming_updates_every_chunk_once_whatever_the_buffer_count() {
         let root = scratch("stream");
-        let dir = SwapDir::create(&root, 3, "t").unwrap();
+        let io = Arc::new(SwapIo::default());
+        let dir = SwapDir::create(&root, 3, "t", &io).unwrap();
         let n = 10_007;
         let a0: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let b0: Vec<f32> = (0..n).map(|i| (n - i) as f32 * 0.5).collect();
@@ -337,6 +412,7 @@ mod tests {
             a.write(0, &a0).unwrap();
             b.write(0, &b0).unwrap();
             let mut seen = Vec::new();
+            let before = io.totals();
             stream(&[&a, &b], 1000, buffers, |at, bufs| {
                 seen.push(at);
                 let (x, y) = bufs.split_at_mut(1);
@@ -347,6 +423,12 @@ mod tests {
             })
             .unwrap();
             assert_eq!(seen, (0..n).step_by(1000).collect::<Vec<_>>());
+            // each file read once and written once, 4 bytes a value
+            let moved = io.totals() - before;
+            assert_eq!(
+                (moved.read_bytes, moved.written_bytes),
+                (8 * n as u64, 8 * n as u64)
+            );
             let mut back = vec![0f32; n];
             a.read(0, &mut back).unwrap();
             assert_eq!(back, expect_a, "buffers {buffers}");
@@ -360,7 +442,9 @@ mod tests {
     #[test]
     fn a_missing_or_unwritable_path_and_a_full_disk_are_named() {
         let missing = std::env::temp_dir().join("ds-rs-no-such-dir/deeper");
-        let e = SwapDir::create(&missing, 0, "t").unwrap_err().to_string();
+        let e = SwapDir::create(&missing, 0, "t", &Arc::default())
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("nvme_path") && e.contains("ds-rs-no-such-dir"),
             "{e}"

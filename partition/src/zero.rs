@@ -250,8 +250,13 @@ impl<T: Element> Zero<T> {
     }
 
     /// Moves the parameter shard to a file under `nvme_path` (ZeRO-3 only).
-    pub fn offload_params(&mut self, nvme_path: &std::path::Path, rank: usize) -> Result<()> {
-        self.params.offload(nvme_path, rank)
+    pub fn offload_params(
+        &mut self,
+        nvme_path: &std::path::Path,
+        rank: usize,
+        io: &std::sync::Arc<crate::swap::SwapIo>,
+    ) -> Result<()> {
+        self.params.offload(nvme_path, rank, io)
     }
 
     /// Bytes of parameters kept on disk.

@@ -198,6 +198,15 @@ fn report(
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
     let tokens = (dp * s.micro_batch * s.grad_accum * seq) as f64;
+    // NVMe offload's I/O per timed step, and its rate while reading or writing
+    let mut swap = ds_engine::IoTotals::default();
+    for t in &parts[args.warmup.min(parts.len())..] {
+        swap += t.swap;
+    }
+    let per_step = |b: u64| b as f64 / (1u64 << 20) as f64 / args.steps.max(1) as f64;
+    let swap_mib_per_s = (swap.read_bytes + swap.written_bytes) as f64
+        / (1u64 << 20) as f64
+        / swap.busy.as_secs_f64().max(1e-9);
     let row = serde_json::json!({
         "preset": args.preset, "config": args.config.display().to_string(),
         "zero_stage": u8::from(s.zero.stage), "nproc": world, "dp": dp, "tp": world / dp,
@@ -210,6 +219,10 @@ fn report(
         "peak_rss_mib": rss, "memory": m.memory,
         "forward_ms": part_ms(|t| t.forward), "backward_ms": part_ms(|t| t.backward),
         "step_ms": part_ms(|t| t.step),
+        "swap_read_mib_per_step": per_step(swap.read_bytes),
+        "swap_written_mib_per_step": per_step(swap.written_bytes),
+        "swap_io_ms_per_step": 1e3 * swap.busy.as_secs_f64() / args.steps.max(1) as f64,
+        "swap_mib_per_s": swap_mib_per_s,
     });
     if args.json {
         println!("{row}");

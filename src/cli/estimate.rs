@@ -82,11 +82,11 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
         config.zero_stage()
     );
     println!(
-        " rank | stage | tp | dp | params | grads | optimizer | activations (without / with checkpointing) x in flight | layer | buckets | predicted peak RSS   (MiB)"
+        " rank | stage | tp | dp | params | grads | optimizer | activations (without / with checkpointing) x in flight | layer | buckets | predicted peak RSS | on disk   (MiB)"
     );
     for r in &ranks {
         println!(
-            " {:4} | {:5} | {:2} | {:2} | {:6.1} | {:5.1} | {:9.1} | {:.1} ({:.1} / {:.1}) x {} | {:5.1} | {:7.1} | {:.1}",
+            " {:4} | {:5} | {:2} | {:2} | {:6.1} | {:5.1} | {:9.1} | {:.1} ({:.1} / {:.1}) x {} | {:5.1} | {:7.1} | {:18.1} | {:.1}",
             r.rank,
             r.stage,
             r.tp_rank,
@@ -101,10 +101,11 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
             mib(r.layer_bytes),
             mib(r.comm_buffers_bytes),
             mib(r.predicted_peak_bytes),
+            mib(r.offloaded_bytes),
         );
     }
     println!(
-        "predicted peak RSS = model states + activations x in flight + layer + buckets + the logits' gradient + {:.0} MiB of the process itself",
+        "predicted peak RSS = model states + activations x in flight + layer + buckets + the logits' gradient (or the optimizer's NVMe stream, the larger) + {:.0} MiB of the process itself; on disk: what NVMe offload keeps out of memory",
         mib(ranks.first().map_or(0, |r| r.fixed_bytes))
     );
     Ok(ExitCode::SUCCESS)

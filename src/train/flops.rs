@@ -208,6 +208,7 @@ mod tests {
             layer_forward: vec![Duration::from_millis(300), Duration::from_millis(100)],
             layer_backward: vec![Duration::from_millis(600), Duration::from_millis(200)],
             pipe_wait: Duration::ZERO,
+            swap: Default::default(),
         };
         let text = profile(&layers, &timings);
         let value = |key: &str| {

@@ -305,10 +305,11 @@ impl Run<'_> {
         let t = std::mem::take(wall);
         let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / every as f64;
         progress.note(&format!(
-            "time (ms) | fwd: {:.2} | bwd: {:.2} | step: {:.2}",
+            "time (ms) | fwd: {:.2} | bwd: {:.2} | step: {:.2}{}",
             ms(t.forward),
             ms(t.backward),
-            ms(t.step)
+            ms(t.step),
+            swap_note(&t.swap, every)
         ));
     }
 
@@ -414,4 +415,23 @@ fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
+}
+
+/// ` | swap: read R MiB, written W MiB in T ms (B MiB/s)` per step over `steps` steps of
+/// NVMe offload's I/O (its time: inside the reads and writes, mostly overlapped with the
+/// update), empty without offload.
+pub(crate) fn swap_note(io: &ds_engine::IoTotals, steps: u64) -> String {
+    let bytes = io.read_bytes + io.written_bytes;
+    if bytes == 0 {
+        return String::new();
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / steps as f64;
+    let secs = io.busy.as_secs_f64();
+    format!(
+        " | swap: read {:.0} MiB, written {:.0} MiB in {:.0} ms ({:.0} MiB/s)",
+        mib(io.read_bytes),
+        mib(io.written_bytes),
+        1e3 * secs / steps as f64,
+        bytes as f64 / (1u64 << 20) as f64 / secs.max(1e-9)
+    )
 }

@@ -19,6 +19,7 @@ use std::time::Duration;
 use candle_core::Device;
 use ds_comm::{Groups, ReduceOp};
 use ds_config::Config;
+use ds_partition::swap::IoTotals;
 use ds_partition::{runs, FlatIndex, TpRank};
 use half::{bf16, f16};
 
@@ -35,7 +36,7 @@ pub use pipe::{pipeline_layout, PipeLayout};
 pub use settings::{Precision, Settings};
 pub use tied::check_ties;
 use trainer::Trainer;
-pub use update::StepOutcome;
+pub use update::{StepOutcome, STEP_PIECE};
 
 /// Choices that are not in ds_config.
 #[derive(Debug, Clone)]
@@ -75,6 +76,8 @@ pub struct Timings {
     /// Under pipeline parallelism: time in transfers with the neighbouring stages (blocking
     /// sends and receives, so waiting for them included), the stage's share of the bubble.
     pub pipe_wait: Duration,
+    /// NVMe offload: the bytes the swap files read and wrote, and the time that took.
+    pub swap: IoTotals,
 }
 
 impl Timings {
@@ -84,6 +87,7 @@ impl Timings {
         self.backward += other.backward;
         self.step += other.step;
         self.pipe_wait += other.pipe_wait;
+        self.swap += other.swap;
         for (mine, theirs) in [
             (&mut self.layer_forward, &other.layer_forward),
             (&mut self.layer_backward, &other.layer_backward),

@@ -6,8 +6,9 @@
 //! a run without offload.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use ds_partition::swap::{stream, SwapDir, SwapFile};
+use ds_partition::swap::{stream, SwapDir, SwapFile, SwapIo};
 use ds_partition::Zero;
 
 use crate::optim::Optimizer;
@@ -35,8 +36,9 @@ impl OffloadedStates {
         buffers: usize,
         master: &[f32],
         state_names: &[&'static str],
+        io: &Arc<SwapIo>,
     ) -> Result<OffloadedStates> {
-        let dir = SwapDir::create(nvme_path, rank, "optimizer").map_err(|e| {
+        let dir = SwapDir::create(nvme_path, rank, "optimizer", io).map_err(|e| {
             EngineError::Invalid(format!("zero_optimization.offload_optimizer.{e}"))
         })?;
         let file = dir.file("master", master.len())?;

@@ -3,10 +3,12 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
+use ds_partition::swap::{IoTotals, SwapIo};
 use ds_partition::{FlatIndex, InitFn, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
@@ -89,6 +91,10 @@ pub(crate) struct Trainer<T: Dtype> {
     targets: Option<Tensor>,
     micro_steps: u64,
     timings: Timings,
+    /// The I/O of this rank's swap files (NVMe offload), and its reading at the last
+    /// `take_timings`.
+    swap_io: Arc<SwapIo>,
+    swap_taken: IoTotals,
     peak: StepPeak,
 }
 
@@ -159,8 +165,9 @@ impl<T: Dtype> Trainer<T> {
             zero.set_pipeline(pp.clone());
         }
         let rank = dp.global_ranks()[dp.rank()];
+        let swap_io = Arc::new(SwapIo::default());
         if let Some(path) = &settings.nvme_params {
-            zero.offload_params(path, rank).map_err(|e| {
+            zero.offload_params(path, rank, &swap_io).map_err(|e| {
                 EngineError::Invalid(format!("zero_optimization.offload_param.{e}"))
             })?;
         }
@@ -172,7 +179,8 @@ impl<T: Dtype> Trainer<T> {
                 let mut u = updater(STEP_PIECE.min(owned).max(1))?;
                 let names = u.optimizer().state_names();
                 let master = zero.take_master();
-                u.offload_to(OffloadedStates::new(path, rank, *buffers, &master, &names)?);
+                let states = OffloadedStates::new(path, rank, *buffers, &master, &names, &swap_io)?;
+                u.offload_to(states);
                 u
             }
         };
@@ -196,6 +204,8 @@ impl<T: Dtype> Trainer<T> {
             targets: None,
             micro_steps: 0,
             timings: Timings::default(),
+            swap_taken: swap_io.totals(),
+            swap_io,
             peak: StepPeak::default(),
         })
     }
@@ -601,6 +611,8 @@ impl<T: Dtype> Trainer<T> {
     }
 
     pub fn take_timings(&mut self) -> Timings {
+        let now = self.swap_io.totals();
+        self.timings.swap = now - std::mem::replace(&mut self.swap_taken, now);
         std::mem::take(&mut self.timings)
     }
 
