@@ -167,3 +167,65 @@ fn bad_offload_settings_are_one_clear_error() {
         assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
     }
 }
+
+/// A tmpfs mounted on a scratch directory, unmounted on drop.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: PathBuf, options: &str) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(&dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        match out.status.success() {
+            true => Ok(Tmpfs(dir)),
+            false => Err(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// The swap files' disk full (a 64 KiB tmpfs) or mounted read-only: one error naming the
+/// path and the cause, before the first step; nothing left on the disk.
+#[test]
+fn a_full_or_read_only_disk_is_named_before_the_first_step() {
+    let s = Scratch::new("offload-disk");
+    let model = s.write("model.json", SMALL_MODEL);
+    for (name, options, cause) in [
+        ("full", "size=64k", "No space left on device"),
+        ("read-only", "ro,size=1m", "Read-only file system"),
+    ] {
+        let disk = match Tmpfs::mount(s.path(name), options) {
+            Ok(d) => d,
+            Err(why) => {
+                println!("skipped: cannot mount a tmpfs ({why}); needs root");
+                return;
+            }
+        };
+        let cfg = s.write(&format!("{name}.json"), &offload_config(3, &nvme(&disk.0)));
+        let dir = s.path(&format!("run-{name}"));
+        let f = run(
+            &format!(
+                "launch --nproc_per_node 2 --config {} {}",
+                cfg.display(),
+                train(&model, 2, &dir)
+            ),
+            LIMIT,
+        );
+        assert!(!f.status.success(), "{name}: {}", f.stdout);
+        let named = f.stderr.lines().any(|l| {
+            l.contains("error:") && l.contains(&disk.0.display().to_string()) && l.contains(cause)
+        });
+        assert!(named, "{name}: {}", f.stderr);
+        assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+        assert!(steps(&dir).is_empty(), "{name}: a step ran");
+        assert!(empty(&disk.0), "{name}: swap files left behind");
+    }
+}

@@ -59,11 +59,12 @@ fn configs_the_engine_cannot_run_are_named() {
 
 #[test]
 fn settings_not_implemented_yet_are_refused_naming_the_key() {
-    let offload = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#;
-    let e = init_error(config(offload, 2, 1), EngineOptions::default(), 2);
+    let partitioned = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+        "activation_checkpointing": {"partition_activations": true}}"#;
+    let e = init_error(config(partitioned, 2, 2), EngineOptions::default(), 2);
     assert!(
-        e.contains("zero_optimization.offload_param.device") && e.contains("not implemented yet"),
+        e.contains("activation_checkpointing.partition_activations")
+            && e.contains("not implemented yet"),
         "{e}"
     );
 }

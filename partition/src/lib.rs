@@ -27,4 +27,4 @@ pub use layout::ShardLayout;
 pub use memory::StateBytes;
 pub use params::{ParamStore, Publish, Stage3Config};
 pub use slice::{local_shape, runs, runs_within, Run, Split, TpRank};
-pub use zero::{InitFn, Zero, ZeroOptions};
+pub use zero::{InitFn, ParamSwap, Zero, ZeroOptions};

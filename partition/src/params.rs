@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ds_comm::{Element, Group, Work};
 
 use crate::swap::{SwapDir, SwapFile, SwapIo};
-use crate::{PartitionError, Result, ShardLayout};
+use crate::{Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
 pub trait ParamStore<T: Element>: Send {
@@ -23,20 +23,13 @@ pub trait ParamStore<T: Element>: Send {
     /// keeps them whole.
     fn publish(&mut self) -> Result<()>;
     /// The current values of `range` (within this rank's keeping) as f32.
-    fn values_f32(&self, range: Range<usize>) -> Vec<f32>;
+    fn values_f32(&self, range: Range<usize>) -> Result<Vec<f32>>;
     /// Bytes held between steps.
     fn bytes(&self) -> usize;
     /// Most bytes of gathered parameters held by the store at once besides `bytes`: a
     /// prefetch in flight (what `get` hands out is the caller's to count).
     fn peak_gathered_bytes(&self) -> usize {
         0
-    }
-    /// Moves the kept values to a file under `nvme_path` (ZeRO-Infinity's parameter tier);
-    /// only a store that keeps a shard (stage 3) can.
-    fn offload(&mut self, _nvme_path: &Path, _rank: usize, _io: &Arc<SwapIo>) -> Result<()> {
-        Err(PartitionError::Invalid(
-            "parameters are offloaded at ZeRO stage 3 only".into(),
-        ))
     }
     /// Bytes kept on disk instead of memory.
     fn offloaded_bytes(&self) -> usize {
@@ -105,8 +98,8 @@ impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
         Ok(())
     }
 
-    fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
-        self.values[range].iter().map(|v| v.to_f32()).collect()
+    fn values_f32(&self, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(self.values[range].iter().map(|v| v.to_f32()).collect())
     }
 
     fn bytes(&self) -> usize {
@@ -153,6 +146,23 @@ impl<T: Element> ShardedParams<T> {
             persistent: Vec::new(),
             peak_prefetch: 0,
         }
+    }
+
+    /// Moves the shard to a file under `nvme_path` (ZeRO-Infinity's parameter tier).
+    pub fn offload(&mut self, nvme_path: &Path, rank: usize, io: &Arc<SwapIo>) -> Result<()> {
+        let Shard::Memory(values) = &self.shard else {
+            return Ok(());
+        };
+        let dir = SwapDir::create(nvme_path, rank, "params", io)?;
+        let file = dir.file("params", values.len())?;
+        let mut staging = Vec::new();
+        for (i, piece) in values.chunks(DISK_PIECE).enumerate() {
+            staging.clear();
+            staging.extend(piece.iter().map(|v| v.to_f32()));
+            file.write(i * DISK_PIECE, &staging)?;
+        }
+        self.shard = Shard::Disk { file, _dir: dir };
+        Ok(())
     }
 
     /// A buffer for `range` holding this rank's part in place, with the parts' counts.
@@ -225,16 +235,19 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         Ok(())
     }
 
-    fn values_f32(&self, range: Range<usize>) -> Vec<f32> {
+    fn values_f32(&self, range: Range<usize>) -> Result<Vec<f32>> {
         let start = self.layout.shard(self.group.rank()).start;
+        let range = range.start - start..range.end - start;
         match &self.shard {
             // no staging copy: this is the master copy, built at start-up beside the shard
-            Shard::Memory(v) => v[range.start - start..range.end - start]
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-            // the master is taken before the shard is offloaded (Zero::new)
-            Shard::Disk { .. } => unreachable!("values_f32 of an offloaded shard"),
+            Shard::Memory(v) => Ok(v[range].iter().map(|v| v.to_f32()).collect()),
+            // the file holds the values as f32 already: read straight into the copy, so the
+            // shard and its master copy are never in memory together
+            Shard::Disk { file, .. } => {
+                let mut out = vec![0f32; range.len()];
+                file.read(range.start, &mut out)?;
+                Ok(out)
+            }
         }
     }
 
@@ -245,22 +258,6 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
 
     fn peak_gathered_bytes(&self) -> usize {
         self.peak_prefetch * std::mem::size_of::<T>()
-    }
-
-    fn offload(&mut self, nvme_path: &Path, rank: usize, io: &Arc<SwapIo>) -> Result<()> {
-        let Shard::Memory(values) = &self.shard else {
-            return Ok(());
-        };
-        let dir = SwapDir::create(nvme_path, rank, "params", io)?;
-        let file = dir.file("params", values.len())?;
-        let mut staging = Vec::new();
-        for (i, piece) in values.chunks(DISK_PIECE).enumerate() {
-            staging.clear();
-            staging.extend(piece.iter().map(|v| v.to_f32()));
-            file.write(i * DISK_PIECE, &staging)?;
-        }
-        self.shard = Shard::Disk { file, _dir: dir };
-        Ok(())
     }
 
     fn offloaded_bytes(&self) -> usize {

@@ -15,6 +15,7 @@
 
 use std::fs::File;
 use std::ops::{AddAssign, Sub};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -126,8 +127,8 @@ impl SwapDir {
             len,
             io: self.io.clone(),
         };
-        // allocate every block now: a full disk fails here, not in the middle of a step
-        f.fill_zeros()?;
+        // every block now: a full disk fails here, not in the middle of a step
+        f.allocate()?;
         Ok(f)
     }
 }
@@ -146,9 +147,6 @@ pub struct SwapFile {
     len: usize,
     io: Arc<SwapIo>,
 }
-
-/// Elements per write when a file is first filled.
-const FILL: usize = 1 << 20;
 
 impl SwapFile {
     /// Opens an existing file (for tests and tools); its length must hold `len` values.
@@ -178,15 +176,31 @@ impl SwapFile {
         &self.path
     }
 
-    fn fill_zeros(&self) -> Result<()> {
-        let zeros = vec![0f32; FILL.min(self.len)];
-        let mut at = 0;
-        while at < self.len {
-            let n = FILL.min(self.len - at);
-            self.write(at, &zeros[..n])?;
-            at += n;
+    /// Reserves every block of the file (reading them gives zeros) without writing them.
+    fn allocate(&self) -> Result<()> {
+        let bytes = (self.len as u64)
+            .checked_mul(4)
+            .and_then(|b| libc::off_t::try_from(b).ok())
+            .ok_or_else(|| {
+                PartitionError::Invalid(format!(
+                    "{}: {} values do not fit in a file",
+                    self.path.display(),
+                    self.len
+                ))
+            })?;
+        if bytes == 0 {
+            return Ok(());
         }
-        Ok(())
+        // SAFETY: the descriptor is this open file's; posix_fallocate only changes the file's
+        // size and blocks.
+        match unsafe { libc::posix_fallocate(self.file.as_raw_fd(), 0, bytes) } {
+            0 => Ok(()),
+            e => Err(io_error(
+                &self.path,
+                "allocating",
+                std::io::Error::from_raw_os_error(e),
+            )),
+        }
     }
 
     /// Reads values `at..at + out.len()`.

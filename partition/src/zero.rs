@@ -9,10 +9,18 @@ use ds_config::ZeroStage;
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
 use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
-use crate::{Result, ShardLayout, StateBytes};
+use crate::{PartitionError, Result, ShardLayout, StateBytes};
 
 /// Writes the initial values of a flat range (unpadded coordinates) into the slice given.
 pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E> + 'a;
+
+/// Where stage 3's parameter shard goes at start-up when it lives on NVMe (ZeRO-Infinity's
+/// `offload_param`): this rank's directory under `nvme_path`, its I/O counted in `io`.
+pub struct ParamSwap<'a> {
+    pub nvme_path: &'a std::path::Path,
+    pub rank: usize,
+    pub io: &'a std::sync::Arc<crate::swap::SwapIo>,
+}
 
 /// What a stage needs from ds_config `zero_optimization`.
 #[derive(Debug, Clone, Copy)]
@@ -50,11 +58,12 @@ impl<T: Element> Zero<T> {
     /// values of flat `range` (within `0..numel`) into `dst`. Only the ranges this rank keeps
     /// are asked for: the whole buffer at stages 0-2, the owned shard at stage 3 (DeepSpeed's
     /// zero.Init), so no rank ever holds more than its store does.
-    pub fn new<E: From<crate::PartitionError>>(
+    pub fn new<E: From<PartitionError>>(
         numel: usize,
         opts: ZeroOptions,
         group: Group,
         init: &mut InitFn<'_, E>,
+        swap: Option<ParamSwap<'_>>,
     ) -> std::result::Result<Zero<T>, E> {
         let layout = ShardLayout::new(numel, group.size());
         let owned = match opts.stage.partitions_optimizer() {
@@ -64,12 +73,14 @@ impl<T: Element> Zero<T> {
         let params: Box<dyn ParamStore<T>> = match opts.stage {
             ZeroStage::Weights => {
                 let shard = initial(layout, owned.clone(), init)?;
-                Box::new(ShardedParams::new(
-                    shard,
-                    layout,
-                    group.clone(),
-                    opts.stage3,
-                ))
+                let mut store = ShardedParams::new(shard, layout, group.clone(), opts.stage3);
+                if let Some(s) = swap {
+                    // before the master copy is made, which then reads the file
+                    store.offload(s.nvme_path, s.rank, s.io).map_err(|e| {
+                        PartitionError::Invalid(format!("zero_optimization.offload_param.{e}"))
+                    })?;
+                }
+                Box::new(store)
             }
             stage => {
                 let values = initial(layout, 0..layout.padded(), init)?;
@@ -103,7 +114,7 @@ impl<T: Element> Zero<T> {
         };
         // The master copy starts from the compute-dtype values (rounded under bf16/fp16), as
         // DeepSpeed's does.
-        let master = params.values_f32(owned.clone());
+        let master = params.values_f32(owned.clone())?;
         Ok(Zero {
             stage: opts.stage,
             layout,
@@ -173,7 +184,7 @@ impl<T: Element> Zero<T> {
     pub fn add_grad(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if len != range.len() {
-            return Err(crate::PartitionError::Invalid(format!(
+            return Err(PartitionError::Invalid(format!(
                 "a gradient of {len} elements for the flat range {range:?}"
             )));
         }
@@ -247,16 +258,6 @@ impl<T: Element> Zero<T> {
     pub fn publish(&mut self) -> Result<()> {
         self.params.write_owned(self.owned.clone(), &self.master)?;
         self.publish_written()
-    }
-
-    /// Moves the parameter shard to a file under `nvme_path` (ZeRO-3 only).
-    pub fn offload_params(
-        &mut self,
-        nvme_path: &std::path::Path,
-        rank: usize,
-        io: &std::sync::Arc<crate::swap::SwapIo>,
-    ) -> Result<()> {
-        self.params.offload(nvme_path, rank, io)
     }
 
     /// Bytes of parameters kept on disk.

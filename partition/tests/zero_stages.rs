@@ -65,6 +65,7 @@ fn every_stage_reduces_gathers_and_publishes_like_the_serial_reference() {
                     options(stage, bucket, overlap),
                     comm.world(),
                     &mut init,
+                    None,
                 )?;
                 // stage 3 generates only its own shard (zero.Init); the others everything
                 let keeps = match stage {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
-use ds_partition::{FlatIndex, InitFn, Zero};
+use ds_partition::{FlatIndex, InitFn, ParamSwap, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
@@ -152,7 +152,14 @@ impl<T: Dtype> Trainer<T> {
         }
         let layer_flat: Vec<Range<usize>> =
             layer_ids.iter().map(|r| index.span(r.clone())).collect();
-        let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init)?;
+        let rank = dp.global_ranks()[dp.rank()];
+        let swap_io = Arc::new(SwapIo::default());
+        let param_swap = settings.nvme_params.as_deref().map(|nvme_path| ParamSwap {
+            nvme_path,
+            rank,
+            io: &swap_io,
+        });
+        let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init, param_swap)?;
         zero.plan_buckets(&layer_flat);
         let copies: Vec<Range<usize>> = ties.iter().filter_map(Tie::copy_range).collect();
         let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
@@ -163,13 +170,6 @@ impl<T: Dtype> Trainer<T> {
         zero.set_duplicates(copies);
         if let Some(pp) = &pp {
             zero.set_pipeline(pp.clone());
-        }
-        let rank = dp.global_ranks()[dp.rank()];
-        let swap_io = Arc::new(SwapIo::default());
-        if let Some(path) = &settings.nvme_params {
-            zero.offload_params(path, rank, &swap_io).map_err(|e| {
-                EngineError::Invalid(format!("zero_optimization.offload_param.{e}"))
-            })?;
         }
         let updater = match &settings.nvme_optimizer {
             None => updater(zero.owned().len())?,
