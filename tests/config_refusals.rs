@@ -79,7 +79,10 @@ fn config_check_keeps_deepspeeds_verdict_on_them_and_warns() {
     let s = Scratch::new("refusals-check");
     for (name, text, key) in refused_configs() {
         let cfg = s.write(&format!("{name}.json"), &text);
-        let f = run(&format!("config check {}", cfg.display()), LIMIT);
+        let f = run(
+            &format!("config check {} --world-size 2", cfg.display()),
+            LIMIT,
+        );
         assert!(f.status.success(), "{name}: {}", f.stderr);
         let warned = f
             .stdout

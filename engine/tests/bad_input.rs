@@ -61,7 +61,12 @@ fn configs_the_engine_cannot_run_are_named() {
 fn settings_not_implemented_yet_are_refused_naming_the_key() {
     let partitioned = r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
         "activation_checkpointing": {"partition_activations": true}}"#;
-    let e = init_error(config(partitioned, 2, 2), EngineOptions::default(), 2);
+    let cfg = config(partitioned, 2, 2);
+    let e = run_ranks(2, Duration::from_secs(30), move |comm| {
+        let groups = ds_comm::Groups::new(&comm, cfg.dims)?;
+        Engine::initialize(MODEL.build(), &cfg, &groups, &EngineOptions::default()).map(|_| ())
+    })
+    .unwrap_err();
     assert!(
         e.contains("activation_checkpointing.partition_activations")
             && e.contains("not implemented yet"),

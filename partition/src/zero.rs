@@ -77,7 +77,7 @@ impl<T: Element> Zero<T> {
                 if let Some(s) = swap {
                     // before the master copy is made, which then reads the file
                     store.offload(s.nvme_path, s.rank, s.io).map_err(|e| {
-                        PartitionError::Invalid(format!("zero_optimization.offload_param.{e}"))
+                        PartitionError::Invalid(format!("zero_optimization.offload_param: {e}"))
                     })?;
                 }
                 Box::new(store)

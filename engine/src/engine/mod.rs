@@ -152,7 +152,7 @@ impl Engine {
             )));
         }
 
-        // Offload and pipeline stages in the file would otherwise be ignored.
+        // Settings the engine cannot carry out would otherwise be ignored.
         config.check_implemented()?;
         tied::check_ties(config, &model)?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;

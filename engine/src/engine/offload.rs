@@ -39,7 +39,7 @@ impl OffloadedStates {
         io: &Arc<SwapIo>,
     ) -> Result<OffloadedStates> {
         let dir = SwapDir::create(nvme_path, rank, "optimizer", io).map_err(|e| {
-            EngineError::Invalid(format!("zero_optimization.offload_optimizer.{e}"))
+            EngineError::Invalid(format!("zero_optimization.offload_optimizer: {e}"))
         })?;
         let file = dir.file("master", master.len())?;
         for (i, piece) in master.chunks(CHUNK).enumerate() {
