@@ -229,3 +229,34 @@ fn a_full_or_read_only_disk_is_named_before_the_first_step() {
         assert!(empty(&disk.0), "{name}: swap files left behind");
     }
 }
+
+/// A rank killed by SIGKILL mid-run (no destructor runs) leaves no swap file: the files are
+/// unlinked as soon as they are open, so the kernel frees them with the process.
+#[test]
+fn a_rank_killed_mid_run_leaves_no_swap_file() {
+    let s = Scratch::new("offload-kill");
+    let model = s.write("model.json", SMALL_MODEL);
+    let swap = s.path("nvme");
+    std::fs::create_dir_all(&swap).unwrap();
+    let both = format!("{}{}", nvme(&swap), nvme_params(&swap));
+    let cfg = s.write("both.json", &offload_config(3, &both));
+    let dir = s.path("run");
+    let job = start(&format!(
+        "launch --nproc_per_node 2 --config {} {}",
+        cfg.display(),
+        train(&model, 10_000, &dir)
+    ));
+    wait_for_steps(&dir, 1);
+    assert!(empty(&swap), "a swap file has a name while the job runs");
+    let ranks = processes_with(&dir.display().to_string());
+    let rank = ranks
+        .iter()
+        .find(|(_, env)| env.lines().any(|l| l == "RANK=1"))
+        .map(|(pid, _)| *pid)
+        .expect("rank 1 runs");
+    signal(rank, "KILL");
+    let f = finish(job, LIMIT);
+    assert!(!f.status.success(), "{}", f.stderr);
+    assert!(f.stderr.contains("SIGKILL"), "{}", f.stderr);
+    assert!(empty(&swap), "swap files left behind");
+}

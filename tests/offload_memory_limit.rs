@@ -1,15 +1,15 @@
 //! Beyond memory: under a cgroup memory limit smaller than a model's states, ZeRO-3 with the
 //! optimizer and the parameters on NVMe trains, and the same job without offload is killed by
-//! the kernel's OOM killer, named by the launcher. The test makes its own memory cgroup
-//! (v1's memory controller, else v2's `memory.max`) under its own, and removes it; it is
-//! skipped, saying why, where it cannot (not root, no memory controller).
+//! the kernel's OOM killer (the cgroup's oom_kill count), named by the launcher. The test makes
+//! its own memory cgroup (tests/common/cgroup.rs) and removes it; it is skipped, saying why,
+//! where it cannot (not root, no memory controller).
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
+use common::cgroup::{run_in, Cgroup};
 use common::*;
 
 const LIMIT: Duration = Duration::from_secs(300);
@@ -24,73 +24,6 @@ const MODEL: &str = r#"{"V": 512, "T": 64, "d": 512, "H": 8, "L": 16}"#;
 /// shard, one gathered block, the streamed chunks and the process itself).
 const GROUP_LIMIT: u64 = 700 << 20;
 
-/// A memory cgroup of this test's own, limited to `limit` bytes; removed on drop (any process
-/// left in it killed first).
-struct MemoryCgroup {
-    dir: PathBuf,
-}
-
-impl MemoryCgroup {
-    fn create(name: &str, limit: u64) -> Result<MemoryCgroup, String> {
-        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
-        // v1: "N:memory:/path"; v2: "0::/path"
-        let v1 = own
-            .lines()
-            .find_map(|l| l.split_once(":memory:").map(|(_, p)| p));
-        let (dir, limit_file) = match v1 {
-            Some(p) => {
-                let dir = Path::new("/sys/fs/cgroup/memory")
-                    .join(p.trim_start_matches('/'))
-                    .join(name);
-                (dir, "memory.limit_in_bytes")
-            }
-            None => {
-                let p = own
-                    .lines()
-                    .find_map(|l| l.strip_prefix("0::"))
-                    .ok_or("no memory controller in /proc/self/cgroup")?;
-                let dir = Path::new("/sys/fs/cgroup")
-                    .join(p.trim_start_matches('/'))
-                    .join(name);
-                (dir, "memory.max")
-            }
-        };
-        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        let group = MemoryCgroup { dir };
-        let file = group.dir.join(limit_file);
-        std::fs::write(&file, limit.to_string())
-            .map_err(|e| format!("writing {}: {e}", file.display()))?;
-        Ok(group)
-    }
-
-    /// `ds-rs ARGS` started inside the group (a shell joins it, then becomes ds-rs).
-    fn command(&self, args: &str) -> Command {
-        let procs = self.dir.join("cgroup.procs");
-        let mut c = Command::new("sh");
-        c.arg("-c").arg(format!(
-            "echo $$ > {} && exec {BIN} {args}",
-            procs.display()
-        ));
-        c
-    }
-}
-
-impl Drop for MemoryCgroup {
-    fn drop(&mut self) {
-        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
-        let pids: Vec<&str> = procs.split_whitespace().collect();
-        if !pids.is_empty() {
-            let _ = Command::new("kill").arg("-9").args(&pids).status();
-        }
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 fn config(offload: &str) -> String {
     format!(
         r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
@@ -103,16 +36,14 @@ fn config(offload: &str) -> String {
 #[test]
 fn a_model_whose_states_exceed_the_memory_limit_trains_only_with_offload() {
     let s = Scratch::new("offload-cgroup");
-    let name = format!("ds-rs-test-{}", std::process::id());
-    let group = match MemoryCgroup::create(&name, GROUP_LIMIT) {
+    let group = match Cgroup::new(GROUP_LIMIT) {
         Ok(g) => g,
         Err(why) => {
-            println!(
-                "skipped: cannot make a memory cgroup ({why}); needs root and a memory controller"
-            );
+            println!("skipped: no memory cgroup can be made here: {why}");
             return;
         }
     };
+    drop(group);
     let model = s.write("model.json", MODEL);
     let nvme = s.path("nvme");
     std::fs::create_dir_all(&nvme).unwrap();
@@ -122,17 +53,20 @@ fn a_model_whose_states_exceed_the_memory_limit_trains_only_with_offload() {
         nvme.display()
     );
     let job = |cfg: &Path, dir: &Path| {
-        format!(
+        words(&format!(
             "launch --nproc_per_node 2 --config {} {}",
             cfg.display(),
             train(&model, STEPS, dir)
-        )
+        ))
     };
 
+    let cg = Cgroup::new(GROUP_LIMIT).unwrap();
     let with = s.path("with");
     let cfg = s.write("offload.json", &config(&offload));
-    let f = finish(spawn_captured(&mut group.command(&job(&cfg, &with))), LIMIT);
+    let f = run_in(&cg, &job(&cfg, &with), LIMIT);
+    let (kills, _) = cg.oom_kills();
     assert!(f.status.success(), "with offload: {}", f.stderr);
+    assert_eq!(kills.unwrap_or(0), 0, "with offload: an OOM kill");
     let losses = losses(&with);
     assert_eq!(losses.len(), STEPS as usize, "{}", f.stdout);
     assert!(
@@ -141,30 +75,30 @@ fn a_model_whose_states_exceed_the_memory_limit_trains_only_with_offload() {
     );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(with.join("summary.json")).unwrap()).unwrap();
-    let ranks = summary["ranks"].as_array().unwrap();
-    let mib = |m: &serde_json::Value, key: &str| m[key].as_f64().unwrap() / (1u64 << 20) as f64;
-    for m in ranks {
+    for m in summary["ranks"].as_array().unwrap() {
         println!(
             "with offload, rank {}: peak RSS {:.0} MiB, {:.0} MiB on disk, under a group limit of {} MiB",
             m["rank"],
             m["peak_rss_mib"].as_f64().unwrap(),
-            mib(m, "offloaded_bytes"),
+            m["offloaded_bytes"].as_f64().unwrap() / (1u64 << 20) as f64,
             GROUP_LIMIT >> 20
         );
     }
+    drop(cg);
 
+    let cg = Cgroup::new(GROUP_LIMIT).unwrap();
     let without = s.path("without");
     let cfg = s.write("plain.json", &config(""));
-    let f = finish(
-        spawn_captured(&mut group.command(&job(&cfg, &without))),
-        LIMIT,
-    );
+    let f = run_in(&cg, &job(&cfg, &without), LIMIT);
+    let (kills, hits) = cg.oom_kills();
     assert!(!f.status.success(), "without offload it fit: {}", f.stdout);
+    // the OOM killer, not another failure (failcnt where the kernel has no oom_kill count)
     assert!(
-        f.stderr.contains("SIGKILL"),
-        "not the OOM killer's SIGKILL: {}",
+        kills.or(hits).unwrap_or(0) > 0 && f.stderr.contains("SIGKILL"),
+        "without offload: not the OOM killer (oom_kill {kills:?}): {}",
         f.stderr
     );
+    drop(cg);
     assert!(empty_dir(&nvme), "swap files left behind");
 }
 

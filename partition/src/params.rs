@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ds_comm::{Element, Group, Work};
 
-use crate::swap::{SwapDir, SwapFile, SwapIo};
+use crate::swap::{SwapFile, SwapIo, SwapSpace};
 use crate::{Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
@@ -153,15 +153,15 @@ impl<T: Element> ShardedParams<T> {
         let Shard::Memory(values) = &self.shard else {
             return Ok(());
         };
-        let dir = SwapDir::create(nvme_path, rank, "params", io)?;
-        let file = dir.file("params", values.len())?;
+        let space = SwapSpace::create(nvme_path, rank, "params", io)?;
+        let file = space.file("params", values.len())?;
         let mut staging = Vec::new();
         for (i, piece) in values.chunks(DISK_PIECE).enumerate() {
             staging.clear();
             staging.extend(piece.iter().map(|v| v.to_f32()));
             file.write(i * DISK_PIECE, &staging)?;
         }
-        self.shard = Shard::Disk { file, _dir: dir };
+        self.shard = Shard::Disk(file);
         Ok(())
     }
 
@@ -243,7 +243,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             Shard::Memory(v) => Ok(v[range].iter().map(|v| v.to_f32()).collect()),
             // the file holds the values as f32 already: read straight into the copy, so the
             // shard and its master copy are never in memory together
-            Shard::Disk { file, .. } => {
+            Shard::Disk(file) => {
                 let mut out = vec![0f32; range.len()];
                 file.read(range.start, &mut out)?;
                 Ok(out)
@@ -263,7 +263,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
     fn offloaded_bytes(&self) -> usize {
         match &self.shard {
             Shard::Memory(_) => 0,
-            Shard::Disk { file, .. } => file.len() * 4,
+            Shard::Disk(file) => file.len() * 4,
         }
     }
 }
@@ -275,11 +275,7 @@ const DISK_PIECE: usize = 1 << 20;
 /// exactly through it).
 enum Shard<T> {
     Memory(Vec<T>),
-    Disk {
-        file: SwapFile,
-        /// Removes the file when the store is dropped.
-        _dir: SwapDir,
-    },
+    Disk(SwapFile),
 }
 
 impl<T: Element> Shard<T> {
@@ -287,7 +283,7 @@ impl<T: Element> Shard<T> {
     fn read(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
         match self {
             Shard::Memory(v) => out.copy_from_slice(&v[range]),
-            Shard::Disk { file, .. } => {
+            Shard::Disk(file) => {
                 let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
                 for (i, dst) in out.chunks_mut(DISK_PIECE).enumerate() {
                     let part = &mut staging[..dst.len()];
@@ -305,7 +301,7 @@ impl<T: Element> Shard<T> {
     fn write(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
         match self {
             Shard::Memory(v) => convert_into(&mut v[range], master),
-            Shard::Disk { file, .. } => {
+            Shard::Disk(file) => {
                 let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
                 for (i, src) in master.chunks(DISK_PIECE).enumerate() {
                     let part = &mut staging[..src.len()];
@@ -323,7 +319,7 @@ impl<T: Element> Shard<T> {
     fn resident_bytes(&self) -> usize {
         match self {
             Shard::Memory(v) => std::mem::size_of_val(v.as_slice()),
-            Shard::Disk { .. } => 0,
+            Shard::Disk(_) => 0,
         }
     }
 }

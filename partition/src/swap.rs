@@ -10,8 +10,10 @@
 //! back; buffers we own are the only resident cost, and the page cache behind them is the
 //! kernel's to reclaim.
 //!
-//! Each rank's files live in its own directory under `nvme_path`, created per run and
-//! removed when the `SwapDir` is dropped (also when the run fails).
+//! Each rank's files are created under `nvme_path` and unlinked as soon as they are open: the
+//! open descriptor keeps the data, and the kernel frees the blocks when the process ends,
+//! however it ends (an error, SIGTERM, SIGKILL or the OOM killer), so no run leaves a swap
+//! file behind and none has to be cleaned up.
 
 use std::fs::File;
 use std::ops::{AddAssign, Sub};
@@ -77,17 +79,20 @@ impl AddAssign for IoTotals {
     }
 }
 
-/// One rank's swap directory for one kind of state: `<nvme_path>/ds-rs-swap-<pid>-rank<rank>-<tag>`.
+/// One rank's swap space for one kind of state under `nvme_path`: its files are named
+/// `ds-rs-swap-<pid>-rank<rank>-<tag>-<name>.f32` for the moment between their creation and
+/// their unlinking.
 #[derive(Debug)]
-pub struct SwapDir {
-    path: PathBuf,
+pub struct SwapSpace {
+    dir: PathBuf,
+    prefix: String,
     io: Arc<SwapIo>,
 }
 
-impl SwapDir {
-    /// Creates this run's directory, its files counting their I/O in `io`; the error names
-    /// `nvme_path` when it is missing, not a directory or not writable.
-    pub fn create(nvme_path: &Path, rank: usize, tag: &str, io: &Arc<SwapIo>) -> Result<SwapDir> {
+impl SwapSpace {
+    /// This run's space, its files counting their I/O in `io`; the error names `nvme_path`
+    /// when it is missing or not a directory (one not writable fails at the first file).
+    pub fn create(nvme_path: &Path, rank: usize, tag: &str, io: &Arc<SwapIo>) -> Result<SwapSpace> {
         let bad = |why: String| {
             PartitionError::Invalid(format!("nvme_path {}: {why}", nvme_path.display()))
         };
@@ -96,31 +101,23 @@ impl SwapDir {
             Ok(_) => return Err(bad("not a directory".into())),
             Err(e) => return Err(bad(e.to_string())),
         }
-        let path = nvme_path.join(format!(
-            "ds-rs-swap-{}-rank{rank}-{tag}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&path)
-            .map_err(|e| bad(format!("cannot create {}: {e}", path.display())))?;
-        Ok(SwapDir {
-            path,
+        Ok(SwapSpace {
+            dir: nvme_path.to_path_buf(),
+            prefix: format!("ds-rs-swap-{}-rank{rank}-{tag}", std::process::id()),
             io: io.clone(),
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// A new file of `len` f32 values (zeros) named `name` in this directory.
+    /// A new file of `len` f32 values (zeros), its blocks reserved, already unlinked.
     pub fn file(&self, name: &str, len: usize) -> Result<SwapFile> {
-        let path = self.path.join(format!("{name}.f32"));
+        let path = self.dir.join(format!("{}-{name}.f32", self.prefix));
         let file = File::options()
             .read(true)
             .write(true)
             .create_new(true)
             .open(&path)
             .map_err(|e| io_error(&path, "creating", e))?;
+        std::fs::remove_file(&path).map_err(|e| io_error(&path, "unlinking", e))?;
         let f = SwapFile {
             file,
             path,
@@ -133,16 +130,11 @@ impl SwapDir {
     }
 }
 
-impl Drop for SwapDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
-
 /// `len` f32 values in a file.
 #[derive(Debug)]
 pub struct SwapFile {
     file: File,
+    /// The name it was created under (for messages: the file itself has none any more).
     path: PathBuf,
     len: usize,
     io: Arc<SwapIo>,
@@ -386,10 +378,14 @@ mod tests {
     }
 
     #[test]
-    fn values_survive_the_round_trip_exactly() {
+    fn values_survive_the_round_trip_and_no_file_is_left_even_while_open() {
         let root = scratch("roundtrip");
-        let dir = SwapDir::create(&root, 0, "t", &Arc::default()).unwrap();
-        let f = dir.file("master", 1000).unwrap();
+        let space = SwapSpace::create(&root, 0, "t", &Arc::default()).unwrap();
+        let f = space.file("master", 1000).unwrap();
+        assert!(
+            std::fs::read_dir(&root).unwrap().next().is_none(),
+            "a swap file has a name under nvme_path"
+        );
         let values: Vec<f32> = (0..1000)
             .map(|i| (i as f32).sin() * 1e-3 + f32::EPSILON)
             .collect();
@@ -400,9 +396,6 @@ mod tests {
             back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
-        let swap = dir.path().to_path_buf();
-        drop(dir);
-        assert!(!swap.exists(), "the swap directory outlives its run");
         std::fs::remove_dir_all(root).unwrap();
     }
 
@@ -413,7 +406,7 @@ mod tests {
     fn streaming_updates_every_chunk_once_whatever_the_buffer_count() {
         let root = scratch("stream");
         let io = Arc::new(SwapIo::default());
-        let dir = SwapDir::create(&root, 3, "t", &io).unwrap();
+        let dir = SwapSpace::create(&root, 3, "t", &io).unwrap();
         let n = 10_007;
         let a0: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let b0: Vec<f32> = (0..n).map(|i| (n - i) as f32 * 0.5).collect();
@@ -456,7 +449,7 @@ mod tests {
     #[test]
     fn a_missing_or_unwritable_path_and_a_full_disk_are_named() {
         let missing = std::env::temp_dir().join("ds-rs-no-such-dir/deeper");
-        let e = SwapDir::create(&missing, 0, "t", &Arc::default())
+        let e = SwapSpace::create(&missing, 0, "t", &Arc::default())
             .unwrap_err()
             .to_string();
         assert!(

@@ -2,6 +2,8 @@
 //! running `ds-rs` with a deadline, and reading the metrics contract back.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod cgroup;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ds_partition::swap::{stream, SwapDir, SwapFile, SwapIo};
+use ds_partition::swap::{stream, SwapFile, SwapIo, SwapSpace};
 use ds_partition::Zero;
 
 use crate::optim::Optimizer;
@@ -20,16 +20,15 @@ use crate::{EngineError, Result};
 use super::update::STEP_PIECE as CHUNK;
 
 pub struct OffloadedStates {
-    /// Removes the files when the run ends, however it ends.
-    _dir: SwapDir,
     master: SwapFile,
     states: Vec<(&'static str, SwapFile)>,
     buffers: usize,
 }
 
 impl OffloadedStates {
-    /// Moves `master` (the owned shard's fp32 values) to `<nvme_path>/ds-rs-swap-*-rank<rank>`
-    /// and creates zeroed files for the optimizer's `state_names`.
+    /// Moves `master` (the owned shard's fp32 values) to a swap file under `nvme_path` and
+    /// creates zeroed ones for the optimizer's `state_names` (unlinked at once: the kernel
+    /// frees them when the process ends, however it ends).
     pub fn new(
         nvme_path: &Path,
         rank: usize,
@@ -38,19 +37,18 @@ impl OffloadedStates {
         state_names: &[&'static str],
         io: &Arc<SwapIo>,
     ) -> Result<OffloadedStates> {
-        let dir = SwapDir::create(nvme_path, rank, "optimizer", io).map_err(|e| {
+        let space = SwapSpace::create(nvme_path, rank, "optimizer", io).map_err(|e| {
             EngineError::Invalid(format!("zero_optimization.offload_optimizer: {e}"))
         })?;
-        let file = dir.file("master", master.len())?;
+        let file = space.file("master", master.len())?;
         for (i, piece) in master.chunks(CHUNK).enumerate() {
             file.write(i * CHUNK, piece)?;
         }
         let states = state_names
             .iter()
-            .map(|&n| Ok((n, dir.file(n, master.len())?)))
+            .map(|&n| Ok((n, space.file(n, master.len())?)))
             .collect::<Result<_>>()?;
         Ok(OffloadedStates {
-            _dir: dir,
             master: file,
             states,
             buffers: buffers.max(1),
