@@ -148,24 +148,27 @@ fn bad_offload_settings_are_one_clear_error() {
     for (i, (text, needle)) in cases.iter().enumerate() {
         let cfg = s.write(&format!("bad{i}.json"), text);
         let dir = s.path(&format!("run{i}"));
-        let f = run(
-            &format!(
-                "launch --nproc_per_node 2 --config {} {}",
-                cfg.display(),
-                train(&model, 2, &dir)
-            ),
-            LIMIT,
-        );
-        assert!(!f.status.success(), "{needle}: {}", f.stdout);
         // a config's mistake is the launcher's one line; a path is checked where the rank
         // runs (on its own host), each rank naming it
-        let named = f
-            .stderr
-            .lines()
-            .any(|l| l.contains("error:") && l.contains(needle));
-        assert!(named, "{needle}: {}", f.stderr);
-        assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+        assert_refused(&cfg, &model, &dir, |l| l.contains(needle), needle);
     }
+}
+
+/// A 2-rank `launch` training `model` with `cfg` fails, without a panic, with an `error:` line
+/// that `names` accepts.
+fn assert_refused(cfg: &Path, model: &Path, dir: &Path, names: impl Fn(&str) -> bool, what: &str) {
+    let f = run(
+        &format!(
+            "launch --nproc_per_node 2 --config {} {}",
+            cfg.display(),
+            train(model, 2, dir)
+        ),
+        LIMIT,
+    );
+    assert!(!f.status.success(), "{what}: {}", f.stdout);
+    let named = f.stderr.lines().any(|l| l.contains("error:") && names(l));
+    assert!(named, "{what}: {}", f.stderr);
+    assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
 }
 
 /// A tmpfs mounted on a scratch directory, unmounted on drop.
@@ -211,20 +214,9 @@ fn a_full_or_read_only_disk_is_named_before_the_first_step() {
         };
         let cfg = s.write(&format!("{name}.json"), &offload_config(3, &nvme(&disk.0)));
         let dir = s.path(&format!("run-{name}"));
-        let f = run(
-            &format!(
-                "launch --nproc_per_node 2 --config {} {}",
-                cfg.display(),
-                train(&model, 2, &dir)
-            ),
-            LIMIT,
-        );
-        assert!(!f.status.success(), "{name}: {}", f.stdout);
-        let named = f.stderr.lines().any(|l| {
-            l.contains("error:") && l.contains(&disk.0.display().to_string()) && l.contains(cause)
-        });
-        assert!(named, "{name}: {}", f.stderr);
-        assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+        let path = disk.0.display().to_string();
+        let names = |l: &str| l.contains(&path) && l.contains(cause);
+        assert_refused(&cfg, &model, &dir, names, name);
         assert!(steps(&dir).is_empty(), "{name}: a step ran");
         assert!(empty(&disk.0), "{name}: swap files left behind");
     }
