@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::{PartitionError, Result};
 
 /// The bytes a rank's swap files read and wrote, and the time their reads and writes took
-/// (shared by the files of a rank's directories; `bench train` reports it per step).
+/// (shared by a rank's swap files; `bench train` reports it per step).
 #[derive(Debug, Default)]
 pub struct SwapIo {
     read: AtomicU64,
