@@ -16,12 +16,26 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn temp_file(name: &str, contents: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ds-rs-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
+/// A file under the temp dir, removed when dropped (also when the test fails).
+struct TempFile(PathBuf);
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn temp_file(name: &str, contents: &[u8]) -> TempFile {
+    let path = std::env::temp_dir().join(format!("ds-rs-test-{}-{name}", std::process::id()));
     std::fs::write(&path, contents).expect("write temp file");
-    path
+    TempFile(path)
 }
 
 /// Runs `config check --json` and returns (exit code, the one JSON object printed).
