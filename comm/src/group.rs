@@ -421,6 +421,17 @@ impl Group {
         }
     }
 
+    /// Runs `f` on the worker thread in this rank's collective order, as the `_async`
+    /// collectives do: for one collective whose input takes work to make (ZeRO-3 reading its
+    /// parameter shard from disk before the all-gather), so that the work overlaps the
+    /// caller's compute too. `f` makes exactly one collective call on the group it is given.
+    pub fn spawn_collective<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Group) -> Result<R> + Send + 'static,
+    ) -> Work<R> {
+        self.spawn(f)
+    }
+
     /// Runs `f` on the worker thread in this rank's collective order.
     fn spawn<R: Send + 'static>(
         &self,

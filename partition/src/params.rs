@@ -161,8 +161,33 @@ impl<T: Element> ShardedParams<T> {
             staging.extend(piece.iter().map(|v| v.to_f32()));
             file.write(i * DISK_PIECE, &staging)?;
         }
-        self.shard = Shard::Disk(file);
+        self.shard = Shard::Disk(Arc::new(file));
         Ok(())
+    }
+
+    /// The all-gather of `range` with this rank's part read from `file` first, both on the
+    /// communication thread: the read ahead overlaps the caller's compute as the gather does.
+    fn read_and_gather(&self, file: Arc<SwapFile>, range: &Range<usize>) -> Work<Vec<T>> {
+        let me = self.group.rank();
+        let mine = self.layout.owned_within(range, me);
+        let shard_start = self.layout.shard(me).start;
+        let counts = self.layout.counts_within(range);
+        let len = range.len();
+        // where this rank's part goes in the buffer, and where it is in the shard
+        let part = (!mine.is_empty()).then(|| {
+            let from = mine.start - shard_start..mine.end - shard_start;
+            (mine.start - range.start, from)
+        });
+        self.group.spawn_collective(move |g| {
+            let mut buf = vec![T::default(); len];
+            if let Some((at, from)) = part {
+                let n = from.len();
+                read_disk(&file, from, &mut buf[at..at + n])
+                    .map_err(|e| ds_comm::CommError::Invalid(e.to_string()))?;
+            }
+            g.all_gather_v(&mut buf, &counts)?;
+            Ok(buf)
+        })
     }
 
     /// A buffer for `range` holding this rank's part in place, with the parts' counts.
@@ -211,8 +236,13 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             && 2 * range.len() <= self.limits.max_live_parameters;
         let kept = self.persistent.iter().any(|(r, _)| *r == range);
         if self.in_flight.is_none() && fits && !kept && !range.is_empty() {
-            let (buf, counts) = self.gather_input(&range)?;
-            let work = self.group.all_gather_v_async(buf, counts);
+            let work = match &self.shard {
+                Shard::Memory(_) => {
+                    let (buf, counts) = self.gather_input(&range)?;
+                    self.group.all_gather_v_async(buf, counts)
+                }
+                Shard::Disk(file) => self.read_and_gather(file.clone(), &range),
+            };
             self.peak_prefetch = self.peak_prefetch.max(range.len());
             self.in_flight = Some((range, work));
         }
@@ -275,7 +305,8 @@ const DISK_PIECE: usize = 1 << 20;
 /// exactly through it).
 enum Shard<T> {
     Memory(Vec<T>),
-    Disk(SwapFile),
+    /// Shared with the reads ahead on the communication thread.
+    Disk(Arc<SwapFile>),
 }
 
 impl<T: Element> Shard<T> {
@@ -283,16 +314,7 @@ impl<T: Element> Shard<T> {
     fn read(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
         match self {
             Shard::Memory(v) => out.copy_from_slice(&v[range]),
-            Shard::Disk(file) => {
-                let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
-                for (i, dst) in out.chunks_mut(DISK_PIECE).enumerate() {
-                    let part = &mut staging[..dst.len()];
-                    file.read(range.start + i * DISK_PIECE, part)?;
-                    dst.iter_mut()
-                        .zip(part.iter())
-                        .for_each(|(d, s)| *d = T::from_f32(*s));
-                }
-            }
+            Shard::Disk(file) => read_disk(file, range, out)?,
         }
         Ok(())
     }
@@ -322,6 +344,20 @@ impl<T: Element> Shard<T> {
             Shard::Disk(_) => 0,
         }
     }
+}
+
+/// Values `range` (shard coordinates) of an offloaded shard into `out`, through a staging
+/// piece of f32.
+fn read_disk<T: Element>(file: &SwapFile, range: Range<usize>, out: &mut [T]) -> Result<()> {
+    let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
+    for (i, dst) in out.chunks_mut(DISK_PIECE).enumerate() {
+        let part = &mut staging[..dst.len()];
+        file.read(range.start + i * DISK_PIECE, part)?;
+        dst.iter_mut()
+            .zip(part.iter())
+            .for_each(|(d, s)| *d = T::from_f32(*s));
+    }
+    Ok(())
 }
 
 pub(crate) fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) {
