@@ -51,10 +51,6 @@ fn train_cmd(cfg: &Path, model: &Path, steps: u64, dir: &Path, extra: &str) -> S
     )
 }
 
-fn empty(dir: &Path) -> bool {
-    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
-}
-
 #[test]
 fn states_on_nvme_train_bit_identically() {
     let s = Scratch::new("offload-equal");
@@ -82,7 +78,7 @@ fn states_on_nvme_train_bit_identically() {
             "ZeRO-{stage} {offload}: offloading changed the losses"
         );
         assert!(
-            empty(&swap),
+            is_empty_dir(&swap),
             "ZeRO-{stage}: swap files left in {}",
             swap.display()
         );
@@ -120,7 +116,7 @@ fn checkpoints_resume_across_offload_exactly() {
             assert!(resumed.stdout.contains("at step 3"), "{}", resumed.stdout);
             assert_eq!(losses(&split), losses(&straight), "ZeRO-{stage} {name}");
         }
-        assert!(empty(&swap), "swap files left in {}", swap.display());
+        assert!(is_empty_dir(&swap), "swap files left in {}", swap.display());
     }
 }
 
@@ -218,7 +214,7 @@ fn a_full_or_read_only_disk_is_named_before_the_first_step() {
         let names = |l: &str| l.contains(&path) && l.contains(cause);
         assert_refused(&cfg, &model, &dir, names, name);
         assert!(steps(&dir).is_empty(), "{name}: a step ran");
-        assert!(empty(&disk.0), "{name}: swap files left behind");
+        assert!(is_empty_dir(&disk.0), "{name}: swap files left behind");
     }
 }
 
@@ -239,7 +235,10 @@ fn a_rank_killed_mid_run_leaves_no_swap_file() {
         train(&model, 10_000, &dir)
     ));
     wait_for_steps(&dir, 1);
-    assert!(empty(&swap), "a swap file has a name while the job runs");
+    assert!(
+        is_empty_dir(&swap),
+        "a swap file has a name while the job runs"
+    );
     let ranks = processes_with(&dir.display().to_string());
     let rank = ranks
         .iter()
@@ -250,5 +249,5 @@ fn a_rank_killed_mid_run_leaves_no_swap_file() {
     let f = finish(job, LIMIT);
     assert!(!f.status.success(), "{}", f.stderr);
     assert!(f.stderr.contains("SIGKILL"), "{}", f.stderr);
-    assert!(empty(&swap), "swap files left behind");
+    assert!(is_empty_dir(&swap), "swap files left behind");
 }

@@ -99,9 +99,5 @@ fn a_model_whose_states_exceed_the_memory_limit_trains_only_with_offload() {
         f.stderr
     );
     drop(cg);
-    assert!(empty_dir(&nvme), "swap files left behind");
-}
-
-fn empty_dir(dir: &Path) -> bool {
-    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
+    assert!(is_empty_dir(&nvme), "swap files left behind");
 }

@@ -122,6 +122,11 @@ pub fn finish(mut child: Child, limit: Duration) -> Finished {
     }
 }
 
+/// No entry in `dir` (or no `dir`).
+pub fn is_empty_dir(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
+}
+
 /// Runs `ds-rs CMD` to the end (at most `limit`).
 pub fn run(cmd: &str, limit: Duration) -> Finished {
     finish(start(cmd), limit)
