@@ -60,6 +60,14 @@ impl SwapIo {
     }
 }
 
+impl IoTotals {
+    /// MiB read and written per second spent inside the reads and writes.
+    pub fn mib_per_s(&self) -> f64 {
+        let bytes = (self.read_bytes + self.written_bytes) as f64;
+        bytes / (1u64 << 20) as f64 / self.busy.as_secs_f64().max(1e-9)
+    }
+}
+
 impl Sub for IoTotals {
     type Output = IoTotals;
     fn sub(self, earlier: IoTotals) -> IoTotals {

@@ -15,7 +15,7 @@ use crate::{PartitionError, Result, ShardLayout, StateBytes};
 pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E> + 'a;
 
 /// Where stage 3's parameter shard goes at start-up when it lives on NVMe (ZeRO-Infinity's
-/// `offload_param`): this rank's directory under `nvme_path`, its I/O counted in `io`.
+/// `offload_param`): a swap file of this rank's under `nvme_path`, its I/O counted in `io`.
 pub struct ParamSwap<'a> {
     pub nvme_path: &'a std::path::Path,
     pub rank: usize,

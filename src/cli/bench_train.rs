@@ -204,9 +204,6 @@ fn report(
         swap += t.swap;
     }
     let per_step = |b: u64| b as f64 / (1u64 << 20) as f64 / args.steps.max(1) as f64;
-    let swap_mib_per_s = (swap.read_bytes + swap.written_bytes) as f64
-        / (1u64 << 20) as f64
-        / swap.busy.as_secs_f64().max(1e-9);
     let row = serde_json::json!({
         "preset": args.preset, "config": args.config.display().to_string(),
         "zero_stage": u8::from(s.zero.stage), "nproc": world, "dp": dp, "tp": world / dp,
@@ -222,7 +219,7 @@ fn report(
         "swap_read_mib_per_step": per_step(swap.read_bytes),
         "swap_written_mib_per_step": per_step(swap.written_bytes),
         "swap_io_ms_per_step": 1e3 * swap.busy.as_secs_f64() / args.steps.max(1) as f64,
-        "swap_mib_per_s": swap_mib_per_s,
+        "swap_mib_per_s": swap.mib_per_s(),
     });
     if args.json {
         println!("{row}");

@@ -421,17 +421,15 @@ fn unix_ms() -> u128 {
 /// NVMe offload's I/O (its time: inside the reads and writes, mostly overlapped with the
 /// update), empty without offload.
 pub(crate) fn swap_note(io: &ds_engine::IoTotals, steps: u64) -> String {
-    let bytes = io.read_bytes + io.written_bytes;
-    if bytes == 0 {
+    if io.read_bytes + io.written_bytes == 0 {
         return String::new();
     }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / steps as f64;
-    let secs = io.busy.as_secs_f64();
     format!(
         " | swap: read {:.0} MiB, written {:.0} MiB in {:.0} ms ({:.0} MiB/s)",
         mib(io.read_bytes),
         mib(io.written_bytes),
-        1e3 * secs / steps as f64,
-        bytes as f64 / (1u64 << 20) as f64 / secs.max(1e-9)
+        1e3 * io.busy.as_secs_f64() / steps as f64,
+        io.mib_per_s()
     )
 }
