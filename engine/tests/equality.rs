@@ -4,9 +4,11 @@
 //!
 //! Tolerances: every layout computes the same fp32 function; only the order of the gradient
 //! sums differs (a mean over 4 ranks instead of over one batch, ring reductions). Those
-//! reorderings change gradients in the last bits (relative ~1e-7), and AdamW's update
-//! normalises gradients, so after 10 steps parameters differ by a few fp32 ulps of the update
-//! size (lr 1e-3): 2e-6 absolute is ten times the largest seen. Losses agree to 1e-5 relative.
+//! reorderings change gradients in the last bits (relative ~1e-7). Losses agree to 1e-5
+//! relative. Parameters are held to a relative L2 distance of 1e-6 over the whole vector: the
+//! largest seen after 10 steps is 2.7e-7. Not element-wise: AdamW divides the momentum by
+//! sqrt(v), so for a parameter whose gradient is near zero a last-bit change is magnified up
+//! to a fraction of the lr (1e-3); the largest single difference seen is 7.0e-6 (printed).
 
 use std::time::Duration;
 
@@ -99,7 +101,10 @@ fn train(world: usize, stage: u8, ga: usize, extra: &'static str) -> Run {
 /// total parameter vectors.
 fn param_distance(a: &Run, b: &Run) -> (f32, f64) {
     let (mut worst, mut diff2, mut norm2) = (0f32, 0f64, 0f64);
-    for ((_, x), (_, y)) in a.params.iter().zip(&b.params) {
+    let names = |r: &Run| r.params.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(a), names(b), "the runs hold different parameters");
+    for ((name, x), (_, y)) in a.params.iter().zip(&b.params) {
+        assert_eq!(x.len(), y.len(), "{name}: sizes differ");
         for (p, q) in x.iter().zip(y) {
             worst = worst.max((p - q).abs());
             diff2 += ((p - q) as f64).powi(2);
@@ -110,6 +115,7 @@ fn param_distance(a: &Run, b: &Run) -> (f32, f64) {
 }
 
 fn assert_same(base: &Run, run: &Run, what: &str) {
+    assert_eq!(base.losses.len(), run.losses.len(), "{what}: step counts");
     for (s, (a, b)) in base.losses.iter().zip(&run.losses).enumerate() {
         assert!(
             ((a - b) / a).abs() < 1e-5,

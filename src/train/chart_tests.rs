@@ -1,5 +1,6 @@
 //! Tests for `chart`: every case writes a real PNG, decodes it and checks the
-//! size and that something beyond the background was drawn.
+//! size and that something beyond the background was drawn. To look at the images, set
+//! `DS_CHART_KEEP=DIR`: each checked chart is copied there (`typical.png` is a training run's).
 
 use super::*;
 
@@ -210,25 +211,6 @@ fn tick_labels_are_short() {
     assert_eq!(format_value(3012.4), "3012");
     assert_eq!(format_value(1.9), "1.9");
     assert_eq!(format_value(0.0), "0");
-}
-
-/// Writes the example image to `DS_CHART_EXAMPLE` when set, for eyeballing.
-#[test]
-fn example_png() {
-    let Some(path) = std::env::var_os("DS_CHART_EXAMPLE") else {
-        return;
-    };
-    let (loss, tps) = typical_run();
-    let series = [
-        Series::new("training loss", "loss (nats/token)", &loss).with_floor(1.9, "entropy floor"),
-        Series::new("throughput", "tokens/s", &tps),
-    ];
-    write_png(
-        Path::new(&path),
-        "ds-rs train: tiny-gpt, 200 steps",
-        &series,
-    )
-    .expect("example");
 }
 
 #[test]

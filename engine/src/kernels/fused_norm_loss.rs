@@ -347,7 +347,9 @@ mod tests {
     }
 
     fn close(a: &[Vec<f32>], b: &[Vec<f32>]) {
+        assert_eq!(a.len(), b.len(), "gradient counts");
         for (x, y) in a.iter().zip(b) {
+            assert_eq!(x.len(), y.len(), "gradient sizes");
             for (p, q) in x.iter().zip(y) {
                 // two f32 evaluations of one formula, different summation orders
                 assert!((p - q).abs() <= 2e-5 * (1.0 + q.abs()), "{p} vs {q}");
