@@ -20,6 +20,7 @@ pub mod monitor;
 
 pub use error::{EngineError, Result};
 pub mod checkpoint;
+pub mod crash_point;
 pub mod data;
 mod engine;
 pub mod loss_scale;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::{EngineError, Result};
+use crate::{crash_point, EngineError, Result};
 
 /// Writes `bytes` to `path` so that `path` either keeps its old content or has all of the new
 /// one, durably: a temporary sibling, fsync, rename, fsync of the directory.
@@ -18,8 +18,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("partial");
     let mut f = std::fs::File::create(&tmp).map_err(|e| EngineError::file(&tmp, e))?;
     f.write_all(bytes).map_err(|e| EngineError::file(&tmp, e))?;
+    crash_point::point("file.written");
     f.sync_all().map_err(|e| EngineError::file(&tmp, e))?;
+    crash_point::point("file.synced");
     std::fs::rename(&tmp, path).map_err(|e| EngineError::file(path, e))?;
+    crash_point::point("file.renamed");
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 

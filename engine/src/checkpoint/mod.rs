@@ -25,7 +25,7 @@ use files::{write_atomic, ShardFile};
 pub use manifest::{Layout, Manifest, ParamEntry, ShardEntry, MANIFEST};
 
 use crate::loss_scale::LossScaleState;
-use crate::{EngineError, Result};
+use crate::{crash_point, EngineError, Result};
 
 /// The file that names the newest complete tag, as DeepSpeed's.
 pub const LATEST: &str = "latest";
@@ -73,6 +73,7 @@ pub fn save(
     desc: Description,
 ) -> Result<PathBuf> {
     check_tag(tag)?;
+    crash_point::point("save.start");
     let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
     if group.rank() == 0 {
         if final_dir.exists() {
@@ -91,18 +92,21 @@ pub fn save(
         }
     }
     agree(group, Ok(()))?;
+    crash_point::point("save.partial");
     let written = if writes {
         write_shard(&partial, group.rank(), state, &desc).map(Some)
     } else {
         Ok(None)
     };
     let entry = agree(group, written)?;
+    crash_point::point("save.shards");
     let entries = gather_entries(group, entry, state, (desc.stage, desc.tp_rank))?;
     let committed = match group.rank() {
         0 => commit(dir, tag, &partial, &final_dir, desc, state, entries),
         _ => Ok(()),
     };
     agree(group, committed)?;
+    crash_point::point("save.end");
     Ok(final_dir)
 }
 
@@ -245,8 +249,11 @@ fn commit(
     let text = serde_json::to_string_pretty(&manifest).expect("invariant: plain JSON");
     write_atomic(&partial.join(MANIFEST), text.as_bytes())?;
     std::fs::rename(partial, final_dir).map_err(|e| EngineError::file(final_dir, e))?;
+    crash_point::point("commit.renamed");
     sync_dir(dir)?;
-    write_atomic(&dir.join(LATEST), tag.as_bytes())
+    write_atomic(&dir.join(LATEST), tag.as_bytes())?;
+    crash_point::point("commit.published");
+    Ok(())
 }
 
 /// The tag `latest` names in `dir`, if any.
@@ -624,7 +631,9 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
-/// Complete checkpoints in `dir` (directories with a manifest), oldest first.
+/// Complete checkpoints in `dir` (directories with a manifest of their own name), oldest
+/// first. A save killed after its manifest but before its rename leaves `.<tag>.partial/`
+/// with a manifest naming `<tag>`: not a checkpoint, and not listed.
 pub fn tags(dir: &Path) -> Result<Vec<(u64, String)>> {
     let entries = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
     let mut tags: Vec<(u64, String)> = entries
@@ -633,6 +642,7 @@ pub fn tags(dir: &Path) -> Result<Vec<(u64, String)>> {
         .filter_map(|e| {
             Manifest::read(&e.path())
                 .ok()
+                .filter(|m| e.file_name() == m.tag.as_str())
                 .map(|m| (m.global_steps, m.tag))
         })
         .collect();
