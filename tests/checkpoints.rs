@@ -375,3 +375,83 @@ fn published_tags_are_kept_and_unpublished_leftovers_replaced() {
     let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
     assert_eq!(latest.trim(), "global_step3");
 }
+
+/// A save into a disk that fills up (a 3 MB tmpfs holds one 2 MB checkpoint): the job exits
+/// non-zero with one error per rank naming the file and the cause, `latest` and the previous
+/// checkpoint intact and loadable, the failed save's partial files removed (the space given
+/// back), and the metrics of the steps before it kept.
+#[test]
+fn a_full_disk_fails_the_save_by_name_and_keeps_latest() {
+    let s = Scratch::new("ckpt-full");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z3.json", &config(3, ""));
+    let disk = match Tmpfs::mount(s.path("disk"), "size=3m") {
+        Ok(d) => d,
+        Err(why) => {
+            println!("skipped: cannot mount a tmpfs ({why}); needs root");
+            return;
+        }
+    };
+    let ckpt = disk.0.join("ckpt");
+    let job = |dir: &str, steps: u64, extra: &str| {
+        let cmd = format!(
+            "{} {} --save-dir {} --save-interval 1 {extra}",
+            launch(2, &cfg),
+            train(&model, steps, &s.path(dir)),
+            ckpt.display()
+        );
+        run(&cmd, LIMIT)
+    };
+    let full = job("full", 4, "");
+    assert_eq!(full.status.code(), Some(1), "{}", full.stderr);
+    let errors: Vec<&str> = (full.stderr.lines())
+        .filter(|l| l.contains("] error: "))
+        .collect();
+    assert_eq!(errors.len(), 2, "one error per rank: {}", full.stderr);
+    for e in &errors {
+        assert!(
+            e.contains("saving checkpoint global_step2")
+                && e.contains("latest still names global_step1")
+                && e.contains(".global_step2.partial/zero_rank0000")
+                && e.contains("No space left on device"),
+            "{e}"
+        );
+    }
+    assert!(!full.stderr.contains("panicked"), "{}", full.stderr);
+    assert_eq!(
+        losses(&s.path("full")).len(),
+        2,
+        "the trained steps' metrics"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["global_step1", "latest"],
+        "what the failed save left"
+    );
+    let inspect = run(&format!("checkpoint inspect {}", ckpt.display()), LIMIT);
+    assert!(inspect.status.success(), "{}", inspect.stdout);
+    assert!(inspect.stdout.contains("global_step1 (latest): step 1"));
+    // the checkpoint it kept resumes exactly (from a copy on a disk with room)
+    let copy = s.path("copy");
+    let cp = std::process::Command::new("cp")
+        .args(["-a", ckpt.to_str().unwrap(), copy.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let resumed = run(
+        &format!(
+            "{} {} --save-dir {} --resume",
+            launch(2, &cfg),
+            train(&model, 2, &s.path("resumed")),
+            copy.display()
+        ),
+        LIMIT,
+    );
+    assert!(resumed.status.success(), "{}", resumed.stderr);
+    assert_eq!(losses(&s.path("resumed")), losses(&s.path("full"))[1..]);
+}

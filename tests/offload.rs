@@ -167,30 +167,6 @@ fn assert_refused(cfg: &Path, model: &Path, dir: &Path, names: impl Fn(&str) -> 
     assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
 }
 
-/// A tmpfs mounted on a scratch directory, unmounted on drop.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: PathBuf, options: &str) -> Result<Tmpfs, String> {
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
-            .arg(&dir)
-            .output()
-            .map_err(|e| e.to_string())?;
-        match out.status.success() {
-            true => Ok(Tmpfs(dir)),
-            false => Err(String::from_utf8_lossy(&out.stderr).trim().to_string()),
-        }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 /// The swap files' disk full (a 64 KiB tmpfs) or mounted read-only: one error naming the
 /// path and the cause, before the first step; nothing left on the disk.
 #[test]

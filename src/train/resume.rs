@@ -1,7 +1,10 @@
 //! Checkpoints in the train job: resuming from the newest one (--resume, or any launcher
 //! restart) and saving on schedule.
 
+use std::path::Path;
 use std::time::Instant;
+
+use anyhow::Context;
 
 use ds_engine::checkpoint::{self, Manifest};
 use ds_engine::Engine;
@@ -54,7 +57,9 @@ impl Run<'_> {
         let state =
             serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
         let t0 = Instant::now();
-        let path = engine.save_checkpoint(dir, &tag, state)?;
+        let path = engine
+            .save_checkpoint(dir, &tag, state)
+            .with_context(|| save_failed(dir, &tag))?;
         let rank0 = engine.groups().world().rank() == 0;
         if rank0 {
             let m = Manifest::read(&path)?;
@@ -65,6 +70,16 @@ impl Run<'_> {
         }
         Ok(())
     }
+}
+
+/// What a failed save left: `latest` as it was (the save never touches it before it has
+/// succeeded everywhere).
+fn save_failed(dir: &Path, tag: &str) -> String {
+    let kept = match checkpoint::latest(dir) {
+        Ok(Some(t)) => format!("{} still names {t}", dir.join(checkpoint::LATEST).display()),
+        _ => "no earlier checkpoint".to_string(),
+    };
+    format!("saving checkpoint {tag} in {} ({kept})", dir.display())
 }
 
 /// "0.52 s (93.1 MB, 179 MB/s)" for a checkpoint's shard files.

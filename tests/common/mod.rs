@@ -299,3 +299,27 @@ pub fn custom_loop_example() -> &'static PathBuf {
         exe.expect("cargo named no custom_loop executable")
     })
 }
+
+/// A tmpfs mounted on a scratch directory, unmounted on drop.
+pub struct Tmpfs(pub PathBuf);
+
+impl Tmpfs {
+    pub fn mount(dir: PathBuf, options: &str) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(&dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        match out.status.success() {
+            true => Ok(Tmpfs(dir)),
+            false => Err(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}

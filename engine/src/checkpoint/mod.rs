@@ -93,8 +93,29 @@ pub fn save(
     }
     agree(group, Ok(()))?;
     crash_point::point("save.partial");
+    let saved = write_and_commit(group, dir, tag, (&partial, &final_dir), state, writes, desc);
+    if saved.is_err() && group.rank() == 0 {
+        // Give back the space of a save that failed (a full disk): the directory is gone if
+        // the failure came after the rename, and a failure before it leaves nothing to keep.
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    saved?;
+    crash_point::point("save.end");
+    Ok(final_dir)
+}
+
+/// The shards, then rank 0's commit; every rank learns whether each part succeeded.
+fn write_and_commit(
+    group: &Group,
+    dir: &Path,
+    tag: &str,
+    (partial, final_dir): (&Path, &Path),
+    state: &RankState,
+    writes: bool,
+    desc: Description,
+) -> Result<()> {
     let written = if writes {
-        write_shard(&partial, group.rank(), state, &desc).map(Some)
+        write_shard(partial, group.rank(), state, &desc).map(Some)
     } else {
         Ok(None)
     };
@@ -102,12 +123,10 @@ pub fn save(
     crash_point::point("save.shards");
     let entries = gather_entries(group, entry, state, (desc.stage, desc.tp_rank))?;
     let committed = match group.rank() {
-        0 => commit(dir, tag, &partial, &final_dir, desc, state, entries),
+        0 => commit(dir, tag, partial, final_dir, desc, state, entries),
         _ => Ok(()),
     };
-    agree(group, committed)?;
-    crash_point::point("save.end");
-    Ok(final_dir)
+    agree(group, committed)
 }
 
 /// Note [unpublished tags]: a save killed between renaming its directory into place and
