@@ -316,7 +316,7 @@ fn a_silent_stage_is_named_when_the_transfer_times_out() {
     let named = f.stderr.lines().any(|l| {
         l.contains("pipeline stage 1: ")
             && l.contains("timed out after 4s")
-            && l.contains("rank(s) 1")
+            && l.contains("waiting for rank 1")
     });
     assert!(named, "{}", f.stderr);
     assert_nothing_left(&needle);

@@ -5,7 +5,7 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A wait ran out of time; `missing` are the global ranks that never answered.
-    #[error("{what}: timed out after {}s waiting for rank(s) {}", .after.as_secs_f64(), fmt_ranks(.missing))]
+    #[error("{what}: timed out after {}s waiting for {}", .after.as_secs_f64(), fmt_ranks(.missing))]
     Timeout {
         what: String,
         missing: Vec<usize>,
@@ -67,12 +67,13 @@ impl CommError {
     }
 }
 
+/// "rank 3", "ranks 1, 2", "ranks 0, 1, ... and 4 more".
 fn fmt_ranks(ranks: &[usize]) -> String {
     let shown: Vec<String> = ranks.iter().take(16).map(|r| r.to_string()).collect();
     let more = ranks.len().saturating_sub(shown.len());
-    if more > 0 {
-        format!("{} and {more} more", shown.join(", "))
-    } else {
-        shown.join(", ")
+    let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
+    match more {
+        0 => format!("{noun} {}", shown.join(", ")),
+        _ => format!("{noun} {} and {more} more", shown.join(", ")),
     }
 }

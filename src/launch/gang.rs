@@ -149,6 +149,9 @@ impl Gang {
         for &i in &live {
             self.members[i].stdin = None;
             signal_group(&self.members[i].child, libc::SIGTERM);
+            // A stopped member (SIGSTOP, a debugger) acts on the SIGTERM only once continued;
+            // without this it would sit out the grace period.
+            signal_group(&self.members[i].child, libc::SIGCONT);
         }
         let deadline = Instant::now() + GRACE;
         while Instant::now() < deadline && live.iter().any(|&i| self.reap(i).is_none()) {

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 pub mod cgroup;
+pub mod netns;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -614,7 +614,7 @@ impl Wire {
 
 /// A communication failure inside a pipeline step that involves ranks of this pipeline
 /// names their stages too, whatever collective it happened in (a transfer, the loss broadcast,
-/// the gradient norm, tied gradients): "pipeline stage 1: recv: timed out ... rank(s) 1".
+/// the gradient norm, tied gradients): "pipeline stage 1: recv: timed out ... rank 1".
 pub(crate) fn name_stages(e: EngineError, stage: &Stage) -> EngineError {
     let EngineError::Comm(c) = e else {
         return e;
