@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of README.md (what CI runs): the Python readers the tests compare against,
-# every crate's tests, and the NCCL backend's build check (no GPU needed).
+# every crate's tests, the NCCL backend's build check (no GPU needed), and the check that the
+# tests left nothing behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/python-env.sh
@@ -9,5 +10,10 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
     (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null) || echo "note: iproute2 not installed; the multi-host tests will say they are skipped"
 fi
 export DS_RS_PYTHON="$PWD/.venv/bin/python"
+# Nothing a test starts or makes may outlive it: compared at the end (scripts/leftovers.sh).
+before="$(mktemp)"
+trap 'rm -f "$before"' EXIT
+scripts/leftovers.sh snapshot "$before"
 cargo test --workspace --release
 cargo check -p ds-comm --features nccl --release
+scripts/leftovers.sh check "$before"
