@@ -409,11 +409,20 @@ fn a_full_disk_fails_the_save_by_name_and_keeps_latest() {
         .collect();
     assert_eq!(errors.len(), 2, "one error per rank: {}", full.stderr);
     for e in &errors {
+        let saving = "saving checkpoint global_step2";
         assert!(
-            e.contains("saving checkpoint global_step2")
-                && e.contains("latest still names global_step1")
-                && e.contains(".global_step2.partial/zero_rank0000")
-                && e.contains("No space left on device"),
+            e.contains(saving) && e.contains("latest still names global_step1"),
+            "{e}"
+        );
+    }
+    // a rank whose own shard still fitted names the one that failed
+    let full_disk = |e: &&str| {
+        e.contains(".global_step2.partial/zero_rank0000") && e.contains("No space left on device")
+    };
+    assert!(errors.iter().any(full_disk), "{}", full.stderr);
+    for e in errors.iter().filter(|e| !full_disk(e)) {
+        assert!(
+            e.contains("rank 0 failed") || e.contains("rank 1 failed"),
             "{e}"
         );
     }

@@ -1,9 +1,10 @@
 //! SIGKILL at every moment of a checkpoint save (issue 20, item 1): a rank, the other rank, or
 //! the launcher (which takes every rank with it) is killed at a named crash point
 //! (`DS_RS_CRASH_AT`, engine/src/crash_point.rs) of the second or third save of a 2-rank
-//! ZeRO-3 job that saves every step. After each kill: `checkpoint inspect` verifies every
-//! checkpoint, `latest` names the step the moment implies, no process is left, and `--resume`
-//! ends with the losses of an uninterrupted run, bit for bit.
+//! ZeRO-3 job that saves every step and keeps two checkpoints, or while one of them removes
+//! the oldest. After each kill: `checkpoint inspect` verifies every checkpoint, `latest` names
+//! the step the moment implies, no process is left, and `--resume` ends with the losses of an
+//! uninterrupted run, bit for bit, and the two newest checkpoints, nothing else.
 
 mod common;
 
@@ -64,6 +65,10 @@ fn moments() -> Vec<(String, usize)> {
         m.extend(points.map(|p| (format!("rank1:{p}:{save}"), before)));
         m.push((format!("rank1:save.end:{save}"), before + 1));
     }
+    // --keep-checkpoints 2: saves 3 and 4 each remove the oldest tag
+    m.push(("rank0:remove.renamed:1".into(), 3));
+    m.push(("rank0:remove.renamed:1:launcher".into(), 3));
+    m.push(("rank0:remove.renamed:2".into(), 4));
     m
 }
 
@@ -77,7 +82,7 @@ impl Job<'_> {
     /// The job's command line, its metrics in `dir/metrics`, checkpoints in `dir/ckpt`.
     fn command(&self, dir: &Path, metrics: &str, resume: bool) -> Vec<String> {
         let mut cmd = words(&format!(
-            "launch --nproc_per_node 2 --config {} {} --save-dir {} --save-interval 1",
+            "launch --nproc_per_node 2 --config {} {} --save-dir {} --save-interval 1 --keep-checkpoints 2",
             self.cfg.display(),
             train(&self.model, STEPS as u64, &dir.join(metrics)),
             dir.join("ckpt").display()
@@ -101,6 +106,16 @@ impl Job<'_> {
     fn dir(&self, name: &str) -> std::path::PathBuf {
         self.s.path(name)
     }
+}
+
+/// The names in `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
 }
 
 /// The step `checkpoint inspect` reports for `latest`; asserts every checkpoint verifies.
@@ -168,6 +183,11 @@ fn a_kill_at_any_moment_of_a_save_loses_nothing() {
             "{at}: the resumed run's losses"
         );
         assert_eq!(inspected_latest(&ckpt, at), STEPS, "{at}: after resuming");
+        assert_eq!(
+            entries(&ckpt),
+            ["global_step3", "global_step4", "latest"],
+            "{at}: the checkpoints kept, and no leftover"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
     eprintln!("{} crash moments, each resumed exactly", moments.len());

@@ -15,7 +15,8 @@ use crate::{EngineError, Result};
 
 pub const VAR: &str = "DS_RS_CRASH_AT";
 
-/// Every crash point, in the order a checkpoint save passes them (see `checkpoint::save`).
+/// Every crash point, in the order a checkpoint save passes them (see `checkpoint::save`),
+/// then the removal of an old tag's (`prune`, or a save replacing an unpublished tag).
 /// The `file.*` points are inside every atomic file write (a shard, the manifest, `latest`).
 pub const POINTS: &[&str] = &[
     "save.start",       // nothing of this save exists yet
@@ -27,6 +28,7 @@ pub const POINTS: &[&str] = &[
     "commit.renamed",   // the tag directory renamed into place, `latest` not yet replaced
     "commit.published", // `latest` names the new tag, the ranks have not yet agreed it is done
     "save.end",         // every rank knows the save succeeded
+    "remove.renamed",   // a tag pruned or replaced: renamed away, not yet deleted
 ];
 
 struct Plan {

@@ -29,6 +29,7 @@ impl Run<'_> {
             return Ok(0);
         };
         if rank0 {
+            checkpoint::remove_leftovers(dir)?;
             println!(
                 "resumed from {} (saved at dp {} x tp {} x pp {} ZeRO-{}) at step {} in {}",
                 dir.join(&m.tag).display(),

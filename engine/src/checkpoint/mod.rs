@@ -77,7 +77,7 @@ pub fn save(
     let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
     if group.rank() == 0 {
         if final_dir.exists() {
-            if let Err(e) = remove_unpublished(dir, &final_dir) {
+            if let Err(e) = remove_unpublished(dir, tag) {
                 return fail_all(group, e);
             }
         }
@@ -134,7 +134,8 @@ fn write_and_commit(
 /// run resumed from `latest` reaches that step again and saves the same tag: that leftover
 /// (newer than every published checkpoint) is removed and written afresh. A tag `latest` names,
 /// or one older than it, is never overwritten.
-fn remove_unpublished(dir: &Path, existing: &Path) -> Result<()> {
+fn remove_unpublished(dir: &Path, tag: &str) -> Result<()> {
+    let existing = &dir.join(tag);
     let refuse = || {
         Err(EngineError::file(
             existing,
@@ -146,8 +147,13 @@ fn remove_unpublished(dir: &Path, existing: &Path) -> Result<()> {
         None => 0,
     };
     match Manifest::read(existing) {
-        Ok(m) if m.global_steps > published && latest(dir)?.as_deref() != Some(&m.tag) => {
-            std::fs::remove_dir_all(existing).map_err(|e| EngineError::file(existing, e))
+        Ok(m)
+            if m.tag == tag
+                && m.global_steps > published
+                && latest(dir)?.as_deref() != Some(tag) =>
+        {
+            remove_leftovers(dir)?;
+            remove_tag(dir, tag)
         }
         _ => refuse(),
     }
@@ -672,18 +678,48 @@ pub fn tags(dir: &Path) -> Result<Vec<(u64, String)>> {
 /// Removes all but the newest `keep` complete checkpoints (never the one `latest` names); a
 /// checkpoint another process removed first (pruning the same directory) is no error.
 pub fn prune(dir: &Path, keep: usize) -> Result<()> {
+    remove_leftovers(dir)?;
     let all = tags(dir)?;
     let latest = latest(dir)?;
     for (_, tag) in all.iter().take(all.len().saturating_sub(keep)) {
         if Some(tag) != latest.as_ref() {
-            let path = dir.join(tag);
-            match std::fs::remove_dir_all(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(EngineError::file(&path, e))
-                }
-                _ => {}
-            }
+            remove_tag(dir, tag)?;
         }
     }
     Ok(())
+}
+
+/// Renames the tag away first, one atomic step, then deletes it: a process killed while
+/// deleting leaves `.<tag>.removed/` (deleted by the next prune or save), never a half-deleted
+/// tag that `tags()` would list and `inspect` call corrupt.
+fn remove_tag(dir: &Path, tag: &str) -> Result<()> {
+    let (path, doomed) = (dir.join(tag), dir.join(format!(".{tag}.removed")));
+    match std::fs::rename(&path, &doomed) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(EngineError::file(&path, e)),
+        Ok(()) => {}
+    }
+    crash_point::point("remove.renamed");
+    remove_dir(&doomed)
+}
+
+/// Deletes what a removal killed midway left (`.<tag>.removed/`).
+pub fn remove_leftovers(dir: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.ends_with(".removed") {
+            remove_dir(&e.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// `remove_dir_all`, where a directory already gone is no error.
+fn remove_dir(path: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EngineError::file(path, e)),
+        _ => Ok(()),
+    }
 }
