@@ -214,6 +214,7 @@ fn a_rank_killed_mid_run_brings_the_job_down() {
         f.stderr
     );
     assert_nothing_left(&needle);
+    eprintln!("the job ended {:?} after the kill", f.took);
 }
 
 #[test]
