@@ -21,6 +21,24 @@ fn ok(cmd: &str) -> Finished {
     f
 }
 
+/// A 2-rank job of `steps` steps saving into `ckpt` after every one.
+fn saving_every_step(
+    cfg: &Path,
+    model: &Path,
+    steps: u64,
+    metrics: &Path,
+    ckpt: &Path,
+    extra: &str,
+) -> Finished {
+    let cmd = format!(
+        "{} {} --save-dir {} --save-interval 1 {extra}",
+        launch(2, cfg),
+        train(model, steps, metrics),
+        ckpt.display()
+    );
+    run(&cmd, LIMIT)
+}
+
 /// `ds-rs checkpoint consolidate` of `dir`'s latest into `out`; returns the file's bytes.
 fn consolidate(dir: &Path, out: &Path) -> Vec<u8> {
     ok(&format!(
@@ -355,13 +373,7 @@ fn published_tags_are_kept_and_unpublished_leftovers_replaced() {
     let cfg = s.write("z1.json", &config(1, ""));
     let ckpt = s.path("ckpt");
     let job = |steps: u64, dir: &str, extra: &str| {
-        let cmd = format!(
-            "{} {} --save-dir {} --save-interval 1 {extra}",
-            launch(2, &cfg),
-            train(&model, steps, &s.path(dir)),
-            ckpt.display()
-        );
-        run(&cmd, LIMIT)
+        saving_every_step(&cfg, &model, steps, &s.path(dir), &ckpt, extra)
     };
     assert!(job(3, "first", "").status.success());
     // again from the start: global_step1 is published history, refused
@@ -393,16 +405,7 @@ fn a_full_disk_fails_the_save_by_name_and_keeps_latest() {
         }
     };
     let ckpt = disk.0.join("ckpt");
-    let job = |dir: &str, steps: u64, extra: &str| {
-        let cmd = format!(
-            "{} {} --save-dir {} --save-interval 1 {extra}",
-            launch(2, &cfg),
-            train(&model, steps, &s.path(dir)),
-            ckpt.display()
-        );
-        run(&cmd, LIMIT)
-    };
-    let full = job("full", 4, "");
+    let full = saving_every_step(&cfg, &model, 4, &s.path("full"), &ckpt, "");
     assert_eq!(full.status.code(), Some(1), "{}", full.stderr);
     let errors: Vec<&str> = (full.stderr.lines())
         .filter(|l| l.contains("] error: "))

@@ -44,6 +44,14 @@ impl Job {
         spawn_captured(&mut cmd)
     }
 
+    /// A job that trains until stopped, once it has trained 3 steps; its metrics directory.
+    fn start_training(&self, port: u16) -> (Child, std::path::PathBuf) {
+        let child = self.start(port, 100_000, "metrics");
+        let dir = self.s.path("metrics");
+        wait_for_steps(&dir, 3);
+        (child, dir)
+    }
+
     /// Takes host b's end of the link down (`up: false`) or back up.
     fn link(&self, up: bool) {
         let state = if up { "up" } else { "down" };
@@ -88,9 +96,7 @@ fn assert_ended_naming(job: &Job, f: &Finished, since: Instant, rank: usize, wha
 #[test]
 fn a_partition_ends_the_job_naming_the_unreachable_rank() {
     let Some(job) = Job::new("p") else { return };
-    let dir = job.s.path("metrics");
-    let child = job.start(29571, 100_000, "metrics");
-    wait_for_steps(&dir, 3);
+    let (child, _) = job.start_training(29571);
     job.link(false);
     let since = Instant::now();
     let f = finish(child, Duration::from_secs(TIMEOUT) + GRACE * 2);
@@ -131,9 +137,7 @@ fn steps_of(dir: &std::path::Path) -> impl Iterator<Item = f64> {
 #[test]
 fn a_rank_stopped_past_the_timeout_is_named() {
     let Some(job) = Job::new("s") else { return };
-    let dir = job.s.path("metrics");
-    let child = job.start(29574, 100_000, "metrics");
-    wait_for_steps(&dir, 3);
+    let (child, dir) = job.start_training(29574);
     let pid = rank_pid(&dir.to_string_lossy(), 1).expect("rank 1 is running");
     signal(pid, "STOP");
     let since = Instant::now();
