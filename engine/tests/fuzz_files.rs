@@ -252,6 +252,8 @@ enum HeaderEdit {
     Length(u64),
     /// A value of the header JSON.
     Value(usize, Option<Json>),
+    /// One tensor's (the `usize`-th's) dtype, shape or data_offsets.
+    Field(usize, &'static str, Json),
     Cut(usize),
     Byte(usize, u8),
 }
@@ -283,11 +285,11 @@ fn header_edit() -> impl Strategy<Value = HeaderEdit> {
     ];
     prop_oneof![
         length.prop_map(HeaderEdit::Length),
-        (
-            any::<usize>(),
-            prop::option::of(prop_oneof![dtype, offsets, shape, hostile_json()])
-        )
+        (any::<usize>(), prop::option::of(hostile_json()))
             .prop_map(|(w, v)| HeaderEdit::Value(w, v)),
+        (any::<usize>(), dtype).prop_map(|(t, v)| HeaderEdit::Field(t, "dtype", v)),
+        (any::<usize>(), offsets).prop_map(|(t, v)| HeaderEdit::Field(t, "data_offsets", v)),
+        (any::<usize>(), shape).prop_map(|(t, v)| HeaderEdit::Field(t, "shape", v)),
         any::<usize>().prop_map(HeaderEdit::Cut),
         (any::<usize>(), any::<u8>()).prop_map(|(at, b)| HeaderEdit::Byte(at, b)),
     ]
@@ -303,6 +305,18 @@ fn edited_safetensors(header: &Json, data: &[u8], e: &HeaderEdit) -> Vec<u8> {
         HeaderEdit::Value(which, v) => {
             let mut h = header.clone();
             edit(&mut h, *which, v.clone());
+            safetensors_bytes(&h, data)
+        }
+        HeaderEdit::Field(t, key, v) => {
+            let mut h = header.clone();
+            let names: Vec<String> = h
+                .as_object()
+                .unwrap()
+                .keys()
+                .filter(|k| *k != "__metadata__")
+                .cloned()
+                .collect();
+            h[&names[t % names.len()]][*key] = v.clone();
             safetensors_bytes(&h, data)
         }
         HeaderEdit::Cut(at) => {
@@ -353,6 +367,33 @@ proptest! {
         let dir = TempDir::new();
         let (mut manifest, shards) = checkpoint_parts();
         edit(&mut manifest, which, new);
+        let bytes: Vec<Vec<u8>> = shards.iter().map(|(h, d)| safetensors_bytes(h, d)).collect();
+        write_checkpoint(&dir.0, &manifest, &bytes, false);
+        read_checkpoint(&dir.0);
+    }
+
+    #[test]
+    fn manifest_shapes_offsets_and_ranges(
+        param in 0usize..2,
+        shape in prop_oneof![
+            Just(json!([1u64 << 32, 3])),
+            Just(json!([1u64 << 40])),
+            Just(json!([u64::MAX, 2])),
+            Just(json!([3, 1u64 << 62])),
+            prop::collection::vec(0u64..8, 0..3).prop_map(|s| json!(s)),
+        ],
+        offset in prop_oneof![Just(u64::MAX), Just(1u64 << 40), 0u64..12],
+        shard in 0usize..2,
+        range in (prop_oneof![Just(u64::MAX), 0u64..12], prop_oneof![Just(u64::MAX), 0u64..12]),
+        tp in prop_oneof![Just(u64::MAX), Just(1u64 << 40), 0u64..4],
+    ) {
+        let dir = TempDir::new();
+        let (mut manifest, shards) = checkpoint_parts();
+        manifest["params"][param]["shape"] = shape;
+        manifest["params"][param]["offset"] = json!(offset);
+        manifest["shards"][shard]["start"] = json!(range.0);
+        manifest["shards"][shard]["end"] = json!(range.1);
+        manifest["layout"]["tp"] = json!(tp);
         let bytes: Vec<Vec<u8>> = shards.iter().map(|(h, d)| safetensors_bytes(h, d)).collect();
         write_checkpoint(&dir.0, &manifest, &bytes, false);
         read_checkpoint(&dir.0);
