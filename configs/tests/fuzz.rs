@@ -130,22 +130,20 @@ fn auto_values() -> impl Strategy<Value = AutoValues> {
         (any::<Option<bool>>(), any::<Option<bool>>()),
     )
         .prop_map(
-            |((mb, ga, dp, warm, total, hidden), (clip, lr, eps, wd), (fp16, bf16))| {
-                let mut v = AutoValues::default();
-                v.micro_batch = mb;
-                v.grad_accum = ga;
-                v.data_parallel = dp;
-                v.warmup_steps = warm;
-                v.total_steps = total;
-                v.hidden_size = hidden;
-                v.grad_clip = clip;
-                v.lr = lr;
-                v.eps = eps;
-                v.weight_decay = wd;
-                v.betas = clip.zip(lr);
-                v.fp16 = fp16;
-                v.bf16 = bf16;
-                v
+            |((mb, ga, dp, warm, total, hidden), (clip, lr, eps, wd), (fp16, bf16))| AutoValues {
+                micro_batch: mb,
+                grad_accum: ga,
+                data_parallel: dp,
+                warmup_steps: warm,
+                total_steps: total,
+                hidden_size: hidden,
+                grad_clip: clip,
+                lr,
+                eps,
+                weight_decay: wd,
+                betas: clip.zip(lr),
+                fp16,
+                bf16,
             },
         )
 }
