@@ -323,3 +323,177 @@ fn build_links(
     }
     Ok(Links { links })
 }
+
+#[cfg(test)]
+mod tests {
+    //! Hostile bytes on a rank's peer port: a stranger's, and a hello that carries the token
+    //! and nonce but is otherwise wrong. Each such connection is closed, and the rank still
+    //! accepts its real peer before the deadline. `PROPTEST_CASES` raises the case count
+    //! (scripts/fuzz.sh).
+
+    use super::*;
+    use proptest::prelude::*;
+    use std::io::{Read, Write};
+    use std::net::Shutdown;
+
+    const PATIENCE: Duration = Duration::from_secs(20);
+
+    fn config() -> ProptestConfig {
+        let cases = std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(64);
+        ProptestConfig {
+            cases,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    fn hello(rank: usize) -> Hello {
+        Hello {
+            token: "tok".into(),
+            nonce: "n0nce".into(),
+            rank,
+        }
+    }
+
+    /// A hostile connection: raw bytes, or rank 1's hello to rank 0 changed.
+    #[derive(Debug, Clone)]
+    enum Visit {
+        Bytes(Vec<u8>),
+        Ranks(u64, u64),
+        Nonce(String),
+        Cut(usize),
+        Length(u32),
+    }
+
+    fn visit() -> impl Strategy<Value = Visit> {
+        prop_oneof![
+            1 => prop::collection::vec(any::<u8>(), 0..256).prop_map(Visit::Bytes),
+            3 => (
+                prop::sample::select(&[0u64, 2, 3, u64::MAX][..]),
+                prop::sample::select(&[0u64, 1, u64::MAX][..]),
+            )
+                .prop_map(|(f, t)| Visit::Ranks(f, t)),
+            1 => "[a-z0-9]{0,8}".prop_map(Visit::Nonce),
+            1 => (0usize..64).prop_map(Visit::Cut),
+            1 => prop_oneof![Just(u32::MAX), Just(4097u32), 0u32..40].prop_map(Visit::Length),
+        ]
+    }
+
+    fn wire(v: &Visit) -> Vec<u8> {
+        let framed = |payload: Vec<u8>| {
+            let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+            out.extend_from_slice(&payload);
+            out
+        };
+        let good = hello(1).encode(0);
+        match v {
+            Visit::Bytes(b) => b.clone(),
+            Visit::Ranks(from, to) => {
+                let mut p = good[..good.len() - 16].to_vec();
+                p.extend_from_slice(&from.to_le_bytes());
+                p.extend_from_slice(&to.to_le_bytes());
+                framed(p)
+            }
+            Visit::Nonce(n) => framed(
+                Hello {
+                    nonce: n.clone(),
+                    ..hello(1)
+                }
+                .encode(0),
+            ),
+            Visit::Cut(n) => {
+                let mut w = framed(good);
+                w.truncate(n % w.len());
+                w
+            }
+            Visit::Length(n) => {
+                let mut w = framed(good);
+                w[..4].copy_from_slice(&n.to_le_bytes());
+                w
+            }
+        }
+    }
+
+    /// Whether the rank let this connection in (acked it).
+    fn admitted(addr: &SocketAddr, bytes: &[u8]) -> bool {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let _ = s.write_all(bytes);
+        let _ = s.shutdown(Shutdown::Write);
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut got = Vec::new();
+        let closed = match s.read_to_end(&mut got) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        };
+        assert!(closed, "the rank kept a hostile connection open");
+        got == [1, 0, 0, 0, 1]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn hostile_peers_are_dropped_and_the_real_one_accepted(
+            visits in prop::collection::vec(visit(), 1..5),
+        ) {
+            let spec = MeshSpec {
+                rank: 0,
+                world: 2,
+                token: "tok",
+                transport: Transport::Tcp,
+                timeout: PATIENCE,
+            };
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let deadline = Instant::now() + PATIENCE;
+            let accepted = accept_peers(listener, &hello(0), &spec, deadline);
+            for v in &visits {
+                let bytes = wire(v);
+                // Only a well-formed hello from a higher rank to rank 0 is answered.
+                let fine = matches!(v, Visit::Ranks(f, 0) if *f > 0)
+                    || bytes.starts_with(&[&(hello(1).encode(0).len() as u32).to_le_bytes()[..], &hello(1).encode(0)].concat());
+                let let_in = admitted(&addr, &bytes);
+                prop_assert!(!let_in || fine, "{v:?} was let in");
+            }
+            let start = Instant::now();
+            let s = dial(&addr, &hello(1), 0, deadline).expect("the real peer is accepted");
+            let got = accepted.recv_timeout(PATIENCE).expect("the accept loop ends");
+            let got = got.expect("rank 1 connected");
+            prop_assert_eq!(got.iter().map(|(r, _)| *r).collect::<Vec<_>>(), vec![1]);
+            prop_assert!(start.elapsed() < PATIENCE);
+            drop(s);
+        }
+    }
+
+    #[test]
+    fn decoder_never_panics_on_any_bytes() {
+        let mut runner = proptest::test_runner::TestRunner::new(config());
+        let ops = prop::collection::vec(0u8..6, 0..12);
+        runner
+            .run(
+                &(prop::collection::vec(any::<u8>(), 0..128), ops),
+                |(bytes, ops)| {
+                    let mut d = Decoder(&bytes);
+                    for op in ops {
+                        let _ = match op {
+                            0 => d.u8().map(drop),
+                            1 => d.u64().map(drop),
+                            2 => d.i64().map(drop),
+                            3 => d.bytes().map(drop),
+                            4 => d.str().map(drop),
+                            _ => d.strs().map(drop),
+                        };
+                    }
+                    let mut r = bytes.as_slice();
+                    if let Ok(f) = read_frame(&mut r, 64) {
+                        prop_assert!(f.len() <= 64);
+                    }
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
+}

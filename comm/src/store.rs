@@ -32,10 +32,13 @@ const ERROR: u8 = 2;
 struct Table {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    /// Set when the server stops: every wait ends at once.
+    closed: AtomicBool,
 }
 
 impl Table {
-    /// Waits until every key is present; returns the keys still missing at the deadline.
+    /// Waits until every key is present; returns the keys still missing at the deadline (or
+    /// when the server stops).
     fn wait(&self, keys: &[String], timeout: Duration) -> Vec<String> {
         let deadline = Instant::now() + timeout;
         let mut map = self.map.lock().unwrap();
@@ -46,11 +49,17 @@ impl Table {
                 .cloned()
                 .collect();
             let now = Instant::now();
-            if missing.is_empty() || now >= deadline {
+            if missing.is_empty() || now >= deadline || self.closed.load(Ordering::SeqCst) {
                 return missing;
             }
             map = self.changed.wait_timeout(map, deadline - now).unwrap().0;
         }
+    }
+
+    fn close(&self) {
+        let _map = self.map.lock().unwrap();
+        self.closed.store(true, Ordering::SeqCst);
+        self.changed.notify_all();
     }
 
     fn set(&self, key: String, value: Vec<u8>) {
@@ -80,9 +89,13 @@ impl Table {
 pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Conns,
     accept: Option<JoinHandle<()>>,
 }
+
+/// The open connections by number, so that stopping the server can close them; each
+/// connection's thread removes (and closes) its own when it ends.
+type Conns = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 impl StoreServer {
     /// Listens on `addr` (port 0 picks a free port; see [`StoreServer::addr`]).
@@ -95,7 +108,7 @@ impl StoreServer {
             .set_nonblocking(true)
             .map_err(|e| CommError::io("store: listener", e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
+        let conns = Conns::default();
         let token = token.unwrap_or("").as_bytes().to_vec();
         let (s, c) = (stop.clone(), conns.clone());
         let accept = std::thread::Builder::new()
@@ -118,7 +131,7 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
+        for (_, c) in self.conns.lock().unwrap().drain() {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(t) = self.accept.take() {
@@ -127,24 +140,27 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    token: Vec<u8>,
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-) {
+fn accept_loop(listener: TcpListener, token: Vec<u8>, stop: Arc<AtomicBool>, conns: Conns) {
     let table = Arc::new(Table::default());
     let token = Arc::new(token);
+    let mut next = 0u64;
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, _)) => {
+                let id = next;
+                next += 1;
                 if let Ok(clone) = stream.try_clone() {
-                    conns.lock().unwrap().push(clone);
+                    conns.lock().unwrap().insert(id, clone);
                 }
-                let (t, k) = (table.clone(), token.clone());
+                let (t, k, c) = (table.clone(), token.clone(), conns.clone());
                 let _ = std::thread::Builder::new()
                     .name("ds-store-conn".into())
-                    .spawn(move || serve(stream, &k, &t));
+                    .spawn(move || {
+                        serve(&stream, &k, &t);
+                        // Closes the connection now, whoever else holds a clone of it.
+                        let _ = stream.shutdown(Shutdown::Both);
+                        c.lock().unwrap().remove(&id);
+                    });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5))
@@ -152,11 +168,12 @@ fn accept_loop(
             Err(_) => std::thread::sleep(Duration::from_millis(5)),
         }
     }
+    table.close();
 }
 
 /// One client: the hello with the token, then requests until it hangs up. A stranger, a wrong
 /// token or a malformed frame ends this connection only.
-fn serve(mut stream: TcpStream, token: &[u8], table: &Table) {
+fn serve(mut stream: &TcpStream, token: &[u8], table: &Table) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));

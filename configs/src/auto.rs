@@ -48,7 +48,8 @@ pub fn fill(root: &mut Dict, vals: &AutoValues) -> Vec<Filled> {
         .micro_batch
         .zip(vals.grad_accum)
         .zip(vals.data_parallel)
-        .map(|((m, g), d)| m * g * d);
+        // A product past i64 is left "auto", and resolve names that path.
+        .and_then(|((m, g), d)| m.checked_mul(g)?.checked_mul(d));
     put("train_micro_batch_size_per_gpu", int(vals.micro_batch));
     put("gradient_accumulation_steps", int(vals.grad_accum));
     put("train_batch_size", int(tbs));
@@ -68,17 +69,16 @@ pub fn fill(root: &mut Dict, vals: &AutoValues) -> Vec<Filled> {
     put("fp16.enabled", vals.fp16.map(Value::Bool));
     put("bf16.enabled", vals.bf16.map(Value::Bool));
     if let Some(h) = vals.hidden_size {
-        put(
-            "zero_optimization.reduce_bucket_size",
-            Some(Value::Int(h * h)),
-        );
+        // Sizes past i64 are left "auto", as above.
+        let square = h.checked_mul(h);
+        put("zero_optimization.reduce_bucket_size", int(square));
         put(
             "zero_optimization.stage3_prefetch_bucket_size",
-            Some(Value::Int((0.9 * (h * h) as f64) as i64)),
+            int(square.map(|s| (0.9 * s as f64) as i64)),
         );
         put(
             "zero_optimization.stage3_param_persistence_threshold",
-            Some(Value::Int(10 * h)),
+            int(h.checked_mul(10)),
         );
     }
     filled

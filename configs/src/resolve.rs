@@ -29,10 +29,15 @@ pub struct ParallelDims {
 impl ParallelDims {
     /// Checks that tp * pp divides the world size; the error shows the product.
     pub fn new(world_size: usize, tp: usize, pp: usize) -> Result<ParallelDims> {
-        if world_size == 0 || tp == 0 || pp == 0 || !world_size.is_multiple_of(tp * pp) {
+        let product = tp.checked_mul(pp).filter(|&p| p > 0);
+        if world_size == 0 || !product.is_some_and(|p| world_size.is_multiple_of(p)) {
+            let product = match tp.checked_mul(pp) {
+                Some(p) => p.to_string(),
+                None => "more than usize holds".to_string(),
+            };
             return Err(ConfigError::conflict(
                 "world_size",
-                format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {}", tp * pp),
+                format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {product}"),
             ));
         }
         Ok(ParallelDims { world_size, tp, pp })

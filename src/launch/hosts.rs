@@ -7,6 +7,9 @@ use std::path::Path;
 use anyhow::{bail, Context};
 
 /// One host and the slot indices (GPUs, or CPU ranks) the job uses on it.
+/// The most slots (GPUs) one host may list: `slots=N` sizes a list, so N is capped.
+pub const MAX_SLOTS: usize = 4096;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Host {
     pub name: String,
@@ -166,6 +169,9 @@ fn parse_line(line: &str) -> anyhow::Result<(&str, usize)> {
         .and_then(|n| n.parse::<usize>().ok())
         .filter(|&n| n > 0)
         .with_context(|| format!("{slots:?} is not slots=N with N >= 1"))?;
+    if n > MAX_SLOTS {
+        bail!("slots={n}: more than {MAX_SLOTS} slots on one host");
+    }
     Ok((name, n))
 }
 
@@ -189,13 +195,18 @@ fn parse_filter(spec: &str) -> anyhow::Result<Vec<(String, Vec<usize>)>> {
 }
 
 fn parse_slots(list: &str, node: &str) -> anyhow::Result<Vec<usize>> {
-    list.split(',')
-        .map(|s| {
-            s.trim()
-                .parse::<usize>()
-                .with_context(|| format!("{node:?}: slot {s:?} is not a number"))
-        })
-        .collect()
+    let mut slots = Vec::new();
+    for s in list.split(',') {
+        let slot = s
+            .trim()
+            .parse::<usize>()
+            .with_context(|| format!("{node:?}: slot {s:?} is not a number"))?;
+        if slots.contains(&slot) {
+            bail!("{node:?}: slot {slot} is named twice");
+        }
+        slots.push(slot);
+    }
+    Ok(slots)
 }
 
 fn check_slots(host: &Host, slots: &[usize]) -> anyhow::Result<()> {
@@ -254,5 +265,113 @@ mod tests {
         assert_eq!(h.to_spec(), "w0:0,1,2@w1:0,1,2");
         assert_eq!(Hosts::from_spec(&h.to_spec()).unwrap(), h);
         assert!(Hosts::from_spec("w0").is_err());
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    //! Hostile hostfiles and `--include/--exclude` specs (and the node spec the launcher hands
+    //! to remote nodes): every input ends in `Ok` or one error, and never makes a slot list
+    //! longer than the cap. `PROPTEST_CASES` raises the case count (scripts/fuzz.sh).
+
+    use super::*;
+    use proptest::prelude::*;
+
+    fn config() -> ProptestConfig {
+        let cases = std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(256);
+        ProptestConfig {
+            cases,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    const TOKENS: &[&str] = &[
+        "worker-1",
+        "worker-2",
+        "h",
+        " ",
+        "\t",
+        "\n",
+        "#",
+        "slots=",
+        "slots=1",
+        "slots=8",
+        "slots=0",
+        "slots=-1",
+        "slots=4096",
+        "slots=4097",
+        "slots=99999999999999999999",
+        "slots=18446744073709551615",
+        "slots=1000000000000",
+        ":",
+        ",",
+        "@",
+        "0",
+        "1",
+        "7",
+        "18446744073709551615",
+        "é",
+        "\u{0}",
+        "\r\n",
+    ];
+
+    fn soup() -> impl Strategy<Value = String> {
+        prop::collection::vec(prop::sample::select(TOKENS), 0..24).prop_map(|t| t.concat())
+    }
+
+    /// At most MAX_SLOTS slots on a host, each named once.
+    /// Well-formed lines `name slots=N`, with hostile N and repeated names.
+    fn lines() -> impl Strategy<Value = String> {
+        let name = prop::sample::select(&["worker-1", "worker-2", "h", "é"][..]);
+        let n = prop_oneof![
+            Just("1000000000000".to_string()),
+            Just(usize::MAX.to_string()),
+            Just("4097".to_string()),
+            Just("0".to_string()),
+            (1usize..9).prop_map(|n| n.to_string()),
+        ];
+        prop::collection::vec((name, n), 1..4).prop_map(|l| {
+            l.iter()
+                .map(|(name, n)| format!("{name} slots={n}  # comment\n"))
+                .collect()
+        })
+    }
+
+    fn small(h: &Hosts) -> bool {
+        h.0.iter().all(|h| {
+            let mut s = h.slots.clone();
+            s.sort_unstable();
+            s.dedup();
+            s.len() == h.slots.len() && s.len() <= MAX_SLOTS
+        })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn hostfiles_parse_or_fail(text in prop_oneof![soup(), lines(), ".{0,80}"]) {
+            if let Ok(h) = Hosts::parse(&text) {
+                prop_assert!(!h.0.is_empty() && small(&h));
+            }
+        }
+
+        #[test]
+        fn include_exclude_and_node_specs(spec in prop_oneof![soup(), ".{0,40}"]) {
+            let h = Hosts::parse("worker-1 slots=8\nworker-2 slots=4\nh slots=1").unwrap();
+            for r in [h.include(&spec), h.exclude(&spec), Hosts::from_spec(&spec)] {
+                match r {
+                    Ok(r) => prop_assert!(small(&r) && r.world_size() <= h.world_size().max(MAX_SLOTS * 64)),
+                    Err(e) => {
+                        let text = format!("{e:#}");
+                        prop_assert!(!text.is_empty());
+                    }
+                }
+            }
+        }
     }
 }

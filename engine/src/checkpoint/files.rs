@@ -161,7 +161,7 @@ fn header(
         else {
             return Err(format!("header: tensor {name} has no data_offsets"));
         };
-        if a > b || data_start + b > len {
+        if a > b || data_start.checked_add(b).is_none_or(|end| end > len) {
             return Err(format!("header: tensor {name} lies outside the file"));
         }
         out.insert(name.clone(), (dtype, data_start + a..data_start + b));

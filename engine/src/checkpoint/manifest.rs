@@ -149,10 +149,62 @@ impl Manifest {
                 format!("format {:?}, expected {FORMAT:?}", m.format),
             ));
         }
+        m.check()
+            .map_err(|reason| EngineError::file(&path, reason))?;
         Ok(m)
     }
 
-    /// The logical model's parameter count (at tp > 1 more than `numel`, one rank's slices).
+    /// What the readers rely on, checked before any number here sizes a loop or a buffer:
+    /// shapes whose sizes fit in memory's address space and lie inside the model, shard files
+    /// named inside the checkpoint's directory, a tensor-parallel degree no larger than the
+    /// number of shard files (each tensor-parallel rank writes at least one).
+    fn check(&self) -> std::result::Result<(), String> {
+        let mut total = 0usize;
+        for p in &self.params {
+            let n = p.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            total = n
+                .and_then(|n| total.checked_add(n))
+                .filter(|t| t.checked_mul(4).is_some())
+                .ok_or_else(|| format!("parameter {}: shape {:?} is too large", p.name, p.shape))?;
+        }
+        for p in &self.params {
+            let n: usize = p.shape.iter().product();
+            if p.offset.checked_add(n).is_none_or(|end| end > total) {
+                return Err(format!(
+                    "parameter {}: offset {} and shape {:?} lie outside the model's {total} elements",
+                    p.name, p.offset, p.shape
+                ));
+            }
+        }
+        if self.layout.tp > self.shards.len().max(1) {
+            return Err(format!(
+                "tensor-parallel degree {} with {} shard files",
+                self.layout.tp,
+                self.shards.len()
+            ));
+        }
+        for s in &self.shards {
+            let plain = Path::new(&s.file)
+                .file_name()
+                .is_some_and(|f| f == s.file.as_str());
+            if !plain || s.file == ".." {
+                return Err(format!(
+                    "shard file {:?} is not a file name in the checkpoint",
+                    s.file
+                ));
+            }
+            if s.start > s.end {
+                return Err(format!(
+                    "shard {}: range {}..{} is reversed",
+                    s.file, s.start, s.end
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The logical model's parameter count (at tp > 1 more than `numel`, one rank's slices);
+    /// `read` checked that it fits in a usize.
     pub fn parameters(&self) -> usize {
         self.params
             .iter()

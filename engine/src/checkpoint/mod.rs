@@ -621,11 +621,8 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
 /// shard verified: DeepSpeed's zero_to_fp32.
 pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
     let m = Manifest::read(dir)?;
-    let numel = m
-        .params
-        .iter()
-        .map(|p| p.shape.iter().product::<usize>())
-        .sum();
+    let numel = m.parameters();
+    on_disk(dir, &m, numel)?;
     // the whole model as one buffer: one stage, no tensor parallelism
     let whole: Vec<ParamEntry> = m
         .params
@@ -644,6 +641,26 @@ pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
     };
     let (_, state) = load(dir, &expect)?;
     Ok((m, state.master))
+}
+
+/// Checks that the shard files hold at least `numel` f32 elements before a buffer of that
+/// size is made: the manifest's shapes are only numbers in a file.
+fn on_disk(dir: &Path, m: &Manifest, numel: usize) -> Result<()> {
+    let mut bytes = 0u64;
+    for s in &m.shards {
+        let path = m.shard_path(dir, s);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| EngineError::file(&path, e))?
+            .len();
+        bytes = bytes.saturating_add(len);
+    }
+    if (numel as u64).saturating_mul(4) > bytes {
+        return Err(EngineError::file(
+            dir.join(MANIFEST),
+            format!("{numel} parameters, but the shard files hold {bytes} bytes"),
+        ));
+    }
+    Ok(())
 }
 
 /// Every shard of checkpoint `dir` checked against its size and checksum.
