@@ -2,6 +2,8 @@
 //! Every read is capped: a peer cannot make us allocate more than the cap by lying about a length.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
 
 /// The largest frame the store and the handshakes accept (keys, addresses, NCCL ids are tiny).
 pub(crate) const MAX_FRAME: usize = 1 << 20;
@@ -27,6 +29,28 @@ pub(crate) fn read_frame(r: &mut impl Read, cap: usize) -> io::Result<Vec<u8>> {
     let mut payload = vec![0u8; len];
     r.read_exact(&mut payload)?;
     Ok(payload)
+}
+
+/// `read_frame` with one deadline for the whole frame. A per-read timeout alone lets a
+/// stranger that sends a byte every few seconds hold the connection, and its thread, for ever.
+pub(crate) fn read_frame_by(stream: &TcpStream, cap: usize, until: Instant) -> io::Result<Vec<u8>> {
+    read_frame(&mut ReadBy { stream, until }, cap)
+}
+
+struct ReadBy<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for ReadBy<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
 }
 
 pub(crate) fn invalid(msg: &str) -> io::Error {

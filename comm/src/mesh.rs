@@ -6,7 +6,7 @@
 //! connects (a stranger, a port scanner, garbage) is dropped and the rendezvous goes on.
 
 use crate::error::{CommError, Result};
-use crate::frame::{read_frame, write_frame, Decoder, Encoder};
+use crate::frame::{read_frame, read_frame_by, write_frame, Decoder, Encoder};
 use crate::link::shm::ShmLink;
 use crate::link::tcp::TcpLink;
 use crate::link::{Link, Links};
@@ -254,8 +254,7 @@ fn accept_loop(
 fn vet(stream: Option<TcpStream>, hello: &Hello) -> Option<usize> {
     let mut s = stream?;
     s.set_nonblocking(false).ok()?;
-    s.set_read_timeout(Some(HELLO_TIMEOUT)).ok()?;
-    let frame = read_frame(&mut s, 4096).ok()?;
+    let frame = read_frame_by(&s, 4096, Instant::now() + HELLO_TIMEOUT).ok()?;
     let mut d = Decoder(&frame);
     let ok = d.bytes().ok()? == PEER_MAGIC
         && d.str().ok()? == hello.token

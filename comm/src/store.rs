@@ -5,7 +5,7 @@
 //! [`MAX_FRAME`], and every wait has a deadline whose error names what is missing.
 
 use crate::error::{CommError, Result};
-use crate::frame::{read_frame, write_frame, Decoder, Encoder, MAX_FRAME};
+use crate::frame::{read_frame, read_frame_by, write_frame, Decoder, Encoder, MAX_FRAME};
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -176,8 +176,7 @@ fn accept_loop(listener: TcpListener, token: Vec<u8>, stop: Arc<AtomicBool>, con
 fn serve(mut stream: &TcpStream, token: &[u8], table: &Table) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
-    let Ok(hello) = read_frame(&mut stream, 4096) else {
+    let Ok(hello) = read_frame_by(stream, 4096, Instant::now() + HELLO_TIMEOUT) else {
         return;
     };
     let mut d = Decoder(&hello);

@@ -370,3 +370,37 @@ fn silent_strangers_do_not_block_the_store() {
     drop(silent);
     check_allocations();
 }
+
+/// A stranger that trickles its hello a byte at a time, each within the per-read timeout, is
+/// cut off when the hello's deadline (5 s) passes, not served for as long as it trickles.
+#[test]
+fn a_trickling_stranger_is_cut_off_at_the_hello_deadline() {
+    let (_server, addr) = server();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    s.write_all(&1000u32.to_le_bytes()).unwrap(); // a frame of 1000 bytes, sent slowly
+    let t0 = Instant::now();
+    let closed_after = loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the store still reads a hello trickling for {:?}",
+            t0.elapsed()
+        );
+        let _ = s.write_all(&[7]);
+        match s.read(&mut [0u8; 64]) {
+            Ok(0) => break t0.elapsed(),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Ok(_) | Err(_) => break t0.elapsed(),
+        }
+    };
+    assert!(
+        closed_after >= Duration::from_secs(4),
+        "cut off after {closed_after:?}, before the deadline"
+    );
+    still_serves(&addr, 6);
+}
