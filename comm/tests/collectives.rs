@@ -242,7 +242,7 @@ fn combined_send_recv_ring<T: Element>(g: &ds_comm::Group, me: usize, world: usi
         "send_recv ws{world}: backward"
     );
 
-    if me % 2 == 0 && next % 2 == 1 {
+    if me.is_multiple_of(2) && !next.is_multiple_of(2) {
         g.send_async(fwd, next).wait().unwrap();
     } else if me % 2 == 1 {
         g.recv(&mut from_prev, prev).unwrap();
