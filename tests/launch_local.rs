@@ -361,3 +361,50 @@ fn bind_cores_to_rank_gives_each_rank_its_own_share_of_the_cores() {
         );
     }
 }
+
+/// Ranks started with only TensorFlow's TF_CONFIG (Azure ML's TensorFlow distribution), two
+/// and four workers on loopback, train as `ds-rs launch` does: the same losses, bit for bit
+/// (same layout, same reduction order).
+#[test]
+fn tf_config_workers_train_like_the_launcher() {
+    let s = Scratch::new("tf-config");
+    s.write("model.json", SMALL_MODEL);
+    for nproc in [2, 4] {
+        let (want, _) = launched(&s, nproc, 2);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let workers: Vec<String> = (0..nproc)
+            .map(|i| format!("\"127.0.0.1:{}\"", port as usize + i))
+            .collect();
+        let dir = s.path(&format!("tf{nproc}"));
+        let cmd = format!(
+            "{} --config {}",
+            train(&s.path("model.json"), STEPS, &dir),
+            s.path("z2.json").display()
+        );
+        let ranks: Vec<_> = (0..nproc)
+            .map(|i| {
+                let tf = format!(
+                    r#"{{"cluster": {{"worker": [{}]}}, "task": {{"type": "worker", "index": {i}}}}}"#,
+                    workers.join(", ")
+                );
+                let mut c = std::process::Command::new(BIN);
+                c.args(words(&cmd)).env("TF_CONFIG", tf);
+                for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+                    c.env_remove(var);
+                }
+                spawn_captured(&mut c)
+            })
+            .collect();
+        for (i, rank) in ranks.into_iter().enumerate() {
+            let f = finish(rank, LIMIT);
+            assert!(f.status.success(), "worker {i} of {nproc}: {}", f.stderr);
+            let joined = format!("{nproc} ranks (dp {nproc}");
+            assert!(i > 0 || f.stdout.contains(&joined), "{}", f.stdout);
+        }
+        assert_eq!(losses(&dir), want, "{nproc} TF_CONFIG workers");
+    }
+}

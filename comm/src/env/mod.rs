@@ -7,10 +7,13 @@
 //!
 //! Sources are tried in DeepSpeed's order (`deepspeed.comm.init_distributed`):
 //! explicit torchrun-style variables first, then the MPI environment (Azure ML's
-//! flavour of it when running inside Azure ML), and Slurm last, because `mpirun`
-//! inside a Slurm allocation leaves the allocation's `SLURM_*` variables behind.
+//! flavour of it when running inside Azure ML), then TensorFlow's `TF_CONFIG` (Azure
+//! ML's TensorFlow distribution; DeepSpeed does not read it), and Slurm last, because
+//! `mpirun` inside a Slurm allocation leaves the allocation's `SLURM_*` variables behind.
 //! Within every source, `MASTER_ADDR` and `MASTER_PORT` win over anything the
 //! scheduler suggests, so a user can always pin the rendezvous point.
+
+mod tf_config;
 
 /// The port torchrun and DeepSpeed use when nothing else names one.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -39,6 +42,8 @@ pub enum EnvSource {
     OpenMpi,
     /// OpenMPI ranks inside Azure ML, with the master from `AZ_BATCH*` variables.
     AzureMlMpi,
+    /// TensorFlow's `TF_CONFIG`: Azure ML's TensorFlow distribution.
+    TfConfig,
     /// `SLURM_*` from an `srun` task.
     Slurm,
 }
@@ -122,6 +127,9 @@ impl RankEnv {
             } else {
                 open_mpi(&vars).map(Some)
             };
+        }
+        if let Some(text) = vars.raw("TF_CONFIG") {
+            return tf(&vars, &text).map(Some);
         }
         if vars.any(&["SLURM_PROCID"]) {
             return slurm(&vars).map(Some);
@@ -248,6 +256,17 @@ fn az_batch_master_host(vars: &Vars) -> Result<Option<String>, EnvError> {
         Some(host) if !host.is_empty() => Ok(Some(host.to_string())),
         _ => Err(invalid(VAR, &value, "\"host:port\" with a non-empty host")),
     }
+}
+
+/// A TensorFlow worker: the rendezvous at worker 0's "host:port" unless MASTER_* say otherwise.
+fn tf(vars: &Vars, text: &str) -> Result<RankEnv, EnvError> {
+    let (layout, host, port) = tf_config::read(text)?;
+    let master = Master {
+        scheduler_addr: Some(host),
+        default_port: port,
+        hint: "TF_CONFIG names worker 0",
+    };
+    master.resolve(vars, layout, EnvSource::TfConfig)
 }
 
 /// An `srun` task. Step-level variables come first: they describe the tasks of
