@@ -13,7 +13,7 @@ state() {
     if command -v ip >/dev/null; then ip netns list | awk '{print "netns " $1}'; fi
     awk '{print "mount " $2}' /proc/mounts
     find /dev/shm -mindepth 1 -maxdepth 1 -printf 'shm %f\n' 2>/dev/null || true
-    find "$tmp" -mindepth 1 -maxdepth 1 -name 'ds-rs-*' -printf 'scratch %p\n' 2>/dev/null || true
+    find "$tmp" -mindepth 1 -maxdepth 1 \( -name 'ds-*' -o -name 'ds_*' \) -printf 'scratch %p\n' 2>/dev/null || true
     find /sys/fs/cgroup -maxdepth 3 -type d -name 'ds-rs-*' -printf 'cgroup %p\n' 2>/dev/null || true
 }
 
