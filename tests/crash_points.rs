@@ -27,7 +27,8 @@ fn rank0_file(save: u64, file: u64) -> u64 {
 
 /// (DS_RS_CRASH_AT, the step `latest` must name afterwards): every point of rank 0 in the
 /// second save, the same moments killing the launcher in the third, and rank 1's points in
-/// both.
+/// both, killing rank 1 and, separately, the launcher: 31 moments kill a rank and 30 the
+/// launcher.
 fn moments() -> Vec<(String, usize)> {
     let mut m = Vec::new();
     for (save, tail) in [(2, ""), (3, ":launcher")] {
@@ -52,7 +53,7 @@ fn moments() -> Vec<(String, usize)> {
         ];
         m.extend(plan.map(|(p, hit, latest)| (format!("rank0:{p}:{hit}{tail}"), latest)));
     }
-    for save in [2u64, 3] {
+    for (save, tail) in [(2u64, ""), (3, ""), (2, ":launcher"), (3, ":launcher")] {
         let before = save as usize - 1;
         let points = [
             "save.start",
@@ -62,8 +63,8 @@ fn moments() -> Vec<(String, usize)> {
             "file.renamed",
             "save.shards",
         ];
-        m.extend(points.map(|p| (format!("rank1:{p}:{save}"), before)));
-        m.push((format!("rank1:save.end:{save}"), before + 1));
+        m.extend(points.map(|p| (format!("rank1:{p}:{save}{tail}"), before)));
+        m.push((format!("rank1:save.end:{save}{tail}"), before + 1));
     }
     // --keep-checkpoints 2: saves 3 and 4 each remove the oldest tag
     m.push(("rank0:remove.renamed:1".into(), 3));
