@@ -47,3 +47,40 @@ where
         .collect();
     results.into_iter().collect()
 }
+
+/// A global allocator that records the largest single allocation, for tests that feed hostile
+/// bytes to a parser: a length read from the input that reached an allocation uncapped shows
+/// up as a huge one. Install it with `#[global_allocator] static A: LargestAlloc = LargestAlloc;`.
+pub struct LargestAlloc;
+
+static LARGEST: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl LargestAlloc {
+    /// The largest allocation (or reallocation) so far, in bytes.
+    pub fn largest() -> usize {
+        LARGEST.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn record(size: usize) {
+        LARGEST.fetch_max(size, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+// SAFETY: forwards to the system allocator unchanged; only records sizes.
+unsafe impl std::alloc::GlobalAlloc for LargestAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        Self::record(layout.size());
+        std::alloc::System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        Self::record(layout.size());
+        std::alloc::System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        Self::record(new_size);
+        std::alloc::System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        std::alloc::System.dealloc(ptr, layout)
+    }
+}

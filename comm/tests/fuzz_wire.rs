@@ -8,43 +8,20 @@
 //! length prefix that reached `Vec::with_capacity` uncapped fails the test. The case count is
 //! small for CI; `PROPTEST_CASES` raises it (scripts/fuzz.sh).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ds_comm::store::{StoreClient, StoreServer};
+use ds_comm::testkit::LargestAlloc;
 use proptest::prelude::*;
 
 /// The store's frame cap (`frame::MAX_FRAME`) and the bound on any one allocation here.
 const MAX_FRAME: usize = 1 << 20;
 const ALLOC_BOUND: usize = 2 * MAX_FRAME + 4096;
 
-struct Counting;
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only records sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc(layout)
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc_zeroed(layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LARGEST.fetch_max(new_size, Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: LargestAlloc = LargestAlloc;
 
 const TOKEN: &str = "s3cret";
 const MAGIC: &[u8] = b"ds-rs store v1";
@@ -116,7 +93,7 @@ fn still_serves(addr: &str, n: u64) {
 }
 
 fn check_allocations() {
-    let largest = LARGEST.load(Ordering::Relaxed);
+    let largest = LargestAlloc::largest();
     assert!(largest <= ALLOC_BOUND, "an allocation of {largest} bytes");
 }
 

@@ -8,10 +8,10 @@
 //! shapes and dtypes changed, bytes cut or altered, and arbitrary bytes. The case count is
 //! small for CI; `PROPTEST_CASES` raises it (scripts/fuzz.sh).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use ds_comm::testkit::LargestAlloc;
 use ds_engine::checkpoint;
 use ds_engine::data::{TextBytes, TokenFile, TokenSource, TokenWidth};
 use ds_engine::model::weights::{self, WeightsFile};
@@ -19,36 +19,14 @@ use ds_engine::model::{Init, ParamSpec};
 use proptest::prelude::*;
 use serde_json::{json, Value as Json};
 
-struct Counting;
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only records sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc(layout)
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc_zeroed(layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LARGEST.fetch_max(new_size, Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: LargestAlloc = LargestAlloc;
 
 /// The files here are a few KB; the checksum reads 1 MiB at a time.
 const ALLOC_BOUND: usize = 8 << 20;
 
 fn check_allocations() {
-    let largest = LARGEST.load(Ordering::Relaxed);
+    let largest = LargestAlloc::largest();
     assert!(largest <= ALLOC_BOUND, "an allocation of {largest} bytes");
 }
 
