@@ -7,11 +7,11 @@
 //! After a failure (a lost peer, a timeout) the communicator is broken: the links may hold a
 //! partial message, so every later collective returns the first error at once.
 
-use crate::algo::{self, even_counts, ranges, Ctx};
+use crate::algo::{even_counts, ranges, Ctx};
+use crate::backend::{Backend, Exec, Net};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::exchange::Deadline;
-use crate::link::Links;
 use crate::logger::{CommsLogger, OpKind};
 use crate::store::{StoreClient, StoreServer};
 use std::sync::mpsc;
@@ -35,7 +35,7 @@ pub(crate) struct Shared {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
-    links: Mutex<Links>,
+    net: Net,
     turns: Turns,
     broken: Mutex<Option<String>>,
     worker: Mutex<Option<mpsc::Sender<Job>>>,
@@ -101,7 +101,7 @@ pub(crate) struct Parts {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
-    pub links: Links,
+    pub net: Net,
     pub logger: Option<CommsLogger>,
     pub store: Option<StoreClient>,
     pub server: Option<StoreServer>,
@@ -113,7 +113,7 @@ impl Communicator {
             rank: p.rank,
             world: p.world,
             timeout: p.timeout,
-            links: Mutex::new(p.links),
+            net: p.net,
             turns: Turns::default(),
             broken: Mutex::new(None),
             worker: Mutex::new(None),
@@ -173,6 +173,28 @@ impl Communicator {
         self.shared.store.as_ref()
     }
 
+    /// Which backend moves this communicator's data.
+    pub fn backend(&self) -> Backend {
+        match &self.shared.net {
+            Net::Links(_) => Backend::Ds,
+            #[cfg(feature = "mpi")]
+            Net::Mpi(_) => Backend::Mpi,
+        }
+    }
+
+    /// This rank failed and is about to leave. Under MPI the whole job ends now (MPI_Abort
+    /// with `code`): the other ranks may be waiting for this one in a collective, and MPI
+    /// would not tell them. Over the built-in transport this returns: the links closing
+    /// tell the peers, who name this rank.
+    pub fn abort_on_failure(&self, code: i32) {
+        match &self.shared.net {
+            Net::Links(_) => {}
+            #[cfg(feature = "mpi")]
+            Net::Mpi(world) => world.abort(code),
+        }
+        let _ = code;
+    }
+
     /// The comms logger's end-of-run table, when `comms_logger.enabled`.
     pub fn comms_summary(&self) -> Option<String> {
         self.shared
@@ -220,7 +242,7 @@ impl Group {
 
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let bytes = std::mem::size_of_val(buf) as u64;
-        self.run(OpKind::AllReduce, bytes, |cx| algo::all_reduce(cx, buf, op))
+        self.run(OpKind::AllReduce, bytes, |ex| ex.all_reduce(buf, op))
     }
 
     /// `input` holds one part per rank (`input.len() == size * output.len()`); this rank's
@@ -240,8 +262,8 @@ impl Group {
             )));
         }
         let bytes = std::mem::size_of_val(input) as u64;
-        self.run(OpKind::ReduceScatter, bytes, |cx| {
-            algo::reduce_scatter_into(cx, input, output, op)
+        self.run(OpKind::ReduceScatter, bytes, |ex| {
+            ex.reduce_scatter_into(input, output, op)
         })
     }
 
@@ -254,8 +276,8 @@ impl Group {
         op: ReduceOp,
     ) -> Result<()> {
         let bytes = std::mem::size_of_val(buf) as u64;
-        self.run(OpKind::ReduceScatter, bytes, |cx| {
-            algo::reduce_scatter_v(cx, buf, counts, op)
+        self.run(OpKind::ReduceScatter, bytes, |ex| {
+            ex.reduce_scatter_v(buf, counts, op)
         })
     }
 
@@ -300,32 +322,28 @@ impl Group {
         let bytes = counts
             .get(self.me)
             .map_or(0, |c| (c * std::mem::size_of::<T>()) as u64);
-        self.run(OpKind::AllGather, bytes, |cx| {
-            algo::all_gather_v(cx, buf, counts)
-        })
+        self.run(OpKind::AllGather, bytes, |ex| ex.all_gather_v(buf, counts))
     }
 
     /// Copies `buf` of global rank `root` into `buf` of every member.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let root = self.index_of(root)?;
         let bytes = std::mem::size_of_val(buf) as u64;
-        self.run(OpKind::Broadcast, bytes, |cx| {
-            algo::broadcast(cx, buf, root)
-        })
+        self.run(OpKind::Broadcast, bytes, |ex| ex.broadcast(buf, root))
     }
 
     /// Sends `buf` to global rank `to`, which must `recv` a buffer of the same length.
     pub fn send<T: Element>(&self, buf: &[T], to: usize) -> Result<()> {
         self.peer(to)?;
-        self.run(OpKind::Send, std::mem::size_of_val(buf) as u64, |cx| {
-            algo::send(cx, buf, to)
+        self.run(OpKind::Send, std::mem::size_of_val(buf) as u64, |ex| {
+            ex.send(buf, to)
         })
     }
 
     pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
         self.peer(from)?;
         let bytes = std::mem::size_of_val(buf) as u64;
-        self.run(OpKind::Recv, bytes, |cx| algo::recv(cx, buf, from))
+        self.run(OpKind::Recv, bytes, |ex| ex.recv(buf, from))
     }
 
     /// A combined send and receive (Megatron's `batch_isend_irecv`): bytes to and from global
@@ -346,7 +364,7 @@ impl Group {
             self.peer(peer)?;
         }
         let bytes = sends.iter().map(|(_, b)| b.len() as u64).sum();
-        self.run(OpKind::Send, bytes, |cx| algo::send_recv(cx, sends, recvs))
+        self.run(OpKind::Send, bytes, |ex| ex.send_recv(sends, recvs))
     }
 
     /// Sends `buf` to global rank `to` on the worker thread, in this rank's collective order:
@@ -356,7 +374,7 @@ impl Group {
     }
 
     pub fn barrier(&self) -> Result<()> {
-        self.run(OpKind::Barrier, 0, algo::barrier)
+        self.run(OpKind::Barrier, 0, |ex| ex.barrier())
     }
 
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
@@ -475,7 +493,7 @@ impl Group {
 
     /// Runs one collective in turn: refuses on a broken communicator, times it for the
     /// comms logger, and breaks the communicator on a transport failure.
-    fn run(&self, kind: OpKind, bytes: u64, f: impl FnOnce(&mut Ctx) -> Result<()>) -> Result<()> {
+    fn run(&self, kind: OpKind, bytes: u64, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
         let ticket = RESERVED
             .with(|r| r.take())
             .unwrap_or_else(|| self.shared.turns.take());
@@ -487,15 +505,7 @@ impl Group {
                 )));
             }
             let start = Instant::now();
-            let mut links = self.shared.links.lock().unwrap();
-            let mut cx = Ctx {
-                links: &mut links,
-                ranks: &self.ranks,
-                me: self.me,
-                deadline: Deadline::after(self.shared.timeout),
-            };
-            let result = f(&mut cx).map_err(|e| e.during(kind.ds_name()));
-            drop(links);
+            let result = self.exec(kind, f).map_err(|e| e.during(kind.ds_name()));
             match result {
                 Err(e @ (CommError::PeerLost { .. } | CommError::Timeout { .. })) => {
                     let e = self.root_cause(e);
@@ -509,6 +519,27 @@ impl Group {
                 Err(e) => Err(e),
             }
         })
+    }
+
+    /// Runs `f` on this group's way to its peers.
+    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
+    fn exec(&self, kind: OpKind, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
+        match &self.shared.net {
+            Net::Links(links) => {
+                let mut links = links.lock().unwrap();
+                let mut cx = Ctx {
+                    links: &mut links,
+                    ranks: &self.ranks,
+                    me: self.me,
+                    deadline: Deadline::after(self.shared.timeout),
+                };
+                f(&mut Exec::Links(&mut cx))
+            }
+            #[cfg(feature = "mpi")]
+            Net::Mpi(world) => world.run(kind.ds_name(), &self.ranks, self.me, |g| {
+                f(&mut Exec::Mpi(g))
+            }),
+        }
     }
 
     /// Failures cascade: a rank that loses its peer stops, and its own peers then lose it.

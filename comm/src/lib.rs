@@ -9,6 +9,7 @@
 //! - [`logger`]: DeepSpeed's comms logger. `nccl` (feature): the same collectives on GPUs.
 
 mod algo;
+mod backend;
 pub mod dtype;
 pub mod env;
 pub mod error;
@@ -18,6 +19,8 @@ mod group;
 mod link;
 pub mod logger;
 mod mesh;
+#[cfg(feature = "mpi")]
+mod mpi_backend;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod parallel;
@@ -25,12 +28,14 @@ pub mod store;
 pub mod testkit;
 pub mod topology;
 
+pub use backend::{Backend, BACKEND_VAR};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::{Communicator, Group, Work, DEFAULT_TIMEOUT};
 pub use mesh::Transport;
 pub use parallel::Groups;
 
+use backend::Net;
 use ds_config::monitor::CommsLoggerConfig;
 use group::Parts;
 use link::Links;
@@ -54,6 +59,9 @@ pub struct InitOptions {
     pub timeout: Duration,
     pub transport: Transport,
     pub comms_logger: Option<CommsLoggerConfig>,
+    /// What moves the data: the built-in transport, or MPI (rank and world size are then
+    /// MPI_COMM_WORLD's; the addresses, token and transport go unused).
+    pub backend: Backend,
 }
 
 impl InitOptions {
@@ -68,6 +76,7 @@ impl InitOptions {
             timeout: DEFAULT_TIMEOUT,
             transport: Transport::Auto,
             comms_logger: None,
+            backend: Backend::Ds,
         }
     }
 }
@@ -85,13 +94,18 @@ pub fn init(opts: &InitOptions) -> Result<Communicator> {
         .as_ref()
         .filter(|c| c.enabled)
         .map(|c| CommsLogger::new(c).with_rank(opts.rank));
+    opts.backend.check_built()?;
+    #[cfg(feature = "mpi")]
+    if opts.backend == Backend::Mpi {
+        return init_mpi(opts, logger);
+    }
     if opts.world_size == 1 {
         let links = Links { links: vec![None] };
         let parts = Parts {
             rank: 0,
             world: 1,
             timeout: opts.timeout,
-            links,
+            net: Net::Links(links.into()),
             logger,
             store: None,
             server: None,
@@ -120,13 +134,36 @@ pub fn init(opts: &InitOptions) -> Result<Communicator> {
         rank: opts.rank,
         world: opts.world_size,
         timeout: opts.timeout,
-        links,
+        net: Net::Links(links.into()),
         logger,
         store: Some(store),
         server,
     };
     let comm = Communicator::new(parts);
     // Nobody leaves the rendezvous (and rank 0 keeps its store) until everyone is connected.
+    comm.world().barrier()?;
+    Ok(comm)
+}
+
+/// Joins the MPI job this process was started in (by `mpirun`, or alone as a singleton).
+#[cfg(feature = "mpi")]
+fn init_mpi(opts: &InitOptions, logger: Option<CommsLogger>) -> Result<Communicator> {
+    let world = mpi_backend::take_world(opts.timeout)?;
+    if (world.rank, world.size) != (opts.rank, opts.world_size) {
+        return Err(CommError::Env(format!(
+            "rank {} of {} asked for, MPI placed this process as rank {} of {}",
+            opts.rank, opts.world_size, world.rank, world.size
+        )));
+    }
+    let comm = Communicator::new(Parts {
+        rank: world.rank,
+        world: world.size,
+        timeout: opts.timeout,
+        net: Net::Mpi(world),
+        logger,
+        store: None,
+        server: None,
+    });
     comm.world().barrier()?;
     Ok(comm)
 }
@@ -145,14 +182,30 @@ pub const TIMEOUT_VAR: &str = "DS_RS_COMM_TIMEOUT";
 pub const TRANSPORT_VAR: &str = "DS_RS_TRANSPORT";
 
 /// Joins the job the environment describes (torchrun, the ds-rs launcher, OpenMPI, Slurm,
-/// Azure ML); a process with no such environment is a job of one rank.
+/// Azure ML, TF_CONFIG) over the backend `DS_RS_DIST_BACKEND` names; a process with no such
+/// environment is a job of one rank.
 pub fn init_from_env() -> Result<Communicator> {
     init(&options_from_env()?)
 }
 
 /// The options [`init_from_env`] uses, for a caller to adjust (transport, comms logger).
 pub fn options_from_env() -> Result<InitOptions> {
+    options_for(Backend::from_env()?)
+}
+
+/// The options of this process's place in the job over `backend`: under MPI, MPI's own
+/// (initialising MPI); otherwise the rank environment's.
+pub fn options_for(backend: Backend) -> Result<InitOptions> {
+    backend.check_built()?;
     let get = |k: &str| std::env::var(k).ok();
+    #[cfg(feature = "mpi")]
+    if backend == Backend::Mpi {
+        let (rank, world) = mpi_backend::place()?;
+        let mut opts = InitOptions::new(rank, world, "", 0);
+        opts.backend = backend;
+        opts.timeout = timeout_from_env(&get)?.unwrap_or(opts.timeout);
+        return Ok(opts);
+    }
     let env = env::RankEnv::from_env().map_err(|e| CommError::Env(e.to_string()))?;
     let mut opts = match env {
         Some(e) => InitOptions::new(e.rank, e.world_size, &e.master_addr, e.master_port),
@@ -168,23 +221,29 @@ pub fn options_from_env() -> Result<InitOptions> {
             )))
         }
     };
-    if let Some(raw) = get(TIMEOUT_VAR) {
-        let secs: f64 = raw
-            .trim()
-            .parse()
-            .ok()
-            .filter(|s: &f64| s.is_finite() && *s > 0.0)
-            .ok_or_else(|| {
-                CommError::Env(format!(
-                    "{TIMEOUT_VAR}={raw:?}: expected a positive number of seconds"
-                ))
-            })?;
-        opts.timeout = Duration::from_secs_f64(secs);
-    }
+    opts.timeout = timeout_from_env(&get)?.unwrap_or(opts.timeout);
     if opts.token.is_none() && opts.world_size > 1 && !is_loopback(&opts.master_addr) {
         eprintln!("warning: no job token (DS_RS_JOB_TOKEN): any host that reaches {}:{} can join this job", opts.master_addr, opts.master_port);
     }
     Ok(opts)
+}
+
+/// `DS_RS_COMM_TIMEOUT`, when set.
+fn timeout_from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Duration>> {
+    let Some(raw) = get(TIMEOUT_VAR) else {
+        return Ok(None);
+    };
+    let secs: f64 = raw
+        .trim()
+        .parse()
+        .ok()
+        .filter(|s: &f64| s.is_finite() && *s > 0.0)
+        .ok_or_else(|| {
+            CommError::Env(format!(
+                "{TIMEOUT_VAR}={raw:?}: expected a positive number of seconds"
+            ))
+        })?;
+    Ok(Some(Duration::from_secs_f64(secs)))
 }
 
 fn is_loopback(host: &str) -> bool {

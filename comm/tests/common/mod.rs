@@ -1,6 +1,8 @@
 //! Helpers for multi-rank tests: N ranks as threads of this process over loopback.
 #![allow(dead_code)]
 
+pub mod matrix;
+
 use ds_comm::store::StoreServer;
 use ds_comm::{init, Communicator, InitOptions, Transport};
 use std::time::Duration;
