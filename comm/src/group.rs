@@ -182,17 +182,15 @@ impl Communicator {
         }
     }
 
-    /// This rank failed and is about to leave. Under MPI the whole job ends now (MPI_Abort
-    /// with `code`): the other ranks may be waiting for this one in a collective, and MPI
-    /// would not tell them. Over the built-in transport this returns: the links closing
-    /// tell the peers, who name this rank.
-    pub fn abort_on_failure(&self, code: i32) {
-        match &self.shared.net {
-            Net::Links(_) => {}
-            #[cfg(feature = "mpi")]
-            Net::Mpi(world) => world.abort(code),
+    /// Ends this rank now, and the job with it: under MPI, MPI_Abort(`code`), which ends
+    /// every rank (they may be waiting for this one in a collective, and MPI would not tell
+    /// them); over the built-in transport the process exits and its peers see its links close.
+    pub fn abort(&self, code: i32) -> ! {
+        #[cfg(feature = "mpi")]
+        if let Net::Mpi(world) = &self.shared.net {
+            world.abort(code)
         }
-        let _ = code;
+        std::process::exit(code)
     }
 
     /// The comms logger's end-of-run table, when `comms_logger.enabled`.

@@ -201,6 +201,7 @@ pub fn options_for(backend: Backend) -> Result<InitOptions> {
     #[cfg(feature = "mpi")]
     if backend == Backend::Mpi {
         let (rank, world) = mpi_backend::place()?;
+        check_mpi_place(rank, world)?;
         let mut opts = InitOptions::new(rank, world, "", 0);
         opts.backend = backend;
         opts.timeout = timeout_from_env(&get)?.unwrap_or(opts.timeout);
@@ -226,6 +227,22 @@ pub fn options_for(backend: Backend) -> Result<InitOptions> {
         eprintln!("warning: no job token (DS_RS_JOB_TOKEN): any host that reaches {}:{} can join this job", opts.master_addr, opts.master_port);
     }
     Ok(opts)
+}
+
+/// A process that another launcher placed (torchrun's or ds-rs launch's variables) but MPI
+/// did not: MPI then sees a job of one, and training alone would look like success.
+#[cfg(feature = "mpi")]
+fn check_mpi_place(rank: usize, world: usize) -> Result<()> {
+    let Ok(Some(e)) = env::RankEnv::from_env() else {
+        return Ok(());
+    };
+    if (e.rank, e.world_size) == (rank, world) {
+        return Ok(());
+    }
+    Err(CommError::Env(format!(
+        "dist_backend mpi: the environment ({:?}) makes this process rank {} of {}, MPI makes          it rank {rank} of {world}: start the job with mpirun (or `ds-rs launch --launcher          openmpi`), whose ranks MPI knows",
+        e.source, e.rank, e.world_size
+    )))
 }
 
 /// `DS_RS_COMM_TIMEOUT`, when set.

@@ -9,6 +9,8 @@ mod config_check;
 mod estimate;
 mod local_ranks;
 
+pub(crate) use local_ranks::BackendArg;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};

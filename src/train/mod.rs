@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ds_comm::{init, options_from_env, Communicator, Groups};
+use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, resolve, Config};
 use ds_engine::data::TokenWidth;
 use ds_engine::gpt::GptConfig;
@@ -90,6 +90,8 @@ pub struct TrainArgs {
     /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
     #[arg(long)]
     pub(crate) pp: Option<usize>,
+    #[command(flatten)]
+    pub(crate) backend: crate::cli::BackendArg,
 }
 
 const DEFAULT_STEPS: u64 = 300;
@@ -120,17 +122,34 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
-    let mut env = options_from_env().context("reading the rank environment")?;
+    let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     ds_engine::crash_point::check()?;
     let (model, cfg) = plan(args, env.world_size)?;
     // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at
     // the end)
     env.comms_logger = cfg.comms_logger.clone().filter(|c| c.enabled);
     let comm = init(&env).context("joining the job")?;
-    if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
-        crate::launch::print_config_warnings(&cfg);
+    let result = run_joined(args, model, &cfg, &comm, started);
+    if let (Err(e), Backend::Mpi) = (&result, comm.backend()) {
+        // MPI would leave the other ranks waiting for this one: end the job, named.
+        eprintln!("error: rank {}: {e:#}", comm.rank());
+        comm.abort(1);
     }
-    let groups = Groups::new(&comm, cfg.dims)?;
+    result
+}
+
+/// The run of a rank that has joined the job.
+fn run_joined(
+    args: &TrainArgs,
+    model: GptConfig,
+    cfg: &Config,
+    comm: &Communicator,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
+    if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
+        crate::launch::print_config_warnings(cfg);
+    }
+    let groups = Groups::new(comm, cfg.dims)?;
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone(),
@@ -138,7 +157,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
     let layers = model.build_parallel(&tp).map_err(anyhow::Error::msg)?;
-    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
+    let mut engine = Engine::initialize(layers, cfg, &groups, &opts)?;
     let s = engine.settings().clone();
     let width = match args.token_width.as_str() {
         "u16" => TokenWidth::U16,
@@ -167,11 +186,11 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let run = Run {
         args,
         model,
-        cfg: &cfg,
+        cfg,
         steps,
         dir: metrics_dir(args, comm.rank())?,
     };
-    run.train(&mut engine, &data, &comm, started)
+    run.train(&mut engine, &data, comm, started)
 }
 
 struct Run<'a> {
