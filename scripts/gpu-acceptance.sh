@@ -48,7 +48,8 @@ row() { # check result figure
 # libnccl.so: cudarc opens that name (or .so.1, .so.9-.13), pip's nvidia-nccl ships libnccl.so.2.
 cuda_libs() {
     local venv=${TORCH_VENV:-/opt/torch/.venv} d nccl
-    for d in "$venv"/lib/python3*/site-packages/nvidia/*/lib; do
+    # libcuda.so.1 comes with the driver (on the loader's path already on the hosts seen so far).
+    for d in /usr/local/nvidia/lib64 "$venv"/lib/python3*/site-packages/nvidia/*/lib; do
         [ -d "$d" ] && LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     done
     nccl=$(find "$venv" -name 'libnccl.so.2' 2>/dev/null | head -n 1)
