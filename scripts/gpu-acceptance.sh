@@ -98,7 +98,7 @@ nccl_smoke() {
     cat "$log"
     for t in f32 bf16 f16; do
         nccl_row "nccl $t" "one_rank_collectives_$t" "nccl-smoke $t: ok" "$log" \
-            "all_reduce sum/avg/max, all_gather, reduce_scatter sum/max, broadcast, barrier; 1..1048583 elems"
+            "all_reduce sum/avg/max, all_gather, reduce_scatter sum/max, broadcast, barrier; 0..1048583 elems"
     done
     nccl_row "nccl errors" one_rank_rejects_bad_arguments "nccl-smoke bad-arguments: ok" "$log" \
         "length/root/peer checks, abort"

@@ -1,7 +1,7 @@
 //! One-rank NCCL smoke test through [`NcclComm`] on GPU 0: all_reduce (sum, avg, max),
 //! all_gather, reduce_scatter (sum, max), broadcast and barrier, on f32, bf16 and f16, for
-//! lengths from 1 element to 4 MiB, each result read back to the host and checked element by
-//! element against a reference computed here.
+//! lengths from 0 to 4 MiB, each result read back to the host and checked element by element
+//! against a reference computed here.
 //!
 //! With one rank a reduction is the identity, and NCCL does nothing at all for an in-place one,
 //! so that part only shows the call is accepted. What shows data really moves is the
@@ -24,9 +24,9 @@ use ds_comm::nccl::{NcclComm, NcclElement, NcclError};
 use ds_comm::{Element, ReduceOp};
 use half::{bf16, f16};
 
-/// Odd sizes from one element up to 4 MiB of f32, none a multiple of a warp, a page or a
-/// ring slice.
-const LENS: [usize; 5] = [1, 3, 1_000, 65_537, 1_048_583];
+/// Empty (the collectives return at once and must touch nothing), then odd sizes from one
+/// element up to 4 MiB of f32, none a multiple of a warp, a page or a ring slice.
+const LENS: [usize; 6] = [0, 1, 3, 1_000, 65_537, 1_048_583];
 /// Sentinel elements on each side of every device buffer; the collectives work on the view
 /// between them, which also starts at an odd offset.
 const GUARD: usize = 17;
@@ -60,8 +60,8 @@ fn one_rank_rejects_bad_arguments() {
     };
     let _device = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
     let comm = one_rank(&compute);
-    let input = compute.clone_htod(&pattern::<f32>(7, 0)).unwrap();
-    let mut short = compute.clone_htod(&pattern::<f32>(6, 0)).unwrap();
+    let input = compute.clone_htod(&pattern::<f32>(0, 7)).unwrap();
+    let mut short = compute.clone_htod(&pattern::<f32>(0, 6)).unwrap();
     let failures = [
         comm.all_gather(&input, &mut short),
         comm.reduce_scatter(&input, &mut short, ReduceOp::Sum),
