@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# The one command for a GPU host (issue 22 Part B): runs every device check that exists so far
+# and prints a table of check, result, figure. Checks whose inputs are missing are reported as
+# "skip" with the reason, so the table always says what is still to be measured.
+#
+#   scripts/gpu-acceptance.sh [--bundle DIR] [--bench DIR] [--micro-batch N] [--warmup N] [--steps N]
+#
+#   --bundle DIR  built artifacts, made here by scripts/gpu-bundle.sh (default target/gpu-bundle,
+#                 or $DS_GPU_BUNDLE): nccl_device[.gz], the ds-comm NCCL smoke test binary.
+#   --bench DIR   the peer benchmarks (train_torch.py, gpt.py, make_tokens.py; default
+#                 ../shared/bench beside the repo, or $DS_BENCH_DIR). Copied to a temp dir first.
+#   $PYTHON       the Python with PyTorch (default python3); $TORCH_VENV (default
+#                 /opt/torch/.venv) supplies the CUDA 13 and NCCL libraries.
+#   $DS_PEAK_TFLOPS  dense bf16 peak for MFU when the GPU's name is not in the table below.
+#
+# Writes the table to $OUT/gpu-acceptance.txt and the logs beside it when $OUT is set.
+# Exit status: 0 when nothing failed (skips are not failures), 1 otherwise.
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bundle=${DS_GPU_BUNDLE:-$repo/target/gpu-bundle}
+bench=${DS_BENCH_DIR:-$repo/../shared/bench}
+micro_batch=16 warmup=10 steps=40
+while [ $# -gt 0 ]; do
+    case $1 in
+        --bundle) bundle=$2; shift 2 ;;
+        --bench) bench=$2; shift 2 ;;
+        --micro-batch) micro_batch=$2; shift 2 ;;
+        --warmup) warmup=$2; shift 2 ;;
+        --steps) steps=$2; shift 2 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) echo "gpu-acceptance: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+python=${PYTHON:-python3}
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-acceptance.XXXXXX")
+logs=${OUT:-$work}
+rows=()
+failed=0
+
+row() { # check result figure
+    rows+=("$1|$2|$3")
+    [ "$2" = FAIL ] && failed=1
+    printf '== %s: %s %s\n' "$1" "$2" "$3"
+}
+
+# The CUDA 13 user-space libraries of the PyTorch venv (as shared/gpu/device-env.sh does), and
+# libnccl.so: cudarc opens that name (or .so.1, .so.9-.13), pip's nvidia-nccl ships libnccl.so.2.
+cuda_libs() {
+    local venv=${TORCH_VENV:-/opt/torch/.venv} d nccl
+    # libcuda.so.1 comes with the driver (on the loader's path already on the hosts seen so far).
+    for d in /usr/local/nvidia/lib64 "$venv"/lib/python3*/site-packages/nvidia/*/lib; do
+        [ -d "$d" ] && LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+    nccl=$(find "$venv" -name 'libnccl.so.2' 2>/dev/null | head -n 1)
+    if [ -n "$nccl" ]; then
+        mkdir -p "$work/lib"
+        ln -sf "$nccl" "$work/lib/libnccl.so"
+        LD_LIBRARY_PATH="$work/lib:$LD_LIBRARY_PATH"
+    fi
+    export LD_LIBRARY_PATH
+    echo "libnccl.so -> ${nccl:-none found under $venv}"
+}
+
+gpu_info() {
+    if ! command -v nvidia-smi >/dev/null; then
+        row gpu skip "no nvidia-smi"
+        return
+    fi
+    local q
+    q=$(nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader 2>&1 | head -n 1)
+    if [ -z "$q" ] || [[ $q == *"failed"* || $q == *"No devices"* ]]; then
+        row gpu FAIL "nvidia-smi: $q"
+        return
+    fi
+    gpu_name=${q%%,*}
+    row gpu ok "$q"
+}
+
+# The ds-comm NCCL smoke test (comm/tests/nccl_device.rs); DS_RS_REQUIRE_GPU=1 so it cannot
+# pass by skipping.
+nccl_smoke() {
+    local bin=$work/nccl_device log=$logs/nccl-smoke.log missing t status
+    if [ -f "$bundle/nccl_device.gz" ]; then
+        gunzip -c "$bundle/nccl_device.gz" >"$bin"
+    elif [ -f "$bundle/nccl_device" ]; then
+        cp "$bundle/nccl_device" "$bin"
+    else
+        row "nccl smoke" skip "no nccl_device[.gz] in $bundle (scripts/gpu-bundle.sh)"
+        return
+    fi
+    chmod +x "$bin"
+    missing=$(ldd "$bin" 2>&1 | grep 'not found')
+    [ -n "$missing" ] && { row "nccl smoke" FAIL "ldd: $missing"; return; }
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 NCCL_DEBUG=${NCCL_DEBUG:-VERSION} timeout 90 \
+        "$bin" --nocapture --test-threads 1 >"$log" 2>&1
+    status=$?
+    cat "$log"
+    for t in f32 bf16 f16; do
+        nccl_row "nccl $t" "one_rank_collectives_$t" "nccl-smoke $t: ok" "$log" \
+            "all_reduce sum/avg/max, all_gather, reduce_scatter sum/max, broadcast, barrier; 0..1048583 elems"
+    done
+    nccl_row "nccl errors" one_rank_rejects_bad_arguments "nccl-smoke bad-arguments: ok" "$log" \
+        "length/root/peer checks, abort"
+    [ $status -ne 0 ] && ! grep -q 'test result: FAILED' "$log" &&
+        row "nccl smoke" FAIL "exit $status (crash or timeout), see nccl-smoke.log"
+    grep -o 'NCCL version [^ ]*' "$log" | head -n 1
+}
+
+# With --nocapture a test's own lines sit between "test NAME ..." and the next test's line: it
+# passed when it printed its ok line there; else the line after "panicked at" says why.
+nccl_row() { # check test ok-line log figure
+    local block why
+    block=$(awk -v t="test $2 ..." 'index($0, t) == 1 { on = 1; print; next }
+        on && /^(test |failures:|test result:)/ { exit } on' "$4")
+    if [ -z "$block" ]; then
+        row "$1" FAIL "did not run"
+    elif grep -qF "$3" <<<"$block"; then
+        row "$1" ok "$5"
+    else
+        why=$(grep -A1 'panicked at' <<<"$block" | tail -n 1 | cut -c1-200)
+        row "$1" FAIL "${why:-see nccl-smoke.log}"
+    fi
+}
+
+torch_info() {
+    local v
+    if v=$("$python" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, " + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible"))' 2>&1); then
+        row pytorch ok "$v"
+    else
+        row pytorch skip "$python has no PyTorch: $(tail -n 1 <<<"$v")"
+    fi
+}
+
+# PyTorch eager (bf16 autocast) on the same GPU: the speed baseline ds-rs must reach.
+torch_eager() {
+    local preset=$1 dir=$work/bench out=$logs/torch-eager.jsonl
+    if [ ! -f "$bench/train_torch.py" ]; then
+        row "torch eager $preset" skip "no train_torch.py in $bench"
+        return
+    fi
+    [ -d "$dir" ] || { mkdir -p "$dir" && cp "$bench"/*.py "$dir"/; }
+    if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout 150 "$python" train_torch.py --preset "$preset" \
+        --device cuda --bf16 --micro-batch "$micro_batch" --warmup "$warmup" --steps "$steps" \
+        --tag gpu-acceptance --out "$out" 2>&1 | tee "$logs/torch-$preset.log"); then
+        row "torch eager $preset" FAIL "see torch-$preset.log"
+        return
+    fi
+    local figure
+    figure=$(mfu "$preset" "$out" "$dir") || { row "torch eager $preset" FAIL "$figure"; return; }
+    row "torch eager $preset" ok "$figure"
+}
+
+# MFU = 6 * N * tokens/s / peak, N = every parameter (embeddings and the untied lm_head
+# included), attention's score and value products not counted: the formula issue 22 uses.
+# Also given: the PaLM / nanoGPT count, (6 * N' + 12 * L * T * d) per token, with N' leaving
+# out the two embedding tables (lookups, not matmuls) and 12*L*T*d counting attention's two
+# T x T products in forward and backward (not halved for the causal mask).
+mfu() { # preset jsonl benchdir
+    "$python" - "$1" "$2" "$3" "${gpu_name:-}" "${DS_PEAK_TFLOPS:-}" <<'EOF'
+import json, sys
+preset, path, bench, name, peak_env = sys.argv[1:]
+sys.path.insert(0, bench)
+import gpt
+cfg = gpt.PRESETS[preset]
+res = [r for r in map(json.loads, open(path)) if r["preset"] == preset][-1]
+tok_s, n = res["tokens_per_s"], res["params"]
+# Dense bf16 peak in TFLOP/s by name (vendor datasheets); H100 SXM = "H100 80GB HBM3".
+table = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4),
+         ("H100", 989.4), ("A100", 312.0)]
+peak = float(peak_env) if peak_env else next((p for k, p in table if k in name), None)
+V, T, d, L = cfg["V"], cfg["T"], cfg["d"], cfg["L"]
+fig = (f"{tok_s:,.0f} tok/s, step {res['step_ms_median']:.1f} ms (median), "
+       f"B={res['micro_batch']} T={T}, {n/1e6:.1f}M params")
+if peak:
+    mfu6 = 6 * n * tok_s / (peak * 1e12)
+    palm = (6 * (n - V * d - T * d) + 12 * L * T * d) * tok_s / (peak * 1e12)
+    fig += f", MFU(6N) {100 * mfu6:.1f}%, MFU(PaLM) {100 * palm:.1f}% of {peak:g} TFLOP/s"
+else:
+    fig += f", MFU n/a (no peak for {name!r}; set DS_PEAK_TFLOPS)"
+print(fig)
+EOF
+}
+
+# Not built yet (issue 22 Part A): ds-rs's own runs on the device.
+ds_rs_runs() {
+    local why="no ds-rs cuda binary in $bundle (issue 22 Part A: the cuda feature)"
+    if [ -f "$bundle/ds-rs" ] || [ -f "$bundle/ds-rs.gz" ]; then
+        why="ds-rs binary present but this script does not run it yet"
+    fi
+    row "ds-rs tiny fp32 gpu=cpu" skip "$why"
+    row "ds-rs small bf16" skip "$why"
+    row "ds-rs gpt2 bf16" skip "$why"
+    row "ds-rs gpt2 offload" skip "$why"
+}
+
+cuda_libs
+gpu_info
+nccl_smoke
+torch_info
+torch_eager small
+torch_eager gpt2
+ds_rs_runs
+
+{
+    echo
+    printf '%-24s | %-6s | %s\n' check result figure
+    printf '%-24s-+-%-6s-+-%s\n' "------------------------" "------" "------"
+    for r in "${rows[@]}"; do
+        IFS='|' read -r c s f <<<"$r"
+        printf '%-24s | %-6s | %s\n' "$c" "$s" "$f"
+    done
+} | tee "$logs/gpu-acceptance.txt"
+[ "$logs" = "$work" ] || rm -rf "$work"
+exit $failed

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds here (no GPU needed) what scripts/gpu-acceptance.sh runs on a GPU host, and packs it,
+# with that script and the peer benchmarks, into one folder to copy there:
+#
+#   scripts/gpu-bundle.sh [--bench DIR] [--out DIR]
+#
+#   --bench DIR  the peer benchmarks (default ../shared/bench beside the repo, or $DS_BENCH_DIR)
+#   --out DIR    the bundle (default target/gpu-bundle, or $DS_GPU_BUNDLE); emptied first
+#
+# On the GPU host: bash BUNDLE/gpu-acceptance.sh --bundle BUNDLE --bench BUNDLE/bench
+# The NCCL smoke test needs no CUDA toolkit to build: cudarc opens libcuda and libnccl at run
+# time. Honours CARGO_TARGET_DIR; build with nice and CARGO_BUILD_JOBS=1 on a shared machine.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bench=${DS_BENCH_DIR:-$repo/../shared/bench}
+out=${DS_GPU_BUNDLE:-$repo/target/gpu-bundle}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --bench) bench=$2; shift 2 ;;
+        --out) out=$2; shift 2 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        *) echo "gpu-bundle: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+
+cd "$repo"
+# The test binary's path comes from cargo's JSON messages (its name carries a hash).
+bin=$(cargo test -p ds-comm --features nccl --release --test nccl_device --no-run \
+        --message-format=json-render-diagnostics |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl_device":
+        print(m["executable"])')
+[ -n "$bin" ] || { echo "gpu-bundle: no nccl_device test binary was built" >&2; exit 1; }
+
+rm -rf "$out"
+mkdir -p "$out/bench"
+gzip -9 -c "$bin" >"$out/nccl_device.gz"
+cp scripts/gpu-acceptance.sh "$out/"
+if [ -f "$bench/train_torch.py" ]; then
+    cp "$bench"/train_torch.py "$bench"/gpt.py "$bench"/make_tokens.py "$out/bench/"
+    chmod u+w "$out"/bench/*.py
+else
+    echo "gpu-bundle: no train_torch.py in $bench; the PyTorch baseline will be skipped" >&2
+fi
+du -sh "$out"
+ls -l "$out" "$out/bench"
