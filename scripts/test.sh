@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command of README.md (what CI runs): the Python readers the tests compare against,
 # every crate's tests, the NCCL backend's build and its GPU test's skip path (no GPU needed),
-# and the check that the tests left nothing behind.
+# the MPI backend's tests (OpenMPI installed by scripts/install-mpi.sh), and the check that the
+# tests left nothing behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/python-env.sh
@@ -17,4 +18,12 @@ scripts/leftovers.sh snapshot "$before"
 cargo test --workspace --release
 # The NCCL backend builds without CUDA; its GPU smoke test says why it skips.
 cargo test -p ds-comm --features nccl --release --test nccl_device
+# The MPI backend (feature mpi): the collective matrix under mpirun -np 2 and 4, and training
+# over MPI against the built-in transport, on one host and on two netns hosts.
+if scripts/install-mpi.sh; then
+    cargo test --release --features mpi -p ds-comm --test mpi_collectives
+    cargo test --release --features mpi --test mpi_train
+else
+    echo "note: OpenMPI is not installed; the MPI backend's tests are skipped"
+fi
 scripts/leftovers.sh check "$before"

@@ -64,7 +64,8 @@ pub struct LaunchArgs {
     /// Rendezvous port (default: a free port on one host, 29500 on several).
     #[arg(long = "master_port", alias = "master-port")]
     master_port: Option<u16>,
-    /// How to reach the other hosts.
+    /// How to reach the other hosts. openmpi starts every rank with mpirun, on one host too,
+    /// so that `train --dist_backend mpi` finds its MPI job.
     #[arg(long, value_enum, default_value = "ssh")]
     launcher: Launcher,
     /// The remote-exec command for --launcher ssh; {host} is replaced by the host name and
@@ -192,7 +193,7 @@ impl<'a> Job<'a> {
         } else if let Some(c) = &config {
             check_config(c, world, head)?;
         }
-        let multi = hosts.0.len() > 1 || args.force_multi;
+        let multi = remote_path(args, &hosts);
         let master_addr = match &args.master_addr {
             Some(a) => a.clone(),
             None if multi => hosts.0[0].name.clone(),
@@ -220,7 +221,7 @@ impl<'a> Job<'a> {
     }
 
     fn run_once(&self, attempt: u32, stop: &StopFlag) -> anyhow::Result<Outcome> {
-        if self.hosts.0.len() == 1 && !self.args.force_multi {
+        if !remote_path(self.args, &self.hosts) {
             return self.run_node_attempt(0, attempt, stop);
         }
         let specs = self
@@ -417,6 +418,12 @@ pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
     // Inherited by the ranks; nothing else runs in this process yet.
     std::env::set_var("DS_RS_TRANSPORT", transport);
     run(&launch.args)
+}
+
+/// Whether the ranks start through the remote path (one launcher per host, or the scheduler's
+/// command), rather than as children of this process.
+fn remote_path(args: &LaunchArgs, hosts: &Hosts) -> bool {
+    hosts.0.len() > 1 || args.force_multi || args.launcher == Launcher::Openmpi
 }
 
 /// The hosts after the hostfile, --include/--exclude and the per-node limits.
