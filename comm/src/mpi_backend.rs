@@ -17,6 +17,7 @@
 //!   when one dies. A collective that waits past the timeout (a rank stopped, or ranks issuing
 //!   different collectives) has no MPI error: the watchdog names it and calls MPI_Abort.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Condvar, Mutex};
@@ -213,20 +214,43 @@ fn mpi_op(op: ReduceOp) -> ffi::MPI_Op {
     }
 }
 
-/// `v` in f32 (a copy: MPI reads a send buffer that must not alias the result).
-fn to_f32<T: Element>(v: &[T]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
+/// `v` as f32: itself for f32, else converted.
+fn f32_view<T: Element>(v: &[T]) -> Cow<'_, [f32]> {
+    match T::DTYPE {
+        DType::F32 => Cow::Borrowed(bytemuck::cast_slice(v)),
+        _ => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+    }
 }
 
-/// Writes reduced f32 values into `dst`, Avg's 1/n applied before the one rounding.
-fn store<T: Element>(dst: &mut [T], reduced: &[f32], op: ReduceOp, n: usize) {
-    let k = match op {
+/// Avg's factor on the f32 sum (applied before the one rounding into the dtype).
+fn scale(op: ReduceOp, n: usize) -> f32 {
+    match op {
         ReduceOp::Avg => 1.0 / n as f32,
         _ => 1.0,
-    };
+    }
+}
+
+/// Runs `reduce`, which writes f32 results into the buffer it is given, so that they land
+/// in `dst`: directly for f32, else through an f32 buffer rounded once into the dtype.
+fn reduce_into<T: Element>(
+    dst: &mut [T],
+    k: f32,
+    reduce: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<()> {
+    if T::DTYPE == DType::F32 {
+        let out: &mut [f32] = bytemuck::cast_slice_mut(dst);
+        reduce(out)?;
+        if k != 1.0 {
+            out.iter_mut().for_each(|x| *x *= k);
+        }
+        return Ok(());
+    }
+    let mut out = vec![0f32; dst.len()];
+    reduce(&mut out)?;
     dst.iter_mut()
-        .zip(reduced)
+        .zip(&out)
         .for_each(|(d, &x)| *d = T::from_f32(x * k));
+    Ok(())
 }
 
 impl MpiGroup<'_> {
@@ -249,23 +273,23 @@ impl MpiGroup<'_> {
     }
 
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let input = to_f32(buf);
-        let mut out = vec![0f32; buf.len()];
         let len = count("all_reduce", buf.len())?;
-        // SAFETY: both buffers hold `len` f32s; MPI writes only `out`.
-        let rc = unsafe {
-            ffi::MPI_Allreduce(
-                input.as_ptr().cast(),
-                out.as_mut_ptr().cast(),
-                len,
-                ffi::RSMPI_FLOAT,
-                mpi_op(op),
-                self.raw(),
-            )
-        };
-        check("all_reduce", rc)?;
-        store(buf, &out, op, self.n());
-        Ok(())
+        // A copy: MPI's send buffer must not alias the result.
+        let input: Vec<f32> = f32_view(buf).into_owned();
+        reduce_into(buf, scale(op, self.n()), |out| {
+            // SAFETY: both buffers hold `len` f32s; MPI writes only `out`.
+            let rc = unsafe {
+                ffi::MPI_Allreduce(
+                    input.as_ptr().cast(),
+                    out.as_mut_ptr().cast(),
+                    len,
+                    ffi::RSMPI_FLOAT,
+                    mpi_op(op),
+                    self.raw(),
+                )
+            };
+            check("all_reduce", rc)
+        })
     }
 
     pub fn reduce_scatter_into<T: Element>(
@@ -274,10 +298,11 @@ impl MpiGroup<'_> {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let mut out = vec![0f32; output.len()];
-        self.reduce_scatter_f32(&to_f32(input), &mut out, &vec![output.len(); self.n()], op)?;
-        store(output, &out, op, self.n());
-        Ok(())
+        let counts = vec![output.len(); self.n()];
+        let input = f32_view(input);
+        reduce_into(output, scale(op, self.n()), |out| {
+            self.reduce_scatter_f32(&input, out, &counts, op)
+        })
     }
 
     pub fn reduce_scatter_v<T: Element>(
@@ -289,8 +314,12 @@ impl MpiGroup<'_> {
         self.check_counts("reduce_scatter_v", buf.len(), counts)?;
         let mine = ranges(counts)[self.me].clone();
         let mut out = vec![0f32; mine.len()];
-        self.reduce_scatter_f32(&to_f32(buf), &mut out, counts, op)?;
-        store(&mut buf[mine], &out, op, self.n());
+        self.reduce_scatter_f32(&f32_view(buf), &mut out, counts, op)?;
+        let k = scale(op, self.n());
+        buf[mine]
+            .iter_mut()
+            .zip(&out)
+            .for_each(|(d, &x)| *d = T::from_f32(x * k));
         Ok(())
     }
 

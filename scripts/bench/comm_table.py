@@ -22,7 +22,7 @@ def load(path):
             reps[rep]["gloo"][r["size_mib"] * MiB] = r["busbw_gbps"]
         elif prog == "gloo_bytes":  # the peer's own script, where it has the size, counts
             reps[rep]["gloo"].setdefault(r["bytes"], r["busbw_gbs"])
-        elif prog in ("dsrs_tcp", "dsrs_shm"):
+        elif prog in ("dsrs_tcp", "dsrs_shm", "dsrs_mpi"):
             reps[rep][prog][r["bytes"]] = r["busbw_gbs"]
         elif prog == "bound":
             reps[rep]["bound"][r["bytes"]] = r["busbw_gbs"]
@@ -59,5 +59,22 @@ def main(path):
         print(f"- rep {k}: " + "; ".join(parts))
 
 
+def mpi_table(reps):
+    """The MPI backend beside the built-in transport and gloo, per size (busbw GB/s)."""
+    if not any(r["dsrs_mpi"] for r in reps.values()):
+        return
+    print("\n## ds-rs over MPI vs the built-in transport vs gloo: busbw GB/s (MPI / shm, MPI / gloo)\n")
+    for k in sorted(reps):
+        r = reps[k]
+        print(f"rep {k}\n\n| bytes | MPI | shm | tcp | gloo | MPI/shm | MPI/gloo |\n| --- | --- | --- | --- | --- | --- | --- |")
+        for s in sorted(r["dsrs_mpi"]):
+            mpi, shm, tcp, gloo = (r[p].get(s) for p in ("dsrs_mpi", "dsrs_shm", "dsrs_tcp", "gloo"))
+            cell = lambda v: "-" if v is None else f"{v:.3f}"
+            ratio = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}"
+            print(f"| {s} | {cell(mpi)} | {cell(shm)} | {cell(tcp)} | {cell(gloo)} | {ratio(mpi, shm)} | {ratio(mpi, gloo)} |")
+        print()
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    mpi_table(load(sys.argv[1]))

@@ -2,7 +2,7 @@
 //! `--nproc` local ranks itself, or runs as one rank inside `ds-rs launch`.
 
 use anyhow::{bail, Context};
-use ds_comm::{init, options_from_env, DType, Element, Group, ReduceOp, Transport};
+use ds_comm::{init, options_for, DType, Element, Group, ReduceOp, Transport};
 use half::{bf16, f16};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -35,6 +35,8 @@ pub struct CommArgs {
     /// A ds_config whose `comms_logger` section applies (its summary is printed at the end).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    backend: crate::cli::BackendArg,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq)]
@@ -91,7 +93,8 @@ pub fn run(args: &CommArgs) -> anyhow::Result<ExitCode> {
     if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
-    crate::launch::spawn_local(args.nproc, transport_env(args.transport))
+    let backend = args.backend.dist_backend;
+    crate::cli::local_ranks::start_ranks(args.nproc, backend, transport_env(args.transport))
 }
 
 fn transport_env(t: TransportArg) -> &'static str {
@@ -102,7 +105,8 @@ fn transport_env(t: TransportArg) -> &'static str {
 }
 
 fn run_rank(args: &CommArgs) -> anyhow::Result<ExitCode> {
-    let mut opts = options_from_env().context("reading the rank environment")?;
+    let mut opts =
+        options_for(args.backend.dist_backend).context("reading the rank environment")?;
     if args.transport == TransportArg::Tcp {
         opts.transport = Transport::Tcp;
     }
@@ -284,10 +288,13 @@ fn bus_factor(op: Op, n: usize) -> f64 {
 }
 
 fn print_header(args: &CommArgs, n: usize) {
+    let over = match args.backend.dist_backend {
+        ds_comm::Backend::Mpi => "MPI".to_string(),
+        _ => format!("transport {}", transport_env(args.transport)),
+    };
     println!(
-        "# ds-rs bench comm: {} over {n} ranks, transport {}",
-        op_name(args.op),
-        transport_env(args.transport)
+        "# ds-rs bench comm: {} over {n} ranks, {over}",
+        op_name(args.op)
     );
     println!(
         "#{:>12} {:>12} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}",

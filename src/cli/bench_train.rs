@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ds_comm::{init, options_from_env, Groups};
+use ds_comm::{init, options_for, Groups};
 use ds_config::{load, parallel_dims, resolve};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::gpt::GptConfig;
@@ -45,19 +45,21 @@ pub struct TrainBenchArgs {
     /// gradient_accumulation_steps are the micro-batches of a pipeline step.
     #[arg(long)]
     pp: Option<usize>,
+    #[command(flatten)]
+    backend: crate::cli::BackendArg,
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     if crate::cli::local_ranks::inside_job() {
         return run_rank(args);
     }
-    crate::launch::spawn_local(args.nproc, "auto")
+    crate::cli::local_ranks::start_ranks(args.nproc, args.backend.dist_backend, "auto")
 }
 
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let model = GptConfig::preset(&args.preset)
         .with_context(|| format!("--preset {}: expected tiny, small or gpt2", args.preset))?;
-    let env = options_from_env().context("reading the rank environment")?;
+    let env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     let doc = load(&args.config)?;
     let name = || format!("{}", args.config.display());
     let dims = parallel_dims(&doc, env.world_size, args.tp, args.pp).with_context(name)?;
