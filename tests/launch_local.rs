@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -406,5 +407,35 @@ fn tf_config_workers_train_like_the_launcher() {
             assert!(i > 0 || f.stdout.contains(&joined), "{}", f.stdout);
         }
         assert_eq!(losses(&dir), want, "{nproc} TF_CONFIG workers");
+    }
+}
+
+/// `--dist_backend` (and DS_RS_DIST_BACKEND) values this build cannot run are a usage error
+/// that says what would do: nccl on the CPU build, mpi without the `mpi` feature, and names
+/// ds-rs does not have.
+#[test]
+fn a_dist_backend_this_build_lacks_is_refused_saying_what_would_do() {
+    let cases = [
+        ("nccl", "use \"ds\" (the default)"),
+        ("gloo", "expected \"ds\""),
+        ("mpi", "--features mpi"),
+    ];
+    for (name, says) in cases {
+        if name == "mpi" && cfg!(feature = "mpi") {
+            continue; // this binary has it: tests/mpi_train.rs
+        }
+        let f = run(&format!("train --dist_backend {name} --steps 1"), LIMIT);
+        assert_eq!(f.status.code(), Some(2), "{name}: {}", f.stderr);
+        assert!(f.stderr.contains(says), "{name}: {}", f.stderr);
+        let mut cmd = Command::new(BIN);
+        cmd.args(words("train --steps 1"))
+            .env("DS_RS_DIST_BACKEND", name);
+        let f = finish(spawn_captured(&mut cmd), LIMIT);
+        assert_eq!(
+            f.status.code(),
+            Some(2),
+            "DS_RS_DIST_BACKEND={name}: {}",
+            f.stderr
+        );
     }
 }

@@ -227,3 +227,29 @@ fn subnet_of(addr: &str) -> String {
     let (net, _) = addr.rsplit_once('.').unwrap();
     format!("{net}.0/24")
 }
+
+#[test]
+fn ranks_another_launcher_placed_are_refused_rather_than_trained_alone() {
+    // ds-rs launch's own local path places the ranks with RANK/WORLD_SIZE; MPI, not started
+    // by mpirun, sees a job of one in each process.
+    let s = Scratch::new("mpi-misplaced");
+    let r = Run::new(&s, 1);
+    let mut args = words("launch --nproc_per_node 2");
+    args.extend(r.train(2, &s.path("m")));
+    let done = finish(start_args(&args), LIMIT);
+    assert!(!done.status.success());
+    let errors = error_lines_anywhere(&done.stderr);
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("rank 1 of 2, MPI makes it rank 0 of 1")),
+        "{}",
+        done.stderr
+    );
+    assert!(!s.path("m").join("metrics.jsonl").exists(), "it trained");
+}
+
+/// Error lines, with or without the launcher's `[rankN] ` prefix.
+fn error_lines_anywhere(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.contains("error: ")).collect()
+}

@@ -240,7 +240,9 @@ fn check_mpi_place(rank: usize, world: usize) -> Result<()> {
         return Ok(());
     }
     Err(CommError::Env(format!(
-        "dist_backend mpi: the environment ({:?}) makes this process rank {} of {}, MPI makes          it rank {rank} of {world}: start the job with mpirun (or `ds-rs launch --launcher          openmpi`), whose ranks MPI knows",
+        "dist_backend mpi: the environment ({:?}) makes this process rank {} of {}, MPI \
+         makes it rank {rank} of {world}: start the job with mpirun (or `ds-rs launch \
+         --launcher openmpi`), whose ranks MPI knows",
         e.source, e.rank, e.world_size
     )))
 }
