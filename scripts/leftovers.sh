@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a test could leave behind on this machine: a process of this checkout's binaries, a
-# network namespace, a mount, a /dev/shm file, a scratch directory, a memory cgroup.
+# network namespace, a mount, a /dev/shm file, a scratch directory (ours, or OpenMPI's session
+# directory), a memory cgroup.
 #   leftovers.sh snapshot FILE   records what exists now
 #   leftovers.sh check FILE      fails, naming each one, if anything appeared since
 set -euo pipefail
@@ -13,7 +14,7 @@ state() {
     if command -v ip >/dev/null; then ip netns list | awk '{print "netns " $1}'; fi
     awk '{print "mount " $2}' /proc/mounts
     find /dev/shm -mindepth 1 -maxdepth 1 -printf 'shm %f\n' 2>/dev/null || true
-    find "$tmp" -mindepth 1 -maxdepth 1 \( -name 'ds-*' -o -name 'ds_*' \) -printf 'scratch %p\n' 2>/dev/null || true
+    find "$tmp" -mindepth 1 -maxdepth 1 \( -name 'ds-*' -o -name 'ds_*' -o -name 'ompi.*' \) -printf 'scratch %p\n' 2>/dev/null || true
     find /sys/fs/cgroup -maxdepth 3 -type d -name 'ds-rs-*' -printf 'cgroup %p\n' 2>/dev/null || true
 }
 

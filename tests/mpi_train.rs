@@ -16,12 +16,18 @@ use common::*;
 const LIMIT: Duration = Duration::from_secs(240);
 
 /// `mpirun` for tests: allowed as root, any number of ranks on this host's 2 cores.
-fn mpirun(np: usize) -> Command {
+fn mpirun(np: usize, s: &Scratch) -> Command {
     let mut cmd = Command::new("mpirun");
+    mpi_env(&mut cmd, s).args(["--oversubscribe", "-np", &np.to_string()]);
+    cmd
+}
+
+/// What every MPI process of a test gets: root allowed, and OpenMPI's session directory in
+/// the scratch directory (by default /tmp/ompi.<host>.<uid>, which a killed job leaves).
+fn mpi_env<'a>(cmd: &'a mut Command, s: &Scratch) -> &'a mut Command {
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .args(["--oversubscribe", "-np", &np.to_string()]);
-    cmd
+        .env("OMPI_MCA_orte_tmpdir_base", &s.0)
 }
 
 /// Whether mpirun is here; prints why the test cannot run otherwise.
@@ -79,7 +85,7 @@ fn zero_1_and_3_over_mpi_train_like_the_built_in_transport() {
         let s = Scratch::new(&format!("mpi-train-z{stage}-{np}"));
         let r = Run::new(&s, stage);
         let want = r.built_in(np, 6, &s.path("ds"));
-        let mut cmd = mpirun(np);
+        let mut cmd = mpirun(np, &s);
         cmd.arg(BIN).args(r.train(6, &s.path("mpi")));
         let done = finish(spawn_captured(&mut cmd), LIMIT);
         assert!(done.status.success(), "mpirun -np {np}: {}", done.stderr);
@@ -116,7 +122,7 @@ fn signal_rank_1(tag: &str, sig: &str, timeout_s: u32) -> (Finished, Duration) {
     let s = Scratch::new(tag);
     let r = Run::new(&s, 2);
     let metrics = s.path("m");
-    let mut cmd = mpirun(2);
+    let mut cmd = mpirun(2, &s);
     cmd.env("DS_RS_COMM_TIMEOUT", timeout_s.to_string())
         .arg(BIN)
         .args(r.train(100_000, &metrics));
@@ -209,11 +215,10 @@ fn two_netns_hosts_train_over_mpi_like_one_host() {
             hosts.addrs[0]
         )))
         .args(r.train(6, &s.path("mpi")))
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_plm_rsh_agent", &agent)
         .env("OMPI_MCA_oob_tcp_if_include", &subnet)
         .env("OMPI_MCA_btl_tcp_if_include", &subnet);
+    mpi_env(&mut cmd, &s);
     let done = finish(spawn_captured(&mut cmd), LIMIT);
     assert!(done.status.success(), "two hosts over MPI: {}", done.stderr);
     let got = losses(&s.path("mpi"));
@@ -234,9 +239,10 @@ fn ranks_another_launcher_placed_are_refused_rather_than_trained_alone() {
     // by mpirun, sees a job of one in each process.
     let s = Scratch::new("mpi-misplaced");
     let r = Run::new(&s, 1);
-    let mut args = words("launch --nproc_per_node 2");
-    args.extend(r.train(2, &s.path("m")));
-    let done = finish(start_args(&args), LIMIT);
+    let mut cmd = Command::new(BIN);
+    cmd.args(words("launch --nproc_per_node 2"))
+        .args(r.train(2, &s.path("m")));
+    let done = finish(spawn_captured(mpi_env(&mut cmd, &s)), LIMIT);
     assert!(!done.status.success());
     let errors = error_lines_anywhere(&done.stderr);
     assert!(
