@@ -182,16 +182,74 @@ print(fig)
 EOF
 }
 
-# Not built yet (issue 22 Part A): ds-rs's own runs on the device.
+# ds-rs's own runs on the device, from the cuda build (scripts/check-cuda.sh, then
+# scripts/gpu-bundle.sh): the same binary trains on the CPU there too, so the equality runs need
+# nothing else.
 ds_rs_runs() {
-    local why="no ds-rs cuda binary in $bundle (issue 22 Part A: the cuda feature)"
-    if [ -f "$bundle/ds-rs" ] || [ -f "$bundle/ds-rs.gz" ]; then
-        why="ds-rs binary present but this script does not run it yet"
+    bin=$work/ds-rs
+    if [ -f "$bundle/ds-rs.gz" ]; then
+        gunzip -c "$bundle/ds-rs.gz" >"$bin"
+    elif [ -f "$bundle/ds-rs" ]; then
+        cp "$bundle/ds-rs" "$bin"
+    else
+        local c why="no ds-rs cuda binary in $bundle (scripts/check-cuda.sh, scripts/gpu-bundle.sh)"
+        for c in "ds-rs tiny fp32 gpu=cpu" "ds-rs tiny bf16 gpu~cpu" "ds-rs small bf16" "ds-rs gpt2 bf16"; do
+            row "$c" skip "$why"
+        done
+        return
     fi
-    row "ds-rs tiny fp32 gpu=cpu" skip "$why"
-    row "ds-rs small bf16" skip "$why"
-    row "ds-rs gpt2 bf16" skip "$why"
-    row "ds-rs gpt2 offload" skip "$why"
+    chmod +x "$bin"
+    local missing
+    missing=$(ldd "$bin" 2>&1 | grep 'not found')
+    [ -n "$missing" ] && { row "ds-rs" FAIL "ldd: $missing"; return; }
+    # fp32 on both: the same arithmetic but cuBLAS's summation order, so the losses of 10 steps
+    # agree to about 1e-5 relative; bf16 on the GPU rounds every product's inputs to 8 bits.
+    ds_equality "ds-rs tiny fp32 gpu=cpu" "$repo/configs/examples/zero2.json" 1e-4
+    ds_equality "ds-rs tiny bf16 gpu~cpu" "$repo/configs/examples/bf16.json" 3e-2
+    ds_speed small
+    ds_speed gpt2
+}
+
+ds_equality() { # check config tolerance
+    local d=$work/eq-$RANDOM log=$logs/ds-rs-equality.log verdict
+    mkdir -p "$d"
+    {
+        echo "== $1"
+        timeout 200 "$bin" train --model tiny --steps 10 --eval-batches 1 --device cpu \
+            --config "$repo/configs/examples/zero2.json" --metrics-dir "$d/cpu" &&
+            timeout 200 "$bin" train --model tiny --steps 10 --eval-batches 1 --device cuda \
+                --config "$2" --metrics-dir "$d/gpu"
+    } >>"$log" 2>&1 || { row "$1" FAIL "see ds-rs-equality.log"; tail -n 5 "$log"; return; }
+    verdict=$("$python" - "$d/cpu/metrics.jsonl" "$d/gpu/metrics.jsonl" "$3" <<'EOF'
+import json, sys
+def losses(p):
+    return [r["loss"] for r in map(json.loads, open(p)) if "loss" in r and "step" in r]
+cpu, gpu, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+rel = max(abs(g - c) / abs(c) for c, g in zip(cpu, gpu))
+ok = len(cpu) == len(gpu) == 10 and rel < tol
+print(("ok" if ok else "FAIL") + f"|{len(gpu)} steps, largest relative loss difference {rel:.2e} "
+      f"(tolerance {tol:g}); step 10: cpu {cpu[-1]:.6f}, gpu {gpu[-1]:.6f}")
+EOF
+)
+    row "$1" "${verdict%%|*}" "${verdict#*|}"
+}
+
+# Tokens/s and MFU, bf16, the micro-batch of the PyTorch rows, one rank on GPU 0.
+ds_speed() { # preset
+    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed.jsonl figure
+    cat >"$cfg" <<EOF
+{"train_micro_batch_size_per_gpu": $micro_batch, "gradient_accumulation_steps": 1,
+ "gradient_clipping": 1.0,
+ "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+ "bf16": {"enabled": true}, "zero_optimization": {"stage": 0}}
+EOF
+    if ! timeout 300 "$bin" bench train --preset "$1" --config "$cfg" --nproc 1 --device cuda \
+        --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/ds-rs-$1.log"; then
+        row "ds-rs $1 bf16" FAIL "see ds-rs-$1.log: $(tail -n 1 "$logs/ds-rs-$1.log")"
+        return
+    fi
+    figure=$(mfu "$1" "$out" "$work/bench") || { row "ds-rs $1 bf16" FAIL "$figure"; return; }
+    row "ds-rs $1 bf16" ok "$figure"
 }
 
 cuda_libs

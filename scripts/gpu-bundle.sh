@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds here (no GPU needed) what scripts/gpu-acceptance.sh runs on a GPU host, and packs it,
-# with that script and the peer benchmarks, into one folder to copy there:
+# with that script and the peer benchmarks, into one folder to copy there: the NCCL smoke test
+# and, when scripts/check-cuda.sh has built it, the cuda ds-rs binary.
 #
 #   scripts/gpu-bundle.sh [--bench DIR] [--out DIR]
 #
@@ -38,6 +39,13 @@ for line in sys.stdin:
 rm -rf "$out"
 mkdir -p "$out/bench"
 gzip -9 -c "$bin" >"$out/nccl_device.gz"
+# ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time).
+cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
+if [ -x "$cuda_bin" ]; then
+    gzip -9 -c "$cuda_bin" >"$out/ds-rs.gz"
+else
+    echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2
+fi
 cp scripts/gpu-acceptance.sh "$out/"
 if [ -f "$bench/train_torch.py" ]; then
     cp "$bench"/train_torch.py "$bench"/gpt.py "$bench"/make_tokens.py "$out/bench/"

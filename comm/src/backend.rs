@@ -67,6 +67,12 @@ impl Backend {
                  `cargo build --release --features mpi` (scripts/install-mpi.sh installs OpenMPI)"
                     .into(),
             )),
+            Backend::Nccl if cfg!(feature = "nccl") => Err(CommError::Env(
+                "dist_backend nccl: the engine's ZeRO buffers live in host memory in this build \
+                 (only the layers run on the GPU), so the host transport reduces them; use \
+                 \"ds\" (the default) or \"mpi\""
+                    .into(),
+            )),
             Backend::Nccl => Err(CommError::Env(
                 "dist_backend nccl: this is the CPU build of ds-rs, whose tensors live in host \
                  memory; use \"ds\" (the default) or \"mpi\""

@@ -18,10 +18,12 @@ pub mod kernels;
 pub mod model;
 pub mod monitor;
 
+pub use candle_core::Device;
 pub use error::{EngineError, Result};
 pub mod checkpoint;
 pub mod crash_point;
 pub mod data;
+pub mod device;
 mod engine;
 pub mod loss_scale;
 pub mod optim;

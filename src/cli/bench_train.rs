@@ -47,6 +47,8 @@ pub struct TrainBenchArgs {
     pp: Option<usize>,
     #[command(flatten)]
     backend: crate::cli::BackendArg,
+    #[command(flatten)]
+    device: crate::cli::DeviceArg,
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
@@ -72,6 +74,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let opts = EngineOptions {
         init: args.init.clone(),
+        device: args.device.open()?,
         ..EngineOptions::default()
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
@@ -104,7 +107,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
     let bubble = measured_bubble(&comm.world(), &groups, args.warmup, &m)?;
     if rank == 0 {
-        report(args, &s, world, dp, model.T, &m);
+        report(args, &s, world, dp, &model, &m);
         if dims.pp > 1 {
             let layout = ds_engine::pipeline_layout(&cfg, &model.build())?;
             print_bubble(&bubble, &layout, s.grad_accum, args.json);
@@ -182,7 +185,7 @@ fn report(
     s: &ds_engine::Settings,
     world: usize,
     dp: usize,
-    seq: usize,
+    model: &GptConfig,
     m: &Measured,
 ) {
     let (times, losses, parts) = (&m.times, &m.losses, &m.parts);
@@ -199,7 +202,7 @@ fn report(
     let mut timed = times[args.warmup.min(times.len())..].to_vec();
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens = (dp * s.micro_batch * s.grad_accum * seq) as f64;
+    let tokens = (dp * s.micro_batch * s.grad_accum * model.T) as f64;
     // NVMe offload's I/O per timed step, and its rate while reading or writing
     let mut swap = ds_engine::IoTotals::default();
     for t in &parts[args.warmup.min(parts.len())..] {
@@ -213,6 +216,8 @@ fn report(
         "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
         "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),
         "tokens_per_s": tokens / median,
+        "params": model.n_params(), "micro_batch": s.micro_batch,
+        "tflops": model.flops_per_token() * tokens / median / 1e12,
         "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
         "losses": losses,
         "peak_rss_mib": rss, "memory": m.memory,

@@ -1,11 +1,12 @@
 //! Whether this process is a rank of a job (the bench commands start their own ranks, with
-//! `ds-rs launch`'s local path or mpirun, unless a launcher or scheduler already did), and what
-//! connects the ranks (`--dist_backend`).
+//! `ds-rs launch`'s local path or mpirun, unless a launcher or scheduler already did), what
+//! connects the ranks (`--dist_backend`) and where each computes (`--device`).
 
 use std::process::{Command, ExitCode};
 
 use anyhow::Context;
 use ds_comm::Backend;
+use ds_engine::device::DeviceChoice;
 
 /// Whether this process is a rank of a job a launcher or scheduler started (torchrun, ds-rs
 /// launch, OpenMPI, Slurm, Azure ML); a malformed rank environment counts, so that joining
@@ -53,4 +54,28 @@ pub fn start_ranks(nproc: usize, backend: Backend, transport: &str) -> anyhow::R
         Some(0) => ExitCode::SUCCESS,
         _ => ExitCode::FAILURE,
     })
+}
+
+/// `--device`: where this rank's layers compute.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArg {
+    /// cpu, cuda (the GPU LOCAL_RANK names) or cuda:N. Default: cuda in a build with the cuda
+    /// feature that sees a GPU, else cpu.
+    #[arg(long, value_parser = DeviceChoice::parse)]
+    pub device: Option<DeviceChoice>,
+}
+
+impl DeviceArg {
+    pub fn open(&self) -> anyhow::Result<ds_engine::Device> {
+        let choice = self.device.unwrap_or_else(DeviceChoice::default_for_build);
+        Ok(choice.open(local_rank())?)
+    }
+}
+
+/// This rank's index on its host (0 outside a job).
+fn local_rank() -> usize {
+    match ds_comm::env::RankEnv::from_env() {
+        Ok(Some(e)) => e.local_rank,
+        _ => 0,
+    }
 }

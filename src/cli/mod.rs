@@ -9,7 +9,7 @@ mod config_check;
 mod estimate;
 mod local_ranks;
 
-pub(crate) use local_ranks::BackendArg;
+pub(crate) use local_ranks::{BackendArg, DeviceArg};
 
 use std::process::ExitCode;
 

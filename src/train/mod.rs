@@ -92,6 +92,8 @@ pub struct TrainArgs {
     pub(crate) pp: Option<usize>,
     #[command(flatten)]
     pub(crate) backend: crate::cli::BackendArg,
+    #[command(flatten)]
+    pub(crate) device: crate::cli::DeviceArg,
 }
 
 const DEFAULT_STEPS: u64 = 300;
@@ -153,6 +155,7 @@ fn run_joined(
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone(),
+        device: args.device.open()?,
         ..EngineOptions::default()
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
