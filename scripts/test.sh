@@ -17,12 +17,13 @@ trap 'rm -f "$before"' EXIT
 scripts/leftovers.sh snapshot "$before"
 cargo test --workspace --release
 # The NCCL backend builds without CUDA; its GPU smoke test says why it skips.
-cargo test -p ds-comm --features nccl --release --test nccl_device
+# (--workspace keeps the first command's feature resolution: only ds-comm and its dependents
+# build again, not candle and the rest.)
+cargo test --workspace --release --features ds-comm/nccl --test nccl_device
 # The MPI backend (feature mpi): the collective matrix under mpirun -np 2 and 4, and training
 # over MPI against the built-in transport, on one host and on two netns hosts.
 if scripts/install-mpi.sh; then
-    cargo test --release --features mpi -p ds-comm --test mpi_collectives
-    cargo test --release --features mpi --test mpi_train
+    cargo test --workspace --release --features ds-rs/mpi,ds-comm/mpi --test mpi_collectives --test mpi_train
 else
     echo "note: OpenMPI is not installed; the MPI backend's tests are skipped"
 fi
