@@ -444,43 +444,46 @@ impl MpiGroup<'_> {
         sends: &[(usize, &[u8])],
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<()> {
-        let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(sends.len() + recvs.len());
+        // Every peer and length checked before anything is posted: a request left pending by
+        // an early return would write into a buffer its caller has dropped.
+        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
         for (peer, bytes) in recvs.iter_mut() {
             let (peer, len) = (self.index(*peer)?, count("send_recv", bytes.len())?);
-            let mut req = std::mem::MaybeUninit::uninit();
-            // SAFETY: `bytes` outlives the request: it is waited for below.
-            let rc = unsafe {
-                ffi::MPI_Irecv(
-                    bytes.as_mut_ptr().cast::<c_void>(),
-                    len,
-                    ffi::RSMPI_UINT8_T,
-                    peer,
-                    P2P_TAG,
-                    self.raw(),
-                    req.as_mut_ptr(),
-                )
-            };
-            check("send_recv", rc)?;
-            // SAFETY: MPI_Irecv succeeded and wrote the request.
-            reqs.push(unsafe { req.assume_init() });
+            ops.push((true, peer, bytes.as_mut_ptr().cast::<c_void>(), len));
         }
         for (peer, bytes) in sends {
             let (peer, len) = (self.index(*peer)?, count("send_recv", bytes.len())?);
+            ops.push((false, peer, bytes.as_ptr().cast_mut().cast::<c_void>(), len));
+        }
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(ops.len());
+        for (receive, peer, ptr, len) in ops {
             let mut req = std::mem::MaybeUninit::uninit();
-            // SAFETY: as above.
+            // SAFETY: `ptr` holds `len` bytes that outlive the request (waited for below); a
+            // send's bytes are only read.
             let rc = unsafe {
-                ffi::MPI_Isend(
-                    bytes.as_ptr().cast::<c_void>(),
-                    len,
-                    ffi::RSMPI_UINT8_T,
-                    peer,
-                    P2P_TAG,
-                    self.raw(),
-                    req.as_mut_ptr(),
-                )
+                match receive {
+                    true => ffi::MPI_Irecv(
+                        ptr,
+                        len,
+                        ffi::RSMPI_UINT8_T,
+                        peer,
+                        P2P_TAG,
+                        self.raw(),
+                        req.as_mut_ptr(),
+                    ),
+                    false => ffi::MPI_Isend(
+                        ptr,
+                        len,
+                        ffi::RSMPI_UINT8_T,
+                        peer,
+                        P2P_TAG,
+                        self.raw(),
+                        req.as_mut_ptr(),
+                    ),
+                }
             };
             check("send_recv", rc)?;
-            // SAFETY: MPI_Isend succeeded and wrote the request.
+            // SAFETY: the call succeeded and wrote the request.
             reqs.push(unsafe { req.assume_init() });
         }
         // SAFETY: every request is live; their buffers outlive this call.
