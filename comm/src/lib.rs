@@ -6,6 +6,8 @@
 //! - [`Communicator`] and [`Group`]: all_reduce, reduce_scatter, all_gather, broadcast,
 //!   send/recv and barrier on f32, bf16 and f16, blocking or async, on the world, any
 //!   sub-group, or the groups of a 3D [`topology`].
+//! - [`Backend`] (`--dist_backend`): those collectives over the built-in links, or (feature
+//!   `mpi`) as MPI's own, in a job `mpirun` started.
 //! - [`logger`]: DeepSpeed's comms logger. `nccl` (feature): the same collectives on GPUs.
 
 mod algo;
