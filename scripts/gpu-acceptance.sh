@@ -204,20 +204,36 @@ ds_rs_runs() {
     [ -n "$missing" ] && { row "ds-rs" FAIL "ldd: $missing"; return; }
     # fp32 on both: the same arithmetic but cuBLAS's summation order, so the losses of 10 steps
     # agree to about 1e-5 relative; bf16 on the GPU rounds every product's inputs to 8 bits.
-    ds_equality "ds-rs tiny fp32 gpu=cpu" "$repo/configs/examples/zero2.json" 1e-4
-    ds_equality "ds-rs tiny bf16 gpu~cpu" "$repo/configs/examples/bf16.json" 3e-2
+    local ex=$repo/configs/examples z3=$work/zero3-2ranks.json
+    ds_equality "ds-rs tiny fp32 gpu=cpu" "$ex/zero2.json" 1e-4
+    ds_equality "ds-rs tiny bf16 gpu~cpu" "$ex/bf16.json" 3e-2
+    # fp16 against fp16 on the CPU: the loss scaler skips the same overflowing steps on both.
+    ds_equality "ds-rs tiny fp16 gpu~cpu" "$ex/fp16.json" 3e-2 1 "$ex/fp16.json"
+    # Two ranks sharing GPU 0 at ZeRO-3 (the built-in transport between their host buffers),
+    # the same global batch of 8, against one CPU rank.
+    derive "$ex/zero2.json" "$z3" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}'
+    ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
     ds_speed small
     ds_speed gpt2
 }
 
-ds_equality() { # check config tolerance
-    local d=$work/eq-$RANDOM log=$logs/ds-rs-equality.log verdict
+# A copy of config $1 at $2 with the top-level keys of the JSON object $3 replaced.
+derive() {
+    "$python" -c 'import json, sys; c = json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], "w"))' "$@"
+}
+
+# 10 steps of preset tiny on the GPU (config $2, $4 ranks sharing GPU 0) against one CPU rank
+# (config $5, default fp32 ZeRO-2): the largest relative loss difference within $3.
+ds_equality() { # check config tolerance [nproc] [cpu-config]
+    local d=$work/eq-$RANDOM log=$logs/ds-rs-equality.log verdict n=${4:-1}
+    local cpu_cfg=${5:-$repo/configs/examples/zero2.json} gpu=("$bin" train) dev=cuda
+    [ "$n" -gt 1 ] && { gpu=("$bin" launch --nproc_per_node "$n" train); dev=cuda:0; }
     mkdir -p "$d"
     {
         echo "== $1"
         timeout 200 "$bin" train --model tiny --steps 10 --eval-batches 1 --device cpu \
-            --config "$repo/configs/examples/zero2.json" --metrics-dir "$d/cpu" &&
-            timeout 200 "$bin" train --model tiny --steps 10 --eval-batches 1 --device cuda \
+            --config "$cpu_cfg" --metrics-dir "$d/cpu" &&
+            timeout 200 "${gpu[@]}" --model tiny --steps 10 --eval-batches 1 --device "$dev" \
                 --config "$2" --metrics-dir "$d/gpu"
     } >>"$log" 2>&1 || { row "$1" FAIL "see ds-rs-equality.log"; tail -n 5 "$log"; return; }
     verdict=$("$python" - "$d/cpu/metrics.jsonl" "$d/gpu/metrics.jsonl" "$3" <<'EOF'
