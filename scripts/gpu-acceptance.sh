@@ -213,6 +213,13 @@ ds_rs_runs() {
     # the same global batch of 8, against one CPU rank.
     derive "$ex/zero2.json" "$z3" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}'
     ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
+    # train's last line on a GPU: the device, its MFU and its memory in use (summary.json "gpu").
+    local g
+    g=$(grep -h 'gpu (rank 0): ' "$logs/ds-rs-equality.log" | tail -n 1)
+    case $g in
+        *"gpu (rank 0): "*) row "ds-rs train gpu line" ok "${g#*gpu (rank 0): }" ;;
+        *) row "ds-rs train gpu line" FAIL "train printed no gpu line" ;;
+    esac
     ds_speed small
     ds_speed gpt2
 }

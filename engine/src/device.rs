@@ -46,6 +46,53 @@ impl DeviceChoice {
     }
 }
 
+/// What the driver says of a GPU.
+#[derive(Debug, Clone)]
+pub struct GpuInfo {
+    pub name: String,
+    /// Memory in use on the whole GPU (every process, the CUDA context included), and its size.
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// The GPU behind `dev` (None on the CPU, or when the driver does not answer).
+pub fn gpu_info(dev: &Device) -> Option<GpuInfo> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        let stream = d.cuda_stream();
+        let ctx = stream.context();
+        let (free, total) = ctx.mem_get_info().ok()?;
+        return Some(GpuInfo {
+            name: ctx.name().ok()?,
+            used_bytes: (total - free) as u64,
+            total_bytes: total as u64,
+        });
+    }
+    let _ = dev;
+    None
+}
+
+/// Dense peak TFLOP/s of a GPU named `name` for its matrix products: on the tensor cores in
+/// bf16/fp16 (`half`), else fp32 without TF32; from the vendors' datasheets (SXM boards unless
+/// named). None for a GPU not in the table.
+pub fn peak_tflops(name: &str, half: bool) -> Option<f64> {
+    // (name part, bf16/fp16 dense, fp32); more specific names first.
+    const TABLE: [(&str, f64, f64); 8] = [
+        ("H100 PCIe", 756.0, 51.2),
+        ("H100 NVL", 835.0, 60.0),
+        ("GH200", 989.4, 67.0),
+        ("H200", 989.4, 67.0),
+        ("H100", 989.4, 67.0),
+        ("A100", 312.0, 19.5),
+        ("L40S", 362.1, 91.6),
+        ("A10", 125.0, 31.2),
+    ];
+    TABLE
+        .iter()
+        .find(|(part, ..)| name.contains(part))
+        .map(|&(_, h, f)| if half { h } else { f })
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
     Device::new_cuda(ordinal)
@@ -76,9 +123,19 @@ mod tests {
             assert!(DeviceChoice::parse(bad).is_err(), "{bad}");
         }
         assert!(DeviceChoice::Cpu.open(0).unwrap().is_cpu());
+        assert!(gpu_info(&Device::Cpu).is_none());
         if !cfg!(feature = "cuda") {
             let e = DeviceChoice::Cuda(None).open(1).unwrap_err().to_string();
             assert!(e.contains("cuda:1") && e.contains("--features cuda"), "{e}");
         }
+    }
+
+    #[test]
+    fn peaks_come_from_the_most_specific_name() {
+        assert_eq!(peak_tflops("NVIDIA H100 PCIe", true), Some(756.0));
+        assert_eq!(peak_tflops("NVIDIA H100 80GB HBM3", true), Some(989.4));
+        assert_eq!(peak_tflops("NVIDIA H200", false), Some(67.0));
+        assert_eq!(peak_tflops("NVIDIA GH200 480GB", true), Some(989.4));
+        assert_eq!(peak_tflops("Tesla V100", true), None);
     }
 }

@@ -233,3 +233,44 @@ pub fn median(v: &[f64]) -> f64 {
     s.sort_by(f64::total_cmp);
     s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
 }
+
+/// The GPU's memory in use after this step, kept if it is the most so far (the driver's count:
+/// every process on the GPU, the CUDA context included). None on the CPU.
+pub fn gpu_peak(
+    peak: Option<ds_engine::device::GpuInfo>,
+    dev: &ds_engine::Device,
+) -> Option<ds_engine::device::GpuInfo> {
+    let now = ds_engine::device::gpu_info(dev)?;
+    match peak {
+        Some(p) if p.used_bytes >= now.used_bytes => Some(p),
+        _ => Some(now),
+    }
+}
+
+/// The summary's `gpu` section (null on the CPU): the device, its peak memory in use, and the
+/// MFU: the median step's model TFLOP/s over the job's GPUs against the GPU's dense peak for
+/// the precision of the matrix products.
+pub fn gpu_summary(
+    gpu: Option<&ds_engine::device::GpuInfo>,
+    records: &[StepRecord],
+    s: &ds_engine::Settings,
+    gpus: usize,
+) -> serde_json::Value {
+    let Some(g) = gpu else {
+        return serde_json::Value::Null;
+    };
+    let half = s.precision != ds_engine::Precision::F32;
+    let peak = ds_engine::device::peak_tflops(&g.name, half);
+    let tflops = median(&records.iter().skip(1).map(|r| r.tflops).collect::<Vec<_>>());
+    let mfu = peak
+        .filter(|_| tflops.is_finite())
+        .map(|p| tflops / (p * gpus as f64));
+    serde_json::json!({
+        "name": g.name,
+        "memory_used_peak_mib": g.used_bytes as f64 / (1 << 20) as f64,
+        "memory_total_mib": g.total_bytes as f64 / (1 << 20) as f64,
+        "peak_tflops": peak,
+        "median_tflops": tflops.is_finite().then_some(tflops),
+        "mfu": mfu,
+    })
+}

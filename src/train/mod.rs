@@ -152,10 +152,11 @@ fn run_joined(
         crate::launch::print_config_warnings(cfg);
     }
     let groups = Groups::new(comm, cfg.dims)?;
+    let device = args.device.open()?;
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone(),
-        device: args.device.open()?,
+        device: device.clone(),
         ..EngineOptions::default()
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
@@ -192,6 +193,7 @@ fn run_joined(
         cfg,
         steps,
         dir: metrics_dir(args, comm.rank())?,
+        device,
     };
     run.train(&mut engine, &data, comm, started)
 }
@@ -202,6 +204,8 @@ struct Run<'a> {
     cfg: &'a Config,
     steps: u64,
     dir: PathBuf,
+    /// Where the layers compute (a GPU's name and memory go into the summary).
+    device: ds_engine::Device,
 }
 
 impl Run<'_> {
@@ -233,6 +237,7 @@ impl Run<'_> {
         }
         let mut first_step_s = None;
         let mut wall = ds_engine::Timings::default();
+        let mut gpu_peak: Option<ds_engine::device::GpuInfo> = None;
         for step in start..self.steps {
             let t0 = Instant::now();
             let (loss, out) = engine.train_batch(|k| Ok(data.train.micro_batch(step, k)?))?;
@@ -261,6 +266,7 @@ impl Run<'_> {
             }
             let timings = engine.take_timings();
             if rank0 {
+                gpu_peak = metrics::gpu_peak(gpu_peak, &self.device);
                 self.profile(engine, step, &timings)?;
                 wall.add(&timings);
                 self.wall_clock(&mut wall, step, &progress);
@@ -287,7 +293,9 @@ impl Run<'_> {
         }
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
         if rank0 {
-            let summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
+            let mut summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
+            summary["gpu"] =
+                metrics::gpu_summary(gpu_peak.as_ref(), &records, &s, comm.world_size());
             metrics::write_summary(&self.dir, &summary)?;
             self.write_chart(data, &records)?;
             self.print_summary(&summary, &memory);

@@ -162,5 +162,23 @@ impl Run<'_> {
         if let Some(line) = metrics::memory_line(memory) {
             println!("{line}");
         }
+        if let Some(line) = gpu_line(&v["gpu"]) {
+            println!("{line}");
+        }
     }
+}
+
+/// "gpu (rank 0): NVIDIA H200, MFU 1.0% (10.3 TFLOP/s a GPU, peak 989.4), memory in use at
+/// most 3104 of 143771 MiB".
+fn gpu_line(g: &serde_json::Value) -> Option<String> {
+    let name = g["name"].as_str()?;
+    let mfu = match (g["mfu"].as_f64(), g["peak_tflops"].as_f64()) {
+        (Some(m), Some(p)) => format!("MFU {:.1}% of its {p} TFLOP/s", 100.0 * m),
+        _ => "MFU unknown (no peak for this GPU in ds-engine's table)".to_string(),
+    };
+    Some(format!(
+        "gpu (rank 0): {name}, {mfu}; memory in use at most {:.0} of {:.0} MiB (the driver's count after each step)",
+        g["memory_used_peak_mib"].as_f64()?,
+        g["memory_total_mib"].as_f64()?
+    ))
 }
