@@ -304,6 +304,6 @@ fn optimizer_state_bytes_per_element(cfg: &Config) -> anyhow::Result<u64> {
         .optimizer
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("the ds_config has no `optimizer` section"))?;
-    let probe = ds_engine::optim::build_from_section(section, 1)?;
+    let probe = ds_engine::optim::build_from_section(section, 1, &ds_partition::Placement::Host)?;
     Ok(probe.state_bytes() as u64)
 }

@@ -258,8 +258,9 @@ fn read_zero(root: &Dict, notes: &mut Notes) -> Result<ZeroConfig> {
 }
 
 /// `offload_optimizer` / `offload_param` to `"cpu"` (also the deprecated `cpu_offload` flags):
-/// on a CPU build the states live in host memory and the optimizer steps on the CPU already,
-/// so the setting moves nothing (DeepSpeed's ZeRO-Offload moves them off the GPU).
+/// training on the CPU, the states live in host memory and the optimizer steps on the CPU
+/// already, so the setting moves nothing; on a GPU the engine acts on it (ZeRO-Offload). The
+/// config alone does not say which device will train, so the warning says both.
 fn cpu_offload_warnings(z: &ZeroConfig) -> Vec<String> {
     let on_cpu = |d: Option<OffloadDevice>| d == Some(OffloadDevice::Cpu);
     [
@@ -278,7 +279,7 @@ fn cpu_offload_warnings(z: &ZeroConfig) -> Vec<String> {
     .filter(|(_, on, _)| *on)
     .map(|(key, _, what)| {
         format!(
-            "zero_optimization.{key}.device = \"cpu\": no effect on this CPU build: {what} are in host memory already"
+            "zero_optimization.{key}.device = \"cpu\": no effect when training on the CPU ({what} are in host memory already); on a GPU (--device cuda) it keeps them in host memory (ZeRO-Offload)"
         )
     })
     .collect()

@@ -140,7 +140,7 @@ mod tests {
         }
     }
 
-    /// `"cpu"` offload (and the deprecated flags that mean it) moves nothing on a CPU build:
+    /// `"cpu"` offload (and the deprecated flags that mean it) moves nothing on the CPU:
     /// one warning per section, naming its key.
     #[test]
     fn cpu_offload_is_one_warning_per_section() {
@@ -171,7 +171,7 @@ mod tests {
             let warned: Vec<&String> = c
                 .warnings
                 .iter()
-                .filter(|w| w.contains("no effect on this CPU build"))
+                .filter(|w| w.contains("no effect when training on the CPU"))
                 .collect();
             assert_eq!(warned.len(), keys.len(), "{zero}: {:?}", c.warnings);
             for (w, key) in warned.iter().zip(&keys) {

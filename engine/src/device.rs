@@ -1,10 +1,11 @@
-//! Where a rank computes (`--device cpu|cuda[:N]`): candle's device for the layers' tensors.
-//! The flat ZeRO buffers (master copy, optimizer states, gradient shards) stay in host memory
-//! on either device; a layer's parameters are copied to the device when it is materialised
-//! and its gradients copied back (see ARCHITECTURE.md, "The engine on a GPU").
+//! Where a rank computes (`--device cpu|cuda[:N]`): candle's device for the layers' tensors,
+//! and where the flat ZeRO buffers live (`placements`): on the GPU that computes, except what
+//! ZeRO-Offload keeps in host memory (see ARCHITECTURE.md, "The engine on a GPU").
 
 use candle_core::Device;
+use ds_partition::{Placement, Placements};
 
+use crate::engine::CpuOffload;
 use crate::{EngineError, Result};
 
 /// A `--device` value.
@@ -44,6 +45,33 @@ impl DeviceChoice {
             DeviceChoice::Cuda(n) => open_cuda(n.unwrap_or(local_rank)),
         }
     }
+}
+
+/// Where the model states of a rank computing on `dev` live: all in host memory on the CPU; on
+/// a GPU, in its memory except what `offload` keeps in host memory.
+pub fn placements(dev: &Device, offload: CpuOffload) -> Placements {
+    let Some(gpu) = gpu_placement(dev) else {
+        return Placements::host();
+    };
+    let unless = |offloaded: bool| match offloaded {
+        true => Placement::Host,
+        false => gpu.clone(),
+    };
+    Placements {
+        params: unless(offload.params),
+        grads: gpu.clone(),
+        optimizer: unless(offload.optimizer),
+    }
+}
+
+/// The memory of the GPU behind `dev` (None on the CPU).
+fn gpu_placement(dev: &Device) -> Option<Placement> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return Some(Placement::Gpu(d.cuda_stream().context().clone()));
+    }
+    let _ = dev;
+    None
 }
 
 /// What the driver says of a GPU.

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use ds_comm::{Element, Group, ReduceOp, Work};
 
-use crate::{Result, ShardLayout};
+use crate::{FlatBuf, Placement, Result, ShardLayout};
 
 /// How gradients are reduced (ds_config `reduce_bucket_size`, `overlap_comm`,
 /// `gradient_predivide_factor`).
@@ -42,6 +42,8 @@ pub trait GradStore<T: Element>: Send {
     fn zero(&mut self);
     /// Bytes of gradients held between steps.
     fn bytes(&self) -> usize;
+    /// Whether the gradients kept between steps are in host memory (false: a GPU's).
+    fn on_host(&self) -> bool;
     /// The whole buffer's gradients, where this store holds them all (stages 0-1).
     fn whole_mut(&mut self) -> Option<&mut [T]> {
         None
@@ -59,18 +61,23 @@ pub trait GradStore<T: Element>: Send {
 
 /// Stages 0-1: a whole gradient buffer per rank, all-reduced once per optimizer step.
 pub struct FullGrads<T: Element> {
-    grads: Vec<T>,
+    grads: FlatBuf<T>,
     group: Group,
     reduce: ReduceConfig,
 }
 
 impl<T: Element> FullGrads<T> {
-    pub fn new(layout: ShardLayout, group: Group, reduce: ReduceConfig) -> Self {
-        FullGrads {
-            grads: vec![T::default(); layout.padded()],
+    pub fn new(
+        layout: ShardLayout,
+        group: Group,
+        reduce: ReduceConfig,
+        place: &Placement,
+    ) -> Result<Self> {
+        Ok(FullGrads {
+            grads: FlatBuf::zeroed(place, layout.padded())?,
             group,
             reduce,
-        }
+        })
     }
 }
 
@@ -108,7 +115,11 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.grads.as_slice())
+        self.grads.bytes()
+    }
+
+    fn on_host(&self) -> bool {
+        self.grads.on_host()
     }
 
     fn whole_mut(&mut self) -> Option<&mut [T]> {
@@ -126,7 +137,7 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 /// alone is larger. Each element is reduced along the same chain whatever bucket it rides in,
 /// so bucket sizes change no value (checked bit for bit on 3 ranks at every stage).
 pub struct ShardGrads<T: Element> {
-    shard: Vec<T>,
+    shard: FlatBuf<T>,
     layout: ShardLayout,
     group: Group,
     reduce: ReduceConfig,
@@ -176,10 +187,15 @@ impl<T: Element> Bucket<T> {
 }
 
 impl<T: Element> ShardGrads<T> {
-    pub fn new(layout: ShardLayout, group: Group, mut reduce: ReduceConfig) -> Self {
+    pub fn new(
+        layout: ShardLayout,
+        group: Group,
+        mut reduce: ReduceConfig,
+        place: &Placement,
+    ) -> Result<Self> {
         reduce.bucket_size = reduce.bucket_size.min(bucket_bound(layout));
-        ShardGrads {
-            shard: vec![T::default(); layout.shard_len()],
+        Ok(ShardGrads {
+            shard: FlatBuf::zeroed(place, layout.shard_len())?,
             layout,
             group,
             reduce,
@@ -188,7 +204,7 @@ impl<T: Element> ShardGrads<T> {
             spare: None,
             peak_bucket_elems: 0,
             planned: Vec::new(),
-        }
+        })
     }
 
     /// A bucket for gradients ending at `hi`, big enough for `first` elements: a reduced
@@ -284,7 +300,11 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.shard.as_slice())
+        self.shard.bytes()
+    }
+
+    fn on_host(&self) -> bool {
+        self.shard.on_host()
     }
 
     fn peak_buffer_bytes(&self) -> usize {

@@ -10,6 +10,7 @@
 //! This crate knows flat ranges, dtypes and groups; it never sees a candle tensor, a layer or an
 //! optimizer formula (those live in ds-engine).
 
+mod buffer;
 mod error;
 mod flat;
 mod grads;
@@ -20,6 +21,7 @@ mod slice;
 pub mod swap;
 mod zero;
 
+pub use buffer::{FlatBuf, Placement};
 pub use error::{PartitionError, Result};
 pub use flat::{FlatEntry, FlatIndex, ParamId};
 pub use grads::{GradStore, ReduceConfig};
@@ -27,4 +29,4 @@ pub use layout::ShardLayout;
 pub use memory::StateBytes;
 pub use params::{ParamStore, Publish, Stage3Config};
 pub use slice::{local_shape, runs, runs_within, Run, Split, TpRank};
-pub use zero::{InitFn, ParamSwap, Zero, ZeroOptions};
+pub use zero::{InitFn, ParamSwap, Placements, Zero, ZeroOptions};

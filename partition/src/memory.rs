@@ -13,6 +13,9 @@ pub struct StateBytes {
     /// Most bytes held at once by reduction buckets and parameter gathers so far (they live
     /// only during forward and backward).
     pub comm_buffers: usize,
+    /// How many of the model-state bytes (`params + grads + optimizer_states`) are in GPU
+    /// memory; the rest are in host memory (or on disk, which none of these count).
+    pub gpu: usize,
 }
 
 impl StateBytes {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ds_comm::{Element, Group, Work};
 
 use crate::swap::{SwapFile, SwapIo, SwapSpace};
-use crate::{Result, ShardLayout};
+use crate::{FlatBuf, Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
 pub trait ParamStore<T: Element>: Send {
@@ -26,6 +26,9 @@ pub trait ParamStore<T: Element>: Send {
     fn values_f32(&self, range: Range<usize>) -> Result<Vec<f32>>;
     /// Bytes held between steps.
     fn bytes(&self) -> usize;
+    /// Whether the values kept between steps are in host memory (false: a GPU's; true too
+    /// when they are on disk).
+    fn on_host(&self) -> bool;
     /// Most bytes of gathered parameters held by the store at once besides `bytes`: a
     /// prefetch in flight (what `get` hands out is the caller's to count).
     fn peak_gathered_bytes(&self) -> usize {
@@ -49,7 +52,7 @@ pub enum Publish {
 
 /// Stages 0-2: every rank keeps all parameters.
 pub struct ReplicatedParams<T: Element> {
-    values: Vec<T>,
+    values: FlatBuf<T>,
     layout: ShardLayout,
     group: Group,
     publish: Publish,
@@ -57,7 +60,7 @@ pub struct ReplicatedParams<T: Element> {
 
 impl<T: Element> ReplicatedParams<T> {
     /// `values` are the whole initial parameters, padded.
-    pub fn new(values: Vec<T>, layout: ShardLayout, group: Group, publish: Publish) -> Self {
+    pub fn new(values: FlatBuf<T>, layout: ShardLayout, group: Group, publish: Publish) -> Self {
         debug_assert_eq!(values.len(), layout.padded());
         ReplicatedParams {
             values,
@@ -103,7 +106,11 @@ impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.values.as_slice())
+        self.values.bytes()
+    }
+
+    fn on_host(&self) -> bool {
+        self.values.on_host()
     }
 }
 
@@ -135,7 +142,7 @@ pub struct ShardedParams<T: Element> {
 
 impl<T: Element> ShardedParams<T> {
     /// `shard` holds this rank's initial values (its shard of the padded buffer).
-    pub fn new(shard: Vec<T>, layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
+    pub fn new(shard: FlatBuf<T>, layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
         debug_assert_eq!(shard.len(), layout.shard_len());
         ShardedParams {
             shard: Shard::Memory(shard),
@@ -290,6 +297,13 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         self.peak_prefetch * std::mem::size_of::<T>()
     }
 
+    fn on_host(&self) -> bool {
+        match &self.shard {
+            Shard::Memory(v) => v.on_host(),
+            Shard::Disk(_) => true,
+        }
+    }
+
     fn offloaded_bytes(&self) -> usize {
         match &self.shard {
             Shard::Memory(_) => 0,
@@ -303,8 +317,8 @@ const DISK_PIECE: usize = 1 << 20;
 
 /// Stage 3's own shard: in memory, or in a file (kept as f32: bf16 and f16 round-trip
 /// exactly through it).
-enum Shard<T> {
-    Memory(Vec<T>),
+enum Shard<T: Element> {
+    Memory(FlatBuf<T>),
     /// Shared with the reads ahead on the communication thread.
     Disk(Arc<SwapFile>),
 }
@@ -340,7 +354,7 @@ impl<T: Element> Shard<T> {
 
     fn resident_bytes(&self) -> usize {
         match self {
-            Shard::Memory(v) => std::mem::size_of_val(v.as_slice()),
+            Shard::Memory(v) => v.bytes(),
             Shard::Disk(_) => 0,
         }
     }

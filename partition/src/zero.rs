@@ -9,7 +9,7 @@ use ds_config::ZeroStage;
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
 use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
-use crate::{PartitionError, Result, ShardLayout, StateBytes};
+use crate::{FlatBuf, PartitionError, Placement, Result, ShardLayout, StateBytes};
 
 /// Writes the initial values of a flat range (unpadded coordinates) into the slice given.
 pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E> + 'a;
@@ -20,6 +20,25 @@ pub struct ParamSwap<'a> {
     pub nvme_path: &'a std::path::Path,
     pub rank: usize,
     pub io: &'a std::sync::Arc<crate::swap::SwapIo>,
+}
+
+/// Where each kind of model state lives: all on the compute device, or (ZeRO-Offload) the
+/// optimizer's part and stage 3's parameter shard in host memory while the GPU computes.
+#[derive(Debug, Clone, Default)]
+pub struct Placements {
+    /// Parameters in the compute dtype (`offload_param` moves stage 3's shard to the host).
+    pub params: Placement,
+    /// Gradients in the compute dtype.
+    pub grads: Placement,
+    /// The fp32 master copy and the optimizer's moments (`offload_optimizer`).
+    pub optimizer: Placement,
+}
+
+impl Placements {
+    /// Every state in host memory: training on the CPU.
+    pub fn host() -> Placements {
+        Placements::default()
+    }
 }
 
 /// What a stage needs from ds_config `zero_optimization`.
@@ -42,7 +61,8 @@ pub struct Zero<T: Element> {
     grads: Box<dyn GradStore<T>>,
     /// The flat range (padded coordinates) whose master copy this rank keeps.
     owned: Range<usize>,
-    master: Vec<f32>,
+    master: FlatBuf<f32>,
+    places: Placements,
     /// Under tensor parallelism: the group holding the other slices, and the flat ranges of
     /// the parameters every tensor-parallel rank holds whole.
     tp: Option<(Group, Vec<Range<usize>>)>,
@@ -64,6 +84,7 @@ impl<T: Element> Zero<T> {
         group: Group,
         init: &mut InitFn<'_, E>,
         swap: Option<ParamSwap<'_>>,
+        places: &Placements,
     ) -> std::result::Result<Zero<T>, E> {
         let layout = ShardLayout::new(numel, group.size());
         let owned = match opts.stage.partitions_optimizer() {
@@ -72,7 +93,7 @@ impl<T: Element> Zero<T> {
         };
         let params: Box<dyn ParamStore<T>> = match opts.stage {
             ZeroStage::Weights => {
-                let shard = initial(layout, owned.clone(), init)?;
+                let shard = initial(layout, owned.clone(), init, &places.params)?;
                 let mut store = ShardedParams::new(shard, layout, group.clone(), opts.stage3);
                 if let Some(s) = swap {
                     // before the master copy is made, which then reads the file
@@ -83,7 +104,7 @@ impl<T: Element> Zero<T> {
                 Box::new(store)
             }
             stage => {
-                let values = initial(layout, 0..layout.padded(), init)?;
+                let values = initial(layout, 0..layout.padded(), init, &places.params)?;
                 let publish = match stage.partitions_optimizer() {
                     false => Publish::Local,
                     true => Publish::AllGather {
@@ -99,22 +120,35 @@ impl<T: Element> Zero<T> {
             }
         };
         let grads: Box<dyn GradStore<T>> = match opts.stage {
-            ZeroStage::Disabled | ZeroStage::OptimizerStates => {
-                Box::new(FullGrads::new(layout, group.clone(), opts.reduce))
-            }
-            ZeroStage::Gradients => Box::new(ShardGrads::new(layout, group.clone(), opts.reduce)),
+            ZeroStage::Disabled | ZeroStage::OptimizerStates => Box::new(FullGrads::new(
+                layout,
+                group.clone(),
+                opts.reduce,
+                &places.grads,
+            )?),
+            ZeroStage::Gradients => Box::new(ShardGrads::new(
+                layout,
+                group.clone(),
+                opts.reduce,
+                &places.grads,
+            )?),
             ZeroStage::Weights => {
                 // The two buckets alive at once (Note [bounded buckets]) hold no more than
                 // the live parameters' gradients (ARCHITECTURE.md, ds-partition decisions).
                 let mut reduce = opts.reduce;
                 let live = opts.stage3.max_live_parameters / 2;
                 reduce.bucket_size = reduce.bucket_size.min(live);
-                Box::new(ShardGrads::new(layout, group.clone(), reduce))
+                Box::new(ShardGrads::new(
+                    layout,
+                    group.clone(),
+                    reduce,
+                    &places.grads,
+                )?)
             }
         };
         // The master copy starts from the compute-dtype values (rounded under bf16/fp16), as
         // DeepSpeed's does.
-        let master = params.values_f32(owned.clone())?;
+        let master = FlatBuf::from_vec(&places.optimizer, params.values_f32(owned.clone())?)?;
         Ok(Zero {
             stage: opts.stage,
             layout,
@@ -123,6 +157,7 @@ impl<T: Element> Zero<T> {
             grads,
             owned,
             master,
+            places: places.clone(),
             tp: None,
             pp: None,
             duplicates: Vec::new(),
@@ -152,6 +187,12 @@ impl<T: Element> Zero<T> {
     /// for sums across tied parameters; None where the gradients are sharded (stages 2-3).
     pub fn whole_grads_mut(&mut self) -> Option<&mut [T]> {
         self.grads.whole_mut()
+    }
+
+    /// Where each kind of state lives (the optimizer allocates its moments beside the master
+    /// copy).
+    pub fn placements(&self) -> &Placements {
+        &self.places
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -268,7 +309,7 @@ impl<T: Element> Zero<T> {
     /// Hands the master copy over (to the NVMe tier, which then streams it through
     /// `write_owned` and `publish_written` at each step); this store keeps none.
     pub fn take_master(&mut self) -> Vec<f32> {
-        std::mem::take(&mut self.master)
+        std::mem::replace(&mut self.master, FlatBuf::empty()).into_vec()
     }
 
     /// Writes updated master values of the owned range from offset `at` into the parameters.
@@ -310,24 +351,31 @@ impl<T: Element> Zero<T> {
     /// Bytes held for parameters, gradients and optimizer states (`optimizer_bytes` are
     /// the moments the optimizer reports; the master copy is counted here).
     pub fn memory(&self, optimizer_bytes: usize) -> StateBytes {
+        let (params, grads) = (self.params.bytes(), self.grads.bytes());
+        let optimizer_states = self.master.bytes() + optimizer_bytes;
+        let on_gpu = |on_host: bool, bytes: usize| if on_host { 0 } else { bytes };
         StateBytes {
-            params: self.params.bytes(),
-            grads: self.grads.bytes(),
-            optimizer_states: std::mem::size_of_val(self.master.as_slice()) + optimizer_bytes,
+            params,
+            grads,
+            optimizer_states,
             comm_buffers: self.params.peak_gathered_bytes() + self.grads.peak_buffer_bytes(),
+            gpu: on_gpu(self.params.on_host(), params)
+                + on_gpu(self.grads.on_host(), grads)
+                + on_gpu(self.master.on_host(), optimizer_states),
         }
     }
 }
 
 /// The initial values of `range` (padded coordinates) in the compute dtype, generated in
 /// pieces of at most `INIT_PIECE` elements so the f32 staging stays small; padding is zero.
-fn initial<T: Element, E>(
+fn initial<T: Element, E: From<PartitionError>>(
     layout: ShardLayout,
     range: Range<usize>,
     init: &mut InitFn<'_, E>,
-) -> std::result::Result<Vec<T>, E> {
+    place: &Placement,
+) -> std::result::Result<FlatBuf<T>, E> {
     const INIT_PIECE: usize = 1 << 20;
-    let mut out = vec![T::default(); range.len()];
+    let mut out = FlatBuf::zeroed(place, range.len())?;
     let mut staging = vec![0f32; INIT_PIECE.min(range.len())];
     let real_end = range.end.min(layout.numel());
     let mut at = range.start;

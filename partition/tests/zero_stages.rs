@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
-use ds_partition::{PartitionError, ReduceConfig, Stage3Config, Zero, ZeroOptions};
+use ds_partition::{PartitionError, Placements, ReduceConfig, Stage3Config, Zero, ZeroOptions};
 
 const NUMEL: usize = 1009; // prime: shards never divide it
 const LAYERS: [std::ops::Range<usize>; 4] = [0..100, 100..400, 400..1000, 1000..1009];
@@ -66,6 +66,7 @@ fn every_stage_reduces_gathers_and_publishes_like_the_serial_reference() {
                     comm.world(),
                     &mut init,
                     None,
+                    &Placements::host(),
                 )?;
                 // stage 3 generates only its own shard (zero.Init); the others everything
                 let keeps = match stage {

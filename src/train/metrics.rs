@@ -125,6 +125,8 @@ pub struct RankMemory {
     pub accounted_bytes: u64,
     /// On disk, not in memory (NVMe offload): not part of the above.
     pub offloaded_bytes: u64,
+    /// Of `accounted_bytes`, those in GPU memory (the rest are in host memory).
+    pub gpu_bytes: u64,
 }
 
 impl RankMemory {
@@ -132,10 +134,12 @@ impl RankMemory {
         self.params_bytes + self.grads_bytes + self.optimizer_states_bytes
     }
 
-    /// One line comparing peak RSS with what is accounted, for the rank's closing lines.
+    /// One line comparing peak RSS with what is accounted in host memory, for the rank's
+    /// closing lines.
     pub fn line(&self) -> String {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        let rest = self.peak_rss_mib - mib(self.accounted_bytes);
+        let host = self.accounted_bytes - self.gpu_bytes;
+        let rest = self.peak_rss_mib - mib(host);
         let rest = match rest >= 0.0 {
             true => format!(
                 "+ {rest:.0} MiB not accounted (the process's fixed cost: code, thread stacks, \
@@ -148,13 +152,20 @@ impl RankMemory {
             0 => String::new(),
             b => format!("; {:.0} MiB offloaded to NVMe", mib(b)),
         };
+        let gpu = match self.gpu_bytes {
+            0 => String::new(),
+            b => format!(
+                "; less {:.0} MiB of these in GPU memory, the gpu line's",
+                mib(b)
+            ),
+        };
         format!(
             "memory (rank {}): peak RSS {:.0} MiB = {:.0} MiB accounted (model states {:.0}, \
              activations {:.0}, layer parameters {:.0}, layer gradients {:.0}, communication \
-             buffers {:.0}) {}{disk}",
+             buffers {:.0}{gpu}) {}{disk}",
             self.rank,
             self.peak_rss_mib,
-            mib(self.accounted_bytes),
+            mib(host),
             mib(self.model_states()),
             mib(self.activations_bytes),
             mib(self.layer_params_bytes),
@@ -181,6 +192,7 @@ pub fn gather_memory(
         report.comm_buffers as u64,
         report.total() as u64,
         report.offloaded as u64,
+        report.gpu as u64,
     ];
     let all = g.all_gather_u64(&mine)?;
     Ok(all
@@ -198,6 +210,7 @@ pub fn gather_memory(
             comm_buffers_bytes: v[7],
             accounted_bytes: v[8],
             offloaded_bytes: v[9],
+            gpu_bytes: v[10],
         })
         .collect())
 }
@@ -247,11 +260,13 @@ pub fn gpu_peak(
     }
 }
 
-/// The summary's `gpu` section (null on the CPU): the device, its peak memory in use, and the
-/// MFU: the median step's model TFLOP/s over the job's GPUs against the GPU's dense peak for
-/// the precision of the matrix products.
+/// The summary's `gpu` section (null on the CPU): the device, its peak memory in use beside
+/// what rank 0 accounts in GPU memory (`memory`), and the MFU: the median step's model
+/// TFLOP/s over the job's GPUs against the GPU's dense peak for the precision of the matrix
+/// products.
 pub fn gpu_summary(
     gpu: Option<&ds_engine::device::GpuInfo>,
+    memory: &RankMemory,
     records: &[StepRecord],
     s: &ds_engine::Settings,
     gpus: usize,
@@ -269,6 +284,7 @@ pub fn gpu_summary(
         "name": g.name,
         "memory_used_peak_mib": g.used_bytes as f64 / (1 << 20) as f64,
         "memory_total_mib": g.total_bytes as f64 / (1 << 20) as f64,
+        "accounted_mib": memory.gpu_bytes as f64 / (1 << 20) as f64,
         "peak_tflops": peak,
         "median_tflops": tflops.is_finite().then_some(tflops),
         "mfu": mfu,

@@ -294,8 +294,13 @@ impl Run<'_> {
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
         if rank0 {
             let mut summary = self.summary(data, comm, &records, &evals, &memory, first_step_s);
-            summary["gpu"] =
-                metrics::gpu_summary(gpu_peak.as_ref(), &records, &s, comm.world_size());
+            summary["gpu"] = metrics::gpu_summary(
+                gpu_peak.as_ref(),
+                &memory[0],
+                &records,
+                &s,
+                comm.world_size(),
+            );
             metrics::write_summary(&self.dir, &summary)?;
             self.write_chart(data, &records)?;
             self.print_summary(&summary, &memory);

@@ -168,8 +168,8 @@ impl Run<'_> {
     }
 }
 
-/// "gpu (rank 0): NVIDIA H200, MFU 1.0% (10.3 TFLOP/s a GPU, peak 989.4), memory in use at
-/// most 3104 of 143771 MiB".
+/// "gpu (rank 0): NVIDIA H200, MFU 1.0% of its 989.4 TFLOP/s; memory in use at most 3104 of
+/// 143771 MiB (the driver's count after each step), 2210 MiB of it accounted by ds-rs ...".
 fn gpu_line(g: &serde_json::Value) -> Option<String> {
     let name = g["name"].as_str()?;
     let mfu = match (g["mfu"].as_f64(), g["peak_tflops"].as_f64()) {
@@ -177,8 +177,12 @@ fn gpu_line(g: &serde_json::Value) -> Option<String> {
         _ => "MFU unknown (no peak for this GPU in ds-engine's table)".to_string(),
     };
     Some(format!(
-        "gpu (rank 0): {name}, {mfu}; memory in use at most {:.0} of {:.0} MiB (the driver's count after each step)",
+        "gpu (rank 0): {name}, {mfu}; memory in use at most {:.0} of {:.0} MiB (the driver's \
+         count after each step), {:.0} MiB of it accounted by ds-rs (model states placed on the \
+         GPU and the step's peaks); the rest: the CUDA context, cuBLAS's workspace, candle's \
+         freed buffers and any other process on the GPU",
         g["memory_used_peak_mib"].as_f64()?,
-        g["memory_total_mib"].as_f64()?
+        g["memory_total_mib"].as_f64()?,
+        g["accounted_mib"].as_f64()?
     ))
 }

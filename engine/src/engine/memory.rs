@@ -27,10 +27,21 @@ pub struct MemoryReport {
     /// On disk, not in memory: the master copy and optimizer states offloaded to NVMe (the
     /// chunk they stream through is in `optimizer_states`).
     pub offloaded: usize,
+    /// Of the bytes above (not `offloaded`), those in GPU memory: the model states placed there
+    /// and, when the layers compute on a GPU, the step's activations, layer parameters and
+    /// layer gradients (candle tensors on the device). The rest are in host memory.
+    pub gpu: usize,
 }
 
 impl MemoryReport {
-    pub(crate) fn new(states: StateBytes, step: StepPeak, offloaded: usize) -> MemoryReport {
+    /// `step_on_gpu`: the layers compute on a GPU, so the step's working memory is there.
+    pub(crate) fn new(
+        states: StateBytes,
+        step: StepPeak,
+        offloaded: usize,
+        step_on_gpu: bool,
+    ) -> MemoryReport {
+        let step_bytes = step.activations + step.layer_params + step.layer_grads;
         MemoryReport {
             params: states.params,
             grads: states.grads,
@@ -40,6 +51,7 @@ impl MemoryReport {
             layer_grads: step.layer_grads,
             comm_buffers: states.comm_buffers,
             offloaded,
+            gpu: states.gpu + if step_on_gpu { step_bytes } else { 0 },
         }
     }
 

@@ -20,7 +20,7 @@ use candle_core::Device;
 use ds_comm::{Groups, ReduceOp};
 use ds_config::Config;
 use ds_partition::swap::IoTotals;
-use ds_partition::{runs, FlatIndex, TpRank};
+use ds_partition::{runs, FlatIndex, Placement, TpRank};
 use half::{bf16, f16};
 
 use crate::checkpoint;
@@ -33,7 +33,7 @@ use crate::{EngineError, Result};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
-pub use settings::{Precision, Settings};
+pub use settings::{CpuOffload, Precision, Settings};
 pub use tied::check_ties;
 use trainer::Trainer;
 pub use update::{StepOutcome, STEP_PIECE};
@@ -221,8 +221,8 @@ impl Engine {
             None => LrSchedule::constant(base_lr),
         };
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
-        let updater = move |shard_len: usize| -> Result<update::Updater> {
-            let opt = crate::optim::build_from_section(&section, shard_len)?;
+        let updater = move |shard_len: usize, place: &Placement| -> Result<update::Updater> {
+            let opt = crate::optim::build_from_section(&section, shard_len, place)?;
             Ok(update::Updater::new(opt, schedule, scaler))
         };
         let init = initial::InitialValues::new(&specs, &index, source);

@@ -45,6 +45,30 @@ pub struct Settings {
     /// `offload_param: {"device": "nvme"}` (ZeRO-3): the parameter shard in a file under this
     /// path.
     pub nvme_params: Option<PathBuf>,
+    /// ZeRO-Offload: `offload_optimizer.device = "cpu"` (the master copy and the moments in
+    /// host memory, stepped by the CPU Adam) and, at stage 3, `offload_param.device = "cpu"`
+    /// (the parameter shard in host memory); they move something only on a GPU.
+    pub cpu_offload: CpuOffload,
+}
+
+/// Which states ZeRO-Offload keeps in host memory while a GPU computes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuOffload {
+    pub optimizer: bool,
+    pub params: bool,
+}
+
+impl CpuOffload {
+    fn from_config(cfg: &Config) -> CpuOffload {
+        let z = &cfg.zero_optimization;
+        let cpu = |d: Option<OffloadDevice>| d == Some(OffloadDevice::Cpu);
+        CpuOffload {
+            optimizer: cpu(z.offload_optimizer.as_ref().map(|o| o.device)),
+            // stages 0-2 keep parameters whole on every rank and offload none (DeepSpeed)
+            params: z.stage == ZeroStage::Weights
+                && cpu(z.offload_param.as_ref().map(|o| o.device)),
+        }
+    }
 }
 
 impl Settings {
@@ -78,6 +102,7 @@ impl Settings {
             wall_clock_breakdown: cfg.wall_clock_breakdown,
             nvme_optimizer: nvme_optimizer(cfg)?,
             nvme_params: nvme_params(cfg)?,
+            cpu_offload: CpuOffload::from_config(cfg),
         })
     }
 }

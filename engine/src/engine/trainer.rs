@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
-use ds_partition::{FlatIndex, InitFn, ParamSwap, Zero};
+use ds_partition::{FlatIndex, InitFn, ParamSwap, Placement, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
@@ -126,11 +126,11 @@ pub(crate) struct Parts {
 impl<T: Dtype> Trainer<T> {
     /// `init(range, dst)` writes the initial values of a flat range (only the ranges this
     /// rank keeps are asked for); `updater` builds the optimizer for the length of the shard
-    /// this rank will own.
+    /// this rank will own, its state at the placement given.
     pub fn new(
         parts: Parts,
         init: &mut InitFn<'_, EngineError>,
-        updater: impl FnOnce(usize) -> Result<Updater>,
+        updater: impl FnOnce(usize, &Placement) -> Result<Updater>,
     ) -> Result<Trainer<T>> {
         let Parts {
             model,
@@ -159,7 +159,19 @@ impl<T: Dtype> Trainer<T> {
             rank,
             io: &swap_io,
         });
-        let mut zero = Zero::new(index.numel(), settings.zero, dp.clone(), init, param_swap)?;
+        let mut places = crate::device::placements(&dev, settings.cpu_offload);
+        if settings.nvme_optimizer.is_some() {
+            // the NVMe tier streams the optimizer's states through host memory
+            places.optimizer = Placement::Host;
+        }
+        let mut zero = Zero::new(
+            index.numel(),
+            settings.zero,
+            dp.clone(),
+            init,
+            param_swap,
+            &places,
+        )?;
         zero.plan_buckets(&layer_flat);
         let copies: Vec<Range<usize>> = ties.iter().filter_map(Tie::copy_range).collect();
         let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
@@ -172,11 +184,11 @@ impl<T: Dtype> Trainer<T> {
             zero.set_pipeline(pp.clone());
         }
         let updater = match &settings.nvme_optimizer {
-            None => updater(zero.owned().len())?,
+            None => updater(zero.owned().len(), &places.optimizer)?,
             Some((path, buffers)) => {
                 // the optimizer holds one streamed chunk's state; the rest lives on disk
                 let owned = zero.owned().len();
-                let mut u = updater(STEP_PIECE.min(owned).max(1))?;
+                let mut u = updater(STEP_PIECE.min(owned).max(1), &Placement::Host)?;
                 let names = u.optimizer().state_names();
                 let master = zero.take_master();
                 let states = OffloadedStates::new(path, rank, *buffers, &master, &names, &swap_io)?;
@@ -510,6 +522,7 @@ impl<T: Dtype> Trainer<T> {
             self.zero.memory(self.updater.state_bytes()),
             self.peak,
             offloaded,
+            !self.dev.is_cpu(),
         )
     }
 

@@ -3,6 +3,7 @@
 //! `p -= lr / (1 - beta1^t) * m / denom`; weight decay either decoupled (`adam_w_mode`,
 //! `p *= 1 - lr * wd`, torch's AdamW) or L2 (`g += wd * p`, torch's Adam).
 
+use ds_partition::{FlatBuf, Placement};
 use rayon::prelude::*;
 
 use super::{check_len, OptimError, Optimizer, OptimizerState, BLOCK, LANES};
@@ -18,12 +19,12 @@ pub struct AdamParams {
 }
 
 /// Adam over one shard: first and second moments in fp32, as DeepSpeed keeps them.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Adam {
     hp: AdamParams,
     step: u64,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+    exp_avg: FlatBuf<f32>,
+    exp_avg_sq: FlatBuf<f32>,
     /// The scalars of the step begun last.
     consts: Option<Consts>,
 }
@@ -75,15 +76,22 @@ impl Consts {
 }
 
 impl Adam {
-    /// Zeroed moments for a shard of `shard_len` elements.
+    /// Zeroed moments in host memory for a shard of `shard_len` elements.
     pub fn new(hp: AdamParams, shard_len: usize) -> Adam {
-        Adam {
+        Adam::placed(hp, shard_len, &Placement::Host).expect("host memory")
+    }
+
+    /// Zeroed moments at `place` (beside the master copy they update).
+    pub fn placed(hp: AdamParams, shard_len: usize, place: &Placement) -> Result<Adam, OptimError> {
+        let zeroed =
+            || FlatBuf::zeroed(place, shard_len).map_err(|e| OptimError::Memory(e.to_string()));
+        Ok(Adam {
             hp,
             step: 0,
-            exp_avg: vec![0.0; shard_len],
-            exp_avg_sq: vec![0.0; shard_len],
+            exp_avg: zeroed()?,
+            exp_avg_sq: zeroed()?,
             consts: None,
-        }
+        })
     }
 }
 
@@ -119,13 +127,16 @@ impl Optimizer for Adam {
     }
 
     fn state_bytes(&self) -> usize {
-        (self.exp_avg.len() + self.exp_avg_sq.len()) * std::mem::size_of::<f32>()
+        self.exp_avg.bytes() + self.exp_avg_sq.bytes()
     }
 
     fn state(&self) -> OptimizerState<'_> {
         OptimizerState {
             step: self.step,
-            buffers: vec![("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)],
+            buffers: vec![
+                ("exp_avg", &*self.exp_avg),
+                ("exp_avg_sq", &*self.exp_avg_sq),
+            ],
         }
     }
 
@@ -134,7 +145,7 @@ impl Optimizer for Adam {
     }
 
     fn state_mut(&mut self) -> Vec<&mut [f32]> {
-        vec![&mut self.exp_avg, &mut self.exp_avg_sq]
+        vec![&mut *self.exp_avg, &mut *self.exp_avg_sq]
     }
 
     fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError> {

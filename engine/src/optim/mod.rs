@@ -20,6 +20,7 @@ mod tests;
 
 use ds_config::optim::{OptimizerParams, TypedSection};
 use ds_config::ConfigError;
+use ds_partition::Placement;
 
 pub use adam::{Adam, AdamParams};
 pub use bench::{bench_adam, BenchResult};
@@ -111,6 +112,9 @@ pub enum OptimError {
         found: usize,
     },
 
+    #[error("optimizer state: {0}")]
+    Memory(String),
+
     #[error("optimizer state '{name}': missing from the checkpoint")]
     MissingState { name: &'static str },
 
@@ -121,9 +125,14 @@ pub enum OptimError {
     },
 }
 
-/// The optimizer for typed config params, with state for `shard_len` elements.
+/// The optimizer for typed config params, with state for `shard_len` elements at `place`
+/// (beside the master copy; SGD's momentum is always in host memory).
 /// `lr` is not kept: the engine passes the scheduled rate to every [`Optimizer::step`].
-pub fn build(params: &OptimizerParams, shard_len: usize) -> Result<Box<dyn Optimizer>, OptimError> {
+pub fn build(
+    params: &OptimizerParams,
+    shard_len: usize,
+    place: &Placement,
+) -> Result<Box<dyn Optimizer>, OptimError> {
     match params {
         OptimizerParams::Adam {
             betas,
@@ -138,7 +147,7 @@ pub fn build(params: &OptimizerParams, shard_len: usize) -> Result<Box<dyn Optim
                 weight_decay: *weight_decay,
                 adam_w_mode: *adam_w_mode,
             };
-            Ok(Box::new(Adam::new(hp, shard_len)))
+            Ok(Box::new(Adam::placed(hp, shard_len, place)?))
         }
         other => Err(ConfigError::invalid(
             "optimizer.type",
@@ -154,12 +163,13 @@ pub fn build(params: &OptimizerParams, shard_len: usize) -> Result<Box<dyn Optim
 pub fn build_from_section(
     section: &TypedSection,
     shard_len: usize,
+    place: &Placement,
 ) -> Result<Box<dyn Optimizer>, OptimError> {
     if section.type_name == "SGD" {
         let hp = SgdParams::parse(section.params.as_ref())?;
         return Ok(Box::new(Sgd::new(hp, shard_len)));
     }
-    build(&OptimizerParams::parse(section)?, shard_len)
+    build(&OptimizerParams::parse(section)?, shard_len, place)
 }
 
 fn type_name(params: &OptimizerParams) -> &'static str {

@@ -14,6 +14,7 @@ use super::reference::{self, AdamRef, SgdRef, Trajectory};
 use super::{check, run_and_check, Run};
 use crate::optim::build_from_section;
 use ds_config::optim::TypedSection;
+use ds_partition::Placement;
 
 const FIXTURE: &str = include_str!("../fixtures/optim_reference.json");
 
@@ -107,7 +108,7 @@ fn check_case(case: &Json) {
             .map(|i| widen(&theirs.buf_bounds[i], &theirs.bufs[i], &ours.bufs[i]))
             .collect(),
     };
-    let mut opt = build_from_section(&section(case), p0.len()).expect(name);
+    let mut opt = build_from_section(&section(case), p0.len(), &Placement::Host).expect(name);
     let momenta = case["momentum"]
         .as_array()
         .map(|_| floats(&case["momentum"]));

@@ -6,6 +6,7 @@ use super::{inputs, Adam, AdamParams, Optimizer, Sgd, SgdParams};
 use crate::optim::{build_from_section, OptimError, OptimizerState};
 use ds_config::optim::TypedSection;
 use ds_config::ConfigError;
+use ds_partition::Placement;
 
 const ADAMW: AdamParams = AdamParams {
     betas: (0.9, 0.95),
@@ -117,7 +118,7 @@ fn section(type_name: &str, params: serde_json::Value) -> TypedSection {
 }
 
 fn config_err(type_name: &str, params: serde_json::Value) -> ConfigError {
-    match build_from_section(&section(type_name, params), 3) {
+    match build_from_section(&section(type_name, params), 3, &Placement::Host) {
         Err(OptimError::Config(e)) => e,
         Err(other) => panic!("not a config error: {other}"),
         Ok(_) => panic!("{type_name} built"),
@@ -138,7 +139,8 @@ fn sgd_params_parse_with_torch_defaults() {
     assert_eq!(SgdParams::parse(None), Ok(want));
     let given = json!({"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": true});
     assert_eq!(SgdParams::parse(Some(&given)), Ok(sgd_hp(0.9)));
-    let built = build_from_section(&section("SGD", given), 3).expect("SGD builds");
+    let built =
+        build_from_section(&section("SGD", given), 3, &Placement::Host).expect("SGD builds");
     assert_eq!(built.state_bytes(), 12);
 }
 
