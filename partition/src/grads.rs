@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use ds_comm::{Element, Group, ReduceOp, Work};
 
-use crate::{FlatBuf, Placement, Result, ShardLayout};
+use crate::{vector, FlatBuf, Placement, Result, ShardLayout};
 
 /// How gradients are reduced (ds_config `reduce_bucket_size`, `overlap_comm`,
 /// `gradient_predivide_factor`).
@@ -39,7 +39,7 @@ pub trait GradStore<T: Element>: Send {
     fn finish(&mut self, boundary: bool) -> Result<()>;
     /// The reduced, averaged gradients of `owned` (valid after the boundary's `finish`).
     fn owned(&self, owned: Range<usize>) -> &[T];
-    fn zero(&mut self);
+    fn zero(&mut self) -> Result<()>;
     /// Bytes of gradients held between steps.
     fn bytes(&self) -> usize;
     /// Whether the gradients kept between steps are in host memory (false: a GPU's).
@@ -85,7 +85,7 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
     fn add(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
         let mut at = range.start;
         for part in parts {
-            accumulate(&mut self.grads[at..at + part.len()], part);
+            vector::accumulate(&mut self.grads[at..at + part.len()], part)?;
             at += part.len();
         }
         debug_assert_eq!(at, range.end);
@@ -99,9 +99,9 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
         }
         let (pre, post) = self.reduce.scales(dp);
         for bucket in self.grads.chunks_mut(self.reduce.bucket_size.max(1)) {
-            scale(bucket, pre);
+            vector::scale(bucket, pre)?;
             self.group.all_reduce(bucket, ReduceOp::Sum)?;
-            scale(bucket, post);
+            vector::scale(bucket, post)?;
         }
         Ok(())
     }
@@ -110,8 +110,8 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
         &self.grads[owned]
     }
 
-    fn zero(&mut self) {
-        self.grads.fill(T::default());
+    fn zero(&mut self) -> Result<()> {
+        vector::zero(&mut self.grads)
     }
 
     fn bytes(&self) -> usize {
@@ -230,7 +230,7 @@ impl<T: Element> ShardGrads<T> {
         };
         let (mut buf, range) = bucket.into_filled();
         let (pre, _) = self.reduce.scales(self.group.size());
-        scale(&mut buf, pre);
+        vector::scale(&mut buf, pre)?;
         self.drain()?;
         let counts = self.layout.counts_within(&range);
         let work = self
@@ -255,11 +255,11 @@ impl<T: Element> ShardGrads<T> {
         if !mine.is_empty() {
             let shard_start = self.layout.shard(me).start;
             let part = &mut buf[mine.start - range.start..mine.end - range.start];
-            scale(part, post);
-            accumulate(
+            vector::scale(part, post)?;
+            vector::accumulate(
                 &mut self.shard[mine.start - shard_start..mine.end - shard_start],
                 part,
-            );
+            )?;
         }
         self.spare = Some(buf);
         Ok(())
@@ -295,8 +295,8 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
         &self.shard
     }
 
-    fn zero(&mut self) {
-        self.shard.fill(T::default());
+    fn zero(&mut self) -> Result<()> {
+        vector::zero(&mut self.shard)
     }
 
     fn bytes(&self) -> usize {
@@ -340,19 +340,6 @@ fn bucket_plan(layers: &[Range<usize>], bucket_size: usize) -> Vec<Range<usize>>
         }
     }
     plan
-}
-
-fn accumulate<T: Element>(dst: &mut [T], src: &[T]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, s)| *d = T::from_f32(d.to_f32() + s.to_f32()));
-}
-
-fn scale<T: Element>(buf: &mut [T], k: Option<f32>) {
-    if let Some(k) = k {
-        buf.iter_mut()
-            .for_each(|v| *v = T::from_f32(v.to_f32() * k));
-    }
 }
 
 #[cfg(test)]

@@ -19,8 +19,11 @@ mod memory;
 mod params;
 mod slice;
 pub mod swap;
+pub mod vector;
 mod zero;
 
+#[cfg(feature = "cuda")]
+pub use buffer::gpu;
 pub use buffer::{FlatBuf, Placement};
 pub use error::{PartitionError, Result};
 pub use flat::{FlatEntry, FlatIndex, ParamId};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ds_comm::{Element, Group, Work};
 
 use crate::swap::{SwapFile, SwapIo, SwapSpace};
-use crate::{FlatBuf, Result, ShardLayout};
+use crate::{vector, FlatBuf, Result, ShardLayout};
 
 /// The parameters of one flat buffer, in the compute dtype.
 pub trait ParamStore<T: Element>: Send {
@@ -81,8 +81,7 @@ impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
     }
 
     fn write_owned(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
-        convert_into(&mut self.values[range], master);
-        Ok(())
+        vector::convert_into(&mut self.values[range], master)
     }
 
     fn publish(&mut self) -> Result<()> {
@@ -336,7 +335,7 @@ impl<T: Element> Shard<T> {
     /// Updated master values of `range` (shard coordinates), in the compute dtype.
     fn write(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
         match self {
-            Shard::Memory(v) => convert_into(&mut v[range], master),
+            Shard::Memory(v) => vector::convert_into(&mut v[range], master)?,
             Shard::Disk(file) => {
                 let mut staging = vec![0f32; DISK_PIECE.min(range.len())];
                 for (i, src) in master.chunks(DISK_PIECE).enumerate() {
@@ -372,10 +371,4 @@ fn read_disk<T: Element>(file: &SwapFile, range: Range<usize>, out: &mut [T]) ->
             .for_each(|(d, s)| *d = T::from_f32(*s));
     }
     Ok(())
-}
-
-pub(crate) fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, s)| *d = T::from_f32(*s));
 }

@@ -9,7 +9,7 @@ use ds_config::ZeroStage;
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
 use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
-use crate::{FlatBuf, PartitionError, Placement, Result, ShardLayout, StateBytes};
+use crate::{vector, FlatBuf, PartitionError, Placement, Result, ShardLayout, StateBytes};
 
 /// Writes the initial values of a flat range (unpadded coordinates) into the slice given.
 pub type InitFn<'a, E> = dyn FnMut(Range<usize>, &mut [f32]) -> std::result::Result<(), E> + 'a;
@@ -245,21 +245,22 @@ impl<T: Element> Zero<T> {
     /// any gradient is inf or NaN on any rank, which is how an overflow is detected.
     pub fn grad_norm_sq(&self) -> Result<f64> {
         let grads = self.owned_grads();
-        let total = sum_squares(grads);
-        let within = |ranges: &[Range<usize>]| -> f64 {
-            ranges
-                .iter()
-                .map(|r| {
-                    let (a, b) = (r.start.max(self.owned.start), r.end.min(self.owned.end));
-                    match a < b {
-                        true => sum_squares(&grads[a - self.owned.start..b - self.owned.start]),
-                        false => 0.0,
-                    }
-                })
-                .sum()
+        let total = vector::sum_squares(grads)?;
+        let within = |ranges: &[Range<usize>]| -> Result<f64> {
+            let mut sum = 0.0;
+            for r in ranges {
+                let (a, b) = (r.start.max(self.owned.start), r.end.min(self.owned.end));
+                if a < b {
+                    sum += vector::sum_squares(&grads[a - self.owned.start..b - self.owned.start])?;
+                }
+            }
+            Ok(sum)
         };
-        let replicated = self.tp.as_ref().map_or(0.0, |(_, r)| within(r));
-        let duplicated = within(&self.duplicates);
+        let replicated = match &self.tp {
+            Some((_, r)) => within(r)?,
+            None => 0.0,
+        };
+        let duplicated = within(&self.duplicates)?;
         // [sliced, replicated] over the data-parallel shards
         let mut buf = [(total - replicated - duplicated) as f32, replicated as f32];
         if self.stage.partitions_optimizer() && self.group.size() > 1 {
@@ -322,13 +323,12 @@ impl<T: Element> Zero<T> {
     /// again where kept whole, gradients cleared.
     pub fn publish_written(&mut self) -> Result<()> {
         self.params.publish()?;
-        self.grads.zero();
-        Ok(())
+        self.grads.zero()
     }
 
     /// Drops the gradients of a skipped step (fp16 overflow).
-    pub fn zero_grads(&mut self) {
-        self.grads.zero();
+    pub fn zero_grads(&mut self) -> Result<()> {
+        self.grads.zero()
     }
 
     /// The whole fp32 master parameters (numel elements), gathered from every rank.
@@ -383,28 +383,8 @@ fn initial<T: Element, E: From<PartitionError>>(
         let end = (at + INIT_PIECE).min(real_end);
         let piece = &mut staging[..end - at];
         init(at..end, piece)?;
-        crate::params::convert_into(&mut out[at - range.start..end - range.start], piece);
+        vector::convert_into(&mut out[at - range.start..end - range.start], piece)?;
         at = end;
     }
     Ok(out)
-}
-
-/// The sum of squares in f64, over 8 running partial sums: one serial chain of f64 adds
-/// waits on each add's latency, 8 independent ones vectorise.
-fn sum_squares<T: Element>(g: &[T]) -> f64 {
-    const LANES: usize = 8;
-    let mut lanes = [0f64; LANES];
-    let mut chunks = g.chunks_exact(LANES);
-    for c in &mut chunks {
-        for i in 0..LANES {
-            let v = c[i].to_f32() as f64;
-            lanes[i] += v * v;
-        }
-    }
-    let tail: f64 = chunks
-        .remainder()
-        .iter()
-        .map(|v| (v.to_f32() as f64).powi(2))
-        .sum();
-    lanes.iter().sum::<f64>() + tail
 }

@@ -47,7 +47,10 @@ impl LayerParams {
         let len = values.len();
         let whole = match values {
             Cow::Owned(v) => Tensor::from_vec(v, len, dev)?,
-            Cow::Borrowed(v) => Tensor::from_slice(v, len, dev)?,
+            Cow::Borrowed(v) => match crate::device::tensor_from_buffer(v, dev)? {
+                Some(on_device) => on_device,
+                None => Tensor::from_slice(v, len, dev)?,
+            },
         };
         let mut tensors = Vec::with_capacity(ids.len());
         let mut names = Vec::with_capacity(ids.len());
@@ -172,8 +175,9 @@ impl<T: Dtype> LayerGrads<T> {
     }
 
     /// Calls `f` with the gradients as consecutive slices in flat order: borrowed from CPU
-    /// storage, copied out of any other device's.
-    pub fn with_parts<R>(&self, f: impl FnOnce(&[&[T]]) -> Result<R>) -> Result<R> {
+    /// storage; from a GPU's, copied into a GPU buffer when `to_gpu` (the gradient store is
+    /// on the GPU), else copied out to host memory.
+    pub fn with_parts<R>(&self, to_gpu: bool, f: impl FnOnce(&[&[T]]) -> Result<R>) -> Result<R> {
         let guards: Vec<_> = self
             .tensors
             .iter()
@@ -191,6 +195,20 @@ impl<T: Dtype> LayerGrads<T> {
         }
         drop(parts);
         drop(guards);
+        let staged = match to_gpu {
+            true => crate::device::stage_grads::<T>(&self.tensors)?,
+            false => None,
+        };
+        if let Some(staged) = staged {
+            let mut parts = Vec::with_capacity(self.tensors.len());
+            let mut rest: &[T] = &staged;
+            for t in &self.tensors {
+                let (part, after) = rest.split_at(t.elem_count());
+                parts.push(part);
+                rest = after;
+            }
+            return f(&parts);
+        }
         let owned = self
             .tensors
             .iter()

@@ -159,7 +159,7 @@ impl<T: Dtype> Trainer<T> {
             rank,
             io: &swap_io,
         });
-        let mut places = crate::device::placements(&dev, settings.cpu_offload);
+        let mut places = crate::device::placements(&dev, settings.cpu_offload, dp.size());
         if settings.nvme_optimizer.is_some() {
             // the NVMe tier streams the optimizer's states through host memory
             places.optimizer = Placement::Host;
@@ -390,7 +390,8 @@ impl<T: Dtype> Trainer<T> {
             self.peak.layer_grads = self.peak.layer_grads.max(g.bytes());
             if !g.is_empty() {
                 let range = self.layer_flat[i].clone();
-                g.with_parts(|parts| Ok(self.zero.add_grad(range, parts)?))?;
+                let to_gpu = !self.zero.placements().grads.is_host();
+                g.with_parts(to_gpu, |parts| Ok(self.zero.add_grad(range, parts)?))?;
             }
             dy = match (k, dx) {
                 (0, dx) => {

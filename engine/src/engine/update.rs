@@ -6,7 +6,7 @@ use ds_partition::Zero;
 
 use crate::checkpoint::Counters;
 use crate::loss_scale::LossScaler;
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::{Optimizer, OptimizerState, TypedGrads};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 
@@ -146,7 +146,7 @@ impl Updater {
         };
         if scaled.skipped {
             self.skipped_steps += 1;
-            zero.zero_grads();
+            zero.zero_grads()?;
             return Ok(outcome);
         }
         // torch's clip_grad_norm_ and DeepSpeed: scale by max / (norm + 1e-6) when above max.
@@ -166,9 +166,16 @@ impl Updater {
             o.step(self.optimizer.as_mut(), zero, k)?;
             return Ok(outcome);
         }
+        let (master, grads) = zero.master_and_grads();
+        if self
+            .optimizer
+            .update_on_gpu(master, TypedGrads::of(grads), k)?
+        {
+            zero.publish()?;
+            return Ok(outcome);
+        }
         // The owned range in pieces: the fp32 gradients of one piece at a time, never of the
         // whole shard (a whole-model temporary at stage 0).
-        let (master, grads) = zero.master_and_grads();
         let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
         for (i, (p, g)) in master
             .chunks_mut(STEP_PIECE)

@@ -34,7 +34,8 @@ pub struct Adam {
 /// torch's double `1 - beta2`), and the bias corrections are powers of the f32 betas computed in
 /// double. Each scalar is rounded to f32 once; the inner loop is pure f32 mul/add/sqrt/div.
 #[derive(Debug, Clone, Copy)]
-struct Consts {
+#[repr(C)] // kernels/adam.cu takes it as its `Consts`, field for field
+pub(super) struct Consts {
     beta1: f32,
     one_minus_beta1: f32,
     beta2: f32,
@@ -84,7 +85,7 @@ impl Adam {
     /// Zeroed moments at `place` (beside the master copy they update).
     pub fn placed(hp: AdamParams, shard_len: usize, place: &Placement) -> Result<Adam, OptimError> {
         let zeroed =
-            || FlatBuf::zeroed(place, shard_len).map_err(|e| OptimError::Memory(e.to_string()));
+            || FlatBuf::zeroed(place, shard_len).map_err(|e| OptimError::Device(e.to_string()));
         Ok(Adam {
             hp,
             step: 0,
@@ -120,6 +121,24 @@ impl Optimizer for Adam {
             .zip(m.par_chunks_mut(BLOCK))
             .zip(v.par_chunks_mut(BLOCK))
             .for_each(|(((p, g), m), v)| dispatch_block(&k, p, g, m, v));
+    }
+
+    #[cfg(feature = "cuda")]
+    fn update_on_gpu(
+        &mut self,
+        params: &mut [f32],
+        grads: super::TypedGrads<'_>,
+        k: f32,
+    ) -> Result<bool, OptimError> {
+        let consts = self.consts.expect("Adam::update_on_gpu: begin() first");
+        super::gpu::adam(
+            params,
+            grads,
+            &mut self.exp_avg,
+            &mut self.exp_avg_sq,
+            k,
+            consts,
+        )
     }
 
     fn shard_len(&self) -> usize {

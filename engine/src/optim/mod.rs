@@ -13,6 +13,8 @@
 
 mod adam;
 mod bench;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod sgd;
 mod sgd_params;
 #[cfg(test)]
@@ -66,6 +68,20 @@ pub trait Optimizer: Send {
     /// begun: bugs in the caller.
     fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]);
 
+    /// The step begun last over the whole shard on the GPU, when `params` (the master shard),
+    /// `grads` (in the compute dtype, to be multiplied by `k` first, as the caller does before
+    /// [`Optimizer::update`]) and this optimizer's state all lie in one GPU's buffers: Ok(true)
+    /// once done there; Ok(false) where the caller must run the host path.
+    fn update_on_gpu(
+        &mut self,
+        params: &mut [f32],
+        grads: TypedGrads<'_>,
+        k: f32,
+    ) -> Result<bool, OptimError> {
+        let _ = (params, grads, k);
+        Ok(false)
+    }
+
     /// The shard length the state was allocated for.
     fn shard_len(&self) -> usize;
 
@@ -99,6 +115,30 @@ pub struct OptimizerState<'a> {
     pub buffers: Vec<(&'a str, &'a [f32])>,
 }
 
+/// A shard's gradients in the compute dtype, as [`Optimizer::update_on_gpu`] takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct TypedGrads<'a> {
+    pub bytes: &'a [u8],
+    pub dtype: ds_comm::DType,
+}
+
+impl<'a> TypedGrads<'a> {
+    pub fn of<T: ds_comm::Element>(grads: &'a [T]) -> TypedGrads<'a> {
+        TypedGrads {
+            bytes: bytemuck::cast_slice(grads),
+            dtype: T::DTYPE,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
 /// What can go wrong building an optimizer or loading its state.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum OptimError {
@@ -112,8 +152,8 @@ pub enum OptimError {
         found: usize,
     },
 
-    #[error("optimizer state: {0}")]
-    Memory(String),
+    #[error("optimizer state on the device: {0}")]
+    Device(String),
 
     #[error("optimizer state '{name}': missing from the checkpoint")]
     MissingState { name: &'static str },

@@ -8,6 +8,9 @@ use ds_partition::{Placement, Placements};
 use crate::engine::CpuOffload;
 use crate::{EngineError, Result};
 
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
+
 /// A `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
@@ -49,8 +52,13 @@ impl DeviceChoice {
 
 /// Where the model states of a rank computing on `dev` live: all in host memory on the CPU; on
 /// a GPU, in its memory except what `offload` keeps in host memory.
-pub fn placements(dev: &Device, offload: CpuOffload) -> Placements {
-    let Some(gpu) = gpu_placement(dev) else {
+///
+/// With more than one rank in the data-parallel group (`dp`) they stay in host memory on a GPU
+/// too (ZeRO-Offload's layout): the collectives of the built-in and MPI transports work on host
+/// memory, and a gradient reduced there would otherwise move page by page between the GPU and
+/// the host. NCCL through ds-comm's groups is what lifts this.
+pub fn placements(dev: &Device, offload: CpuOffload, dp: usize) -> Placements {
+    let Some(gpu) = gpu_placement(dev).filter(|_| dp == 1) else {
         return Placements::host();
     };
     let unless = |offloaded: bool| match offloaded {
@@ -68,10 +76,38 @@ pub fn placements(dev: &Device, offload: CpuOffload) -> Placements {
 fn gpu_placement(dev: &Device) -> Option<Placement> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        return Some(Placement::Gpu(d.cuda_stream().context().clone()));
+        return Some(Placement::Gpu(gpu::gpu_for(d)));
     }
     let _ = dev;
     None
+}
+
+/// A tensor of `values` on `dev` made on the device, when `values` lie in a GPU buffer of
+/// the same GPU (a layer's parameters materialised without passing through the host); None
+/// otherwise (the caller copies them from host memory).
+pub fn tensor_from_buffer<T: crate::engine::Dtype>(
+    values: &[T],
+    dev: &Device,
+) -> Result<Option<candle_core::Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return gpu::tensor_from_buffer(values, d);
+    }
+    let _ = (values, dev);
+    Ok(None)
+}
+
+/// Gradient tensors on a GPU copied into one GPU buffer (for the gradient stores to add on
+/// the GPU); None when they are not on a GPU.
+pub fn stage_grads<T: crate::engine::Dtype>(
+    tensors: &[candle_core::Tensor],
+) -> Result<Option<ds_partition::FlatBuf<T>>> {
+    #[cfg(feature = "cuda")]
+    if let Some(Device::Cuda(d)) = tensors.first().map(|t| t.device()) {
+        return gpu::stage(tensors, d).map(Some);
+    }
+    let _ = tensors;
+    Ok(None)
 }
 
 /// What the driver says of a GPU.

@@ -1,0 +1,120 @@
+//! The engine's side of GPU buffers (feature `cuda`): which `ds_partition::gpu::Gpu` a candle
+//! device's buffers belong to, and the copies between those buffers and candle's tensors,
+//! made on the GPU (device to device) rather than through the host.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::driver::{result, sys, DevicePtr, DevicePtrMut, DeviceRepr};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{Storage, Tensor};
+use ds_comm::DType;
+use ds_partition::gpu::{device_ptr, gpu_of, Gpu, Span};
+use ds_partition::{FlatBuf, Placement};
+use half::{bf16, f16};
+
+use crate::engine::Dtype;
+use crate::{EngineError, Result};
+
+/// The `Gpu` of candle device `d`: one per device (its stream), so kernels load once.
+pub fn gpu_for(d: &CudaDevice) -> Arc<Gpu> {
+    static GPUS: Mutex<Vec<(usize, Arc<Gpu>)>> = Mutex::new(Vec::new());
+    let stream = d.cuda_stream();
+    let key = stream.cu_stream() as usize;
+    let mut gpus = GPUS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, g)) = gpus.iter().find(|(k, _)| *k == key) {
+        return g.clone();
+    }
+    let g = Gpu::new(stream);
+    gpus.push((key, g.clone()));
+    g
+}
+
+/// A tensor of `values` on `d`, copied on the GPU when `values` lie in a GPU buffer; None
+/// when they are host memory (the caller copies them up).
+pub fn tensor_from_buffer<T: Dtype>(values: &[T], d: &CudaDevice) -> Result<Option<Tensor>> {
+    if gpu_of(Span::of(values)).is_none() {
+        return Ok(None);
+    }
+    let src = device_ptr(values);
+    let storage = match <T as ds_comm::Element>::DTYPE {
+        DType::F32 => copy_out::<f32>(src, values.len(), d)?,
+        DType::BF16 => copy_out::<bf16>(src, values.len(), d)?,
+        DType::F16 => copy_out::<f16>(src, values.len(), d)?,
+    };
+    let storage = Storage::Cuda(storage);
+    Ok(Some(Tensor::from_storage(
+        storage,
+        values.len(),
+        BackpropOp::none(),
+        false,
+    )))
+}
+
+/// `len` elements at GPU address `src` into a new allocation of candle's.
+fn copy_out<U: CudaDType + DeviceRepr>(
+    src: sys::CUdeviceptr,
+    len: usize,
+    d: &CudaDevice,
+) -> Result<CudaStorage> {
+    let stream = d.cuda_stream();
+    // SAFETY: every element is written by the copy below before anything reads it.
+    let mut dst = unsafe { stream.alloc::<U>(len) }.map_err(cuda)?;
+    {
+        let (to, _recorded) = dst.device_ptr_mut(&stream);
+        let bytes = len * std::mem::size_of::<U>();
+        // SAFETY: `src` holds `len` elements of GPU memory (a live buffer), `to` as many.
+        unsafe { result::memcpy_dtod_async(to, src, bytes, stream.cu_stream()) }.map_err(cuda)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(dst, d.clone()))
+}
+
+/// The gradients `tensors` (contiguous, on GPU `d`, in the compute dtype) copied one after
+/// the other into a GPU buffer, which the gradient stores then add on the GPU.
+pub fn stage<T: Dtype>(tensors: &[Tensor], d: &CudaDevice) -> Result<FlatBuf<T>> {
+    let total = tensors.iter().map(|t| t.elem_count()).sum();
+    let gpu = gpu_for(d);
+    let staged = FlatBuf::<T>::zeroed(&Placement::Gpu(gpu), total)?;
+    let stream = d.cuda_stream();
+    let mut at = 0;
+    for t in tensors {
+        let n = t.elem_count();
+        let (storage, layout) = t.storage_and_layout();
+        let (Storage::Cuda(cs), Some((a, _))) = (&*storage, layout.contiguous_offsets()) else {
+            return Err(EngineError::Invalid(
+                "a gradient on the GPU that is not a contiguous GPU tensor".into(),
+            ));
+        };
+        let src = match <T as ds_comm::Element>::DTYPE {
+            DType::F32 => address::<f32>(cs, a, &stream)?,
+            DType::BF16 => address::<bf16>(cs, a, &stream)?,
+            DType::F16 => address::<f16>(cs, a, &stream)?,
+        };
+        let dst = device_ptr(&staged[at..at + n]);
+        let bytes = n * std::mem::size_of::<T>();
+        if bytes > 0 {
+            // SAFETY: both ranges hold `n` elements of GPU memory that outlive the copy (it is
+            // waited for below, while `storage` is still borrowed).
+            unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+                .map_err(cuda)?;
+        }
+        at += n;
+    }
+    stream.synchronize().map_err(cuda)?;
+    Ok(staged)
+}
+
+/// The GPU address of element `offset` of a candle storage holding `U`s.
+fn address<U: CudaDType>(
+    cs: &CudaStorage,
+    offset: usize,
+    stream: &Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+) -> Result<sys::CUdeviceptr> {
+    let slice = cs.as_cuda_slice::<U>()?;
+    let (base, _recorded) = slice.device_ptr(stream);
+    Ok(base + (offset * std::mem::size_of::<U>()) as sys::CUdeviceptr)
+}
+
+fn cuda(e: result::DriverError) -> EngineError {
+    EngineError::Invalid(format!("GPU: {e}"))
+}

@@ -1,0 +1,9 @@
+//! With the `cuda` feature: kernels/vector.cu to PTX (build-support/ptx.rs). Without: nothing.
+include!("../build-support/ptx.rs");
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        compile_ptx("kernels/vector.cu", "vector.ptx");
+    }
+}

@@ -1,0 +1,306 @@
+//! The GPU side of the device-buffer module (feature `cuda`): managed allocations, the map
+//! from a slice's address to the GPU holding it, and kernels compiled at build time.
+//!
+//! A `&[T]` of a GPU buffer is an ordinary slice whose address is also a device pointer (Note
+//! [managed device buffers]), so code that holds only slices (the stores, `vector`, the
+//! engine's optimizer) asks [`gpu_of`] whether it may hand the address to a kernel.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CString};
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaStream, DriverError};
+
+use crate::{PartitionError, Result};
+
+/// One GPU and the stream its buffers' operations run on (the stream the layers compute on,
+/// so that copies into and out of the buffers are ordered with the compute without events).
+pub struct Gpu {
+    stream: Arc<CudaStream>,
+    /// PTX modules loaded so far, by name (each loaded once per GPU).
+    modules: Mutex<Vec<(&'static str, Arc<Kernels>)>>,
+}
+
+impl Gpu {
+    pub fn new(stream: Arc<CudaStream>) -> Arc<Gpu> {
+        Arc::new(Gpu {
+            stream,
+            modules: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The PTX module `name` (its source `ptx`), loaded on this GPU on first use.
+    pub fn kernels(&self, name: &'static str, ptx: &str) -> Result<Arc<Kernels>> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, k)) = modules.iter().find(|(n, _)| *n == name) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(Kernels::load(self, ptx)?);
+        modules.push((name, k.clone()));
+        Ok(k)
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| cuda_error("wait", e))
+    }
+
+    /// ds-partition's own kernels (kernels/vector.cu).
+    pub(crate) fn vector_kernels(&self) -> Result<Arc<Kernels>> {
+        self.kernels("vector", VECTOR_PTX)
+    }
+}
+
+/// kernels/vector.cu as PTX (build.rs runs nvcc).
+const VECTOR_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/vector.ptx"));
+
+/// A PTX module loaded on one GPU, its functions found by name.
+pub struct Kernels {
+    module: sys::CUmodule,
+}
+
+// SAFETY: a CUmodule is a handle the driver lets any thread use.
+unsafe impl Send for Kernels {}
+unsafe impl Sync for Kernels {}
+
+/// Threads per block of every launch here (vector.cu's reductions size shared memory for it).
+pub const BLOCK: u32 = 256;
+
+impl Kernels {
+    /// Loads `ptx` (the driver compiles it for the GPU at hand).
+    pub fn load(gpu: &Gpu, ptx: &str) -> Result<Kernels> {
+        gpu.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cuda_error("bind", e))?;
+        let src =
+            CString::new(ptx).map_err(|_| PartitionError::Invalid("PTX with a NUL".into()))?;
+        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
+            .map_err(|e| cuda_error("load kernels", e))?;
+        Ok(Kernels { module })
+    }
+
+    /// Launches `name` over `n` elements on `gpu`'s stream (a grid-stride loop: at most 4096
+    /// blocks of [`BLOCK`] threads) and waits for it. `args` point at the kernel's arguments.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number and type, and every pointer among
+    /// them must be valid on the GPU for what the kernel touches.
+    pub unsafe fn launch(
+        &self,
+        gpu: &Gpu,
+        name: &str,
+        n: usize,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let cname = CString::new(name).expect("kernel names have no NUL");
+        let f = result::module::get_function(self.module, cname)
+            .map_err(|e| cuda_error(&format!("kernel {name}"), e))?;
+        let blocks = n.div_ceil(BLOCK as usize).min(4096) as u32;
+        result::launch_kernel(
+            f,
+            (blocks, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            gpu.stream.cu_stream(),
+            args,
+        )
+        .map_err(|e| cuda_error(&format!("launch {name}"), e))?;
+        gpu.sync()
+    }
+}
+
+/// Where a slice lies: its address and length in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    addr: usize,
+    bytes: usize,
+}
+
+impl Span {
+    pub fn of<T>(s: &[T]) -> Span {
+        Span {
+            addr: s.as_ptr() as usize,
+            bytes: std::mem::size_of_val(s),
+        }
+    }
+}
+
+/// The GPU holding all of `s`, when `s` lies in one of this process's GPU buffers (None for
+/// an empty slice or host memory).
+pub fn gpu_of(s: Span) -> Option<Arc<Gpu>> {
+    if s.bytes == 0 {
+        return None;
+    }
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let (_, (region_end, gpu)) = live.range(..=s.addr).next_back()?;
+    (s.addr + s.bytes <= *region_end).then(|| gpu.clone())
+}
+
+/// The GPU holding every non-empty one of `spans`, when they all lie in the same GPU's
+/// buffers and not all are empty: then a kernel may take their addresses. Buffers of one GPU
+/// made through different `Gpu` values (streams) are the same memory, hence the ordinals.
+pub fn one_gpu(spans: &[Span]) -> Option<Arc<Gpu>> {
+    let mut found: Option<Arc<Gpu>> = None;
+    for s in spans.iter().filter(|s| s.bytes > 0) {
+        let g = gpu_of(*s)?;
+        match &found {
+            Some(f) if f.ordinal() != g.ordinal() => return None,
+            Some(_) => {}
+            None => found = Some(g),
+        }
+    }
+    found
+}
+
+/// The device address of a slice of a GPU buffer ([`one_gpu`]).
+pub fn device_ptr<T>(s: &[T]) -> sys::CUdeviceptr {
+    s.as_ptr() as sys::CUdeviceptr
+}
+
+/// The kernel-name suffix of a dtype (`accumulate_bf16`, `adam_f16`, ...).
+pub fn suffix(dtype: ds_comm::DType) -> &'static str {
+    match dtype {
+        ds_comm::DType::F32 => "f32",
+        ds_comm::DType::BF16 => "bf16",
+        ds_comm::DType::F16 => "f16",
+    }
+}
+
+/// A kernel argument for [`Kernels::launch`]: a pointer to the value.
+pub fn arg<A>(a: &mut A) -> *mut c_void {
+    a as *mut A as *mut c_void
+}
+
+/// Live managed allocations: start address -> (end address, GPU).
+static LIVE: Mutex<BTreeMap<usize, (usize, Arc<Gpu>)>> = Mutex::new(BTreeMap::new());
+
+/// CUDA managed memory holding `len` values of `T` (Note [managed device buffers]): plain
+/// numbers whose all-zero bits are 0 (ds-comm's elements, and f64 for reductions).
+pub(crate) struct Managed<T: Copy> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    gpu: Arc<Gpu>,
+    _values: PhantomData<T>,
+}
+
+// SAFETY: the allocation is owned like a `Vec`'s; `&`/`&mut` access follows Rust's rules
+// through `as_slice`/`as_mut_slice`, and managed memory is valid on any host thread.
+unsafe impl<T: Copy> Send for Managed<T> {}
+unsafe impl<T: Copy> Sync for Managed<T> {}
+
+impl<T: Copy> Managed<T> {
+    pub fn zeroed(gpu: &Arc<Gpu>, len: usize) -> Result<Managed<T>> {
+        let m = Managed::alloc(gpu, len)?;
+        if m.bytes() > 0 {
+            // SAFETY: `ptr` holds `bytes` bytes; all-zero bits are 0 for f32, bf16 and f16.
+            unsafe { result::memset_d8_async(m.ptr, 0, m.bytes(), gpu.stream.cu_stream()) }
+                .map_err(|e| cuda_error("zero-fill", e))?;
+            gpu.sync()?;
+        }
+        Ok(m)
+    }
+
+    pub fn from_slice(gpu: &Arc<Gpu>, values: &[T]) -> Result<Managed<T>> {
+        let mut m = Managed::alloc(gpu, values.len())?;
+        m.as_mut_slice().copy_from_slice(values);
+        Ok(m)
+    }
+
+    /// A managed allocation preferring `gpu` (nothing for `len` 0), in the live map.
+    fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<Managed<T>> {
+        let ctx = gpu.stream.context();
+        ctx.bind_to_thread().map_err(|e| cuda_error("bind", e))?;
+        let bytes = len * std::mem::size_of::<T>();
+        let ptr = match bytes {
+            0 => 0,
+            _ => {
+                // SAFETY: a fresh allocation of `bytes` bytes, freed in `drop`.
+                let ptr = unsafe {
+                    result::malloc_managed(bytes, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL)
+                }
+                .map_err(|e| cuda_error(&format!("allocate {bytes} bytes"), e))?;
+                let home = sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: ctx.ordinal() as i32,
+                };
+                let advise = sys::CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION;
+                // SAFETY: the range is exactly the allocation made above.
+                if let Err(e) = unsafe { result::mem_advise(ptr, bytes, advise, home) } {
+                    // SAFETY: `ptr` was allocated above and is not used after this.
+                    let _ = unsafe { result::free_sync(ptr) };
+                    return Err(cuda_error("advise the GPU as its home", e));
+                }
+                let start = ptr as usize;
+                let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+                live.insert(start, (start + bytes, gpu.clone()));
+                ptr
+            }
+        };
+        Ok(Managed {
+            ptr,
+            len,
+            gpu: gpu.clone(),
+            _values: PhantomData,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        match self.len {
+            0 => &[],
+            // SAFETY: managed memory is host-addressable at the same address; it holds `len`
+            // initialised values (zeroed or copied in at construction).
+            n => unsafe { std::slice::from_raw_parts(self.ptr as *const T, n) },
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        match self.len {
+            0 => &mut [],
+            // SAFETY: as `as_slice`, and `&mut self` makes the access unique.
+            n => unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, n) },
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<T> {
+        self.as_slice().to_vec()
+    }
+}
+
+impl<T: Copy> Drop for Managed<T> {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        LIVE.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(self.ptr as usize));
+        // A failure here (a context already torn down at exit) leaks the allocation with the
+        // context; there is nothing else to do with it.
+        if self.gpu.stream.context().bind_to_thread().is_ok() {
+            // SAFETY: allocated in `alloc`, freed once, never used after.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+pub(crate) fn cuda_error(what: &str, e: DriverError) -> PartitionError {
+    PartitionError::Invalid(format!("GPU buffer: {what}: {e}"))
+}

@@ -1,0 +1,157 @@
+//! The element loops over flat buffers that a step runs: adding gradients, scaling them,
+//! their sum of squares, writing master values into the compute-dtype parameters, zeroing.
+//!
+//! Each runs where its slices live: as a host loop, or, when every slice lies in the same
+//! GPU's buffers (`buffer::gpu::one_gpu`), as a kernel on that GPU (kernels/vector.cu), with
+//! the same rounding, so either gives the same bits. Slices split between the host and a GPU
+//! run on the host (correct, the pages migrating; the stores avoid it on the hot path).
+
+use ds_comm::Element;
+
+use crate::Result;
+
+/// `dst[i] += src[i]`, rounded to `T`.
+pub fn accumulate<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
+    debug_assert_eq!(dst.len(), src.len());
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = one_gpu(&[Span::of(dst), Span::of(src)]) {
+        let (mut d, mut s, mut n) = (ptr(dst), ptr(src), dst.len() as u64);
+        return launch::<T>(
+            &gpu,
+            "accumulate",
+            dst.len(),
+            &mut [arg(&mut d), arg(&mut s), arg(&mut n)],
+        );
+    }
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, s)| *d = T::from_f32(d.to_f32() + s.to_f32()));
+    Ok(())
+}
+
+/// `buf[i] *= k`, rounded to `T`; nothing for `None`.
+pub fn scale<T: Element>(buf: &mut [T], k: Option<f32>) -> Result<()> {
+    let Some(k) = k else {
+        return Ok(());
+    };
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = one_gpu(&[Span::of(buf)]) {
+        let (mut b, mut k, mut n) = (ptr(buf), k, buf.len() as u64);
+        return launch::<T>(
+            &gpu,
+            "scale",
+            buf.len(),
+            &mut [arg(&mut b), arg(&mut k), arg(&mut n)],
+        );
+    }
+    buf.iter_mut()
+        .for_each(|v| *v = T::from_f32(v.to_f32() * k));
+    Ok(())
+}
+
+/// `dst[i] = src[i]` rounded to `T`.
+pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
+    debug_assert_eq!(dst.len(), src.len());
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = one_gpu(&[Span::of(dst), Span::of(src)]) {
+        let (mut d, mut s, mut n) = (ptr(dst), ptr(src), dst.len() as u64);
+        return launch::<T>(
+            &gpu,
+            "convert",
+            dst.len(),
+            &mut [arg(&mut d), arg(&mut s), arg(&mut n)],
+        );
+    }
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, s)| *d = T::from_f32(*s));
+    Ok(())
+}
+
+/// Zeros `buf`.
+pub fn zero<T: Element>(buf: &mut [T]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = one_gpu(&[Span::of(buf)]) {
+        let bytes = std::mem::size_of_val(buf);
+        // SAFETY: `buf` is `bytes` bytes of `gpu`'s memory; all-zero bits are 0 in every T.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(ptr(buf), 0, bytes, gpu.stream().cu_stream())
+        }
+        .map_err(|e| crate::buffer::gpu::cuda_error("zero-fill", e))?;
+        return gpu.sync();
+    }
+    buf.fill(T::default());
+    Ok(())
+}
+
+/// The sum of squares in f64; not finite when any element is inf or NaN.
+pub fn sum_squares<T: Element>(g: &[T]) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = one_gpu(&[Span::of(g)]) {
+        return gpu_sum_squares(&gpu, g);
+    }
+    Ok(host_sum_squares(g))
+}
+
+/// Over 8 running partial sums: one serial chain of f64 adds waits on each add's latency,
+/// 8 independent ones vectorise.
+fn host_sum_squares<T: Element>(g: &[T]) -> f64 {
+    const LANES: usize = 8;
+    let mut lanes = [0f64; LANES];
+    let mut chunks = g.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            let v = c[i].to_f32() as f64;
+            lanes[i] += v * v;
+        }
+    }
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|v| (v.to_f32() as f64).powi(2))
+        .sum();
+    lanes.iter().sum::<f64>() + tail
+}
+
+#[cfg(feature = "cuda")]
+use gpu_side::*;
+
+#[cfg(feature = "cuda")]
+mod gpu_side {
+    //! Launching vector.cu's kernels on slices of GPU buffers.
+
+    use std::ffi::c_void;
+    use std::sync::Arc;
+
+    pub(super) use crate::buffer::gpu::{arg, device_ptr as ptr, one_gpu, Span};
+    use crate::buffer::gpu::{suffix, Gpu, Managed};
+    use ds_comm::Element;
+
+    use crate::Result;
+
+    /// Launches `base`_f32/_bf16/_f16 (by `T`) over `n` elements.
+    pub(super) fn launch<T: Element>(
+        gpu: &Gpu,
+        base: &str,
+        n: usize,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let name = format!("{base}_{}", suffix(T::DTYPE));
+        // SAFETY: every caller passes the kernel's parameters in order, with device pointers
+        // of GPU buffers holding `n` elements (checked by `one_gpu`).
+        unsafe { gpu.vector_kernels()?.launch(gpu, &name, n, args) }
+    }
+
+    /// The sum of squares into one f64 in GPU memory, then read back.
+    pub(super) fn gpu_sum_squares<T: Element>(gpu: &Arc<Gpu>, g: &[T]) -> Result<f64> {
+        let mut out = Managed::<f64>::zeroed(gpu, 1)?;
+        let (mut p, mut n, mut o) = (ptr(g), g.len() as u64, ptr(out.as_slice()));
+        launch::<T>(
+            gpu,
+            "sum_squares",
+            g.len(),
+            &mut [arg(&mut p), arg(&mut n), arg(&mut o)],
+        )?;
+        Ok(out.as_mut_slice()[0])
+    }
+}
