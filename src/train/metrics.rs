@@ -290,3 +290,43 @@ pub fn gpu_summary(
         "mfu": mfu,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RankMemory;
+
+    fn rank(gpu_bytes: u64) -> RankMemory {
+        const MIB: u64 = 1 << 20;
+        RankMemory {
+            rank: 0,
+            peak_rss_mib: 100.0,
+            params_bytes: 40 * MIB,
+            grads_bytes: 20 * MIB,
+            optimizer_states_bytes: 30 * MIB,
+            activations_bytes: 0,
+            layer_params_bytes: 0,
+            layer_grads_bytes: 0,
+            comm_buffers_bytes: 0,
+            accounted_bytes: 90 * MIB,
+            offloaded_bytes: 0,
+            gpu_bytes,
+        }
+    }
+
+    /// Peak RSS is set against what is in host memory: the bytes on a GPU are named apart.
+    #[test]
+    fn the_rss_line_counts_only_host_memory() {
+        let cpu = rank(0).line();
+        assert!(
+            cpu.contains("= 90 MiB accounted") && cpu.contains("+ 10 MiB not"),
+            "{cpu}"
+        );
+        assert!(!cpu.contains("GPU"), "{cpu}");
+        let gpu = rank(60 << 20).line();
+        assert!(
+            gpu.contains("= 30 MiB accounted") && gpu.contains("+ 70 MiB not"),
+            "{gpu}"
+        );
+        assert!(gpu.contains("less 60 MiB of these in GPU memory"), "{gpu}");
+    }
+}

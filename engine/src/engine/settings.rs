@@ -244,3 +244,57 @@ fn number(v: &Json, path: &str, default: f64) -> Result<f64> {
             .ok_or_else(|| EngineError::Invalid(format!("{path}: expected a number, got {v}"))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds_config::{hjson, resolve, ParallelDims};
+
+    fn offload(zero: &str) -> CpuOffload {
+        let json = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}},
+                "zero_optimization": {{{zero}}}}}"#
+        );
+        let doc = hjson::parse_bytes(json.as_bytes()).unwrap();
+        let cfg = resolve(&doc, &ParallelDims::new(1, 1, 1).unwrap()).unwrap();
+        Settings::from_config(&cfg, false).unwrap().cpu_offload
+    }
+
+    /// ZeRO-Offload's two settings, as DeepSpeed reads them: the optimizer's at any stage
+    /// that has one, the parameters' at stage 3 only (stages 0-2 keep them whole).
+    #[test]
+    fn cpu_offload_follows_the_sections_and_the_stage() {
+        let both = r#""offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}"#;
+        let cases = [
+            (r#""stage": 2"#.to_string(), (false, false)),
+            (format!(r#""stage": 3, {both}"#), (true, true)),
+            (format!(r#""stage": 2, {both}"#), (true, false)),
+            (
+                r#""stage": 1, "cpu_offload": true"#.to_string(),
+                (true, false),
+            ),
+            (
+                r#""stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}"#.to_string(),
+                (false, false),
+            ),
+        ];
+        for (zero, (optimizer, params)) in cases {
+            assert_eq!(offload(&zero), CpuOffload { optimizer, params }, "{zero}");
+        }
+    }
+
+    /// Training on the CPU, every state is in host memory whatever the offload settings.
+    #[test]
+    fn on_the_cpu_every_state_is_in_host_memory() {
+        let all = CpuOffload {
+            optimizer: true,
+            params: true,
+        };
+        for offload in [CpuOffload::default(), all] {
+            for dp in [1, 4] {
+                let p = crate::device::placements(&candle_core::Device::Cpu, offload, dp);
+                assert!(p.params.is_host() && p.grads.is_host() && p.optimizer.is_host());
+            }
+        }
+    }
+}
