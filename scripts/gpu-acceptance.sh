@@ -6,7 +6,8 @@
 #   scripts/gpu-acceptance.sh [--bundle DIR] [--bench DIR] [--micro-batch N] [--warmup N] [--steps N]
 #
 #   --bundle DIR  built artifacts, made here by scripts/gpu-bundle.sh (default target/gpu-bundle,
-#                 or $DS_GPU_BUNDLE): nccl_device[.gz], the ds-comm NCCL smoke test binary.
+#                 or $DS_GPU_BUNDLE): nccl_device[.gz], the ds-comm NCCL smoke test binary;
+#                 ds-rs[.gz], the cuda build; gpu_buffers.gz, the GPU buffers' kernel test.
 #   --bench DIR   the peer benchmarks (train_torch.py, gpt.py, make_tokens.py; default
 #                 ../shared/bench beside the repo, or $DS_BENCH_DIR). Copied to a temp dir first.
 #   $PYTHON       the Python with PyTorch (default python3); $TORCH_VENV (default
@@ -105,6 +106,36 @@ nccl_smoke() {
     [ $status -ne 0 ] && ! grep -q 'test result: FAILED' "$log" &&
         row "nccl smoke" FAIL "exit $status (crash or timeout), see nccl-smoke.log"
     grep -o 'NCCL version [^ ]*' "$log" | head -n 1
+}
+
+# engine/tests/gpu_buffers.rs: the kernels of a step on GPU buffers against the host loops, bit
+# for bit (the sum of squares to 1e-12), and the device-to-device copies; DS_RS_REQUIRE_GPU=1.
+gpu_buffers() {
+    local bin=$work/gpu_buffers log=$logs/gpu-buffers.log t d
+    if [ ! -f "$bundle/gpu_buffers.gz" ]; then
+        row "gpu buffers" skip "no gpu_buffers.gz in $bundle (scripts/gpu-bundle.sh)"
+        return
+    fi
+    gunzip -c "$bundle/gpu_buffers.gz" >"$bin"
+    chmod +x "$bin"
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 120 "$bin" --test-threads 1 >"$log" 2>&1
+    cat "$log"
+    for t in vector_kernels_match_the_host_loops adam_kernel_matches_the_host_adam; do
+        for d in f32 bf16 f16; do
+            test_row "${t%%_match*} $d" "${t}_$d" "$log" "the host loop's bits"
+        done
+    done
+    test_row "gpu copies" tensors_and_gpu_buffers_copy_on_the_device "$log" \
+        "parameters from a GPU buffer, gradients into one, device to device"
+}
+
+# A libtest line "test NAME ... ok" makes the row ok; else the panic message says why.
+test_row() { # check test log figure
+    if grep -q "^test $2 \.\.\. ok" "$3"; then
+        row "$1" ok "$4"
+    else
+        row "$1" FAIL "$(grep -A1 "'$2'.*panicked at" "$3" | tail -n 1 | cut -c1-200)"
+    fi
 }
 
 # With --nocapture a test's own lines sit between "test NAME ..." and the next test's line: it
@@ -213,6 +244,11 @@ ds_rs_runs() {
     # the same global batch of 8, against one CPU rank.
     derive "$ex/zero2.json" "$z3" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}'
     ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
+    # ZeRO-Offload: the master copy and Adam's moments in host memory (the CPU Adam), the
+    # parameters and gradients on the GPU; against one CPU rank.
+    local off=$work/offload.json
+    derive "$ex/zero2.json" "$off" '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}'
+    ds_equality "ds-rs tiny offload gpu=cpu" "$off" 1e-4
     # train's last line on a GPU: the device, its MFU and its memory in use (summary.json "gpu").
     local g
     g=$(grep -h 'gpu (rank 0): ' "$logs/ds-rs-equality.log" | tail -n 1)
@@ -222,6 +258,37 @@ ds_rs_runs() {
     esac
     ds_speed small
     ds_speed gpt2
+    ds_offload_memory gpt2
+}
+
+# Device memory of preset $1 in bf16 at ZeRO-1 on one GPU, without and with offload_optimizer
+# (expected: about 12 bytes per parameter less, the fp32 master copy and Adam's two moments),
+# from train's summary.json: the driver's peak, ds-rs's own GPU bytes, and tokens/s.
+ds_offload_memory() { # preset
+    local d=$work/offload-$1 side cfg figure
+    for side in none cpu; do
+        cfg=$work/offload-$side.json
+        derive "$repo/configs/examples/bf16.json" "$cfg" "{\"train_micro_batch_size_per_gpu\": 8,
+            \"gradient_accumulation_steps\": 1,
+            \"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"$side\"}}}"
+        if ! timeout 300 "$bin" train --model "$1" --steps 6 --eval-batches 1 --device cuda \
+            --config "$cfg" --metrics-dir "$d/$side" >"$logs/ds-rs-offload-$side.log" 2>&1; then
+            row "ds-rs $1 offload" FAIL "offload $side: $(tail -n 1 "$logs/ds-rs-offload-$side.log")"
+            return
+        fi
+    done
+    figure=$("$python" - "$d/none/summary.json" "$d/cpu/summary.json" <<'PY'
+import json, sys
+none, cpu = (json.load(open(p)) for p in sys.argv[1:])
+def side(s):
+    g = s["gpu"]
+    return g["memory_used_peak_mib"], g["accounted_mib"], s["median_tokens_per_s"]
+(u0, a0, t0), (u1, a1, t1) = side(none), side(cpu)
+print(f"driver peak {u0:.0f} -> {u1:.0f} MiB ({u0 - u1:.0f} less); ds-rs's GPU bytes "
+      f"{a0:.0f} -> {a1:.0f} MiB; tokens/s {t0:,.0f} -> {t1:,.0f}")
+PY
+) || { row "ds-rs $1 offload" FAIL "$figure"; return; }
+    row "ds-rs $1 offload" ok "$figure"
 }
 
 # A copy of config $1 at $2 with the top-level keys of the JSON object $3 replaced.
@@ -278,6 +345,7 @@ EOF
 cuda_libs
 gpu_info
 nccl_smoke
+gpu_buffers
 torch_info
 torch_eager small
 torch_eager gpt2

@@ -39,10 +39,21 @@ for line in sys.stdin:
 rm -rf "$out"
 mkdir -p "$out/bench"
 gzip -9 -c "$bin" >"$out/nccl_device.gz"
-# ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time).
+# ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time),
+# and the GPU buffers' test against their host side (engine/tests/gpu_buffers.rs) built beside it.
 cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
 if [ -x "$cuda_bin" ]; then
     gzip -9 -c "$cuda_bin" >"$out/ds-rs.gz"
+    eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
+    buffers=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") cargo test -p ds-engine \
+            --features cuda --release --test gpu_buffers --no-run \
+            --message-format=json-render-diagnostics |
+        python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_buffers":
+        print(m["executable"])')
+    [ -n "$buffers" ] && gzip -9 -c "$buffers" >"$out/gpu_buffers.gz"
 else
     echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2
 fi

@@ -73,7 +73,7 @@ pub fn placements(dev: &Device, offload: CpuOffload, dp: usize) -> Placements {
 }
 
 /// The memory of the GPU behind `dev` (None on the CPU).
-fn gpu_placement(dev: &Device) -> Option<Placement> {
+pub fn gpu_placement(dev: &Device) -> Option<Placement> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
         return Some(Placement::Gpu(gpu::gpu_for(d)));
