@@ -68,9 +68,9 @@ impl Backend {
                     .into(),
             )),
             Backend::Nccl if cfg!(feature = "nccl") => Err(CommError::Env(
-                "dist_backend nccl: the engine's ZeRO buffers live in host memory in this build \
-                 (only the layers run on the GPU), so the host transport reduces them; use \
-                 \"ds\" (the default) or \"mpi\""
+                "dist_backend nccl: NCCL is not yet behind ds-comm's process groups; with \
+                 several data-parallel ranks on GPUs the ZeRO buffers stay in host memory and \
+                 the host transport reduces them: use \"ds\" (the default) or \"mpi\""
                     .into(),
             )),
             Backend::Nccl => Err(CommError::Env(

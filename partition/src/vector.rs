@@ -72,13 +72,8 @@ pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
 pub fn zero<T: Element>(buf: &mut [T]) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(gpu) = one_gpu(&[Span::of(buf)]) {
-        let bytes = std::mem::size_of_val(buf);
-        // SAFETY: `buf` is `bytes` bytes of `gpu`'s memory; all-zero bits are 0 in every T.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(ptr(buf), 0, bytes, gpu.stream().cu_stream())
-        }
-        .map_err(|e| crate::buffer::gpu::cuda_error("zero-fill", e))?;
-        return gpu.sync();
+        // all-zero bits are 0 in every element type
+        return gpu.zero_fill(ptr(buf), std::mem::size_of_val(buf));
     }
     buf.fill(T::default());
     Ok(())

@@ -19,8 +19,8 @@ pub fn inside_job() -> bool {
 #[derive(clap::Args, Debug, Clone)]
 pub struct BackendArg {
     /// ds: the built-in shared memory and TCP transport; mpi: MPI's collectives, in a job
-    /// started by mpirun (built with --features mpi); nccl: refused until the GPU build keeps
-    /// the ZeRO buffers on the device.
+    /// started by mpirun (built with --features mpi); nccl: refused until NCCL sits behind
+    /// ds-comm's process groups.
     #[arg(
         long = "dist_backend",
         alias = "dist-backend",

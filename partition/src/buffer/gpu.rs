@@ -49,6 +49,17 @@ impl Gpu {
         &self.stream
     }
 
+    /// Sets `bytes` bytes of GPU memory at `ptr` to zero and waits.
+    pub(crate) fn zero_fill(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the callers pass `bytes` bytes of a live GPU buffer.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_error("zero-fill", e))?;
+        self.sync()
+    }
+
     /// Waits for everything queued on the stream.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| cuda_error("wait", e))
@@ -205,12 +216,7 @@ unsafe impl<T: Copy> Sync for Managed<T> {}
 impl<T: Copy> Managed<T> {
     pub fn zeroed(gpu: &Arc<Gpu>, len: usize) -> Result<Managed<T>> {
         let m = Managed::alloc(gpu, len)?;
-        if m.bytes() > 0 {
-            // SAFETY: `ptr` holds `bytes` bytes; all-zero bits are 0 for f32, bf16 and f16.
-            unsafe { result::memset_d8_async(m.ptr, 0, m.bytes(), gpu.stream.cu_stream()) }
-                .map_err(|e| cuda_error("zero-fill", e))?;
-            gpu.sync()?;
-        }
+        gpu.zero_fill(m.ptr, m.bytes())?; // all-zero bits are 0 in every T held here
         Ok(m)
     }
 
@@ -301,6 +307,6 @@ impl<T: Copy> Drop for Managed<T> {
     }
 }
 
-pub(crate) fn cuda_error(what: &str, e: DriverError) -> PartitionError {
+fn cuda_error(what: &str, e: DriverError) -> PartitionError {
     PartitionError::Invalid(format!("GPU buffer: {what}: {e}"))
 }
