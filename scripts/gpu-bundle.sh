@@ -26,14 +26,18 @@ while [ $# -gt 0 ]; do
 done
 
 cd "$repo"
-# The test binary's path comes from cargo's JSON messages (its name carries a hash).
-bin=$(cargo test -p ds-comm --features nccl --release --test nccl_device --no-run \
+# A test binary's path (`test_binary CRATE FEATURES TEST`, built if need be), from cargo's JSON
+# messages: its name carries a hash.
+test_binary() {
+    cargo test -p "$1" --features "$2" --release --test "$3" --no-run \
         --message-format=json-render-diagnostics |
-    python3 -c 'import json, sys
+        python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl_device":
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$3"
+}
+bin=$(test_binary ds-comm nccl nccl_device)
 [ -n "$bin" ] || { echo "gpu-bundle: no nccl_device test binary was built" >&2; exit 1; }
 
 rm -rf "$out"
@@ -45,14 +49,7 @@ cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
 if [ -x "$cuda_bin" ]; then
     gzip -9 -c "$cuda_bin" >"$out/ds-rs.gz"
     eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
-    buffers=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") cargo test -p ds-engine \
-            --features cuda --release --test gpu_buffers --no-run \
-            --message-format=json-render-diagnostics |
-        python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_buffers":
-        print(m["executable"])')
+    buffers=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary ds-engine cuda gpu_buffers)
     [ -n "$buffers" ] && gzip -9 -c "$buffers" >"$out/gpu_buffers.gz"
 else
     echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2

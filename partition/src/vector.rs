@@ -12,21 +12,9 @@ use crate::Result;
 
 /// `dst[i] += src[i]`, rounded to `T`.
 pub fn accumulate<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
-    debug_assert_eq!(dst.len(), src.len());
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = one_gpu(&[Span::of(dst), Span::of(src)]) {
-        let (mut d, mut s, mut n) = (ptr(dst), ptr(src), dst.len() as u64);
-        return launch::<T>(
-            &gpu,
-            "accumulate",
-            dst.len(),
-            &mut [arg(&mut d), arg(&mut s), arg(&mut n)],
-        );
-    }
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, s)| *d = T::from_f32(d.to_f32() + s.to_f32()));
-    Ok(())
+    zip_into("accumulate", dst, src, |d, s| {
+        T::from_f32(d.to_f32() + s.to_f32())
+    })
 }
 
 /// `buf[i] *= k`, rounded to `T`; nothing for `None`.
@@ -51,20 +39,25 @@ pub fn scale<T: Element>(buf: &mut [T], k: Option<f32>) -> Result<()> {
 
 /// `dst[i] = src[i]` rounded to `T`.
 pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
+    zip_into("convert", dst, src, |_, s| T::from_f32(s))
+}
+
+/// `dst[i] = f(dst[i], src[i])`: the kernel `kernel` (over `T`) where both are on one GPU.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))] // `kernel`
+fn zip_into<T: Element, S: Copy>(
+    kernel: &str,
+    dst: &mut [T],
+    src: &[S],
+    f: impl Fn(T, S) -> T,
+) -> Result<()> {
     debug_assert_eq!(dst.len(), src.len());
     #[cfg(feature = "cuda")]
     if let Some(gpu) = one_gpu(&[Span::of(dst), Span::of(src)]) {
         let (mut d, mut s, mut n) = (ptr(dst), ptr(src), dst.len() as u64);
-        return launch::<T>(
-            &gpu,
-            "convert",
-            dst.len(),
-            &mut [arg(&mut d), arg(&mut s), arg(&mut n)],
-        );
+        let mut args = [arg(&mut d), arg(&mut s), arg(&mut n)];
+        return launch::<T>(&gpu, kernel, dst.len(), &mut args);
     }
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, s)| *d = T::from_f32(*s));
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f(*d, *s));
     Ok(())
 }
 
