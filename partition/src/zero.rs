@@ -386,5 +386,6 @@ fn initial<T: Element, E: From<PartitionError>>(
         vector::convert_into(&mut out[at - range.start..end - range.start], piece)?;
         at = end;
     }
+    out.settle()?;
     Ok(out)
 }

@@ -49,11 +49,20 @@ impl Gpu {
         &self.stream
     }
 
+    /// Makes this GPU's context the calling thread's (the driver calls below need it).
+    fn bind(&self) -> Result<()> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cuda_error("bind", e))
+    }
+
     /// Sets `bytes` bytes of GPU memory at `ptr` to zero and waits.
     pub(crate) fn zero_fill(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
+        self.bind()?;
         // SAFETY: the callers pass `bytes` bytes of a live GPU buffer.
         unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
             .map_err(|e| cuda_error("zero-fill", e))?;
@@ -89,10 +98,7 @@ pub const BLOCK: u32 = 256;
 impl Kernels {
     /// Loads `ptx` (the driver compiles it for the GPU at hand).
     pub fn load(gpu: &Gpu, ptx: &str) -> Result<Kernels> {
-        gpu.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| cuda_error("bind", e))?;
+        gpu.bind()?;
         let src =
             CString::new(ptx).map_err(|_| PartitionError::Invalid("PTX with a NUL".into()))?;
         // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
@@ -117,6 +123,7 @@ impl Kernels {
         if n == 0 {
             return Ok(());
         }
+        gpu.bind()?;
         let cname = CString::new(name).expect("kernel names have no NUL");
         let f = result::module::get_function(self.module, cname)
             .map_err(|e| cuda_error(&format!("kernel {name}"), e))?;
@@ -223,7 +230,26 @@ impl<T: Copy> Managed<T> {
     pub fn from_slice(gpu: &Arc<Gpu>, values: &[T]) -> Result<Managed<T>> {
         let mut m = Managed::alloc(gpu, values.len())?;
         m.as_mut_slice().copy_from_slice(values);
+        m.settle()?;
         Ok(m)
+    }
+
+    /// Moves the pages to the GPU after host writes, in one transfer, so that the first kernel
+    /// does not fault them over one by one.
+    pub fn settle(&self) -> Result<()> {
+        if self.ptr == 0 {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        let home = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.gpu.ordinal() as i32,
+        };
+        let stream = self.gpu.stream.cu_stream();
+        // SAFETY: the range is exactly this allocation.
+        unsafe { result::mem_prefetch_async(self.ptr, self.bytes(), home, stream) }
+            .map_err(|e| cuda_error("move to the GPU", e))?;
+        self.gpu.sync()
     }
 
     /// A managed allocation preferring `gpu` (nothing for `len` 0), in the live map.

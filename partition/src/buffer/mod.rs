@@ -99,6 +99,16 @@ impl<T: Element> FlatBuf<T> {
         matches!(self.storage, Storage::Host(_))
     }
 
+    /// After writes from the host: moves a GPU buffer's pages to the GPU in one transfer
+    /// (nothing on the host).
+    pub fn settle(&self) -> Result<()> {
+        match &self.storage {
+            Storage::Host(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Storage::Gpu(m) => m.settle(),
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         std::mem::size_of_val(self.deref())
