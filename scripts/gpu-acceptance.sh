@@ -103,6 +103,8 @@ nccl_smoke() {
     done
     nccl_row "nccl errors" one_rank_rejects_bad_arguments "nccl-smoke bad-arguments: ok" "$log" \
         "length/root/peer checks, abort"
+    nccl_row "nccl groups" group_collectives_on_gpu_memory "nccl-smoke groups: ok" "$log" \
+        "--dist_backend nccl through ds-comm's groups, one rank: GPU memory to NCCL, host to the links"
     [ $status -ne 0 ] && ! grep -q 'test result: FAILED' "$log" &&
         row "nccl smoke" FAIL "exit $status (crash or timeout), see nccl-smoke.log"
     grep -o 'NCCL version [^ ]*' "$log" | head -n 1
@@ -244,6 +246,16 @@ ds_rs_runs() {
     # the same global batch of 8, against one CPU rank.
     derive "$ex/zero2.json" "$z3" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}'
     ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
+    # NCCL between two GPUs at ZeRO-1 (device-resident buffers, NCCL all-reduce and
+    # all-gather), the global batch of 8: NCCL refuses two ranks on one GPU, so it needs two.
+    local z1=$work/zero1-2ranks.json gpus
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+    derive "$ex/zero2.json" "$z1" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}'
+    if [ "${gpus:-0}" -ge 2 ]; then
+        ds_equality "ds-rs tiny nccl x2 gpu=cpu" "$z1" 1e-4 2 "" nccl
+    else
+        row "ds-rs tiny nccl x2 gpu=cpu" skip "needs two GPUs ($gpus here): NCCL refuses two ranks on one"
+    fi
     # ZeRO-Offload: the master copy and Adam's moments in host memory (the CPU Adam), the
     # parameters and gradients on the GPU; against one CPU rank.
     local off=$work/offload.json
@@ -298,10 +310,12 @@ derive() {
 
 # 10 steps of preset tiny on the GPU (config $2, $4 ranks sharing GPU 0) against one CPU rank
 # (config $5, default fp32 ZeRO-2): the largest relative loss difference within $3.
-ds_equality() { # check config tolerance [nproc] [cpu-config]
+# With [backend] nccl each rank takes its own GPU (LOCAL_RANK's) and reduces over NCCL.
+ds_equality() { # check config tolerance [nproc] [cpu-config] [backend]
     local d=$work/eq-$RANDOM log=$logs/ds-rs-equality.log verdict n=${4:-1}
     local cpu_cfg=${5:-$repo/configs/examples/zero2.json} gpu=("$bin" train) dev=cuda
     [ "$n" -gt 1 ] && { gpu=("$bin" launch --nproc_per_node "$n" train); dev=cuda:0; }
+    [ "${6:-}" = nccl ] && { gpu+=(--dist_backend nccl); dev=cuda; }
     mkdir -p "$d"
     {
         echo "== $1"

@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 #[cfg(feature = "mpi")]
 use crate::mpi_backend::{MpiGroup, MpiWorld};
+#[cfg(feature = "nccl")]
+use crate::nccl_net::NcclNet;
 
 /// Variable naming the backend when no `--dist_backend` is given.
 pub const BACKEND_VAR: &str = "DS_RS_DIST_BACKEND";
@@ -67,12 +69,7 @@ impl Backend {
                  `cargo build --release --features mpi` (scripts/install-mpi.sh installs OpenMPI)"
                     .into(),
             )),
-            Backend::Nccl if cfg!(feature = "nccl") => Err(CommError::Env(
-                "dist_backend nccl: NCCL is not yet behind ds-comm's process groups; with \
-                 several data-parallel ranks on GPUs the ZeRO buffers stay in host memory and \
-                 the host transport reduces them: use \"ds\" (the default) or \"mpi\""
-                    .into(),
-            )),
+            Backend::Nccl if cfg!(feature = "nccl") => Ok(()),
             Backend::Nccl => Err(CommError::Env(
                 "dist_backend nccl: this is the CPU build of ds-rs, whose tensors live in host \
                  memory; use \"ds\" (the default) or \"mpi\""
@@ -87,6 +84,21 @@ pub(crate) enum Net {
     Links(Mutex<Links>),
     #[cfg(feature = "mpi")]
     Mpi(MpiWorld),
+    /// The links, and NCCL for collectives on GPU memory.
+    #[cfg(feature = "nccl")]
+    Nccl(Mutex<Links>, NcclNet),
+}
+
+impl Net {
+    pub fn backend(&self) -> Backend {
+        match self {
+            Net::Links(_) => Backend::Ds,
+            #[cfg(feature = "mpi")]
+            Net::Mpi(_) => Backend::Mpi,
+            #[cfg(feature = "nccl")]
+            Net::Nccl(..) => Backend::Nccl,
+        }
+    }
 }
 
 /// One collective's way to its peers: the links with the group's view of them, or the MPI
@@ -95,6 +107,9 @@ pub(crate) enum Exec<'a, 'b> {
     Links(&'a mut Ctx<'b>),
     #[cfg(feature = "mpi")]
     Mpi(&'a MpiGroup<'b>),
+    /// NCCL where the buffers are GPU memory, else the links.
+    #[cfg(feature = "nccl")]
+    Nccl(&'a mut Ctx<'b>, &'a NcclNet),
 }
 
 impl Exec<'_, '_> {
@@ -103,6 +118,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::all_reduce(cx, buf, op),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.all_reduce(buf, op),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, n) => n.all_reduce(cx, buf, op),
         }
     }
 
@@ -116,6 +133,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::reduce_scatter_into(cx, input, output, op),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.reduce_scatter_into(input, output, op),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, n) => n.reduce_scatter_into(cx, input, output, op),
         }
     }
 
@@ -129,6 +148,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::reduce_scatter_v(cx, buf, counts, op),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.reduce_scatter_v(buf, counts, op),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, n) => n.reduce_scatter_v(cx, buf, counts, op),
         }
     }
 
@@ -137,6 +158,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::all_gather_v(cx, buf, counts),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.all_gather_v(buf, counts),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, n) => n.all_gather_v(cx, buf, counts),
         }
     }
 
@@ -146,6 +169,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::broadcast(cx, buf, root),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.broadcast(buf, root),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, n) => n.broadcast(cx, buf, root),
         }
     }
 
@@ -155,6 +180,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::send(cx, buf, to),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.send(buf, to),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, _) => algo::send(cx, buf, to),
         }
     }
 
@@ -163,6 +190,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::recv(cx, buf, from),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.recv(buf, from),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, _) => algo::recv(cx, buf, from),
         }
     }
 
@@ -175,6 +204,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::send_recv(cx, sends, recvs),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.send_recv(sends, recvs),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, _) => algo::send_recv(cx, sends, recvs),
         }
     }
 
@@ -183,6 +214,8 @@ impl Exec<'_, '_> {
             Exec::Links(cx) => algo::barrier(cx),
             #[cfg(feature = "mpi")]
             Exec::Mpi(g) => g.barrier(),
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, _) => algo::barrier(cx),
         }
     }
 }
@@ -198,7 +231,7 @@ mod tests {
         }
         let e = Backend::parse("gloo").unwrap_err().to_string();
         assert!(e.contains("\"gloo\"") && e.contains("\"mpi\""), "{e}");
-        assert!(Backend::Nccl.check_built().is_err());
+        assert_eq!(Backend::Nccl.check_built().is_ok(), cfg!(feature = "nccl"));
         assert_eq!(Backend::Mpi.check_built().is_ok(), cfg!(feature = "mpi"));
     }
 }

@@ -175,11 +175,7 @@ impl Communicator {
 
     /// Which backend moves this communicator's data.
     pub fn backend(&self) -> Backend {
-        match &self.shared.net {
-            Net::Links(_) => Backend::Ds,
-            #[cfg(feature = "mpi")]
-            Net::Mpi(_) => Backend::Mpi,
-        }
+        self.shared.net.backend()
     }
 
     /// Ends this rank now, and the job with it: under MPI, MPI_Abort(`code`), which ends
@@ -229,6 +225,10 @@ impl<R> Work<R> {
 impl Group {
     pub fn size(&self) -> usize {
         self.ranks.len()
+    }
+    /// Which backend moves the group's data (`nccl`: GPU memory can be reduced where it is).
+    pub fn backend(&self) -> Backend {
+        self.shared.net.backend()
     }
     /// This rank's index in the group.
     pub fn rank(&self) -> usize {
@@ -522,6 +522,7 @@ impl Group {
     /// Runs `f` on this group's way to its peers.
     #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
     fn exec(&self, kind: OpKind, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
+        let deadline = Deadline::after(self.shared.timeout);
         match &self.shared.net {
             Net::Links(links) => {
                 let mut links = links.lock().unwrap();
@@ -529,9 +530,20 @@ impl Group {
                     links: &mut links,
                     ranks: &self.ranks,
                     me: self.me,
-                    deadline: Deadline::after(self.shared.timeout),
+                    deadline,
                 };
                 f(&mut Exec::Links(&mut cx))
+            }
+            #[cfg(feature = "nccl")]
+            Net::Nccl(links, nccl) => {
+                let mut links = links.lock().unwrap();
+                let mut cx = Ctx {
+                    links: &mut links,
+                    ranks: &self.ranks,
+                    me: self.me,
+                    deadline,
+                };
+                f(&mut Exec::Nccl(&mut cx, nccl))
             }
             #[cfg(feature = "mpi")]
             Net::Mpi(world) => world.run(kind.ds_name(), &self.ranks, self.me, |g| {

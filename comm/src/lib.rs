@@ -25,6 +25,8 @@ mod mesh;
 mod mpi_backend;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nccl")]
+mod nccl_net;
 mod parallel;
 pub mod store;
 pub mod testkit;
@@ -62,8 +64,11 @@ pub struct InitOptions {
     pub transport: Transport,
     pub comms_logger: Option<CommsLoggerConfig>,
     /// What moves the data: the built-in transport, or MPI (rank and world size are then
-    /// MPI_COMM_WORLD's; the addresses, token and transport go unused).
+    /// MPI_COMM_WORLD's; the addresses, token and transport go unused), or NCCL for GPU
+    /// memory beside the built-in transport.
     pub backend: Backend,
+    /// The GPU this rank computes on (`--device`): where NCCL runs.
+    pub gpu: Option<usize>,
 }
 
 impl InitOptions {
@@ -79,6 +84,7 @@ impl InitOptions {
             transport: Transport::Auto,
             comms_logger: None,
             backend: Backend::Ds,
+            gpu: None,
         }
     }
 }
@@ -107,7 +113,7 @@ pub fn init(opts: &InitOptions) -> Result<Communicator> {
             rank: 0,
             world: 1,
             timeout: opts.timeout,
-            net: Net::Links(links.into()),
+            net: net(opts, links)?,
             logger,
             store: None,
             server: None,
@@ -136,7 +142,7 @@ pub fn init(opts: &InitOptions) -> Result<Communicator> {
         rank: opts.rank,
         world: opts.world_size,
         timeout: opts.timeout,
-        net: Net::Links(links.into()),
+        net: net(opts, links)?,
         logger,
         store: Some(store),
         server,
@@ -145,6 +151,25 @@ pub fn init(opts: &InitOptions) -> Result<Communicator> {
     // Nobody leaves the rendezvous (and rank 0 keeps its store) until everyone is connected.
     comm.world().barrier()?;
     Ok(comm)
+}
+
+/// What moves a rank's data: the built-in links, with NCCL beside them for GPU memory under
+/// `--dist_backend nccl` (nccl_net.rs).
+fn net(opts: &InitOptions, links: Links) -> Result<Net> {
+    #[cfg(feature = "nccl")]
+    if opts.backend == Backend::Nccl {
+        let gpu = opts.gpu.ok_or_else(|| {
+            CommError::Env(
+                "dist_backend nccl: this rank computes on the CPU; NCCL needs a GPU \
+                 (--device cuda, in the cuda build)"
+                    .into(),
+            )
+        })?;
+        let nccl = nccl_net::NcclNet::new(gpu, opts.timeout)?;
+        return Ok(Net::Nccl(links.into(), nccl));
+    }
+    let _ = &opts.gpu;
+    Ok(Net::Links(links.into()))
 }
 
 /// Joins the MPI job this process was started in (by `mpirun`, or alone as a singleton).

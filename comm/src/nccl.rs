@@ -319,6 +319,38 @@ impl NcclComm {
         })
     }
 
+    /// In place: `buf` of rank `root` becomes the reduction of every rank's `buf`; the other
+    /// ranks' are left as they were.
+    pub fn reduce<T: NcclElement>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), NcclError> {
+        const OP: &str = "reduce";
+        self.check_device(OP, buf)?;
+        let root = rank_in(OP, self.rank, self.world, "root", root)?;
+        let count = buf.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let (ptr, _written) = buf.device_ptr_mut(&self.stream);
+        // SAFETY: `ptr` holds `count` elements of `T` on this device, kept alive and ordered by
+        // cudarc's events until `_written` drops; NCCL allows in-place reduce.
+        self.issue(OP, |comm, stream| unsafe {
+            result::reduce(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                T::as_nccl_type(),
+                nccl_op(op),
+                root,
+                comm,
+                stream,
+            )
+        })
+    }
+
     /// Copies `buf` of rank `root` into `buf` of every other rank.
     pub fn broadcast<T: NcclElement>(
         &self,

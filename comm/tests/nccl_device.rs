@@ -192,6 +192,67 @@ fn broadcast<T: NcclElement>(compute: &Arc<CudaStream>, comm: &NcclComm, seed: u
     check(compute, &buf, &roots, &format!("broadcast len {len}"));
 }
 
+/// `--dist_backend nccl` on a rank that computes on the CPU: a clear error, not a crash (no GPU
+/// needed; CI runs it).
+#[test]
+fn nccl_backend_needs_a_gpu() {
+    let mut opts = ds_comm::InitOptions::new(0, 1, "127.0.0.1", 0);
+    opts.backend = ds_comm::Backend::Nccl;
+    let e = ds_comm::init(&opts)
+        .err()
+        .expect("a job on the CPU joined NCCL");
+    assert!(e.to_string().contains("--device cuda"), "{e}");
+    println!("nccl-smoke backend-needs-gpu: ok");
+}
+
+/// `--dist_backend nccl` through ds-comm's groups on one rank: collectives on GPU memory (CUDA
+/// managed memory, as ds-partition's GPU buffers) go to NCCL, host memory to the links; with
+/// one rank each leaves its buffer as it was, so this checks the path (the bootstrap, the
+/// pointer test, the element types, the waits), not the arithmetic.
+#[test]
+fn group_collectives_on_gpu_memory() {
+    let Some(_compute) = gpu("groups") else {
+        return;
+    };
+    let _one = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut opts = ds_comm::InitOptions::new(0, 1, "127.0.0.1", 0);
+    opts.backend = ds_comm::Backend::Nccl;
+    opts.gpu = Some(0);
+    let comm = ds_comm::init(&opts).expect("joining NCCL on GPU 0");
+    assert_eq!(comm.backend(), ds_comm::Backend::Nccl);
+    let g = comm.world();
+    let n = 1_048_583;
+    let want = pattern::<bf16>(7, n);
+    let bytes = n * std::mem::size_of::<bf16>();
+    // SAFETY: a managed allocation of `bytes`, freed below; every element is written first.
+    let ptr = unsafe {
+        cudarc::driver::result::malloc_managed(
+            bytes,
+            cudarc::driver::sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL,
+        )
+    }
+    .expect("managed memory");
+    // SAFETY: `ptr` holds `n` bf16, host-addressable (managed), owned here until freed.
+    let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut bf16, n) };
+    buf.copy_from_slice(&want);
+    g.all_reduce(buf, ReduceOp::Sum).unwrap();
+    g.all_reduce(buf, ReduceOp::Avg).unwrap();
+    g.broadcast(buf, 0).unwrap();
+    g.all_gather_v(buf, &[n]).unwrap();
+    g.reduce_scatter_v(buf, &[n], ReduceOp::Sum).unwrap();
+    assert!(
+        buf == want.as_slice(),
+        "a one-rank collective changed GPU memory"
+    );
+    let mut host = want.clone();
+    g.all_reduce(&mut host, ReduceOp::Max).unwrap();
+    assert_eq!(host, want);
+    g.barrier().unwrap();
+    // SAFETY: allocated above, no longer used.
+    unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap();
+    println!("nccl-smoke groups: ok");
+}
+
 /// The compute stream of GPU 0, or `None` (after saying why) where no GPU is usable.
 fn gpu(test: &str) -> Option<Arc<CudaStream>> {
     match probe() {

@@ -61,7 +61,8 @@ pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let model = GptConfig::preset(&args.preset)
         .with_context(|| format!("--preset {}: expected tiny, small or gpt2", args.preset))?;
-    let env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
+    let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
+    env.gpu = args.device.gpu_ordinal();
     let doc = load(&args.config)?;
     let name = || format!("{}", args.config.display());
     let dims = parallel_dims(&doc, env.world_size, args.tp, args.pp).with_context(name)?;

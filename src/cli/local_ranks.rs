@@ -19,8 +19,8 @@ pub fn inside_job() -> bool {
 #[derive(clap::Args, Debug, Clone)]
 pub struct BackendArg {
     /// ds: the built-in shared memory and TCP transport; mpi: MPI's collectives, in a job
-    /// started by mpirun (built with --features mpi); nccl: refused until NCCL sits behind
-    /// ds-comm's process groups.
+    /// started by mpirun (built with --features mpi); nccl: collectives on GPU memory through
+    /// NCCL, the rest over the built-in transport (the cuda build, --device cuda).
     #[arg(
         long = "dist_backend",
         alias = "dist-backend",
@@ -67,9 +67,20 @@ pub struct DeviceArg {
 }
 
 impl DeviceArg {
+    fn choice(&self) -> DeviceChoice {
+        self.device.unwrap_or_else(DeviceChoice::default_for_build)
+    }
+
     pub fn open(&self) -> anyhow::Result<ds_engine::Device> {
-        let choice = self.device.unwrap_or_else(DeviceChoice::default_for_build);
-        Ok(choice.open(local_rank())?)
+        Ok(self.choice().open(local_rank())?)
+    }
+
+    /// The GPU this rank computes on (None on the CPU): where `--dist_backend nccl` runs.
+    pub fn gpu_ordinal(&self) -> Option<usize> {
+        match self.choice() {
+            DeviceChoice::Cpu => None,
+            DeviceChoice::Cuda(n) => Some(n.unwrap_or_else(local_rank)),
+        }
     }
 }
 

@@ -125,6 +125,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
+    env.gpu = args.device.gpu_ordinal();
     ds_engine::crash_point::check()?;
     let (model, cfg) = plan(args, env.world_size)?;
     // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at

@@ -53,12 +53,12 @@ impl DeviceChoice {
 /// Where the model states of a rank computing on `dev` live: all in host memory on the CPU; on
 /// a GPU, in its memory except what `offload` keeps in host memory.
 ///
-/// With more than one rank in the data-parallel group (`dp`) they stay in host memory on a GPU
-/// too (ZeRO-Offload's layout): the collectives of the built-in and MPI transports work on host
-/// memory, and a gradient reduced there would otherwise move page by page between the GPU and
-/// the host. NCCL through ds-comm's groups is what lifts this.
-pub fn placements(dev: &Device, offload: CpuOffload, dp: usize) -> Placements {
-    let Some(gpu) = gpu_placement(dev).filter(|_| dp == 1) else {
+/// Unless the data-parallel group reduces GPU memory where it is (`dp_on_gpu`: one rank, or
+/// `--dist_backend nccl`), they stay in host memory on a GPU too (ZeRO-Offload's layout): the
+/// built-in and MPI transports reduce host memory, and a gradient reduced there would
+/// otherwise move page by page between the GPU and the host.
+pub fn placements(dev: &Device, offload: CpuOffload, dp_on_gpu: bool) -> Placements {
+    let Some(gpu) = gpu_placement(dev).filter(|_| dp_on_gpu) else {
         return Placements::host();
     };
     let unless = |offloaded: bool| match offloaded {

@@ -291,8 +291,8 @@ mod tests {
             params: true,
         };
         for offload in [CpuOffload::default(), all] {
-            for dp in [1, 4] {
-                let p = crate::device::placements(&candle_core::Device::Cpu, offload, dp);
+            for dp_on_gpu in [true, false] {
+                let p = crate::device::placements(&candle_core::Device::Cpu, offload, dp_on_gpu);
                 assert!(p.params.is_host() && p.grads.is_host() && p.optimizer.is_host());
             }
         }

@@ -159,7 +159,9 @@ impl<T: Dtype> Trainer<T> {
             rank,
             io: &swap_io,
         });
-        let mut places = crate::device::placements(&dev, settings.cpu_offload, dp.size());
+        // the data-parallel group reduces GPU memory where it is: one rank, or NCCL
+        let dp_on_gpu = dp.size() == 1 || dp.backend() == ds_comm::Backend::Nccl;
+        let mut places = crate::device::placements(&dev, settings.cpu_offload, dp_on_gpu);
         if settings.nvme_optimizer.is_some() {
             // the NVMe tier streams the optimizer's states through host memory
             places.optimizer = Placement::Host;
