@@ -253,6 +253,7 @@ pub fn options_for(backend: Backend) -> Result<InitOptions> {
     if opts.token.is_none() && opts.world_size > 1 && !is_loopback(&opts.master_addr) {
         eprintln!("warning: no job token (DS_RS_JOB_TOKEN): any host that reaches {}:{} can join this job", opts.master_addr, opts.master_port);
     }
+    opts.backend = backend;
     Ok(opts)
 }
 

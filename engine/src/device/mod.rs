@@ -159,8 +159,12 @@ pub fn peak_tflops(name: &str, half: bool) -> Option<f64> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal)
-        .map_err(|e| EngineError::Invalid(format!("device cuda:{ordinal}: {e}")))
+    Device::new_cuda(ordinal).map_err(|e| {
+        // candle's message carries a backtrace on the lines after the first
+        let e = e.to_string();
+        let first = e.lines().next().unwrap_or_default();
+        EngineError::Invalid(format!("device cuda:{ordinal}: {first}"))
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
