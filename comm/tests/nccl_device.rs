@@ -196,8 +196,10 @@ fn broadcast<T: NcclElement>(compute: &Arc<CudaStream>, comm: &NcclComm, seed: u
 /// needed; CI runs it).
 #[test]
 fn nccl_backend_needs_a_gpu() {
-    let mut opts = ds_comm::InitOptions::new(0, 1, "127.0.0.1", 0);
-    opts.backend = ds_comm::Backend::Nccl;
+    // as `train` builds them: from the rank environment (none here: a job of one)
+    let mut opts = ds_comm::options_for(ds_comm::Backend::Nccl).expect("the nccl build takes it");
+    assert_eq!(opts.backend, ds_comm::Backend::Nccl);
+    opts.gpu = None;
     let e = ds_comm::init(&opts)
         .err()
         .expect("a job on the CPU joined NCCL");
