@@ -120,6 +120,9 @@ gpu_buffers() {
     fi
     gunzip -c "$bundle/gpu_buffers.gz" >"$bin"
     chmod +x "$bin"
+    local missing
+    missing=$(ldd "$bin" 2>&1 | grep 'not found')
+    [ -n "$missing" ] && { row "gpu buffers" FAIL "ldd: $missing"; return; }
     DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 120 "$bin" --test-threads 1 >"$log" 2>&1
     cat "$log"
     for t in vector_kernels_match_the_host_loops adam_kernel_matches_the_host_adam; do
@@ -136,7 +139,9 @@ test_row() { # check test log figure
     if grep -q "^test $2 \.\.\. ok" "$3"; then
         row "$1" ok "$4"
     else
-        row "$1" FAIL "$(grep -A1 "'$2'.*panicked at" "$3" | tail -n 1 | cut -c1-200)"
+        local why
+        why=$(grep -A1 "'$2'.*panicked at" "$3" | tail -n 1 | cut -c1-200)
+        row "$1" FAIL "${why:-did not pass, see $(basename "$3")}"
     fi
 }
 
