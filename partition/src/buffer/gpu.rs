@@ -45,10 +45,6 @@ impl Gpu {
         self.stream.context().ordinal()
     }
 
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
     /// Makes this GPU's context the calling thread's (the driver calls below need it).
     fn bind(&self) -> Result<()> {
         self.stream
@@ -70,7 +66,7 @@ impl Gpu {
     }
 
     /// Waits for everything queued on the stream.
-    pub fn sync(&self) -> Result<()> {
+    fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| cuda_error("wait", e))
     }
 
