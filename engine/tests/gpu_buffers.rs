@@ -88,6 +88,16 @@ fn vector_ops<T: Element>(name: &str) {
         vector::convert_into(&mut dev, &master).unwrap();
         assert_eq!(bits(&dev), bits(&host), "{name} n={n}: convert");
 
+        // copies in every direction: the same elements
+        let mut back = vec![T::default(); n];
+        vector::copy(&mut back, &dev).unwrap();
+        assert_eq!(bits(&back), bits(&host), "{name} n={n}: copy from the GPU");
+        let mut other = FlatBuf::<T>::zeroed(&place, n).unwrap();
+        vector::copy(&mut other, &dev).unwrap();
+        assert_eq!(bits(&other), bits(&host), "{name} n={n}: copy on the GPU");
+        vector::copy(&mut other, &a).unwrap();
+        assert_eq!(bits(&other), bits(&a), "{name} n={n}: copy to the GPU");
+
         vector::zero(&mut dev).unwrap();
         assert!(
             dev.iter().all(|x| x.to_f32().to_bits() == 0),

@@ -165,14 +165,15 @@ impl<T: Element> Bucket<T> {
     }
 
     /// Writes the gradient of `range` (in parts), which ends where the bucket starts.
-    fn put(&mut self, range: Range<usize>, parts: &[&[T]]) {
+    fn put(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
         let cap = self.buf.len();
         let mut at = cap - (self.hi - range.start);
         for part in parts {
-            self.buf[at..at + part.len()].copy_from_slice(part);
+            vector::copy(&mut self.buf[at..at + part.len()], part)?;
             at += part.len();
         }
         self.lo = range.start;
+        Ok(())
     }
 
     /// The buffer holding exactly `lo..hi`, and that range.
@@ -277,7 +278,7 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
             self.filling = Some(self.open(range.end, range.len()));
         }
         let bucket = self.filling.as_mut().expect("invariant: opened above");
-        bucket.put(range, parts);
+        bucket.put(range, parts)?;
         if bucket.room() == 0 {
             self.flush()?;
         }

@@ -326,7 +326,7 @@ impl<T: Element> Shard<T> {
     /// Values `range` (shard coordinates) into `out`.
     fn read(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
         match self {
-            Shard::Memory(v) => out.copy_from_slice(&v[range]),
+            Shard::Memory(v) => vector::copy(out, &v[range])?,
             Shard::Disk(file) => read_disk(file, range, out)?,
         }
         Ok(())

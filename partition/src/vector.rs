@@ -1,5 +1,6 @@
 //! The element loops over flat buffers that a step runs: adding gradients, scaling them,
-//! their sum of squares, writing master values into the compute-dtype parameters, zeroing.
+//! their sum of squares, writing master values into the compute-dtype parameters, zeroing,
+//! copying.
 //!
 //! Each runs where its slices live: as a host loop, or, when every slice lies in the same
 //! GPU's buffers (`buffer::gpu::one_gpu`), as a kernel on that GPU (kernels/vector.cu), with
@@ -61,6 +62,17 @@ fn zip_into<T: Element, S: Copy>(
     Ok(())
 }
 
+/// `dst = src`; where either is a GPU buffer, one transfer on the GPU's copy engines.
+pub fn copy<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
+    assert_eq!(dst.len(), src.len(), "vector::copy: lengths differ");
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = gpu_of(Span::of(dst)).or_else(|| gpu_of(Span::of(src))) {
+        return gpu.copy(dst, src);
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
 /// Zeros `buf`.
 pub fn zero<T: Element>(buf: &mut [T]) -> Result<()> {
     #[cfg(feature = "cuda")]
@@ -111,7 +123,7 @@ mod gpu_side {
     use std::ffi::c_void;
     use std::sync::Arc;
 
-    pub(super) use crate::buffer::gpu::{arg, device_ptr as ptr, one_gpu, Span};
+    pub(super) use crate::buffer::gpu::{arg, device_ptr as ptr, gpu_of, one_gpu, Span};
     use crate::buffer::gpu::{suffix, Gpu, Managed};
     use ds_comm::Element;
 

@@ -65,6 +65,28 @@ impl Gpu {
         self.sync()
     }
 
+    /// `dst.copy_from_slice(src)` where either side may be a GPU buffer: one DMA transfer,
+    /// which leaves managed pages where they are (a host loop would migrate them).
+    pub(crate) fn copy<T: Copy>(&self, dst: &mut [T], src: &[T]) -> Result<()> {
+        self.bind()?;
+        let on_gpu = |s: Span| gpu_of(s).is_some();
+        let bytes = std::mem::size_of_val(src);
+        // SAFETY: both slices hold `src.len()` elements (`vector::copy` asserts it); a GPU
+        // side is a live buffer of this process.
+        let copied = unsafe {
+            match (on_gpu(Span::of(dst)), on_gpu(Span::of(src))) {
+                (true, true) => result::memcpy_dtod_sync(device_ptr(dst), device_ptr(src), bytes),
+                (true, false) => result::memcpy_htod_sync(device_ptr(dst), src),
+                (false, true) => result::memcpy_dtoh_sync(dst, device_ptr(src)),
+                (false, false) => {
+                    dst.copy_from_slice(src);
+                    Ok(())
+                }
+            }
+        };
+        copied.map_err(|e| cuda_error("copy", e))
+    }
+
     /// Waits for everything queued on the stream.
     fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| cuda_error("wait", e))
