@@ -12,6 +12,7 @@ use crate::backend::{Backend, Exec, Net};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::exchange::Deadline;
+use crate::link::Links;
 use crate::logger::{CommsLogger, OpKind};
 use crate::store::{StoreClient, StoreServer};
 use std::sync::mpsc;
@@ -522,34 +523,27 @@ impl Group {
     /// Runs `f` on this group's way to its peers.
     #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
     fn exec(&self, kind: OpKind, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
-        let deadline = Deadline::after(self.shared.timeout);
         match &self.shared.net {
-            Net::Links(links) => {
-                let mut links = links.lock().unwrap();
-                let mut cx = Ctx {
-                    links: &mut links,
-                    ranks: &self.ranks,
-                    me: self.me,
-                    deadline,
-                };
-                f(&mut Exec::Links(&mut cx))
-            }
+            Net::Links(links) => self.on_links(links, |cx| f(&mut Exec::Links(cx))),
             #[cfg(feature = "nccl")]
-            Net::Nccl(links, nccl) => {
-                let mut links = links.lock().unwrap();
-                let mut cx = Ctx {
-                    links: &mut links,
-                    ranks: &self.ranks,
-                    me: self.me,
-                    deadline,
-                };
-                f(&mut Exec::Nccl(&mut cx, nccl))
-            }
+            Net::Nccl(links, nccl) => self.on_links(links, |cx| f(&mut Exec::Nccl(cx, nccl))),
             #[cfg(feature = "mpi")]
             Net::Mpi(world) => world.run(kind.ds_name(), &self.ranks, self.me, |g| {
                 f(&mut Exec::Mpi(g))
             }),
         }
+    }
+
+    /// Runs `f` with the group's view of the links, under the collective's deadline.
+    fn on_links<R>(&self, links: &Mutex<Links>, f: impl FnOnce(&mut Ctx) -> R) -> R {
+        let mut links = links.lock().unwrap();
+        let mut cx = Ctx {
+            links: &mut links,
+            ranks: &self.ranks,
+            me: self.me,
+            deadline: Deadline::after(self.shared.timeout),
+        };
+        f(&mut cx)
     }
 
     /// Failures cascade: a rank that loses its peer stops, and its own peers then lose it.

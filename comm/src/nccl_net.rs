@@ -146,13 +146,9 @@ impl NcclNet {
             return algo::reduce_scatter_v(cx, buf, counts, op);
         }
         self.with_comm(cx, |comm| {
-            for (owner, part) in algo::ranges(counts).into_iter().enumerate() {
-                let part = &buf[part];
-                if !part.is_empty() {
-                    as_nccl!(T, U => comm.reduce(&mut Region::<U>::of(part, comm), op, owner))?;
-                }
-            }
-            Ok(())
+            per_owner(buf, counts, |owner, part| {
+                as_nccl!(T, U => comm.reduce(&mut Region::<U>::of(part, comm), op, owner))
+            })
         })
     }
 
@@ -167,13 +163,9 @@ impl NcclNet {
             return algo::all_gather_v(cx, buf, counts);
         }
         self.with_comm(cx, |comm| {
-            for (owner, part) in algo::ranges(counts).into_iter().enumerate() {
-                let part = &buf[part];
-                if !part.is_empty() {
-                    as_nccl!(T, U => comm.broadcast(&mut Region::<U>::of(part, comm), owner))?;
-                }
-            }
-            Ok(())
+            per_owner(buf, counts, |owner, part| {
+                as_nccl!(T, U => comm.broadcast(&mut Region::<U>::of(part, comm), owner))
+            })
         })
     }
 
@@ -237,35 +229,45 @@ impl<U> DevicePtrMut<U> for Region<'_, U> {
     }
 }
 
+/// Calls `f(owner, part)` for each rank's non-empty part of `buf` (`counts[owner]` elements).
+fn per_owner<T>(
+    buf: &[T],
+    counts: &[usize],
+    mut f: impl FnMut(usize, &[T]) -> Result<()>,
+) -> Result<()> {
+    for (owner, part) in algo::ranges(counts).into_iter().enumerate() {
+        if !part.is_empty() {
+            f(owner, &buf[part])?;
+        }
+    }
+    Ok(())
+}
+
 /// Whether `s` is memory a GPU kernel can address: CUDA managed memory (ds-partition's GPU
 /// buffers) or device memory. Host memory, and anything the driver does not know, is not.
 fn is_gpu_memory<T>(s: &[T]) -> bool {
-    if s.is_empty() {
-        return false;
-    }
-    let mut managed: u32 = 0;
-    // SAFETY: `managed` is a valid out-pointer for this attribute (an unsigned int); the
-    // query only reads the driver's tables.
+    use sys::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    };
+    let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+    !s.is_empty()
+        && (pointer_attribute(s, CU_POINTER_ATTRIBUTE_IS_MANAGED).is_some_and(|m| m != 0)
+            || pointer_attribute(s, CU_POINTER_ATTRIBUTE_MEMORY_TYPE) == Some(device))
+}
+
+/// An unsigned-int attribute of the memory at `s` (None where the driver does not know it).
+fn pointer_attribute<T>(s: &[T], attribute: sys::CUpointer_attribute) -> Option<u32> {
+    let mut value: u32 = 0;
+    // SAFETY: `value` is a valid out-pointer for an unsigned-int attribute (both asked here
+    // are); the query only reads the driver's tables.
     let status = unsafe {
         sys::cuPointerGetAttribute(
-            &mut managed as *mut u32 as *mut c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            &mut value as *mut u32 as *mut c_void,
+            attribute,
             s.as_ptr() as sys::CUdeviceptr,
         )
     };
-    if status == sys::CUresult::CUDA_SUCCESS && managed != 0 {
-        return true;
-    }
-    let mut kind: u32 = 0;
-    // SAFETY: as above, for the memory type (a CUmemorytype, an unsigned int).
-    let status = unsafe {
-        sys::cuPointerGetAttribute(
-            &mut kind as *mut u32 as *mut c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            s.as_ptr() as sys::CUdeviceptr,
-        )
-    };
-    status == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+    (status == sys::CUresult::CUDA_SUCCESS).then_some(value)
 }
 
 fn nccl(e: NcclError) -> CommError {
