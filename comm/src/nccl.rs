@@ -327,28 +327,24 @@ impl NcclComm {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), NcclError> {
-        const OP: &str = "reduce";
-        self.check_device(OP, buf)?;
-        let root = rank_in(OP, self.rank, self.world, "root", root)?;
-        let count = buf.len();
-        if count == 0 {
-            return Ok(());
-        }
-        let (ptr, _written) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: `ptr` holds `count` elements of `T` on this device, kept alive and ordered by
-        // cudarc's events until `_written` drops; NCCL allows in-place reduce.
-        self.issue(OP, |comm, stream| unsafe {
-            result::reduce(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                T::as_nccl_type(),
-                nccl_op(op),
-                root,
-                comm,
-                stream,
-            )
-        })
+        // SAFETY (of the call): NCCL allows in-place reduce.
+        self.rooted(
+            "reduce",
+            buf,
+            root,
+            |ptr, count, root, comm, stream| unsafe {
+                result::reduce(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    count,
+                    T::as_nccl_type(),
+                    nccl_op(op),
+                    root,
+                    comm,
+                    stream,
+                )
+            },
+        )
     }
 
     /// Copies `buf` of rank `root` into `buf` of every other rank.
@@ -357,27 +353,50 @@ impl NcclComm {
         buf: &mut impl DevicePtrMut<T>,
         root: usize,
     ) -> Result<(), NcclError> {
-        const OP: &str = "broadcast";
-        self.check_device(OP, buf)?;
-        let root = rank_in(OP, self.rank, self.world, "root", root)?;
+        // SAFETY (of the call): NCCL allows in-place broadcast.
+        self.rooted(
+            "broadcast",
+            buf,
+            root,
+            |ptr, count, root, comm, stream| unsafe {
+                result::broadcast(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    count,
+                    T::as_nccl_type(),
+                    root,
+                    comm,
+                    stream,
+                )
+            },
+        )
+    }
+
+    /// An in-place collective with a root over `buf` (reduce, broadcast): the device and root
+    /// checks they share, nothing for an empty buffer, then `call(ptr, count, root, comm,
+    /// stream)` on the comm stream. `ptr` holds `count` elements of `T` on this device, kept
+    /// alive and ordered by cudarc's events until the call has been queued.
+    fn rooted<T: NcclElement>(
+        &self,
+        op: &'static str,
+        buf: &mut impl DevicePtrMut<T>,
+        root: usize,
+        call: impl FnOnce(
+            cudarc::driver::sys::CUdeviceptr,
+            usize,
+            c_int,
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> Result<NcclStatus, result::NcclError>,
+    ) -> Result<(), NcclError> {
+        self.check_device(op, buf)?;
+        let root = rank_in(op, self.rank, self.world, "root", root)?;
         let count = buf.len();
         if count == 0 {
             return Ok(());
         }
         let (ptr, _written) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: `ptr` holds `count` elements of `T` on this device, kept alive and ordered by
-        // cudarc's events until `_written` drops; NCCL allows in-place broadcast.
-        self.issue(OP, |comm, stream| unsafe {
-            result::broadcast(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                T::as_nccl_type(),
-                root,
-                comm,
-                stream,
-            )
-        })
+        self.issue(op, |comm, stream| call(ptr, count, root, comm, stream))
     }
 
     /// Sends `buf` to rank `peer`, which must post a matching [`NcclComm::recv`]. Both sides
