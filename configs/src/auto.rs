@@ -1,106 +1,246 @@
 //! HF-style `"auto"` values, filled the way the HF Trainer's DeepSpeed integration fills them
-//! (transformers/integrations/deepspeed.py: `trainer_config_process` and
-//! `trainer_config_finalize`), from what the training command knows.
+//! (transformers 5.24 integrations/deepspeed.py: `HfTrainerDeepSpeedConfig`'s
+//! `trainer_config_process` and `trainer_config_finalize`), from the training arguments.
 //!
 //! DeepSpeed itself does not fill them: a batch key left "auto" is an error, and an "auto"
 //! inside a typed section takes the default (see Note ["auto" inside sections]).
 
+// Note [given and default]
+// HF compares every argument, given or defaulted, with the number a config holds, so a config
+// with `"train_micro_batch_size_per_gpu": 4` fails under the Trainer unless the user also
+// passes `--per_device_train_batch_size 4`. ds-rs checks only the arguments the user gave: a
+// flag that contradicts the config is an error naming both, and an argument left out takes
+// the config's number where it has one (the batch also derives from the triad as DeepSpeed
+// does), else HF's default. With every argument given, the filled values and the mismatches
+// are exactly HF's (tests/hf_auto.rs holds them to transformers' own output).
+
 use serde_json::Value as Json;
 
-use crate::value::{Dict, Value};
+use crate::batch::{GRAD_ACCUM, MICRO_BATCH, TRAIN_BATCH_SIZE};
+use crate::error::{ConfigError, Mismatch, Result};
+use crate::training_args::{TrainingArgs, DEFAULT_GRAD_ACCUM, DEFAULT_MICRO_BATCH};
+use crate::value::{py_float_repr, Dict, Value};
 
-/// What a training command knows and can put in place of "auto". `None` leaves it "auto".
-#[derive(Debug, Clone, Default)]
-pub struct AutoValues {
-    pub micro_batch: Option<i64>,
-    pub grad_accum: Option<i64>,
+/// What the training command knows besides its arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct FillContext {
     /// The data-parallel size `train_batch_size` is computed for.
-    pub data_parallel: Option<i64>,
-    pub grad_clip: Option<f64>,
-    pub lr: Option<f64>,
-    pub betas: Option<(f64, f64)>,
-    pub eps: Option<f64>,
-    pub weight_decay: Option<f64>,
-    pub warmup_steps: Option<i64>,
-    pub total_steps: Option<i64>,
-    pub fp16: Option<bool>,
-    pub bf16: Option<bool>,
+    pub data_parallel: i64,
     /// The model's hidden size: sets ZeRO's bucket sizes.
     pub hidden_size: Option<i64>,
+    /// The steps this run trains (the schedule's total when `--max_steps` is not given).
+    pub run_steps: Option<i64>,
 }
 
 /// One "auto" that was replaced: its JSON path and the value it became.
 pub type Filled = (String, Json);
 
-/// Replaces the "auto" values that `vals` can supply, and returns what each became.
-pub fn fill(root: &mut Dict, vals: &AutoValues) -> Vec<Filled> {
-    let mut filled = Vec::new();
-    let mut put = |path: &str, v: Option<Value>| {
-        if let Some(v) = v {
-            if replace_auto(root, path, v.clone()) {
-                filled.push((path.to_string(), v.to_json()));
-            }
-        }
-    };
-    let int = |x: Option<i64>| x.map(Value::Int);
-    let float = |x: Option<f64>| x.map(Value::Float);
-    let tbs = vals
-        .micro_batch
-        .zip(vals.grad_accum)
-        .zip(vals.data_parallel)
-        // A product past i64 is left "auto", and resolve names that path.
-        .and_then(|((m, g), d)| m.checked_mul(g)?.checked_mul(d));
-    put("train_micro_batch_size_per_gpu", int(vals.micro_batch));
-    put("gradient_accumulation_steps", int(vals.grad_accum));
-    put("train_batch_size", int(tbs));
-    put("gradient_clipping", float(vals.grad_clip));
-    put("optimizer.params.lr", float(vals.lr));
-    put(
-        "optimizer.params.betas",
-        vals.betas
-            .map(|(a, b)| Value::List(vec![Value::Float(a), Value::Float(b)])),
-    );
-    put("optimizer.params.eps", float(vals.eps));
-    put("optimizer.params.weight_decay", float(vals.weight_decay));
-    put("scheduler.params.warmup_min_lr", Some(Value::Int(0)));
-    put("scheduler.params.warmup_max_lr", float(vals.lr));
-    put("scheduler.params.warmup_num_steps", int(vals.warmup_steps));
-    put("scheduler.params.total_num_steps", int(vals.total_steps));
-    put("fp16.enabled", vals.fp16.map(Value::Bool));
-    put("bf16.enabled", vals.bf16.map(Value::Bool));
-    if let Some(h) = vals.hidden_size {
-        // Sizes past i64 are left "auto", as above.
-        let square = h.checked_mul(h);
-        put("zero_optimization.reduce_bucket_size", int(square));
-        put(
-            "zero_optimization.stage3_prefetch_bucket_size",
-            int(square.map(|s| (0.9 * s as f64) as i64)),
-        );
-        put(
-            "zero_optimization.stage3_param_persistence_threshold",
-            int(h.checked_mul(10)),
-        );
-    }
-    filled
+/// How HF treats a key: `fill_match` (fill "auto", else compare with the argument) or
+/// `fill_only`.
+enum Check {
+    Only,
+    /// The flags the value comes from, and whether the user gave one.
+    Match {
+        arg: String,
+        given: bool,
+    },
 }
 
-/// Sets `path` to `v` if it currently holds "auto"; true when it did.
-fn replace_auto(root: &mut Dict, path: &str, v: Value) -> bool {
+struct Entry {
+    path: &'static str,
+    value: Option<Value>,
+    check: Check,
+}
+
+/// Replaces the "auto" values the arguments supply and returns what each became; an error
+/// lists every given argument that contradicts a number of the config.
+pub fn fill(root: &mut Dict, args: &TrainingArgs, ctx: &FillContext) -> Result<Vec<Filled>> {
+    let entries = entries(root, args, ctx);
+    let mut filled = Vec::new();
+    let mut mismatches = Vec::new();
+    for e in entries {
+        let Some(slot) = slot(root, e.path) else {
+            continue;
+        };
+        match (slot, &e.value) {
+            (Some(v), Some(new)) if v.is_auto() => {
+                *v = new.clone();
+                filled.push((e.path.to_string(), new.to_json()));
+            }
+            (Some(v), Some(new)) => {
+                if let Check::Match { arg, given: true } = &e.check {
+                    if *v != Value::Null && !py_eq(v, new) {
+                        mismatches.push(Mismatch {
+                            path: e.path.to_string(),
+                            config: show(v),
+                            arg: arg.clone(),
+                            value: show(new),
+                        });
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    match mismatches.is_empty() {
+        true => Ok(filled),
+        false => Err(ConfigError::Mismatch(mismatches)),
+    }
+}
+
+/// The keys HF fills, in the order it visits them, with the value each takes here.
+fn entries(root: &Dict, args: &TrainingArgs, ctx: &FillContext) -> Vec<Entry> {
+    let (micro, accum) = effective_batch(root, args, ctx.data_parallel);
+    let batch_given = args.per_device_train_batch_size.is_some();
+    let accum_given = args.gradient_accumulation_steps.is_some();
+    let lr_given = args.learning_rate.is_some();
+    let m = |arg: &str, given| Check::Match {
+        arg: arg.to_string(),
+        given,
+    };
+    let float = |x: f64| Some(Value::Float(x));
+    let (b1, b2) = args.betas();
+    let total = args.max_steps.or(ctx.run_steps);
+    let mut e = vec![
+        entry(MICRO_BATCH, Some(Value::Int(micro)), m("--per_device_train_batch_size", batch_given)),
+        entry(GRAD_ACCUM, Some(Value::Int(accum)), m("--gradient_accumulation_steps", accum_given)),
+        entry(
+            TRAIN_BATCH_SIZE,
+            // a product past i64 is left "auto", and resolve names that path
+            micro.checked_mul(accum).and_then(|x| x.checked_mul(ctx.data_parallel)).map(Value::Int),
+            m(
+                &format!(
+                    "--per_device_train_batch_size x --gradient_accumulation_steps x data-parallel size {}",
+                    ctx.data_parallel
+                ),
+                batch_given || accum_given,
+            ),
+        ),
+        entry("gradient_clipping", float(args.max_grad_norm()), m("--max_grad_norm", args.max_grad_norm.is_some())),
+        entry("optimizer.params.lr", float(args.lr()), m("--learning_rate", lr_given)),
+        entry(
+            "optimizer.params.betas",
+            Some(Value::List(vec![Value::Float(b1), Value::Float(b2)])),
+            m("--adam_beta1, --adam_beta2", args.adam_beta1.is_some() || args.adam_beta2.is_some()),
+        ),
+        entry("optimizer.params.eps", float(args.eps()), m("--adam_epsilon", args.adam_epsilon.is_some())),
+        entry(
+            "optimizer.params.weight_decay",
+            float(args.weight_decay()),
+            m("--weight_decay", args.weight_decay.is_some()),
+        ),
+        entry("scheduler.params.warmup_min_lr", Some(Value::Int(0)), Check::Only),
+        entry("scheduler.params.warmup_max_lr", float(args.lr()), m("--learning_rate", lr_given)),
+        entry("fp16.enabled", Some(Value::Bool(args.fp16 == Some(true))), m("--fp16", args.fp16.is_some())),
+        entry("bf16.enabled", Some(Value::Bool(args.bf16 == Some(true))), m("--bf16", args.bf16.is_some())),
+    ];
+    e.extend(hidden_size_entries(root, ctx.hidden_size));
+    e.push(entry(
+        "scheduler.params.total_num_steps",
+        total.map(Value::Int),
+        m("--max_steps", args.max_steps.is_some()),
+    ));
+    e.push(entry(
+        "scheduler.params.warmup_num_steps",
+        // deepspeed >= 0.19.6 rejects 0 warmup steps; HF keeps the filled value positive
+        args.warmup(total).map(|w| Value::Int(w.max(1))),
+        m("--warmup_steps", args.warmup_steps.is_some()),
+    ));
+    e
+}
+
+fn entry(path: &'static str, value: Option<Value>, check: Check) -> Entry {
+    Entry { path, value, check }
+}
+
+/// ZeRO's bucket sizes from the model's hidden size, when one of them is "auto"; the stage-3
+/// pair only at stage 3 (HF's `is_zero3`).
+fn hidden_size_entries(root: &Dict, hidden: Option<i64>) -> Vec<Entry> {
+    let Some(h) = hidden else {
+        return Vec::new();
+    };
+    // sizes past i64 are left "auto", as above
+    let square = h.checked_mul(h);
+    let mut e = vec![entry(
+        "zero_optimization.reduce_bucket_size",
+        square.map(Value::Int),
+        Check::Only,
+    )];
+    let stage3 = matches!(
+        root.get("zero_optimization").and_then(|z| z.as_dict()?.get("stage")),
+        Some(v) if v.as_f64() == Some(3.0) && !matches!(v, Value::Bool(_))
+    );
+    if stage3 {
+        e.push(entry(
+            "zero_optimization.stage3_prefetch_bucket_size",
+            square.map(|s| Value::Int((0.9 * s as f64) as i64)),
+            Check::Only,
+        ));
+        e.push(entry(
+            "zero_optimization.stage3_param_persistence_threshold",
+            h.checked_mul(10).map(Value::Int),
+            Check::Only,
+        ));
+    }
+    e
+}
+
+/// The micro-batch and accumulation an argument left out takes: the config's number, else
+/// what DeepSpeed's triad rule derives from the others (when it divides evenly), else HF's
+/// default. See Note [given and default].
+fn effective_batch(root: &Dict, args: &TrainingArgs, dp: i64) -> (i64, i64) {
+    let num = |key: &str| match root.get(key) {
+        Some(Value::Int(n)) if *n > 0 => Some(*n),
+        _ => None,
+    };
+    let exact = |total: i64, by: i64| (by > 0 && total % by == 0).then(|| total / by);
+    let tbs = num(TRAIN_BATCH_SIZE);
+    let accum_known = args.gradient_accumulation_steps.or(num(GRAD_ACCUM));
+    let micro = args
+        .per_device_train_batch_size
+        .or(num(MICRO_BATCH))
+        .or_else(|| exact(tbs?, accum_known.unwrap_or(1).checked_mul(dp)?))
+        .unwrap_or(DEFAULT_MICRO_BATCH);
+    let accum = accum_known
+        .or_else(|| exact(tbs?, micro.checked_mul(dp)?))
+        .unwrap_or(DEFAULT_GRAD_ACCUM);
+    (micro, accum)
+}
+
+/// The slot of `path` when its parent section exists (HF's `find_config_node`): the value,
+/// or None when the key is absent.
+fn slot<'a>(root: &'a mut Dict, path: &str) -> Option<Option<&'a mut Value>> {
     let mut parts: Vec<&str> = path.split('.').collect();
     let last = parts.pop().expect("invariant: a path has a last part");
     let mut d = root;
     for p in parts {
         match d.0.iter_mut().find(|(k, _)| k == p) {
             Some((_, Value::Dict(inner))) => d = inner,
-            _ => return false,
+            _ => return None,
         }
     }
-    match d.0.iter_mut().find(|(k, _)| k == last) {
-        Some((_, slot)) if slot.is_auto() => {
-            *slot = v;
-            true
+    Some(d.0.iter_mut().find(|(k, _)| k == last).map(|(_, v)| v))
+}
+
+/// Python's `==` on config values: numbers by value (True == 1 == 1.0), lists element-wise.
+fn py_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::List(x), Value::List(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| py_eq(a, b))
         }
-        _ => false,
+        (Value::Str(x), Value::Str(y)) => x == y,
+        _ => matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y),
+    }
+}
+
+/// A value as Python prints it in HF's message.
+fn show(v: &Value) -> String {
+    match v {
+        Value::Float(f) => py_float_repr(*f),
+        Value::List(l) => format!("[{}]", l.iter().map(show).collect::<Vec<_>>().join(", ")),
+        Value::Bool(b) => if *b { "True" } else { "False" }.to_string(),
+        Value::Str(s) => format!("'{s}'"),
+        other => other.to_json().to_string(),
     }
 }
 
@@ -126,59 +266,4 @@ pub fn remaining(root: &Dict) -> Vec<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::hjson;
-
-    fn dict(text: &str) -> Dict {
-        hjson::parse(text).unwrap().as_dict().unwrap().clone()
-    }
-
-    #[test]
-    fn fills_like_the_hf_trainer() {
-        let mut d = dict(
-            r#"{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                "gradient_accumulation_steps": 4, "optimizer": {"params": {"lr": "auto"}},
-                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                  "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}"#,
-        );
-        let vals = AutoValues {
-            micro_batch: Some(2),
-            grad_accum: Some(4),
-            data_parallel: Some(2),
-            lr: Some(3e-4),
-            hidden_size: Some(64),
-            ..AutoValues::default()
-        };
-        let filled = fill(&mut d, &vals);
-        let get = |p: &str| filled.iter().find(|(k, _)| k == p).map(|(_, v)| v.clone());
-        assert_eq!(get("train_batch_size"), Some(Json::from(16)));
-        assert_eq!(
-            get("gradient_accumulation_steps"),
-            None,
-            "not auto, left alone"
-        );
-        assert_eq!(get("optimizer.params.lr"), Some(Json::from(3e-4)));
-        // HF: hidden^2, int(0.9 * hidden^2), 10 * hidden.
-        assert_eq!(
-            get("zero_optimization.reduce_bucket_size"),
-            Some(Json::from(4096))
-        );
-        assert_eq!(
-            get("zero_optimization.stage3_prefetch_bucket_size"),
-            Some(Json::from(3686))
-        );
-        assert_eq!(
-            get("zero_optimization.stage3_param_persistence_threshold"),
-            Some(Json::from(640))
-        );
-        assert!(remaining(&d).is_empty(), "{:?}", remaining(&d));
-    }
-
-    #[test]
-    fn unknown_sources_stay_auto() {
-        let mut d = dict(r#"{"train_batch_size": "auto", "fp16": {"enabled": "auto"}}"#);
-        assert!(fill(&mut d, &AutoValues::default()).is_empty());
-        assert_eq!(remaining(&d), ["train_batch_size", "fp16.enabled"]);
-    }
-}
+mod tests;

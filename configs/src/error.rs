@@ -44,6 +44,14 @@ pub enum ConfigError {
     #[error("{}", join_refusals(.0))]
     NotImplemented(Vec<NotImplemented>),
 
+    /// Training arguments the user gave that contradict numbers of the config (HF's
+    /// `trainer_config_finalize` mismatch check), all of them on one line.
+    #[error(
+        "the ds_config contradicts the training arguments: {}; set these keys to \"auto\" or leave the arguments out",
+        join_mismatches(.0)
+    )]
+    Mismatch(Vec<Mismatch>),
+
     /// Several problems in one section (pydantic reports them all at once).
     #[error("{} problems:\n  {}", .0.len(), join_lines(.0))]
     Many(Vec<ConfigError>),
@@ -74,6 +82,7 @@ impl ConfigError {
             | ConfigError::Conflict { path, .. } => Some(path),
             ConfigError::Many(all) => all.first().and_then(ConfigError::path),
             ConfigError::NotImplemented(all) => all.first().map(|n| n.path),
+            ConfigError::Mismatch(all) => all.first().map(|m| m.path.as_str()),
             ConfigError::Io { .. } | ConfigError::Parse { .. } => None,
         }
     }
@@ -83,6 +92,7 @@ impl ConfigError {
         match self {
             ConfigError::Many(all) => all.iter().flat_map(ConfigError::paths).collect(),
             ConfigError::NotImplemented(all) => all.iter().map(|n| n.path).collect(),
+            ConfigError::Mismatch(all) => all.iter().map(|m| m.path.as_str()).collect(),
             other => other.path().into_iter().collect(),
         }
     }
@@ -95,6 +105,30 @@ impl ConfigError {
             _ => Some(ConfigError::Many(errors)),
         }
     }
+}
+
+/// A config value against the training argument that contradicts it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mismatch {
+    /// The config's JSON path.
+    pub path: String,
+    /// The config's value, as Python prints it.
+    pub config: String,
+    /// Where the argument's value comes from (`--per_device_train_batch_size`).
+    pub arg: String,
+    pub value: String,
+}
+
+fn join_mismatches(all: &[Mismatch]) -> String {
+    all.iter()
+        .map(|m| {
+            format!(
+                "{} = {} in the config vs {} from {}",
+                m.path, m.config, m.value, m.arg
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn suggestion_text(suggestion: &Option<String>) -> String {

@@ -4,7 +4,7 @@
 //! duplicate keys rejected, Python's int/float distinction kept); `resolve` applies DeepSpeed's
 //! defaults, fills the batch triad for a parallel layout, checks every section with DeepSpeed's
 //! rules and returns an immutable `Config`. HF-style "auto" values are filled by `auto::fill`
-//! from what a training command knows, before `resolve`.
+//! from the training arguments (`TrainingArgs`, Hugging Face's), before `resolve`.
 //!
 //! This crate owns the config model and its validation. It never reads the environment, never
 //! panics on input, and knows nothing of ranks, devices or tensors.
@@ -25,17 +25,19 @@ pub mod runtime;
 mod section;
 mod summary;
 mod toplevel;
+pub mod training_args;
 mod unimplemented;
 pub mod value;
 pub mod zero;
 
 use std::path::Path;
 
-pub use auto::AutoValues;
+pub use auto::FillContext;
 pub use batch::PyNum;
 pub use error::{ConfigError, Result};
 pub use resolve::{parallel_dims, Config, ParallelDims};
 pub use summary::summary_json;
+pub use training_args::{LrSchedulerType, TrainingArgs};
 pub use unimplemented::NotImplemented;
 pub use value::Value;
 pub use zero::{OffloadDevice, ZeroStage};
@@ -63,14 +65,24 @@ pub fn load(path: &Path) -> Result<Value> {
     })
 }
 
-/// Fills "auto" values from `vals`, then resolves for `dims`.
-pub fn resolve_with_auto(doc: &Value, dims: &ParallelDims, vals: &AutoValues) -> Result<Config> {
+/// Fills "auto" values from the training arguments as Hugging Face's Trainer does (a given
+/// argument that contradicts the config is an error), then resolves for `dims`. The result
+/// keeps the arguments and the filled document (`Config::training`, `Config::document`).
+pub fn resolve_with_args(
+    doc: &Value,
+    dims: &ParallelDims,
+    args: &TrainingArgs,
+    ctx: &FillContext,
+) -> Result<Config> {
+    args.check()?;
     let mut doc = doc.clone();
     let filled = match &mut doc {
-        Value::Dict(root) => auto::fill(root, vals),
+        Value::Dict(root) => auto::fill(root, args, ctx)?,
         _ => Vec::new(),
     };
-    resolve::resolve(&doc, dims, filled)
+    let mut config = resolve::resolve(&doc, dims, filled)?;
+    config.training = Some(args.clone());
+    Ok(config)
 }
 
 /// Resolves a parsed document as DeepSpeed would, with no "auto" filled.

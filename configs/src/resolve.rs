@@ -14,6 +14,7 @@ use crate::runtime::{
 };
 use crate::section::Section;
 use crate::toplevel::{self, Scalars};
+use crate::training_args::TrainingArgs;
 use crate::value::{Dict, Value};
 use crate::zero::{OffloadDevice, ZeroConfig, ZeroStage};
 use crate::{extras, removed};
@@ -146,6 +147,14 @@ pub struct Config {
     pub warnings: Vec<String>,
     /// What each "auto" became: filled by the training command, or DeepSpeed's default.
     pub auto_filled: Vec<(String, Json)>,
+    /// The "auto" values left for DeepSpeed outside zero_optimization's tuning knobs and its
+    /// own "auto" (pipeline.stages), with the default DeepSpeed takes for each where it has
+    /// one: `check_filled` refuses them for training.
+    pub auto_left: Vec<(String, Option<Json>)>,
+    /// The training arguments that filled the "auto" values (`resolve_with_args`).
+    pub training: Option<TrainingArgs>,
+    /// The document as resolved: the file with its "auto" values filled.
+    pub document: Json,
 }
 
 impl Config {
@@ -159,6 +168,24 @@ impl Config {
             .as_ref()
             .map(OptimizerParams::parse)
             .transpose()
+    }
+
+    /// Err naming the first "auto" left that Hugging Face's Trainer does not fill and
+    /// DeepSpeed would quietly replace (see `auto_left`): a training command refuses it
+    /// rather than train with a value the user did not choose.
+    pub fn check_filled(&self) -> Result<()> {
+        let Some((path, default)) = self.auto_left.first() else {
+            return Ok(());
+        };
+        let deepspeed = match default {
+            Some(v) => format!("DeepSpeed would take its default, {v}"),
+            None => "DeepSpeed would use the string \"auto\" as the value".to_string(),
+        };
+        Err(ConfigError::invalid(
+            path,
+            "\"auto\"",
+            format!("a value: Hugging Face's Trainer does not fill this key and {deepspeed}"),
+        ))
     }
 
     pub fn scheduler_params(&self) -> Result<Option<SchedulerParams>> {
@@ -234,6 +261,9 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         aio,
         warnings: Vec::new(),
         auto_filled: Vec::new(),
+        auto_left: Vec::new(),
+        training: None,
+        document: Json::Null,
     };
     sanity_check(&config, deepcompile)?;
     notes
@@ -455,7 +485,20 @@ fn finish(mut c: Config, root: &Dict, notes: Notes) -> Result<Config> {
             ));
         }
     }
+    c.auto_left = crate::auto::remaining(root)
+        .into_iter()
+        .filter(|p| !p.starts_with("zero_optimization.") && p != "pipeline.stages")
+        .map(|p| {
+            let default = notes
+                .autos
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map(|(_, v)| v.clone());
+            (p, default)
+        })
+        .collect();
     c.warnings = warnings;
     c.auto_filled = notes.autos;
+    c.document = Value::Dict(root.clone()).to_json();
     Ok(c)
 }

@@ -9,7 +9,7 @@ use crate::resolve::Config;
 pub fn summary_json(result: &Result<Config>) -> Json {
     match result {
         Ok(c) => ok_summary(c),
-        Err(e) => json!({ "ok": false, "error": e.to_string() }),
+        Err(e) => json!({ "ok": false, "error": e.to_string(), "paths": e.paths() }),
     }
 }
 
@@ -37,5 +37,6 @@ fn ok_summary(c: &Config) -> Json {
         "contiguous_gradients": z.contiguous_gradients,
         "warnings": c.warnings,
         "auto_filled": auto_filled,
+        "ds_config": c.document,
     })
 }

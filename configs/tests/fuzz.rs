@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use ds_config::hjson::{self, MAX_DEPTH};
 use ds_config::value::Dict;
-use ds_config::{AutoValues, ParallelDims, Value};
+use ds_config::{FillContext, ParallelDims, TrainingArgs, Value};
 use proptest::prelude::*;
 
 fn config(default_cases: u32) -> ProptestConfig {
@@ -47,10 +47,10 @@ fn real_configs() -> Vec<(String, String)> {
 }
 
 /// Resolving must end in `Ok` or an error; an error must say something.
-fn resolve_all_ways(doc: &Value, dims: ParallelDims, auto: &AutoValues) {
+fn resolve_all_ways(doc: &Value, dims: ParallelDims, auto: &(TrainingArgs, FillContext)) {
     for result in [
         ds_config::resolve(doc, &dims),
-        ds_config::resolve_with_auto(doc, &dims, auto),
+        ds_config::resolve_with_args(doc, &dims, &auto.0, &auto.1),
     ] {
         match result {
             Ok(c) => {
@@ -115,35 +115,45 @@ fn dims() -> impl Strategy<Value = ParallelDims> {
     })
 }
 
-fn auto_values() -> impl Strategy<Value = AutoValues> {
+/// Training arguments and context, hostile ones included (the argument check refuses
+/// some; the rest reach the filling).
+fn auto_values() -> impl Strategy<Value = (TrainingArgs, FillContext)> {
     let int = || prop::option::of(prop_oneof![Just(i64::MAX), Just(0i64), -2i64..1 << 20]);
     let float = || {
         prop::option::of(prop_oneof![
             Just(f64::NAN),
             Just(f64::INFINITY),
-            any::<f64>()
+            any::<f64>(),
+            0.0f64..1.0
         ])
     };
     (
-        (int(), int(), int(), int(), int(), int()),
-        (float(), float(), float(), float()),
+        (int(), int(), int(), int(), int()),
+        (float(), float(), float(), float(), float()),
         (any::<Option<bool>>(), any::<Option<bool>>()),
     )
         .prop_map(
-            |((mb, ga, dp, warm, total, hidden), (clip, lr, eps, wd), (fp16, bf16))| AutoValues {
-                micro_batch: mb,
-                grad_accum: ga,
-                data_parallel: dp,
-                warmup_steps: warm,
-                total_steps: total,
-                hidden_size: hidden,
-                grad_clip: clip,
-                lr,
-                eps,
-                weight_decay: wd,
-                betas: clip.zip(lr),
-                fp16,
-                bf16,
+            |((mb, ga, dp, total, hidden), (clip, lr, eps, wd, warm), (fp16, bf16))| {
+                let args = TrainingArgs {
+                    per_device_train_batch_size: mb,
+                    gradient_accumulation_steps: ga,
+                    max_grad_norm: clip,
+                    learning_rate: lr,
+                    adam_epsilon: eps,
+                    weight_decay: wd,
+                    warmup_steps: warm,
+                    adam_beta1: warm,
+                    max_steps: total,
+                    fp16,
+                    bf16,
+                    ..TrainingArgs::default()
+                };
+                let ctx = FillContext {
+                    data_parallel: dp.unwrap_or(1),
+                    hidden_size: hidden,
+                    run_steps: total,
+                };
+                (args, ctx)
             },
         )
 }
@@ -259,7 +269,7 @@ proptest! {
     #[test]
     fn token_soups_parse_or_fail(text in token_soup(), dims in dims()) {
         if let Ok(doc) = hjson::parse(&text) {
-            resolve_all_ways(&doc, dims, &AutoValues::default());
+            resolve_all_ways(&doc, dims, &(TrainingArgs::default(), FillContext { data_parallel: 1, hidden_size: None, run_steps: None }));
         }
     }
 
@@ -322,7 +332,7 @@ proptest! {
             *b = byte;
         }
         if let Ok(doc) = hjson::parse_bytes(&bytes) {
-            resolve_all_ways(&doc, dims, &AutoValues::default());
+            resolve_all_ways(&doc, dims, &(TrainingArgs::default(), FillContext { data_parallel: 1, hidden_size: None, run_steps: None }));
         }
     }
 

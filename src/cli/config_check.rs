@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ds_config::{AutoValues, Config};
+use ds_config::{Config, FillContext};
 
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
@@ -21,38 +21,29 @@ pub struct CheckArgs {
     /// Print exactly one JSON object: {"ok": true, ...} or {"ok": false, "error": ...}.
     #[arg(long)]
     json: bool,
-    /// Fill "auto" values as `train` would, from a micro-batch size per rank.
-    #[arg(long)]
-    micro_batch: Option<i64>,
-    /// Fill "auto" values as `train` would, from gradient accumulation steps.
-    #[arg(long)]
-    grad_accum: Option<i64>,
-    /// Fill "auto" values as `train` would, from a learning rate.
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Fill "auto" ZeRO bucket sizes from the model's hidden size, as the HF Trainer does.
+    /// The model's hidden size (`train` takes it from --model): fills "auto" ZeRO bucket
+    /// sizes as the HF Trainer does.
     #[arg(long)]
     hidden_size: Option<i64>,
-}
-
-impl CheckArgs {
-    fn auto_values(&self, dp: usize) -> AutoValues {
-        AutoValues {
-            micro_batch: self.micro_batch,
-            grad_accum: self.grad_accum,
-            data_parallel: Some(dp as i64),
-            lr: self.lr,
-            hidden_size: self.hidden_size,
-            ..AutoValues::default()
-        }
-    }
+    /// The steps `train` would run: the schedule's total when --max_steps is not given.
+    #[arg(long)]
+    steps: Option<i64>,
+    /// Fill "auto" values exactly as `train` does with these arguments.
+    #[command(flatten)]
+    training: crate::cli::TrainingArgsCli,
 }
 
 pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     // The layout as `train` and `launch` decide it, so all three agree on the dp degree.
+    let training = args.training.to_args()?;
     let result = ds_config::load(&args.file).and_then(|doc| {
         let dims = ds_config::parallel_dims(&doc, args.world_size, args.tp, Some(args.pp))?;
-        ds_config::resolve_with_auto(&doc, &dims, &args.auto_values(dims.dp()))
+        let ctx = FillContext {
+            data_parallel: dims.dp() as i64,
+            hidden_size: args.hidden_size,
+            run_steps: args.steps,
+        };
+        ds_config::resolve_with_args(&doc, &dims, &training, &ctx)
     });
     let result = result.map(with_refusals);
     if args.json {
@@ -73,6 +64,9 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
 /// DeepSpeed accepts the settings ds-rs cannot carry out yet, so the verdict stays "ok"; a
 /// warning says that `train` and `launch` refuse them.
 fn with_refusals(mut c: Config) -> Config {
+    if let Err(e) = c.check_filled() {
+        c.warnings.push(format!("{e}; `ds-rs train` refuses it"));
+    }
     let refused = c.not_implemented().into_iter().map(|n| {
         format!(
             "{}; `ds-rs train` and `ds-rs launch` refuse it",

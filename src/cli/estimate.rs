@@ -60,7 +60,12 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
 /// ds-rs's own model of the config's layout: one line (or JSON object) per rank.
 fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
     let model = crate::train::model_config(&args.model)?;
-    let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp)?;
+    let fill = crate::train::Fill {
+        args: ds_config::TrainingArgs::default(),
+        hidden_size: model.d,
+        run_steps: None,
+    };
+    let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp, &fill)?;
     let ranks = estimate(&Run {
         config: &config,
         model: &model,

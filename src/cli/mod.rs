@@ -8,8 +8,10 @@ mod checkpoint;
 mod config_check;
 mod estimate;
 mod local_ranks;
+mod training_args;
 
 pub(crate) use local_ranks::{BackendArg, DeviceArg};
+pub(crate) use training_args::TrainingArgsCli;
 
 use std::process::ExitCode;
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
-use ds_config::{load, parallel_dims, resolve, Config};
+use ds_config::{load, parallel_dims, Config};
 use ds_engine::data::TokenWidth;
 use ds_engine::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
@@ -91,6 +91,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub(crate) pp: Option<usize>,
     #[command(flatten)]
+    pub(crate) training: crate::cli::TrainingArgsCli,
+    #[command(flatten)]
     pub(crate) backend: crate::cli::BackendArg,
     #[command(flatten)]
     pub(crate) device: crate::cli::DeviceArg,
@@ -103,9 +105,18 @@ const DEFAULT_STEPS: u64 = 300;
 /// the resolved config and its layout, checked against each other.
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config)> {
     let model = model_config(&args.model)?;
-    let cfg = read_config(args.config.as_deref(), world, args.tp, args.pp)?;
-    cfg.check_implemented()
-        .with_context(|| config_name(args.config.as_deref()))?;
+    let fill = Fill {
+        args: args.training.to_args()?,
+        hidden_size: model.d,
+        // with --epochs the step count needs the data: --max_steps sets the schedule's length
+        run_steps: args
+            .steps
+            .or(args.epochs.is_none().then_some(DEFAULT_STEPS)),
+    };
+    let cfg = read_config(args.config.as_deref(), world, args.tp, args.pp, &fill)?;
+    let name = || config_name(args.config.as_deref());
+    cfg.check_filled().with_context(name)?;
+    cfg.check_implemented().with_context(name)?;
     model
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
@@ -401,12 +412,21 @@ fn config_name(path: Option<&Path>) -> String {
     })
 }
 
-/// The config resolved for its layout: `--tp`, else the config's own degree.
+/// What fills a config's "auto" values: the training arguments and what the run knows.
+pub(crate) struct Fill {
+    pub args: ds_config::TrainingArgs,
+    pub hidden_size: usize,
+    pub run_steps: Option<u64>,
+}
+
+/// The config resolved for its layout (`--tp`, else the config's own degree), its "auto"
+/// values filled as Hugging Face's Trainer fills them.
 pub(crate) fn read_config(
     path: Option<&Path>,
     world: usize,
     tp: Option<usize>,
     pp: Option<usize>,
+    fill: &Fill,
 ) -> anyhow::Result<Config> {
     let doc = match path {
         Some(p) => load(p)?,
@@ -414,7 +434,12 @@ pub(crate) fn read_config(
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
     let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
-    resolve(&doc, &dims).with_context(|| config_name(path))
+    let ctx = ds_config::FillContext {
+        data_parallel: dims.dp() as i64,
+        hidden_size: Some(fill.hidden_size as i64),
+        run_steps: fill.run_steps.map(|n| n as i64),
+    };
+    ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx).with_context(|| config_name(path))
 }
 
 /// --metrics-dir, else runs/train-<unix seconds> (rank 0 alone writes there).
