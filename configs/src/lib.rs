@@ -82,6 +82,7 @@ pub fn resolve_with_args(
     };
     let mut config = resolve::resolve(&doc, dims, filled)?;
     config.training = Some(args.clone());
+    config.schedule_steps = args.max_steps.or(ctx.run_steps);
     Ok(config)
 }
 

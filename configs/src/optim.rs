@@ -143,7 +143,7 @@ impl<'a> Params<'a> {
         }
     }
 
-    fn bad(&self, key: &str, v: &Json, expected: &str) -> ConfigError {
+    fn bad(&self, key: &str, v: &Json, expected: impl ToString) -> ConfigError {
         ConfigError::invalid(&format!("{}.{key}", self.path), v, expected)
     }
 
@@ -170,6 +170,8 @@ pub enum OptimizerParams {
         eps: f64,
         weight_decay: f64,
         adam_w_mode: bool,
+        /// FusedAdam's and DeepSpeedCPUAdam's `bias_correction` (default true).
+        bias_correction: bool,
     },
     Lamb {
         lr: f64,
@@ -178,6 +180,7 @@ pub enum OptimizerParams {
         weight_decay: f64,
         max_coeff: f64,
         min_coeff: f64,
+        bias_correction: bool,
     },
     Adagrad {
         lr: f64,
@@ -195,21 +198,18 @@ impl OptimizerParams {
     /// The typed params of an optimizer section; an error names the param and its path.
     pub fn parse(section: &TypedSection) -> Result<OptimizerParams> {
         let mut p = Params::new("optimizer.params", section.params.as_ref())?;
+        if p.get("max_grad_norm").is_some() {
+            // DeepSpeed's _configure_basic_optimizer raises this before it looks at the type
+            return Err(ConfigError::invalid(
+                "optimizer.params.max_grad_norm",
+                "an optimizer parameter",
+                "the top-level `gradient_clipping` (DeepSpeed 0.19.8 refuses max_grad_norm here)",
+            ));
+        }
         let parsed = match section.type_name.as_str() {
-            "adam" | "adamw" => {
-                let is_adamw = section.type_name == "adamw";
-                p.bool("torch_adam", false)?;
-                p.bool("amsgrad", false)?;
-                p.bool("fused", false)?;
-                OptimizerParams::Adam {
-                    lr: p.f64("lr", 1e-3)?,
-                    betas: p.betas((0.9, 0.999))?,
-                    eps: p.f64("eps", 1e-8)?,
-                    weight_decay: p.f64("weight_decay", if is_adamw { 1e-2 } else { 0.0 })?,
-                    adam_w_mode: is_adamw || p.bool("adam_w_mode", true)?,
-                }
-            }
+            "adam" | "adamw" => adam(&mut p, section.type_name == "adamw")?,
             "lamb" => OptimizerParams::Lamb {
+                bias_correction: p.bool("bias_correction", true)?,
                 lr: p.f64("lr", 1e-3)?,
                 betas: p.betas((0.9, 0.999))?,
                 eps: p.f64("eps", 1e-8)?,
@@ -227,17 +227,65 @@ impl OptimizerParams {
                 betas: p.betas((0.9, 0.99))?,
                 weight_decay: p.f64("weight_decay", 0.0)?,
             },
-            other => {
-                return Err(ConfigError::invalid(
-                    "optimizer.type",
-                    format!("'{other}'"),
-                    "adam, adamw, lamb, adagrad or lion (the optimizers ds-rs implements)",
-                ))
-            }
+            other => return Err(unknown_optimizer(other)),
         };
         p.finish()?;
         Ok(parsed)
     }
+}
+
+/// Adam and AdamW: FusedAdam's (GPU) and DeepSpeedCPUAdam's parameters, and those DeepSpeed's
+/// engine pops first (`adam_w_mode`, `torch_adam`, `fp32_optimizer_states`). The type name
+/// AdamW forces decoupled decay, as DeepSpeed does.
+fn adam(p: &mut Params, is_adamw: bool) -> Result<OptimizerParams> {
+    let torch_adam = p.bool("torch_adam", false)?;
+    // performance switches of torch's and FusedAdam's kernels: the same update
+    for key in ["fused", "foreach", "set_grad_none"] {
+        p.get(key);
+    }
+    if p.bool("amsgrad", false)? {
+        let why = match torch_adam {
+            true => "torch's AMSGrad, which ds-rs does not implement",
+            false => "AMSGrad, which DeepSpeed's FusedAdam and CPU Adam refuse too",
+        };
+        return Err(p.bad("amsgrad", &Json::Bool(true), format!("false ({why})")));
+    }
+    if !p.bool("fp32_optimizer_states", true)? {
+        return Err(p.bad(
+            "fp32_optimizer_states",
+            &Json::Bool(false),
+            "true (ds-rs keeps Adam's moments in fp32; bf16 moments are not implemented)",
+        ));
+    }
+    Ok(OptimizerParams::Adam {
+        lr: p.f64("lr", 1e-3)?,
+        betas: p.betas((0.9, 0.999))?,
+        eps: p.f64("eps", 1e-8)?,
+        // FusedAdam and DeepSpeedCPUAdam default to 0; torch's AdamW to 0.01
+        weight_decay: p.f64(
+            "weight_decay",
+            if torch_adam && is_adamw { 1e-2 } else { 0.0 },
+        )?,
+        adam_w_mode: p.bool("adam_w_mode", true)? || is_adamw,
+        bias_correction: p.bool("bias_correction", true)?,
+    })
+}
+
+/// A type DeepSpeed would look up in torch.optim and fail on at initialize, or one of the
+/// communication-compressed optimizers.
+fn unknown_optimizer(name: &str) -> ConfigError {
+    let compressed = ["onebitadam", "zerooneadam", "onebitlamb"];
+    let expected = match compressed.contains(&name.to_lowercase().as_str()) {
+        true => {
+            "Adam or AdamW: the 1-bit (communication-compressed) optimizers are not in \
+                 DeepSpeed 0.19.8's engine and ds-rs does not implement them"
+        }
+        false => {
+            "Adam, AdamW or SGD (the optimizers ds-rs implements); DeepSpeed looks any \
+                  other name up in torch.optim"
+        }
+    };
+    ConfigError::invalid("optimizer.type", format!("'{name}'"), expected)
 }
 
 /// Typed LR-schedule params, with the defaults of deepspeed/runtime/lr_schedules.py.

@@ -153,6 +153,8 @@ pub struct Config {
     pub auto_left: Vec<(String, Option<Json>)>,
     /// The training arguments that filled the "auto" values (`resolve_with_args`).
     pub training: Option<TrainingArgs>,
+    /// The schedule's total steps: `--max_steps`, else the steps the run trains (when known).
+    pub schedule_steps: Option<i64>,
     /// The document as resolved: the file with its "auto" values filled.
     pub document: Json,
 }
@@ -186,6 +188,34 @@ impl Config {
             "\"auto\"",
             format!("a value: Hugging Face's Trainer does not fill this key and {deepspeed}"),
         ))
+    }
+
+    /// The document as a ds_config that reproduces this resolution (`train` writes it as
+    /// ds_config.resolved.json): every "auto" replaced by what it became (the arguments'
+    /// value, else the default DeepSpeed took) and the batch triad written out.
+    pub fn resolved_document(&self) -> Json {
+        let mut doc = self.document.clone();
+        for (path, value) in &self.auto_filled {
+            let pointer = format!("/{}", path.replace('~', "~0").replace('.', "/"));
+            if let Some(slot) = doc
+                .pointer_mut(&pointer)
+                .filter(|v| v.as_str() == Some("auto"))
+            {
+                *slot = value.clone();
+            }
+        }
+        if let Json::Object(top) = &mut doc {
+            top.insert("train_batch_size".into(), self.train_batch_size.to_json());
+            top.insert(
+                "train_micro_batch_size_per_gpu".into(),
+                self.train_micro_batch_size_per_gpu.to_json(),
+            );
+            top.insert(
+                "gradient_accumulation_steps".into(),
+                self.gradient_accumulation_steps.to_json(),
+            );
+        }
+        doc
     }
 
     pub fn scheduler_params(&self) -> Result<Option<SchedulerParams>> {
@@ -263,6 +293,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         auto_filled: Vec::new(),
         auto_left: Vec::new(),
         training: None,
+        schedule_steps: None,
         document: Json::Null,
     };
     sanity_check(&config, deepcompile)?;

@@ -349,8 +349,8 @@ impl Layer for Block {
         let d = self.0.d;
         let ln = |n: &str| {
             [
-                ParamSpec::new(&format!("{n}.weight"), &[d], Init::Ones),
-                ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
+                ParamSpec::new(&format!("{n}.weight"), &[d], Init::Ones).norm(),
+                ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros).norm(),
             ]
         };
         // column-parallel: weight and bias split by output rows (q, k and v each by heads)
@@ -573,8 +573,8 @@ impl Layer for Head {
         let c = self.0;
         let head = ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0));
         vec![
-            ParamSpec::new("ln_f.weight", &[c.d], Init::Ones),
-            ParamSpec::new("ln_f.bias", &[c.d], Init::Zeros),
+            ParamSpec::new("ln_f.weight", &[c.d], Init::Ones).norm(),
+            ParamSpec::new("ln_f.bias", &[c.d], Init::Zeros).norm(),
             match c.tie_embeddings {
                 true => head.tied_to("wte.weight"),
                 false => head,

@@ -11,8 +11,9 @@
 //! too), so the values match DeepSpeed's bit for bit on the reference fixture.
 
 use ds_config::optim::{OneCycleParams, SchedulerParams};
-use ds_config::ConfigError;
+use ds_config::{ConfigError, LrSchedulerType};
 
+use hf::HfSchedule;
 use one_cycle::OneCycle;
 
 /// The beta2 OneCycle writes into the param groups with its cycled beta1: lr_schedules.py
@@ -33,6 +34,8 @@ enum Kind {
     OneCycle(OneCycle),
     Warmup(Warmup),
     WarmupCosine(WarmupCosine),
+    /// Hugging Face's schedules (the program's, without a `scheduler` section).
+    Hf(HfSchedule),
 }
 
 impl LrSchedule {
@@ -72,6 +75,19 @@ impl LrSchedule {
         Ok(LrSchedule { kind })
     }
 
+    /// Hugging Face's `lr_scheduler_type` schedule over `total` steps with `warmup` steps of
+    /// linear warmup, for an optimizer whose lr is `base_lr`.
+    pub fn hugging_face(
+        kind: LrSchedulerType,
+        base_lr: f64,
+        warmup: u64,
+        total: u64,
+    ) -> Result<LrSchedule, ConfigError> {
+        Ok(LrSchedule {
+            kind: Kind::Hf(HfSchedule::new(kind, base_lr, warmup, total)?),
+        })
+    }
+
     /// No schedule: every step uses the optimizer's lr.
     pub fn constant(lr: f64) -> LrSchedule {
         LrSchedule {
@@ -102,6 +118,7 @@ impl LrSchedule {
             Kind::OneCycle(s) => s.lr(last),
             Kind::Warmup(s) => s.lr(last),
             Kind::WarmupCosine(s) => s.lr(last),
+            Kind::Hf(s) => s.lr(step),
         }
     }
 
@@ -308,6 +325,7 @@ impl RangeTest {
     }
 }
 
+mod hf;
 mod one_cycle;
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 use candle_core::{Device, Tensor};
 use ds_comm::Element;
 use ds_engine::device::{gpu_placement, stage_grads, tensor_from_buffer};
-use ds_engine::optim::{Adam, AdamParams, Optimizer, TypedGrads};
+use ds_engine::optim::{Adam, AdamParams, Optimizer, TypedGrads, WeightDecay};
 use ds_partition::{vector, FlatBuf, Placement};
 use half::{bf16, f16};
 
@@ -140,6 +140,7 @@ fn adam_steps<T: Element>(name: &str) {
             eps: 1e-8,
             weight_decay: 0.01,
             adam_w_mode,
+            bias_correction: true,
         };
         let mut host = Adam::new(hp, n);
         let mut dev = Adam::placed(hp, n, &place).unwrap();
@@ -152,10 +153,10 @@ fn adam_steps<T: Element>(name: &str) {
             let lr = 1e-3 * (step + 1) as f64;
             let g32: Vec<f32> = g.iter().map(|x| x.to_f32() * k).collect();
             host.begin(lr);
-            host.update(0, &mut p_host, &g32);
+            host.update(0, &mut p_host, &g32, WeightDecay::Apply);
             dev.begin(lr);
             let ran = dev
-                .update_on_gpu(&mut p_dev, TypedGrads::of(&g_dev), k)
+                .update_on_gpu(0, &mut p_dev, TypedGrads::of(&g_dev), k, WeightDecay::Apply)
                 .unwrap();
             assert!(ran, "{name}: Adam did not run on the GPU");
             assert_eq!(

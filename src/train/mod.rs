@@ -163,6 +163,11 @@ fn run_joined(
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
         crate::launch::print_config_warnings(cfg);
     }
+    if comm.rank() == 0 {
+        if let Some(line) = ds_engine::program_optimizer_line(cfg) {
+            println!("{line}");
+        }
+    }
     let groups = Groups::new(comm, cfg.dims)?;
     let device = args.device.open()?;
     let opts = EngineOptions {
@@ -246,6 +251,7 @@ impl Run<'_> {
         let mut progress = Progress::new(self.steps, steps_per_print(self.cfg));
         if rank0 {
             self.announce(data, comm, &s);
+            write_resolved(&self.dir, self.cfg)?;
         }
         let mut first_step_s = None;
         let mut wall = ds_engine::Timings::default();
@@ -440,6 +446,14 @@ pub(crate) fn read_config(
         run_steps: fill.run_steps.map(|n| n as i64),
     };
     ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx).with_context(|| config_name(path))
+}
+
+/// ds_config.resolved.json beside the metrics: the config as this run resolved it, itself a
+/// config that trains the same run (with the same training arguments).
+fn write_resolved(dir: &Path, cfg: &Config) -> anyhow::Result<()> {
+    let path = dir.join("ds_config.resolved.json");
+    let text = serde_json::to_string_pretty(&cfg.resolved_document())?;
+    std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
 
 /// --metrics-dir, else runs/train-<unix seconds> (rank 0 alone writes there).

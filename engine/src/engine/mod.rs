@@ -3,16 +3,19 @@
 //! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
 
 mod autotuning;
+mod decay;
 mod initial;
 mod layers;
 mod memory;
 mod offload;
 mod pipe;
+mod program;
 mod settings;
 mod tied;
 mod trainer;
 mod update;
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -28,11 +31,13 @@ use crate::data::Batch;
 use crate::loss_scale::LossScaler;
 use crate::model::{weights, Model, ParamSpec};
 use crate::parallel::PartitionConfig;
-use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
+pub use decay::DecayGroups;
+use decay::DecayPlan;
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
+pub use program::program_optimizer_line;
 pub use settings::{CpuOffload, Precision, Settings};
 pub use tied::check_ties;
 use trainer::Trainer;
@@ -211,19 +216,13 @@ impl Engine {
             }
             None => initial::Source::Seed(opts.seed),
         };
-        let section = config
-            .optimizer
-            .clone()
-            .ok_or_else(|| EngineError::Invalid("ds_config has no `optimizer` section".into()))?;
-        let base_lr = base_lr(&section)?;
-        let schedule = match config.scheduler_params()? {
-            Some(p) => LrSchedule::new(&p, base_lr)?,
-            None => LrSchedule::constant(base_lr),
-        };
+        let program = program::optimizer_and_schedule(config)?;
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
-        let updater = move |shard_len: usize, place: &Placement| -> Result<update::Updater> {
-            let opt = crate::optim::build_from_section(&section, shard_len, place)?;
-            Ok(update::Updater::new(opt, schedule, scaler))
+        let (decay_specs, decay_index) = (specs.clone(), index.clone());
+        let updater = move |owned: Range<usize>, len: usize, place: &Placement| {
+            let opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
+            let decay = DecayPlan::new(program.groups, &decay_specs, &decay_index, &owned);
+            Ok(update::Updater::new(opt, program.schedule, scaler, decay))
         };
         let init = initial::InitialValues::new(&specs, &index, source);
         let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
@@ -652,14 +651,4 @@ fn logical_entries(specs: &[ParamSpec], stage_of: &[usize]) -> Vec<checkpoint::P
             entry
         })
         .collect()
-}
-
-/// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).
-fn base_lr(section: &ds_config::optim::TypedSection) -> Result<f64> {
-    match section.params.as_ref().and_then(|p| p.get("lr")) {
-        None => Ok(1e-3),
-        Some(v) => v.as_f64().ok_or_else(|| {
-            EngineError::Invalid(format!("optimizer.params.lr: expected a number, got {v}"))
-        }),
-    }
 }

@@ -17,6 +17,7 @@ use ds_comm::Element;
 use crate::{EngineError, Result};
 
 /// Elements streamed per chunk: the step's piece (4 MiB of fp32 per file).
+use super::decay::DecayPlan;
 use super::update::STEP_PIECE as CHUNK;
 
 pub struct OffloadedStates {
@@ -68,6 +69,7 @@ impl OffloadedStates {
         optimizer: &mut dyn Optimizer,
         zero: &mut Zero<T>,
         k: f32,
+        decay: &DecayPlan,
     ) -> Result<()> {
         let mut files = vec![&self.master];
         files.extend(self.states.iter().map(|(_, f)| f));
@@ -83,7 +85,10 @@ impl OffloadedStates {
             for (dst, src) in optimizer.state_mut().into_iter().zip(states.iter()) {
                 dst[..n].copy_from_slice(src);
             }
-            optimizer.update(0, master, &fp32[..n]);
+            for (r, d) in decay.segments(at..at + n) {
+                let part = r.start - at..r.end - at;
+                optimizer.update(part.start, &mut master[part.clone()], &fp32[part], d);
+            }
             for (src, dst) in optimizer.state_mut().into_iter().zip(states.iter_mut()) {
                 dst.copy_from_slice(&src[..n]);
             }

@@ -125,12 +125,12 @@ pub(crate) struct Parts {
 
 impl<T: Dtype> Trainer<T> {
     /// `init(range, dst)` writes the initial values of a flat range (only the ranges this
-    /// rank keeps are asked for); `updater` builds the optimizer for the length of the shard
-    /// this rank will own, its state at the placement given.
+    /// rank keeps are asked for); `updater` builds the optimizer for the flat range this
+    /// rank will own, its state for the length given at the placement given.
     pub fn new(
         parts: Parts,
         init: &mut InitFn<'_, EngineError>,
-        updater: impl FnOnce(usize, &Placement) -> Result<Updater>,
+        updater: impl FnOnce(Range<usize>, usize, &Placement) -> Result<Updater>,
     ) -> Result<Trainer<T>> {
         let Parts {
             model,
@@ -186,11 +186,12 @@ impl<T: Dtype> Trainer<T> {
             zero.set_pipeline(pp.clone());
         }
         let updater = match &settings.nvme_optimizer {
-            None => updater(zero.owned().len(), &places.optimizer)?,
+            None => updater(zero.owned(), zero.owned().len(), &places.optimizer)?,
             Some((path, buffers)) => {
                 // the optimizer holds one streamed chunk's state; the rest lives on disk
                 let owned = zero.owned().len();
-                let mut u = updater(STEP_PIECE.min(owned).max(1), &Placement::Host)?;
+                let state_len = STEP_PIECE.min(owned).max(1);
+                let mut u = updater(zero.owned(), state_len, &Placement::Host)?;
                 let names = u.optimizer().state_names();
                 let master = zero.take_master();
                 let states = OffloadedStates::new(path, rank, *buffers, &master, &names, &swap_io)?;

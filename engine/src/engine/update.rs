@@ -10,6 +10,7 @@ use crate::optim::{Optimizer, OptimizerState, TypedGrads};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 
+use super::decay::DecayPlan;
 use super::offload::OffloadedStates;
 
 /// What one optimizer step did.
@@ -38,13 +39,20 @@ pub struct Updater {
     /// The master copy and the optimizer's states on NVMe (the optimizer then holds one
     /// chunk's state).
     offload: Option<OffloadedStates>,
+    /// The parts of the shard without weight decay.
+    decay: DecayPlan,
 }
 
 /// Elements of the shard updated at a time (4 MiB of fp32 gradients).
 pub const STEP_PIECE: usize = 1 << 20;
 
 impl Updater {
-    pub fn new(optimizer: Box<dyn Optimizer>, schedule: LrSchedule, scaler: LossScaler) -> Updater {
+    pub fn new(
+        optimizer: Box<dyn Optimizer>,
+        schedule: LrSchedule,
+        scaler: LossScaler,
+        decay: DecayPlan,
+    ) -> Updater {
         Updater {
             optimizer,
             schedule,
@@ -52,6 +60,7 @@ impl Updater {
             global_steps: 0,
             skipped_steps: 0,
             offload: None,
+            decay,
         }
     }
 
@@ -163,32 +172,48 @@ impl Updater {
         }
         self.optimizer.begin(lr);
         if let Some(o) = &self.offload {
-            o.step(self.optimizer.as_mut(), zero, k)?;
+            o.step(self.optimizer.as_mut(), zero, k, &self.decay)?;
             return Ok(outcome);
         }
         let (master, grads) = zero.master_and_grads();
-        if self
-            .optimizer
-            .update_on_gpu(master, TypedGrads::of(grads), k)?
-        {
+        if self.step_on_gpu(master, grads, k)? {
             zero.publish()?;
             return Ok(outcome);
         }
         // The owned range in pieces: the fp32 gradients of one piece at a time, never of the
         // whole shard (a whole-model temporary at stage 0).
         let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
-        for (i, (p, g)) in master
-            .chunks_mut(STEP_PIECE)
-            .zip(grads.chunks(STEP_PIECE))
-            .enumerate()
-        {
-            let fp32 = &mut scratch[..g.len()];
-            fp32.iter_mut()
-                .zip(g)
-                .for_each(|(d, g)| *d = g.to_f32() * k);
-            self.optimizer.update(i * STEP_PIECE, p, fp32);
+        for at in (0..master.len()).step_by(STEP_PIECE) {
+            let end = (at + STEP_PIECE).min(master.len());
+            for (r, decay) in self.decay.segments(at..end) {
+                let fp32 = &mut scratch[..r.len()];
+                fp32.iter_mut()
+                    .zip(&grads[r.clone()])
+                    .for_each(|(d, g)| *d = g.to_f32() * k);
+                self.optimizer.update(r.start, &mut master[r], fp32, decay);
+            }
         }
         zero.publish()?;
         Ok(outcome)
+    }
+
+    /// The step on the GPU, a kernel per part of the shard with its own weight decay; false
+    /// when the buffers are not all on one GPU (nothing was done).
+    fn step_on_gpu<T: Element>(&mut self, master: &mut [f32], grads: &[T], k: f32) -> Result<bool> {
+        for (i, (r, decay)) in self.decay.segments(0..master.len()).into_iter().enumerate() {
+            let grads = TypedGrads::of(&grads[r.clone()]);
+            let done = self
+                .optimizer
+                .update_on_gpu(r.start, &mut master[r], grads, k, decay)?;
+            // every part lies where the first does: one answer for the whole shard
+            debug_assert!(
+                done || i == 0,
+                "invariant: a shard's buffers share one placement"
+            );
+            if !done {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 }

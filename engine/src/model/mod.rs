@@ -42,6 +42,9 @@ pub struct ParamSpec {
     /// A copy of the parameter of this name (DeepSpeed's TiedLayerSpec): the same initial
     /// values, and the two gradients summed before every step, so the two stay equal.
     pub tied: Option<String>,
+    /// A norm layer's parameter (LayerNorm, RMSNorm): no weight decay in HF's parameter
+    /// groups, which find them by the layer's type.
+    pub norm: bool,
 }
 
 impl ParamSpec {
@@ -53,7 +56,14 @@ impl ParamSpec {
             init,
             split: Split::Replicated,
             tied: None,
+            norm: false,
         }
+    }
+
+    /// This parameter belongs to a norm layer (see `norm`).
+    pub fn norm(mut self) -> ParamSpec {
+        self.norm = true;
+        self
     }
 
     /// This parameter tied to `owner` (a layer's use of another layer's parameter).

@@ -6,7 +6,7 @@
 use ds_partition::{FlatBuf, Placement};
 use rayon::prelude::*;
 
-use super::{check_len, OptimError, Optimizer, OptimizerState, BLOCK, LANES};
+use super::{check_len, OptimError, Optimizer, OptimizerState, WeightDecay, BLOCK, LANES};
 
 /// Adam's hyper-parameters other than the learning rate (which comes with every step).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -16,6 +16,9 @@ pub struct AdamParams {
     pub weight_decay: f64,
     /// Decoupled weight decay (AdamW, DeepSpeed's default) rather than L2 added to the gradient.
     pub adam_w_mode: bool,
+    /// Divide by `1 - beta^t` (DeepSpeed's `bias_correction`, on by default); off, the step
+    /// is `lr * m / (sqrt(v) + eps)`.
+    pub bias_correction: bool,
 }
 
 /// Adam over one shard: first and second moments in fp32, as DeepSpeed keeps them.
@@ -25,8 +28,9 @@ pub struct Adam {
     step: u64,
     exp_avg: FlatBuf<f32>,
     exp_avg_sq: FlatBuf<f32>,
-    /// The scalars of the step begun last.
-    consts: Option<Consts>,
+    /// The scalars of the step begun last: with weight decay, and without (parameters in
+    /// a group without decay).
+    consts: Option<[Consts; 2]>,
 }
 
 /// The per-step scalars, as DeepSpeed's Adam kernels (CPU and CUDA) have them: the betas are
@@ -52,15 +56,17 @@ pub(super) struct Consts {
 }
 
 impl Consts {
-    fn new(hp: &AdamParams, step: u64, lr: f64) -> Consts {
+    fn new(hp: &AdamParams, step: u64, lr: f64, weight_decay: f64) -> Consts {
         let (b1, b2) = (hp.betas.0 as f32, hp.betas.1 as f32);
         // powi takes i32; beyond that beta^t has long been 0 for any beta < 1.
         let t = i32::try_from(step).unwrap_or(i32::MAX);
-        let bc1 = 1.0 - f64::from(b1).powi(t);
-        let bc2 = 1.0 - f64::from(b2).powi(t);
+        let (bc1, bc2) = match hp.bias_correction {
+            true => (1.0 - f64::from(b1).powi(t), 1.0 - f64::from(b2).powi(t)),
+            false => (1.0, 1.0),
+        };
         let (l2, decay) = match hp.adam_w_mode {
-            true => (0.0, 1.0 - lr * hp.weight_decay),
-            false => (hp.weight_decay, 1.0),
+            true => (0.0, 1.0 - lr * weight_decay),
+            false => (weight_decay, 1.0),
         };
         Consts {
             beta1: b1,
@@ -99,17 +105,21 @@ impl Adam {
 impl Optimizer for Adam {
     fn begin(&mut self, lr: f64) {
         self.step += 1;
-        self.consts = Some(Consts::new(&self.hp, self.step, lr));
+        let (hp, step) = (&self.hp, self.step);
+        self.consts = Some([
+            Consts::new(hp, step, lr, hp.weight_decay),
+            Consts::new(hp, step, lr, 0.0),
+        ]);
     }
 
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]) {
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay) {
         let n = params.len();
         assert_eq!(
             grads.len(),
             n,
             "Adam::update: grads length != params length"
         );
-        let k = self.consts.expect("Adam::update: begin() first");
+        let k = self.consts.expect("Adam::update: begin() first")[decay as usize];
         let m = &mut self.exp_avg[at..at + n];
         let v = &mut self.exp_avg_sq[at..at + n];
         if n <= BLOCK {
@@ -126,16 +136,19 @@ impl Optimizer for Adam {
     #[cfg(feature = "cuda")]
     fn update_on_gpu(
         &mut self,
+        at: usize,
         params: &mut [f32],
         grads: super::TypedGrads<'_>,
         k: f32,
+        decay: WeightDecay,
     ) -> Result<bool, OptimError> {
-        let consts = self.consts.expect("Adam::update_on_gpu: begin() first");
+        let consts = self.consts.expect("Adam::update_on_gpu: begin() first")[decay as usize];
+        let n = params.len();
         super::gpu::adam(
             params,
             grads,
-            &mut self.exp_avg,
-            &mut self.exp_avg_sq,
+            &mut self.exp_avg[at..at + n],
+            &mut self.exp_avg_sq[at..at + n],
             k,
             consts,
         )
@@ -286,6 +299,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
             adam_w_mode: false,
+            bias_correction: true,
         };
         let n = 1003;
         let init: Vec<f32> = (0..n)
@@ -299,7 +313,7 @@ mod tests {
             [init, vec![0.1; n], vec![0.2; n]],
         );
         for step in 1..=5 {
-            let k = Consts::new(&hp, step, 1e-2);
+            let k = Consts::new(&hp, step, 1e-2, hp.weight_decay);
             let [p, m, v] = &mut a;
             update_block(&k, p, &grad, m, v);
             let [p, m, v] = &mut b;

@@ -30,6 +30,7 @@ pub fn bench_adam(n_params: usize, iters: usize, warmup: usize) -> BenchResult {
         eps: 1e-8,
         weight_decay: 0.1,
         adam_w_mode: true,
+        bias_correction: true,
     };
     let mut params = pseudo_normal(n_params, 1, 0.02);
     let grads = pseudo_normal(n_params, 2, 1e-3);

@@ -53,7 +53,7 @@ pub trait Optimizer: Send {
             "step: params length != shard length"
         );
         self.begin(lr);
-        self.update(0, params, grads);
+        self.update(0, params, grads, WeightDecay::Apply);
     }
 
     /// Starts a step at learning rate `lr` (counts it); [`Optimizer::update`] then applies it
@@ -61,24 +61,28 @@ pub trait Optimizer: Send {
     /// gradients in fp32 at once. The result is the same however the shard is cut.
     fn begin(&mut self, lr: f64);
 
-    /// Applies the step begun last to the shard's elements `at..at + params.len()`.
+    /// Applies the step begun last to the shard's elements `at..at + params.len()`, with
+    /// the configured weight decay or none (`decay`: the part's parameter group).
     ///
     /// # Panics
     /// If the part is outside the shard, `grads` is not as long as `params`, or no step was
     /// begun: bugs in the caller.
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]);
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay);
 
-    /// The step begun last over the whole shard on the GPU, when `params` (the master shard),
-    /// `grads` (in the compute dtype, to be multiplied by `k` first, as the caller does before
-    /// [`Optimizer::update`]) and this optimizer's state all lie in one GPU's buffers: Ok(true)
-    /// once done there; Ok(false) where the caller must run the host path.
+    /// The step begun last over the shard's elements `at..at + params.len()` on the GPU, when
+    /// `params` (of the master shard), `grads` (in the compute dtype, to be multiplied by `k`
+    /// first, as the caller does before [`Optimizer::update`]) and this optimizer's state all
+    /// lie in one GPU's buffers: Ok(true) once done there; Ok(false) where the caller must run
+    /// the host path.
     fn update_on_gpu(
         &mut self,
+        at: usize,
         params: &mut [f32],
         grads: TypedGrads<'_>,
         k: f32,
+        decay: WeightDecay,
     ) -> Result<bool, OptimError> {
-        let _ = (params, grads, k);
+        let _ = (at, params, grads, k, decay);
         Ok(false)
     }
 
@@ -106,6 +110,14 @@ pub trait Optimizer: Send {
 
     /// Sets Adam's beta1 / SGD's momentum, for schedules that cycle momentum (OneCycle).
     fn set_momentum(&mut self, momentum: f64);
+}
+
+/// Whether a part of the shard takes the optimizer's weight decay: HF's and Megatron's
+/// parameter groups leave biases and norm weights without (torch's `weight_decay: 0.0` group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightDecay {
+    Apply = 0,
+    Skip = 1,
 }
 
 /// A view of an optimizer's state: steps taken and named fp32 buffers of the shard's length.
@@ -179,6 +191,7 @@ pub fn build(
             eps,
             weight_decay,
             adam_w_mode,
+            bias_correction,
             ..
         } => {
             let hp = AdamParams {
@@ -186,6 +199,7 @@ pub fn build(
                 eps: *eps,
                 weight_decay: *weight_decay,
                 adam_w_mode: *adam_w_mode,
+                bias_correction: *bias_correction,
             };
             Ok(Box::new(Adam::placed(hp, shard_len, place)?))
         }

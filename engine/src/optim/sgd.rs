@@ -5,7 +5,9 @@
 
 use rayon::prelude::*;
 
-use super::{check_len, OptimError, Optimizer, OptimizerState, SgdParams, BLOCK, LANES};
+use super::{
+    check_len, OptimError, Optimizer, OptimizerState, SgdParams, WeightDecay, BLOCK, LANES,
+};
 
 /// SGD over one shard. As in torch, the momentum buffer is set to the first gradient (not
 /// decayed from zero) on the first step taken with momentum != 0; `live` says that happened.
@@ -18,8 +20,9 @@ pub struct Sgd {
     /// first step), else on the first step with momentum != 0 (OneCycle may raise it from 0).
     buf: Vec<f32>,
     live: bool,
-    /// The constants of the step begun, and whether it is the first with a live buffer.
-    begun: Option<(Consts, bool)>,
+    /// The constants of the step begun (with weight decay, and without), and whether it is
+    /// the first with a live buffer.
+    begun: Option<([Consts; 2], bool)>,
 }
 
 /// The per-step scalars in f32, computed once.
@@ -44,9 +47,9 @@ impl Sgd {
         }
     }
 
-    fn consts(&self, lr: f64) -> Consts {
+    fn consts(&self, lr: f64, weight_decay: f64) -> Consts {
         Consts {
-            weight_decay: self.hp.weight_decay as f32,
+            weight_decay: weight_decay as f32,
             momentum: self.hp.momentum as f32,
             one_minus_dampening: (1.0 - self.hp.dampening) as f32,
             neg_lr: -lr as f32,
@@ -62,10 +65,11 @@ impl Optimizer for Sgd {
             self.buf.resize(self.shard_len, 0.0);
             self.live = true;
         }
-        self.begun = Some((self.consts(lr), first));
+        let consts = [self.consts(lr, self.hp.weight_decay), self.consts(lr, 0.0)];
+        self.begun = Some((consts, first));
     }
 
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32]) {
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay) {
         let n = params.len();
         assert_eq!(grads.len(), n, "Sgd::update: grads length != params length");
         assert!(
@@ -73,6 +77,7 @@ impl Optimizer for Sgd {
             "Sgd::update: part beyond the shard"
         );
         let (k, first) = self.begun.expect("Sgd::update: begin() first");
+        let k = k[decay as usize];
         if self.hp.momentum == 0.0 {
             return for_blocks(params, grads, &mut [], |p, g, _| plain(&k, p, g));
         }

@@ -238,3 +238,26 @@ fn zero_step_sizes_are_errors_naming_the_param() {
         "{err}"
     );
 }
+
+/// Hugging Face's schedules against transformers' own `get_scheduler` driven like its Trainer
+/// (fixtures/hf_lr_reference.json, made by fixtures/gen_hf_lr_reference.py).
+#[test]
+fn matches_hugging_face_schedules() {
+    let fixture = exact_json(include_str!("../fixtures/hf_lr_reference.json"));
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let kind = LrSchedulerType::parse(case["lr_scheduler_type"].as_str().unwrap()).unwrap();
+        let base = case["base_lr"].as_f64().unwrap();
+        let warmup = case["warmup_steps"].as_u64().unwrap();
+        let total = case["total_steps"].as_u64().unwrap();
+        let s = LrSchedule::hugging_face(kind, base, warmup, total).unwrap();
+        let lrs = case["lr"].as_array().unwrap();
+        assert_eq!(lrs.len() as u64, total + 10, "{name}");
+        for (step, want) in lrs.iter().enumerate() {
+            let (got, want) = (s.lr_at(step as u64), want.as_f64().unwrap());
+            assert!(close(got, want), "{name} step {step}: lr {got} != {want}");
+        }
+    }
+}

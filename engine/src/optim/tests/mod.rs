@@ -6,7 +6,7 @@ mod fixture;
 mod reference;
 mod state;
 
-use super::{Adam, AdamParams, Optimizer, Sgd, SgdParams};
+use super::{Adam, AdamParams, Optimizer, Sgd, SgdParams, WeightDecay};
 use reference::{AdamRef, SgdRef, Trajectory};
 
 /// Lengths around the chunk (16) and block (65536) sizes, none a multiple of either.
@@ -95,6 +95,7 @@ fn adam_matches_f64_reference_at_all_lengths() {
             eps: 1e-8,
             weight_decay: 0.1,
             adam_w_mode,
+            bias_correction: true,
         };
         // DeepSpeed's semantics: the betas are f32.
         let r = AdamRef {
@@ -166,6 +167,7 @@ fn results_do_not_depend_on_position_or_length() {
         eps: 1e-8,
         weight_decay: 0.01,
         adam_w_mode: true,
+        bias_correction: true,
     };
     let n = 100_003;
     let (p0, grads) = inputs(n, 3);
@@ -199,6 +201,7 @@ fn a_step_in_parts_equals_the_whole_step() {
         eps: 1e-8,
         weight_decay: 0.01,
         adam_w_mode: true,
+        bias_correction: true,
     };
     let sgd = SgdParams {
         lr: 1e-3,
@@ -219,7 +222,7 @@ fn a_step_in_parts_equals_the_whole_step() {
             a.step(&mut whole, g, 1e-3);
             b.begin(1e-3);
             for (at, end) in [(0, 1), (1, 999), (999, 70_000), (70_000, n)] {
-                b.update(at, &mut parts[at..end], &g[at..end]);
+                b.update(at, &mut parts[at..end], &g[at..end], WeightDecay::Apply);
             }
         }
         let same = whole

@@ -13,6 +13,7 @@ const ADAMW: AdamParams = AdamParams {
     eps: 1e-8,
     weight_decay: 0.1,
     adam_w_mode: true,
+    bias_correction: true,
 };
 
 fn sgd_hp(momentum: f64) -> SgdParams {

@@ -1,0 +1,125 @@
+//! The optimizer and LR schedule of a run: the config's `optimizer` and `scheduler`
+//! sections, else those a program builds from its training arguments, as Hugging Face's
+//! Trainer does when a ds_config leaves them out (`create_optimizer`: AdamW with biases and
+//! norm weights in a group without weight decay; `create_scheduler`: `lr_scheduler_type`).
+
+use ds_config::optim::TypedSection;
+use ds_config::{Config, TrainingArgs};
+use serde_json::json;
+
+use super::DecayGroups;
+use crate::schedule::LrSchedule;
+use crate::{EngineError, Result};
+
+/// What updates the parameters, and where it came from.
+#[derive(Debug, Clone)]
+pub(super) struct ProgramOptimizer {
+    /// The config's section, or the AdamW section the arguments describe.
+    pub optimizer: TypedSection,
+    pub groups: DecayGroups,
+    pub schedule: LrSchedule,
+}
+
+pub(super) fn optimizer_and_schedule(config: &Config) -> Result<ProgramOptimizer> {
+    let (optimizer, groups, from_args) = match (&config.optimizer, &config.training) {
+        (Some(section), _) => (section.clone(), DecayGroups::All, false),
+        (None, Some(args)) => (adamw(args), DecayGroups::ExceptBiasesAndNorms, true),
+        (None, None) => {
+            return Err(EngineError::Invalid(
+                "ds_config has no `optimizer` section, and no training arguments to build one \
+                 from (resolve the config with ds_config::resolve_with_args)"
+                    .into(),
+            ))
+        }
+    };
+    let base_lr = base_lr(&optimizer)?;
+    let schedule = match (config.scheduler_params()?, &config.training) {
+        (Some(p), _) => LrSchedule::new(&p, base_lr)?,
+        // HF's Trainer builds its schedule when the config has none; a config optimizer
+        // without a schedule keeps its lr unless a schedule type was asked for
+        (None, Some(args)) if from_args || args.lr_scheduler_type.is_some() => {
+            hf_schedule(args, base_lr, config.schedule_steps)?
+        }
+        (None, _) => LrSchedule::constant(base_lr),
+    };
+    Ok(ProgramOptimizer {
+        optimizer,
+        groups,
+        schedule,
+    })
+}
+
+/// The AdamW of HF's Trainer: its `adamw_torch` defaults, the arguments' values.
+fn adamw(args: &TrainingArgs) -> TypedSection {
+    let (b1, b2) = args.betas();
+    TypedSection {
+        type_name: "adamw".into(),
+        params: Some(json!({
+            "lr": args.lr(),
+            "betas": [b1, b2],
+            "eps": args.eps(),
+            "weight_decay": args.weight_decay(),
+        })),
+    }
+}
+
+fn hf_schedule(args: &TrainingArgs, base_lr: f64, total: Option<i64>) -> Result<LrSchedule> {
+    let kind = args.scheduler_type();
+    let missing = || {
+        EngineError::Invalid(format!(
+            "--lr_scheduler_type {}: the schedule needs its total steps; give --max_steps",
+            kind.name()
+        ))
+    };
+    let total = total.ok_or_else(missing)?;
+    let warmup = args.warmup(Some(total)).ok_or_else(missing)?;
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    Ok(LrSchedule::hugging_face(
+        kind,
+        base_lr,
+        count(warmup),
+        count(total),
+    )?)
+}
+
+/// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).
+fn base_lr(section: &TypedSection) -> Result<f64> {
+    match section.params.as_ref().and_then(|p| p.get("lr")) {
+        None => Ok(1e-3),
+        Some(v) => v.as_f64().ok_or_else(|| {
+            EngineError::Invalid(format!("optimizer.params.lr: expected a number, got {v}"))
+        }),
+    }
+}
+
+/// The one line `train` prints when it builds the optimizer or the schedule itself.
+pub fn program_optimizer_line(config: &Config) -> Option<String> {
+    let args = config.training.as_ref()?;
+    let schedule = match &config.scheduler {
+        Some(_) => String::new(),
+        None if config.optimizer.is_none() || args.lr_scheduler_type.is_some() => format!(
+            ", schedule {} with {} warmup steps over {} steps",
+            args.scheduler_type().name(),
+            args.warmup(config.schedule_steps).unwrap_or(0),
+            config.schedule_steps.map_or("?".into(), |n| n.to_string())
+        ),
+        None => return None,
+    };
+    let (b1, b2) = args.betas();
+    let optimizer = match &config.optimizer {
+        Some(o) => format!("the config's {}", o.type_name),
+        None => format!(
+            "AdamW(lr={}, betas=({b1}, {b2}), eps={}, weight_decay={} except biases and norm weights)",
+            args.lr(),
+            args.eps(),
+            args.weight_decay()
+        ),
+    };
+    let from = match config.optimizer.is_none() {
+        true => "the config has no optimizer section",
+        false => "the config has no scheduler section",
+    };
+    Some(format!(
+        "optimizer: {optimizer}{schedule}, from the training arguments ({from})"
+    ))
+}
