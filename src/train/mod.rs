@@ -117,6 +117,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
     let name = || config_name(args.config.as_deref());
     cfg.check_filled().with_context(name)?;
     cfg.check_implemented().with_context(name)?;
+    ds_engine::check_optimizer(&cfg).with_context(name)?;
     model
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;

@@ -37,7 +37,7 @@ use decay::DecayPlan;
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
-pub use program::program_optimizer_line;
+pub use program::{check_optimizer, program_optimizer_line};
 pub use settings::{CpuOffload, Precision, Settings};
 pub use tied::check_ties;
 use trainer::Trainer;

@@ -82,6 +82,14 @@ fn hf_schedule(args: &TrainingArgs, base_lr: f64, total: Option<i64>) -> Result<
     )?)
 }
 
+/// The run's optimizer and schedule checked without building any state, so that a command
+/// can refuse a bad section (or a missing one with no arguments) before any rank starts.
+pub fn check_optimizer(config: &Config) -> Result<()> {
+    let program = optimizer_and_schedule(config)?;
+    crate::optim::build_from_section(&program.optimizer, 0, &ds_partition::Placement::Host)?;
+    Ok(())
+}
+
 /// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).
 fn base_lr(section: &TypedSection) -> Result<f64> {
     match section.params.as_ref().and_then(|p| p.get("lr")) {

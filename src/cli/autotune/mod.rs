@@ -42,14 +42,18 @@ const OWN_FLAGS: [&str; 4] = [
 ];
 /// The launcher options among those removed that take no value.
 const SWITCHES: [&str; 1] = ["--force_multi"];
-/// `train` options each trial sets itself.
-const TRIAL_FLAGS: [&str; 6] = [
+/// `train` options each trial sets itself (the batch through its config).
+const TRIAL_FLAGS: [&str; 10] = [
     "--steps",
     "--epochs",
     "--metrics-dir",
     "--eval-interval",
     "--eval-batches",
     "--config",
+    "--per_device_train_batch_size",
+    "--micro-batch",
+    "--gradient_accumulation_steps",
+    "--grad-accum",
 ];
 
 pub fn run(args: &LaunchArgs, mode: Mode) -> anyhow::Result<ExitCode> {
@@ -255,8 +259,10 @@ impl Tuner {
         }
     }
 
-    /// The trial's ds_config: the user's with this experiment's values, no lists left
-    /// (DeepSpeed's `get_first_config`) and no autotuning section.
+    /// The trial's ds_config: the user's with this experiment's values, no lists left outside
+    /// the optimizer section (DeepSpeed's `get_first_config`, whose search ignores the
+    /// optimizer: its `betas` is a value, not a dimension) and no autotuning section. Other
+    /// "auto" values stay for the trial's `train` to fill with the trial's micro-batch.
     fn trial_config(&self, e: &Experiment) -> Json {
         let mut c = self.user.clone();
         let o = c.as_object_mut().expect("a ds_config is an object");
@@ -278,7 +284,11 @@ impl Tuner {
         for (key, value) in &e.settings {
             zero[key.as_str()] = value.clone();
         }
-        space::first_of_lists(&mut c);
+        for (key, value) in c.as_object_mut().expect("a ds_config is an object") {
+            if key != "optimizer" {
+                space::first_of_lists(value);
+            }
+        }
         c
     }
 
@@ -288,7 +298,14 @@ impl Tuner {
         let doc = ds_config::hjson::parse(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
         let (tp, pp) = (self.tp.or(Some(e.layout.tp)), self.pp.or(Some(e.layout.pp)));
         let dims = ds_config::parallel_dims(&doc, self.ranks, tp, pp)?;
-        Ok(ds_config::resolve(&doc, &dims)?)
+        // "auto" values as the trial's `train` fills them (its batch is in the config)
+        let ctx = ds_config::FillContext {
+            data_parallel: dims.dp() as i64,
+            hidden_size: self.workload.hidden_size().map(|h| h as i64),
+            run_steps: Some(self.end_profile_step as i64),
+        };
+        let args = ds_config::TrainingArgs::default();
+        Ok(ds_config::resolve_with_args(&doc, &dims, &args, &ctx)?)
     }
 
     /// The memory model's peak of the largest rank for this trial.

@@ -29,6 +29,14 @@ pub enum Workload {
 }
 
 impl Workload {
+    /// The model's hidden size, where ds-rs knows the model (fills "auto" bucket sizes).
+    pub fn hidden_size(&self) -> Option<usize> {
+        match self {
+            Workload::Train { model, .. } => Some(model.d),
+            Workload::Program { .. } => None,
+        }
+    }
+
     pub fn new(
         program: &[String],
         model: Option<&str>,
