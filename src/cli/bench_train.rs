@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ds_comm::{init, options_for, Groups};
-use ds_config::{load, parallel_dims, resolve};
+use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::gpt::GptConfig;
 use ds_engine::parallel::Tp;
@@ -46,6 +46,8 @@ pub struct TrainBenchArgs {
     #[arg(long)]
     pp: Option<usize>,
     #[command(flatten)]
+    training: crate::cli::TrainingArgsCli,
+    #[command(flatten)]
     backend: crate::cli::BackendArg,
     #[command(flatten)]
     device: crate::cli::DeviceArg,
@@ -66,7 +68,15 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let doc = load(&args.config)?;
     let name = || format!("{}", args.config.display());
     let dims = parallel_dims(&doc, env.world_size, args.tp, args.pp).with_context(name)?;
-    let cfg = resolve(&doc, &dims).with_context(name)?;
+    // "auto" values and a missing optimizer as `train` fills them
+    let ctx = FillContext {
+        data_parallel: dims.dp() as i64,
+        hidden_size: Some(model.d as i64),
+        run_steps: Some((args.warmup + args.steps) as i64),
+    };
+    let training = args.training.to_args()?;
+    let cfg = resolve_with_args(&doc, &dims, &training, &ctx).with_context(name)?;
+    cfg.check_filled().with_context(name)?;
     model
         .check_tp(dims.tp)
         .map_err(|e| anyhow::anyhow!("--preset {}: {e}", args.preset))?;

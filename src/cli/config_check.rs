@@ -121,6 +121,9 @@ fn print_human(c: &Config) {
         name(&c.optimizer),
         name(&c.scheduler)
     );
+    if let Some(line) = ds_engine::program_optimizer_line(c) {
+        println!("  train        {line}");
+    }
     for (path, value) in &c.auto_filled {
         println!("  auto         {path} = {value}");
     }

@@ -68,7 +68,7 @@ enum BenchCommand {
     /// One fused AdamW step on CPU, as the peer's adam_cpu.py measures DeepSpeed's.
     Adam(bench_adam::AdamArgs),
     /// Training throughput of the built-in GPT, as the peer benchmark measures it.
-    Train(bench_train::TrainBenchArgs),
+    Train(Box<bench_train::TrainBenchArgs>),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
