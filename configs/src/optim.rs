@@ -271,6 +271,27 @@ fn adam(p: &mut Params, is_adamw: bool) -> Result<OptimizerParams> {
     })
 }
 
+/// Adam's parameters that select an implementation, not an update: read and not acted on.
+pub fn param_warnings(section: &TypedSection) -> Vec<String> {
+    if !matches!(section.type_name.as_str(), "adam" | "adamw") {
+        return Vec::new();
+    }
+    let Some(Json::Object(params)) = &section.params else {
+        return Vec::new();
+    };
+    let notes = [
+        ("torch_adam", "ds-rs computes DeepSpeed's Adam (torch's rounds differently, in the last bits)"),
+        ("fused", "a switch of torch's kernels"),
+        ("foreach", "a switch of torch's kernels"),
+        ("set_grad_none", "ds-rs keeps gradients in flat buffers"),
+    ];
+    notes
+        .iter()
+        .filter(|(key, _)| params.contains_key(*key))
+        .map(|(key, why)| format!("optimizer.params.{key}: no effect: {why}"))
+        .collect()
+}
+
 /// A type DeepSpeed would look up in torch.optim and fail on at initialize, or one of the
 /// communication-compressed optimizers.
 fn unknown_optimizer(name: &str) -> ConfigError {
@@ -491,6 +512,46 @@ mod tests {
         let err = OptimizerParams::parse(&s).unwrap_err();
         assert_eq!(err.path(), Some("optimizer.params.lrr"));
         assert!(err.to_string().contains("did you mean `lr`"), "{err}");
+    }
+
+    /// DeepSpeed's Adam parameters: acted on, refused as DeepSpeed refuses them, or refused
+    /// because ds-rs lacks the variant.
+    #[test]
+    fn deepspeed_adam_parameters() {
+        let parse = |params: &str| {
+            let s = section(
+                "optimizer",
+                &format!(r#"{{"optimizer": {{"type": "AdamW", "params": {params}}}}}"#),
+            );
+            OptimizerParams::parse(&s)
+        };
+        let p = parse(r#"{"bias_correction": false, "adam_w_mode": false, "torch_adam": false}"#);
+        let Ok(OptimizerParams::Adam {
+            bias_correction,
+            adam_w_mode,
+            weight_decay,
+            ..
+        }) = p
+        else {
+            panic!("{p:?}")
+        };
+        // AdamW forces decoupled decay; FusedAdam's default weight decay is 0
+        assert_eq!((bias_correction, adam_w_mode, weight_decay), (false, true, 0.0));
+        for (params, path) in [
+            (r#"{"max_grad_norm": 1.0}"#, "optimizer.params.max_grad_norm"),
+            (r#"{"amsgrad": true}"#, "optimizer.params.amsgrad"),
+            (r#"{"fp32_optimizer_states": false}"#, "optimizer.params.fp32_optimizer_states"),
+        ] {
+            assert_eq!(parse(params).unwrap_err().path(), Some(path), "{params}");
+        }
+        let s = section("optimizer", r#"{"optimizer": {"type": "OneBitAdam"}}"#);
+        let err = OptimizerParams::parse(&s).unwrap_err().to_string();
+        assert!(err.contains("1-bit"), "{err}");
+        let warned = param_warnings(&section(
+            "optimizer",
+            r#"{"optimizer": {"type": "Adam", "params": {"torch_adam": true, "lr": 1}}}"#,
+        ));
+        assert_eq!(warned.len(), 1, "{warned:?}");
     }
 
     #[test]

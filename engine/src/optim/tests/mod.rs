@@ -240,3 +240,33 @@ fn bench_runs_and_reports() {
     assert!(r.min_ms <= r.median_ms && r.median_ms <= r.max_ms);
     assert!(r.effective_gbs > 0.0 && r.effective_gbs.is_finite());
 }
+
+/// `bias_correction: false` (FusedAdam's and DeepSpeedCPUAdam's switch): the first step is
+/// `lr * m / (sqrt(v) + eps)` with the raw moments, against float64; and a part without
+/// weight decay (`WeightDecay::Skip`) takes no decay while the rest does.
+#[test]
+fn bias_correction_off_and_parts_without_decay() {
+    let (lr, b1, b2, eps, wd) = (1e-2f64, 0.9f64, 0.99f64, 1e-8f64, 0.5f64);
+    let hp = AdamParams {
+        betas: (b1, b2),
+        eps,
+        weight_decay: wd,
+        adam_w_mode: true,
+        bias_correction: false,
+    };
+    let p0 = [1.0f32, -2.0, 0.5, 3.0];
+    let g = [0.3f32, -0.1, 0.2, 0.05];
+    let mut adam = Adam::new(hp, 4);
+    let mut p = p0;
+    adam.begin(lr);
+    adam.update(0, &mut p[..2], &g[..2], WeightDecay::Apply);
+    adam.update(2, &mut p[2..], &g[2..], WeightDecay::Skip);
+    for i in 0..4 {
+        let (x, gi) = (f64::from(p0[i]), f64::from(g[i]));
+        let (m, v) = ((1.0 - b1) * gi, (1.0 - b2) * gi * gi);
+        let decay = if i < 2 { 1.0 - lr * wd } else { 1.0 };
+        let want = x * decay - lr * m / (v.sqrt() + eps);
+        // f32 arithmetic of a handful of operations on values near 1
+        assert!((f64::from(p[i]) - want).abs() < 1e-6, "{i}: {} vs {want}", p[i]);
+    }
+}
