@@ -64,7 +64,7 @@ fn check_json(file: &Path, extra: &[&str]) -> (i32, Json) {
     (out.status.code().expect("exit code"), json)
 }
 
-const CONTRACT_KEYS: [&str; 19] = [
+const CONTRACT_KEYS: [&str; 20] = [
     "ok",
     "train_batch_size",
     "train_micro_batch_size_per_gpu",
@@ -84,6 +84,7 @@ const CONTRACT_KEYS: [&str; 19] = [
     "contiguous_gradients",
     "warnings",
     "auto_filled",
+    "ds_config",
 ];
 
 #[test]
@@ -148,8 +149,12 @@ fn an_invalid_config_gives_one_json_error_naming_the_path() {
     assert_eq!(json["ok"], false);
     assert_eq!(
         json.as_object().map(|o| o.len()),
-        Some(2),
-        "only ok and error: {json}"
+        Some(3),
+        "only ok, error and paths: {json}"
+    );
+    assert_eq!(
+        json["paths"],
+        serde_json::json!(["zero_optimization.stage"])
     );
     assert!(
         json["error"]
@@ -231,16 +236,12 @@ fn auto_values_are_filled_from_the_training_arguments() {
         br#"{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}"#,
     );
+    // without arguments, HF's defaults fill them as `train` would: micro-batch 8, accumulation 1
     let (code, json) = check_json(&file, &["--world-size", "2"]);
+    assert_eq!(code, 0, "{json}");
+    assert_eq!(json["train_batch_size"], 16, "{json}");
     assert_eq!(
-        code, 1,
-        "without training arguments a batch \"auto\" cannot be derived: {json}"
-    );
-    assert!(
-        json["error"]
-            .as_str()
-            .unwrap()
-            .starts_with("train_batch_size"),
+        json["ds_config"]["train_micro_batch_size_per_gpu"], 8,
         "{json}"
     );
     let args = [

@@ -280,7 +280,10 @@ pub fn param_warnings(section: &TypedSection) -> Vec<String> {
         return Vec::new();
     };
     let notes = [
-        ("torch_adam", "ds-rs computes DeepSpeed's Adam (torch's rounds differently, in the last bits)"),
+        (
+            "torch_adam",
+            "ds-rs computes DeepSpeed's Adam (torch's rounds differently, in the last bits)",
+        ),
         ("fused", "a switch of torch's kernels"),
         ("foreach", "a switch of torch's kernels"),
         ("set_grad_none", "ds-rs keeps gradients in flat buffers"),
@@ -536,11 +539,20 @@ mod tests {
             panic!("{p:?}")
         };
         // AdamW forces decoupled decay; FusedAdam's default weight decay is 0
-        assert_eq!((bias_correction, adam_w_mode, weight_decay), (false, true, 0.0));
+        assert_eq!(
+            (bias_correction, adam_w_mode, weight_decay),
+            (false, true, 0.0)
+        );
         for (params, path) in [
-            (r#"{"max_grad_norm": 1.0}"#, "optimizer.params.max_grad_norm"),
+            (
+                r#"{"max_grad_norm": 1.0}"#,
+                "optimizer.params.max_grad_norm",
+            ),
             (r#"{"amsgrad": true}"#, "optimizer.params.amsgrad"),
-            (r#"{"fp32_optimizer_states": false}"#, "optimizer.params.fp32_optimizer_states"),
+            (
+                r#"{"fp32_optimizer_states": false}"#,
+                "optimizer.params.fp32_optimizer_states",
+            ),
         ] {
             assert_eq!(parse(params).unwrap_err().path(), Some(path), "{params}");
         }

@@ -508,7 +508,11 @@ fn finish(mut c: Config, root: &Dict, notes: Notes) -> Result<Config> {
         warnings.push(format!("{key}: not a DeepSpeed key; ignored{hint}"));
     }
     warnings.extend(toplevel::unsupported_feature_warnings(root, &c));
-    warnings.extend(c.optimizer.as_ref().map_or_else(Vec::new, optim::param_warnings));
+    warnings.extend(
+        c.optimizer
+            .as_ref()
+            .map_or_else(Vec::new, optim::param_warnings),
+    );
     for path in crate::auto::remaining(root) {
         let defaulted = notes.autos.iter().any(|(p, _)| *p == path);
         if !defaulted && !path.starts_with("zero_optimization") {

@@ -267,6 +267,10 @@ fn bias_correction_off_and_parts_without_decay() {
         let decay = if i < 2 { 1.0 - lr * wd } else { 1.0 };
         let want = x * decay - lr * m / (v.sqrt() + eps);
         // f32 arithmetic of a handful of operations on values near 1
-        assert!((f64::from(p[i]) - want).abs() < 1e-6, "{i}: {} vs {want}", p[i]);
+        assert!(
+            (f64::from(p[i]) - want).abs() < 1e-6,
+            "{i}: {} vs {want}",
+            p[i]
+        );
     }
 }
