@@ -244,6 +244,72 @@ fn show(v: &Value) -> String {
     }
 }
 
+/// Given flags that fill nothing and that nothing else uses (HF's Trainer ignores them the
+/// same way): a warning each, naming the key that would take the flag.
+pub fn unused_flags(root: &Dict, args: &TrainingArgs) -> Vec<String> {
+    let section = |key: &str| root.get(key).and_then(Value::as_dict);
+    let has = |d: Option<&Dict>, key: &str| d.is_some_and(|d| d.contains_key(key));
+    let params = |key: &str| section(key).and_then(|d| d.get("params")?.as_dict());
+    let (optimizer, scheduler) = (section("optimizer"), section("scheduler"));
+    let mut unused = Vec::new();
+    // with no optimizer section these build the program's AdamW
+    if optimizer.is_some() {
+        let p = params("optimizer");
+        let given = [
+            ("--learning_rate", args.learning_rate.is_some(), "lr"),
+            (
+                "--adam_beta1/--adam_beta2",
+                args.adam_beta1.or(args.adam_beta2).is_some(),
+                "betas",
+            ),
+            ("--adam_epsilon", args.adam_epsilon.is_some(), "eps"),
+            (
+                "--weight_decay",
+                args.weight_decay.is_some(),
+                "weight_decay",
+            ),
+        ];
+        for (flag, on, key) in given {
+            if on && !has(p, key) {
+                unused.push((flag, format!("optimizer.params.{key}")));
+            }
+        }
+    }
+    if args.max_grad_norm.is_some() && !root.contains_key("gradient_clipping") {
+        unused.push(("--max_grad_norm", "gradient_clipping".into()));
+    }
+    for (flag, on, key) in [("--bf16", args.bf16, "bf16"), ("--fp16", args.fp16, "fp16")] {
+        let named = key == "bf16" && root.contains_key("bfloat16");
+        if on == Some(true) && !root.contains_key(key) && !named {
+            unused.push((flag, format!("{key}.enabled")));
+        }
+    }
+    // with no scheduler section these shape the program's schedule, when it builds one
+    let program_schedule =
+        scheduler.is_none() && (optimizer.is_none() || args.lr_scheduler_type.is_some());
+    if !program_schedule {
+        let p = params("scheduler");
+        if args.warmup_steps.is_some() && !has(p, "warmup_num_steps") {
+            unused.push(("--warmup_steps", "scheduler.params.warmup_num_steps".into()));
+        }
+        if args.max_steps.is_some() && !has(p, "total_num_steps") {
+            unused.push(("--max_steps", "scheduler.params.total_num_steps".into()));
+        }
+    }
+    if scheduler.is_some() && args.lr_scheduler_type.is_some() {
+        unused.push((
+            "--lr_scheduler_type",
+            "scheduler (the config's section decides)".into(),
+        ));
+    }
+    unused
+        .into_iter()
+        .map(|(flag, key)| {
+            format!("{flag}: no effect: the config has no {key} to take it (Hugging Face's Trainer ignores it too); write \"auto\" there to let the flag decide")
+        })
+        .collect()
+}
+
 /// Every JSON path still holding "auto", in document order.
 pub fn remaining(root: &Dict) -> Vec<String> {
     fn walk(d: &Dict, prefix: &str, out: &mut Vec<String>) {

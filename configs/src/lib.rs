@@ -76,11 +76,12 @@ pub fn resolve_with_args(
 ) -> Result<Config> {
     args.check()?;
     let mut doc = doc.clone();
-    let filled = match &mut doc {
-        Value::Dict(root) => auto::fill(root, args, ctx)?,
-        _ => Vec::new(),
+    let (filled, unused) = match &mut doc {
+        Value::Dict(root) => (auto::fill(root, args, ctx)?, auto::unused_flags(root, args)),
+        _ => (Vec::new(), Vec::new()),
     };
     let mut config = resolve::resolve(&doc, dims, filled)?;
+    config.warnings.extend(unused);
     config.training = Some(args.clone());
     config.schedule_steps = args.max_steps.or(ctx.run_steps);
     Ok(config)

@@ -129,3 +129,23 @@ fn unknown_sources_stay_auto() {
         ["bfloat16.enabled", "zero_optimization.reduce_bucket_size"]
     );
 }
+
+/// A given flag with nothing to fill is a warning naming the key that would take it; with no
+/// optimizer section the optimizer flags build the program's AdamW and say nothing.
+#[test]
+fn flags_with_nothing_to_fill_are_warned_about() {
+    let args = TrainingArgs {
+        learning_rate: Some(1e-3),
+        bf16: Some(true),
+        warmup_steps: Some(10.0),
+        ..TrainingArgs::default()
+    };
+    let d = dict(r#"{"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.95]}}}"#);
+    let warned = unused_flags(&d, &args);
+    assert_eq!(warned.len(), 3, "{warned:?}");
+    assert!(
+        warned[0].starts_with("--learning_rate: no effect: the config has no optimizer.params.lr"),
+        "{warned:?}"
+    );
+    assert!(unused_flags(&dict(r#"{"bf16": {"enabled": "auto"}}"#), &args).is_empty());
+}
