@@ -114,13 +114,16 @@ pub fn program_optimizer_line(config: &Config) -> Option<String> {
         None => return None,
     };
     let (b1, b2) = args.betas();
+    let py = ds_config::value::py_float_repr;
     let optimizer = match &config.optimizer {
         Some(o) => format!("the config's {}", o.type_name),
         None => format!(
-            "AdamW(lr={}, betas=({b1}, {b2}), eps={}, weight_decay={} except biases and norm weights)",
-            args.lr(),
-            args.eps(),
-            args.weight_decay()
+            "AdamW(lr={}, betas=({}, {}), eps={}, weight_decay={} except biases and norm weights)",
+            py(args.lr()),
+            py(b1),
+            py(b2),
+            py(args.eps()),
+            py(args.weight_decay())
         ),
     };
     let from = match config.optimizer.is_none() {
