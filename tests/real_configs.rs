@@ -206,30 +206,52 @@ fn an_auto_config_and_its_resolved_file_train_alike() {
     assert_eq!(losses(&auto), losses(&again));
 }
 
-/// The program's AdamW and its groups at ZeRO-3 over 2 ranks: the losses of one rank.
+/// The program's AdamW and its groups in other layouts (ZeRO-3 and ZeRO-2 with the optimizer
+/// on NVMe over 2 ranks, tensor and pipeline parallelism): the losses of one rank.
 #[test]
 fn the_programs_adamw_is_the_same_in_every_layout() {
     let s = Scratch::new("program-layout");
     let flags = "--steps 4 --learning_rate 3e-3 --weight_decay 0.1 --warmup_steps 2";
-    let one = train(
-        &s,
-        "one",
-        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}"#,
-        flags,
-    );
-    let cfg = s.write("z3.json", r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}"#);
-    let dir = s.path("z3");
-    let out = run(
-        &format!(
-            "launch --nproc_per_node 2 --config {} train --model tiny --eval-interval 0 --eval-batches 1 --metrics-dir {} {flags}",
-            cfg.display(),
-            dir.display()
+    let batch = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2"#;
+    let one = train(&s, "one", &format!("{{{batch}}}"), flags);
+    let nvme = s.path("swap");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let layouts = [
+        ("z3", r#""zero_optimization": {"stage": 3}"#.to_string(), ""),
+        (
+            "z2-nvme",
+            format!(
+                r#""zero_optimization": {{"stage": 2, "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}}"#,
+                nvme.display()
+            ),
+            "",
         ),
-        LIMIT,
-    );
-    assert!(out.status.success(), "{}", out.stderr);
-    // the reduction order of two ranks against one (the equality tests' bound)
-    common::assert_same_losses(&losses(&dir), &losses(&one), 1e-5, "ZeRO-3 on 2 ranks");
+        (
+            "tp2",
+            r#""zero_optimization": {"stage": 1}"#.to_string(),
+            "--tp 2",
+        ),
+        (
+            "pp2",
+            r#""zero_optimization": {"stage": 1}"#.to_string(),
+            "--pp 2",
+        ),
+    ];
+    for (name, zero, layout) in layouts {
+        let cfg = s.write(&format!("{name}.json"), &format!("{{{batch}, {zero}}}"));
+        let dir = s.path(name);
+        let out = run(
+            &format!(
+                "launch --nproc_per_node 2 --config {} train --model tiny --eval-interval 0 --eval-batches 1 --metrics-dir {} {flags} {layout}",
+                cfg.display(),
+                dir.display()
+            ),
+            LIMIT,
+        );
+        assert!(out.status.success(), "{name}: {}", out.stderr);
+        // the reduction order of two ranks against one (the equality tests' bound)
+        common::assert_same_losses(&losses(&dir), &losses(&one), 1e-5, name);
+    }
 }
 
 /// Bad training arguments: one error line naming what is wrong, exit 1, nothing started.
