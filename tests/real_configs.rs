@@ -312,9 +312,21 @@ fn the_autotuner_tunes_real_configs_with_betas() {
             "results_dir": s.path(&format!("results{i}")), "exps_dir": s.path(&format!("exps{i}"))
         });
         let c = s.write(&format!("{i}.json"), &cfg.to_string());
+        // the first also runs the best: a batch flag of the user's (3, no trial's micro-batch)
+        // gives way to the batch each trial and the best run set through their configs
+        let (mode, extra) = match i {
+            0 => (
+                "run",
+                format!(
+                    "--per_device_train_batch_size 3 --steps 2 --metrics-dir {}",
+                    s.path("best").display()
+                ),
+            ),
+            _ => ("tune", String::new()),
+        };
         let out = run(
             &format!(
-                "launch --autotuning tune --nproc_per_node 1 --memory_per_rank 1G --config {} train --model tiny",
+                "launch --autotuning {mode} --nproc_per_node 1 --memory_per_rank 1G --config {} train --model tiny {extra}",
                 c.display()
             ),
             Duration::from_secs(300),
@@ -329,4 +341,9 @@ fn the_autotuner_tunes_real_configs_with_betas() {
         assert!(optimizer["params"].get("betas").is_some(), "{file}");
         assert_eq!(optimal["optimizer"], optimizer, "{file}");
     }
+    assert_eq!(
+        losses(&s.path("best")).len(),
+        2,
+        "the best configuration trained"
+    );
 }

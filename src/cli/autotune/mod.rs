@@ -42,6 +42,14 @@ const OWN_FLAGS: [&str; 4] = [
 ];
 /// The launcher options among those removed that take no value.
 const SWITCHES: [&str; 1] = ["--force_multi"];
+/// `train` options the best configuration's run sets itself (the batch through its config).
+const BATCH_AND_CONFIG_FLAGS: [&str; 5] = [
+    "--config",
+    "--per_device_train_batch_size",
+    "--micro-batch",
+    "--gradient_accumulation_steps",
+    "--grad-accum",
+];
 /// `train` options each trial sets itself (the batch through its config).
 const TRIAL_FLAGS: [&str; 10] = [
     "--steps",
@@ -202,8 +210,9 @@ impl Tuner {
                 Some(_) => without(&program, &TRIAL_FLAGS),
                 None => program.clone(),
             },
+            // the best run takes its batch from ds_config_optimal.json, as the trials did
             user_program: match &train {
-                Some(_) => without(&program, &["--config"]),
+                Some(_) => without(&program, &BATCH_AND_CONFIG_FLAGS),
                 None => program.clone(),
             },
             groups: Vec::new(),
