@@ -285,8 +285,7 @@ pub fn unused_flags(root: &Dict, args: &TrainingArgs) -> Vec<String> {
         }
     }
     // with no scheduler section these shape the program's schedule, when it builds one
-    let program_schedule =
-        scheduler.is_none() && (optimizer.is_none() || args.lr_scheduler_type.is_some());
+    let program_schedule = args.builds_schedule(optimizer.is_some(), scheduler.is_some());
     if !program_schedule {
         let p = params("scheduler");
         if args.warmup_steps.is_some() && !has(p, "warmup_num_steps") {

@@ -179,6 +179,13 @@ impl TrainingArgs {
         }
     }
 
+    /// Whether the program builds the LR schedule (`scheduler_type`): the config has no
+    /// `scheduler` section, and either no `optimizer` section (HF's Trainer builds both) or a
+    /// schedule type was asked for; a config optimizer alone keeps its lr, as under DeepSpeed.
+    pub fn builds_schedule(&self, has_optimizer: bool, has_scheduler: bool) -> bool {
+        !has_scheduler && (!has_optimizer || self.lr_scheduler_type.is_some())
+    }
+
     /// The schedule the program builds when the config has no `scheduler` section: the given
     /// type, else HF's default (linear) when the program also builds the optimizer.
     pub fn scheduler_type(&self) -> LrSchedulerType {

@@ -21,9 +21,9 @@ pub(super) struct ProgramOptimizer {
 }
 
 pub(super) fn optimizer_and_schedule(config: &Config) -> Result<ProgramOptimizer> {
-    let (optimizer, groups, from_args) = match (&config.optimizer, &config.training) {
-        (Some(section), _) => (section.clone(), DecayGroups::All, false),
-        (None, Some(args)) => (adamw(args), DecayGroups::ExceptBiasesAndNorms, true),
+    let (optimizer, groups) = match (&config.optimizer, &config.training) {
+        (Some(section), _) => (section.clone(), DecayGroups::All),
+        (None, Some(args)) => (adamw(args), DecayGroups::ExceptBiasesAndNorms),
         (None, None) => {
             return Err(EngineError::Invalid(
                 "ds_config has no `optimizer` section, and no training arguments to build one \
@@ -33,20 +33,24 @@ pub(super) fn optimizer_and_schedule(config: &Config) -> Result<ProgramOptimizer
         }
     };
     let base_lr = base_lr(&optimizer)?;
-    let schedule = match (config.scheduler_params()?, &config.training) {
+    let schedule = match (config.scheduler_params()?, program_schedule(config)) {
         (Some(p), _) => LrSchedule::new(&p, base_lr)?,
-        // HF's Trainer builds its schedule when the config has none; a config optimizer
-        // without a schedule keeps its lr unless a schedule type was asked for
-        (None, Some(args)) if from_args || args.lr_scheduler_type.is_some() => {
-            hf_schedule(args, base_lr, config.schedule_steps)?
-        }
-        (None, _) => LrSchedule::constant(base_lr),
+        (None, Some(args)) => hf_schedule(args, base_lr, config.schedule_steps)?,
+        (None, None) => LrSchedule::constant(base_lr),
     };
     Ok(ProgramOptimizer {
         optimizer,
         groups,
         schedule,
     })
+}
+
+/// The training arguments when the program builds the schedule (see
+/// `TrainingArgs::builds_schedule`).
+fn program_schedule(config: &Config) -> Option<&TrainingArgs> {
+    let args = config.training.as_ref()?;
+    let builds = args.builds_schedule(config.optimizer.is_some(), config.scheduler.is_some());
+    builds.then_some(args)
 }
 
 /// The AdamW of HF's Trainer: its `adamw_torch` defaults, the arguments' values.
@@ -103,15 +107,15 @@ fn base_lr(section: &TypedSection) -> Result<f64> {
 /// The one line `train` prints when it builds the optimizer or the schedule itself.
 pub fn program_optimizer_line(config: &Config) -> Option<String> {
     let args = config.training.as_ref()?;
-    let schedule = match &config.scheduler {
-        Some(_) => String::new(),
-        None if config.optimizer.is_none() || args.lr_scheduler_type.is_some() => format!(
+    let schedule = match program_schedule(config) {
+        Some(_) => format!(
             ", schedule {} with {} warmup steps over {} steps",
             args.scheduler_type().name(),
             args.warmup(config.schedule_steps).unwrap_or(0),
             config.schedule_steps.map_or("?".into(), |n| n.to_string())
         ),
-        None => return None,
+        None if config.optimizer.is_some() => return None,
+        None => String::new(),
     };
     let (b1, b2) = args.betas();
     let py = ds_config::value::py_float_repr;
