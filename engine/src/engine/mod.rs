@@ -218,10 +218,10 @@ impl Engine {
         };
         let program = program::optimizer_and_schedule(config)?;
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
-        let (decay_specs, decay_index) = (specs.clone(), index.clone());
+        let (specs_ref, index_ref) = (&specs, &index);
         let updater = move |owned: Range<usize>, len: usize, place: &Placement| {
             let opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
-            let decay = DecayPlan::new(program.groups, &decay_specs, &decay_index, &owned);
+            let decay = DecayPlan::new(program.groups, specs_ref, index_ref, &owned);
             Ok(update::Updater::new(opt, program.schedule, scaler, decay))
         };
         let init = initial::InitialValues::new(&specs, &index, source);

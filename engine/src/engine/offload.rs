@@ -16,8 +16,8 @@ use ds_comm::Element;
 
 use crate::{EngineError, Result};
 
-/// Elements streamed per chunk: the step's piece (4 MiB of fp32 per file).
 use super::decay::DecayPlan;
+/// Elements streamed per chunk: the step's piece (4 MiB of fp32 per file).
 use super::update::STEP_PIECE as CHUNK;
 
 pub struct OffloadedStates {
