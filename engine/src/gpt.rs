@@ -689,7 +689,7 @@ impl Tape for LossTape {
 
 /// Mean cross-entropy of logits split by vocabulary over the tensor-parallel group
 /// (`vocab::cross_entropy`): every rank gets the whole loss, no rank the whole logits.
-pub struct VocabParallelCrossEntropy(Tp);
+pub struct VocabParallelCrossEntropy(pub Tp);
 
 impl VocabParallelCrossEntropy {
     fn taped(&self, logits: &Tensor, cx: &Context) -> Result<Taped> {

@@ -13,7 +13,7 @@ pub(crate) mod cpu_attention;
 mod cpu_matmul;
 mod cpu_storage;
 pub(crate) mod fused_norm_loss;
-pub(crate) mod grad;
+pub mod grad;
 pub mod nn;
 pub mod ops;
 pub mod primitive;

@@ -46,46 +46,114 @@ pub fn save_as(path: &Path, tensors: &[(&str, &[usize], &[f32])], bf16: bool) ->
     safetensors::serialize_to_file(views, None, path).map_err(|e| EngineError::file(path, e))
 }
 
-/// A weights file opened for reading parts of parameters: memory-mapped, so a rank that reads
-/// only the ranges it owns touches only their pages (ZeRO-3's sharded initialisation).
+/// Weights opened for reading parts of parameters: memory-mapped, so a rank that reads only
+/// the ranges it owns touches only their pages (ZeRO-3's sharded initialisation). One
+/// safetensors file, or a Hugging Face model directory: `model.safetensors`, or the shards a
+/// `model.safetensors.index.json` names.
 pub struct WeightsFile {
-    path: PathBuf,
-    map: Mmap,
-    /// Per spec, in the specs' order: its dtype and its data's first byte in the file.
-    params: Vec<(Dtype, usize)>,
+    /// Each file and its map.
+    files: Vec<(PathBuf, Mmap)>,
+    /// Per spec, in the specs' order: its file, dtype and its data's first byte in the file.
+    params: Vec<(usize, Dtype, usize)>,
+}
+
+/// Hugging Face's single-file and sharded weights names in a model directory.
+pub const HF_WEIGHTS: &str = "model.safetensors";
+pub const HF_INDEX: &str = "model.safetensors.index.json";
+
+/// Tensors a Hugging Face checkpoint may hold that are buffers, not parameters (old Llama
+/// files' rotary frequencies, GPT-2's causal masks): skipped when reading.
+const HF_BUFFERS: [&str; 3] = [".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"];
+
+/// The safetensors files of a weights path: the file itself, or a model directory's.
+pub fn weight_files(path: &Path) -> Result<Vec<PathBuf>> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let index = path.join(HF_INDEX);
+    if index.exists() {
+        return index_files(&index);
+    }
+    let single = path.join(HF_WEIGHTS);
+    match single.exists() {
+        true => Ok(vec![single]),
+        false => Err(EngineError::file(
+            path,
+            format!("holds neither {HF_WEIGHTS} nor {HF_INDEX}"),
+        )),
+    }
+}
+
+/// Whether a model directory holds weights.
+pub fn has_weights(dir: &Path) -> bool {
+    dir.join(HF_INDEX).exists() || dir.join(HF_WEIGHTS).exists()
+}
+
+/// The shard files an index names (`weight_map`: tensor -> file), each once, in order.
+fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|e| EngineError::file(index, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| EngineError::file(index, e))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| EngineError::file(index, "`weight_map` is missing or not an object"))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (tensor, file) in map {
+        let name = file.as_str().ok_or_else(|| {
+            EngineError::file(index, format!("`weight_map.{tensor}` is not a file name"))
+        })?;
+        let path = dir.join(name);
+        if !path.is_file() {
+            return Err(EngineError::file(
+                index,
+                format!("shard '{name}' (holding '{tensor}') is missing"),
+            ));
+        }
+        if !files.contains(&path) {
+            files.push(path);
+        }
+    }
+    Ok(files)
 }
 
 impl WeightsFile {
-    /// Opens `path` for the parameters `specs` (a pipeline stage's, or all) and checks it holds
-    /// them (names and shapes) in a float dtype; a name the whole `model` does not declare is
-    /// an error too (a different model).
+    /// Opens `path` (a file or a model directory) for the parameters `specs` (a pipeline
+    /// stage's, or all) and checks it holds them (names and shapes) in a float dtype; a
+    /// tensor the whole `model` does not declare is an error too (a different model). A
+    /// tied parameter missing from the files reads its owner's tensor.
     pub fn open(path: &Path, specs: &[ParamSpec], model: &[ParamSpec]) -> Result<WeightsFile> {
-        let file = File::open(path).map_err(|e| EngineError::file(path, e))?;
-        // Safety: the file is only read; a writer changing it meanwhile is the user's race,
-        // as with any reader of a file being rewritten.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::file(path, e))?;
-        let (header_len, meta) =
-            SafeTensors::read_metadata(&map).map_err(|e| EngineError::file(path, e))?;
-        let tensors = meta.tensors();
-        if let Some(extra) = tensors
-            .keys()
-            .find(|k| !model.iter().any(|s| &s.name == *k))
-        {
-            return Err(EngineError::file(
-                path,
-                format!("tensor '{extra}' is not a parameter of this model"),
-            ));
+        let mut files = Vec::new();
+        // every tensor: (file, its metadata)
+        let mut found: std::collections::HashMap<String, (usize, TensorInfo)> = Default::default();
+        for (f, file_path) in weight_files(path)?.into_iter().enumerate() {
+            let (map, tensors) = map_file(&file_path)?;
+            for (name, info) in tensors {
+                let known = model.iter().any(|s| s.name == name);
+                if !known && !HF_BUFFERS.iter().any(|b| name.ends_with(b)) {
+                    return Err(EngineError::file(
+                        &file_path,
+                        format!("tensor '{name}' is not a parameter of this model"),
+                    ));
+                }
+                found.insert(name, (f, info));
+            }
+            files.push((file_path, map));
         }
-        let data_start = 8 + header_len;
         let params = specs
             .iter()
             .map(|s| {
-                let t = tensors.get(&s.name).ok_or_else(|| {
-                    EngineError::file(path, format!("parameter '{}' is missing", s.name))
-                })?;
+                let (f, t) = found
+                    .get(&s.name)
+                    .or_else(|| found.get(s.value_name()))
+                    .ok_or_else(|| {
+                        EngineError::file(path, format!("parameter '{}' is missing", s.name))
+                    })?;
+                let file = &files[*f].0;
                 if t.shape != s.shape {
                     return Err(EngineError::file(
-                        path,
+                        file,
                         format!(
                             "'{}' has shape {:?}, the model expects {:?}",
                             s.name, t.shape, s.shape
@@ -93,22 +161,19 @@ impl WeightsFile {
                     ));
                 }
                 float_width(t.dtype)
-                    .map_err(|e| EngineError::file(path, format!("'{}': {e}", s.name)))?;
-                Ok((t.dtype, data_start + t.data_offsets.0))
+                    .map_err(|e| EngineError::file(file, format!("'{}': {e}", s.name)))?;
+                Ok((*f, t.dtype, t.at))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(WeightsFile {
-            path: path.to_path_buf(),
-            map,
-            params,
-        })
+        Ok(WeightsFile { files, params })
     }
 
     /// Elements `start..start + dst.len()` of the `i`-th spec's values, as f32.
     pub fn read(&self, i: usize, start: usize, dst: &mut [f32]) -> Result<()> {
-        let (dtype, at) = self.params[i];
-        let width = float_width(dtype).map_err(|e| EngineError::file(&self.path, e))?;
-        let bytes = &self.map[at + start * width..at + (start + dst.len()) * width];
+        let (f, dtype, at) = self.params[i];
+        let (path, map) = &self.files[f];
+        let width = float_width(dtype).map_err(|e| EngineError::file(path, e))?;
+        let bytes = &map[at + start * width..at + (start + dst.len()) * width];
         match dtype {
             Dtype::F32 => dst
                 .iter_mut()
@@ -125,6 +190,37 @@ impl WeightsFile {
         }
         Ok(())
     }
+}
+
+/// A tensor's shape, dtype and first byte in its file.
+struct TensorInfo {
+    shape: Vec<usize>,
+    dtype: Dtype,
+    at: usize,
+}
+
+/// Maps a safetensors file and lists its tensors.
+fn map_file(path: &Path) -> Result<(Mmap, Vec<(String, TensorInfo)>)> {
+    let file = File::open(path).map_err(|e| EngineError::file(path, e))?;
+    // Safety: the file is only read; a writer changing it meanwhile is the user's race, as
+    // with any reader of a file being rewritten.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::file(path, e))?;
+    let (header_len, meta) =
+        SafeTensors::read_metadata(&map).map_err(|e| EngineError::file(path, e))?;
+    let data_start = 8 + header_len;
+    let tensors = meta
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let info = TensorInfo {
+                shape: t.shape.clone(),
+                dtype: t.dtype,
+                at: data_start + t.data_offsets.0,
+            };
+            (name, info)
+        })
+        .collect();
+    Ok((map, tensors))
 }
 
 /// Bytes per element of the float dtypes ds-rs reads.

@@ -1,0 +1,166 @@
+//! ds-rs's model families, behind one interface (`ModelSpec`) that every command taking
+//! `--model` uses: the built-in GPT (the peer benchmark's), and Hugging Face's Llama-family
+//! decoders from a preset or a model directory (config.json, and safetensors weights when
+//! present). The engine stays model-agnostic: it sees `ds_engine::model::Model`s.
+
+pub mod llama;
+
+use std::path::{Path, PathBuf};
+
+use ds_engine::gpt::GptConfig;
+use ds_engine::model::weights;
+use ds_engine::model::Model;
+use ds_engine::parallel::Tp;
+
+pub use llama::LlamaConfig;
+
+/// A model description that cannot be used, naming the file and field.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ModelError(String);
+
+fn err(msg: impl Into<String>) -> ModelError {
+    ModelError(msg.into())
+}
+
+/// The architecture and its sizes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arch {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+}
+
+/// What `--model` names: an architecture, the sequence length it trains at, and the weights
+/// it starts from (a Hugging Face directory's), if any.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSpec {
+    pub arch: Arch,
+    pub seq_len: usize,
+    /// A model directory holding weights (`model.safetensors` or a sharded index).
+    pub weights: Option<PathBuf>,
+}
+
+impl ModelSpec {
+    /// `spec` is a preset name, a GPT model JSON (`{"V", "T", "d", "H", "L"}`) or a Hugging
+    /// Face model directory; `seq_len` (`--seq-len`) overrides the default length: a Hugging
+    /// Face config's `max_position_embeddings`, a preset's own, the GPT's T.
+    pub fn resolve(spec: &str, seq_len: Option<usize>) -> Result<ModelSpec, ModelError> {
+        let (arch, default_len, weights) = if let Some(c) = GptConfig::preset(spec) {
+            (Arch::Gpt(c), c.T, None)
+        } else if let Some(p) = llama::presets().into_iter().find(|p| p.name == spec) {
+            (Arch::Llama(p.config), p.seq_len, None)
+        } else if Path::new(spec).is_dir() {
+            let dir = Path::new(spec);
+            let c = read_hf_config(dir)?;
+            let len = c.max_position_embeddings;
+            let w = weights::has_weights(dir).then(|| dir.to_path_buf());
+            (Arch::Llama(c), len, w)
+        } else if spec.ends_with(".json") {
+            let c = GptConfig::from_json_file(Path::new(spec)).map_err(|e| err(e.to_string()))?;
+            (Arch::Gpt(c), c.T, None)
+        } else {
+            return Err(err(format!(
+                "--model {spec}: expected a preset ({}), a model JSON file or a Hugging Face model directory",
+                preset_names().join(", ")
+            )));
+        };
+        let seq_len = seq_len.unwrap_or(default_len);
+        let spec_ok = ModelSpec {
+            arch,
+            seq_len,
+            weights,
+        };
+        spec_ok
+            .check_seq_len()
+            .map_err(|e| err(format!("--model {spec}: {e}")))?;
+        Ok(spec_ok)
+    }
+
+    fn check_seq_len(&self) -> Result<(), String> {
+        if self.seq_len == 0 {
+            return Err("the sequence length must be positive".into());
+        }
+        match &self.arch {
+            Arch::Gpt(c) if self.seq_len > c.T => Err(format!(
+                "sequence length {} is longer than the GPT's T = {} (its position table)",
+                self.seq_len, c.T
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match &self.arch {
+            Arch::Gpt(c) => c.V,
+            Arch::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// The model width (HF's `hidden_size`, which "auto" values of a ds_config read).
+    pub fn hidden_size(&self) -> usize {
+        match &self.arch {
+            Arch::Gpt(c) => c.d,
+            Arch::Llama(c) => c.hidden_size,
+        }
+    }
+
+    pub fn n_params(&self) -> usize {
+        match &self.arch {
+            Arch::Gpt(c) => c.n_params(),
+            Arch::Llama(c) => c.n_params(),
+        }
+    }
+
+    /// Model FLOPs per trained token, forward and backward.
+    pub fn flops_per_token(&self) -> f64 {
+        match &self.arch {
+            Arch::Gpt(c) => c.flops_per_token(),
+            Arch::Llama(c) => c.flops_per_token(self.seq_len),
+        }
+    }
+
+    /// Whether tensor parallelism of degree `tp` can split the model.
+    pub fn check_tp(&self, tp: usize) -> Result<(), String> {
+        match &self.arch {
+            Arch::Gpt(c) => c.check_tp(tp),
+            Arch::Llama(c) => c.check_tp(tp),
+        }
+    }
+
+    /// The model's layers, split over `tp`.
+    pub fn build(&self, tp: &Tp) -> Result<Model, String> {
+        match &self.arch {
+            Arch::Gpt(c) => c.build_parallel(tp),
+            Arch::Llama(c) => llama::build(c, tp),
+        }
+    }
+
+    /// The built-in GPT's sizes, for the tools that model only it so far (the autotuner's
+    /// activation and time models); an error naming the model otherwise.
+    pub fn gpt(&self) -> Result<&GptConfig, String> {
+        match &self.arch {
+            Arch::Gpt(c) => Ok(c),
+            Arch::Llama(c) => Err(format!(
+                "{} is not modelled by this command yet (the built-in GPT is)",
+                c.family.architecture()
+            )),
+        }
+    }
+}
+
+/// Every preset name, GPT's first.
+pub fn preset_names() -> Vec<&'static str> {
+    let gpt = ds_engine::gpt::PRESETS.iter().map(|(n, _)| *n);
+    gpt.chain(llama::presets().into_iter().map(|p| p.name))
+        .collect()
+}
+
+/// A model directory's config.json, as a Llama-family config.
+pub fn read_hf_config(dir: &Path) -> Result<LlamaConfig, ModelError> {
+    let path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    LlamaConfig::from_hf_json(&v).map_err(|e| err(format!("{}: {e}", path.display())))
+}

@@ -1,0 +1,580 @@
+//! The Llama-family decoder as ds-rs layers under transformers' parameter names: the token
+//! embedding, one layer per decoder layer, the final norm with the LM head, the loss. Each
+//! layer is taped (Note [taped layers] in ds-engine's model API): its backward is written
+//! out and tested against candle's autograd of its forward.
+//!
+//! Under tensor parallelism (Megatron-LM's scheme): q, k, v, gate and up are column-parallel
+//! (each rank owns whole query and key/value heads, so grouped-query attention stays local),
+//! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
+//! replicated.
+
+use candle_core::{Result, Tensor};
+use candle_nn::VarBuilder;
+use ds_engine::gpt::{CrossEntropyLoss, VocabParallelCrossEntropy};
+use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
+use ds_engine::model::{
+    tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
+};
+use ds_engine::parallel::{vocab, Tp};
+
+use super::config::LlamaConfig;
+use super::ops::{
+    repeat_heads, rms_norm, rms_norm_backward, sum_repeated_heads, swiglu, swiglu_backward,
+    window_softmax,
+};
+use super::rope;
+
+/// The embedding's name, which a tied LM head reads.
+pub const EMBED: &str = "model.embed_tokens.weight";
+
+/// The model as layers, split over `tp`.
+pub fn build(c: &LlamaConfig, tp: &Tp) -> std::result::Result<Model, String> {
+    c.check_tp(tp.size())?;
+    let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
+    for i in 0..c.num_hidden_layers {
+        let layer = DecoderLayer {
+            c: c.clone(),
+            tp: tp.clone(),
+            window: c.windows[i],
+        };
+        m = m.layer(&format!("model.layers.{i}"), layer);
+    }
+    let m = m.layer("", Head(c.clone(), tp.clone()));
+    Ok(match tp.size() {
+        1 => m.layer("", CrossEntropyLoss),
+        _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
+    })
+}
+
+fn weight_init(c: &LlamaConfig) -> Init {
+    Init::normal(c.initializer_range)
+}
+
+/// Token positions in an input of `shape` ([B, T] ids or [B, T, d] activations).
+fn rows(shape: &[usize]) -> usize {
+    shape.iter().take(2).product()
+}
+
+/// `embed_tokens`: token ids [B, T] to [B, T, d], split by vocabulary rows.
+struct Embedding(LlamaConfig, Tp);
+
+impl Embedding {
+    fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
+        let (c, tp) = (&self.0, &self.1);
+        let (b, t) = ids.dims2()?;
+        let w = vb.get(
+            (c.vocab_size / tp.size(), c.hidden_size),
+            "embed_tokens.weight",
+        )?;
+        let output = tp.reduce(&vocab::embed(tp, &w, ids)?.reshape((b, t, c.hidden_size))?)?;
+        let tape = EmbeddingTape {
+            c: c.clone(),
+            tp: tp.clone(),
+            ids: ids.flatten_all()?,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for Embedding {
+    fn params(&self) -> Vec<ParamSpec> {
+        let c = &self.0;
+        vec![ParamSpec::new(
+            "embed_tokens.weight",
+            &[c.vocab_size, c.hidden_size],
+            weight_init(c),
+        )
+        .split(Split::dim(0))]
+    }
+
+    fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, ids)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, ids).map(Some)
+    }
+
+    fn forward_flops(&self, _: &[usize]) -> Option<u64> {
+        Some(0)
+    }
+}
+
+struct EmbeddingTape {
+    c: LlamaConfig,
+    tp: Tp,
+    ids: Tensor,
+}
+
+impl Tape for EmbeddingTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.ids)
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let (c, tp) = (&self.c, &self.tp);
+        let whole = tp.gather(dy)?;
+        let d = c.hidden_size;
+        let rows = whole.reshape(((), d))?;
+        let w = vb.get((c.vocab_size / tp.size(), d), "embed_tokens.weight")?;
+        Ok(Grads {
+            input: None,
+            params: vec![vocab::embed_backward(tp, &w, &self.ids, &rows)?],
+        })
+    }
+}
+
+/// One decoder layer: `x + attn(norm(x))`, then `+ mlp(norm(.))`.
+struct DecoderLayer {
+    c: LlamaConfig,
+    tp: Tp,
+    window: Option<usize>,
+}
+
+/// A linear's weight and optional bias.
+struct Lin {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Lin {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        linear(x, &self.w, self.b.as_ref())
+    }
+
+    /// A row-parallel product: the partial products summed over the group, the replicated
+    /// bias added once after.
+    fn forward_rows(&self, tp: &Tp, x: &Tensor) -> Result<Tensor> {
+        if tp.size() == 1 {
+            return self.forward(x);
+        }
+        let y = tp.reduce(&linear(x, &self.w, None)?)?;
+        match &self.b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// A decoder layer's parameters, this rank's slices.
+struct LayerParams {
+    input_norm: Tensor,
+    q: Lin,
+    k: Lin,
+    v: Lin,
+    o: Lin,
+    post_norm: Tensor,
+    gate: Lin,
+    up: Lin,
+    down: Lin,
+}
+
+impl DecoderLayer {
+    /// (name, local shape, init, split, has bias) of each linear, in declaration order.
+    fn linears(&self) -> [(&'static str, [usize; 2], Split, bool); 7] {
+        let c = &self.c;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let (q, kv) = (c.q_width(), c.kv_width());
+        let column = Split::dim(0);
+        let row = Split::dim(1);
+        [
+            ("self_attn.q_proj", [q, d], column, c.qkv_bias),
+            ("self_attn.k_proj", [kv, d], column, c.qkv_bias),
+            ("self_attn.v_proj", [kv, d], column, c.qkv_bias),
+            ("self_attn.o_proj", [d, q], row, c.o_bias),
+            ("mlp.gate_proj", [f, d], column, c.mlp_bias),
+            ("mlp.up_proj", [f, d], column, c.mlp_bias),
+            ("mlp.down_proj", [d, f], row, c.mlp_bias),
+        ]
+    }
+
+    fn load(&self, vb: &VarBuilder) -> Result<LayerParams> {
+        let (c, tp) = (&self.c, self.tp.size());
+        let d = c.hidden_size;
+        let lins = self
+            .linears()
+            .map(|(name, [out, inp], split, bias)| -> Result<Lin> {
+                let (out, inp) = match split {
+                    Split::Dim { dim: 0, .. } => (out / tp, inp),
+                    _ => (out, inp / tp),
+                };
+                Ok(Lin {
+                    w: vb.get((out, inp), &format!("{name}.weight"))?,
+                    b: match bias {
+                        true => Some(vb.get(out, &format!("{name}.bias"))?),
+                        false => None,
+                    },
+                })
+            });
+        let [q, k, v, o, gate, up, down] = lins;
+        Ok(LayerParams {
+            input_norm: vb.get(d, "input_layernorm.weight")?,
+            q: q?,
+            k: k?,
+            v: v?,
+            o: o?,
+            post_norm: vb.get(d, "post_attention_layernorm.weight")?,
+            gate: gate?,
+            up: up?,
+            down: down?,
+        })
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.c.head_dim as f64).sqrt()
+    }
+
+    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+        let (c, tp) = (&self.c, &self.tp);
+        let p = self.load(vb)?;
+        let x = x.contiguous()?;
+        let (h1, r1) = rms_norm(&x, &p.input_norm, c.rms_norm_eps)?;
+        let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
+        let x2 = (&x + p.o.forward_rows(tp, &attn.out)?)?;
+        let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
+        let h2g = tp.gather(&h2)?;
+        let gate = p.gate.forward(&h2g)?;
+        let up = p.up.forward(&h2g)?;
+        let act = swiglu(&gate, &up)?;
+        let output = (&x2 + p.down.forward_rows(tp, &act)?)?;
+        let tape = LayerTape {
+            layer: DecoderLayer {
+                c: c.clone(),
+                tp: tp.clone(),
+                window: self.window,
+            },
+            x,
+            r1,
+            h1,
+            attn,
+            x2,
+            r2,
+            h2,
+            gate,
+            up,
+            act,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for DecoderLayer {
+    fn params(&self) -> Vec<ParamSpec> {
+        let c = &self.c;
+        let d = c.hidden_size;
+        let mut specs = vec![ParamSpec::new("input_layernorm.weight", &[d], Init::Ones).norm()];
+        for (i, (name, shape, split, bias)) in self.linears().into_iter().enumerate() {
+            if i == 4 {
+                specs.push(
+                    ParamSpec::new("post_attention_layernorm.weight", &[d], Init::Ones).norm(),
+                );
+            }
+            specs.push(
+                ParamSpec::new(&format!("{name}.weight"), &shape, weight_init(c)).split(split),
+            );
+            if bias {
+                // a column-parallel bias is split with its rows; a row-parallel one replicated
+                let b = ParamSpec::new(&format!("{name}.bias"), &[shape[0]], Init::Zeros);
+                specs.push(match split == Split::dim(0) {
+                    true => b.split(split),
+                    false => b,
+                });
+            }
+        }
+        specs
+    }
+
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, x)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x).map(Some)
+    }
+
+    /// The products (q, k, v, o, gate, up, down) and attention's scores and weighted sums.
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        let c = &self.c;
+        let seq = *shape.get(1)? as u64;
+        let (d, f) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let (q, kv) = (c.q_width() as u64, c.kv_width() as u64);
+        let per_token = 2 * d * q + 2 * d * kv + 3 * d * f + 2 * seq * q;
+        Some(2 * rows(shape) as u64 * per_token / self.tp.size() as u64)
+    }
+}
+
+/// Grouped-query causal attention's forward values, kept for its backward.
+struct Attention {
+    /// Rotated queries [B, h, T, hd] and keys [B, g, T, hd], values [B, g, T, hd].
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// Probabilities [B, h, T, T].
+    probs: Tensor,
+    /// The heads side by side [B, T, h hd], o_proj's input.
+    out: Tensor,
+}
+
+impl Attention {
+    fn forward(layer: &DecoderLayer, p: &LayerParams, x: &Tensor) -> Result<Attention> {
+        let c = &layer.c;
+        let tp = layer.tp.size();
+        let (h, g, hd) = (
+            c.num_attention_heads / tp,
+            c.num_key_value_heads / tp,
+            c.head_dim,
+        );
+        let (b, t, _) = x.dims3()?;
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (cos, sin) = c.rope.tables(hd, 0, t, x.dtype(), x.device())?;
+        let q = rope::apply(&heads(p.q.forward(x)?, h)?, &cos, &sin)?;
+        let k = rope::apply(&heads(p.k.forward(x)?, g)?, &cos, &sin)?;
+        let v = heads(p.v.forward(x)?, g)?;
+        let scores = q.matmul(&repeat_heads(&k, h / g)?.t()?)?;
+        let probs = match layer.window {
+            Some(w) if w < t => window_softmax(&scores, layer.scale(), w)?,
+            _ => causal_softmax(&scores, layer.scale())?,
+        };
+        let out = probs
+            .matmul(&repeat_heads(&v, h / g)?)?
+            .transpose(1, 2)?
+            .reshape((b, t, h * hd))?;
+        Ok(Attention {
+            q,
+            k,
+            v,
+            probs,
+            out,
+        })
+    }
+
+    /// The gradients of the q, k and v projections' outputs [B, T, width] from `dout`.
+    fn backward(&self, layer: &DecoderLayer, dout: &Tensor) -> Result<[Tensor; 3]> {
+        let (b, h, t, hd) = self.q.dims4()?;
+        let n = h / self.k.dim(1)?;
+        let (cos, sin) = layer.c.rope.tables(hd, 0, t, dout.dtype(), dout.device())?;
+        let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
+        let (k, v) = (repeat_heads(&self.k, n)?, repeat_heads(&self.v, n)?);
+        let dprobs = dheads.matmul(&v.t()?)?;
+        let dv = sum_repeated_heads(&self.probs.t()?.matmul(&dheads)?, n)?;
+        let dscores = causal_softmax_backward(&self.probs, &dprobs, layer.scale())?;
+        let dq = rope::apply_backward(&dscores.matmul(&k)?, &cos, &sin)?;
+        let dk = sum_repeated_heads(&dscores.t()?.matmul(&self.q)?, n)?;
+        let dk = rope::apply_backward(&dk, &cos, &sin)?;
+        let flat = |g: Tensor| -> Result<Tensor> {
+            let heads = g.dim(1)?;
+            g.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * hd))
+        };
+        Ok([flat(dq)?, flat(dk)?, flat(dv)?])
+    }
+}
+
+struct LayerTape {
+    layer: DecoderLayer,
+    x: Tensor,
+    r1: Tensor,
+    h1: Tensor,
+    attn: Attention,
+    x2: Tensor,
+    r2: Tensor,
+    h2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+}
+
+impl Tape for LayerTape {
+    fn activation_bytes(&self) -> usize {
+        let a = &self.attn;
+        [
+            &self.x, &self.r1, &self.h1, &a.q, &a.k, &a.v, &a.probs, &a.out, &self.x2, &self.r2,
+            &self.h2, &self.gate, &self.up, &self.act,
+        ]
+        .into_iter()
+        .map(tensor_bytes)
+        .sum()
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let p = self.layer.load(vb)?;
+        let tp = &self.layer.tp;
+        let mut named: Vec<(&str, Tensor)> = Vec::new();
+        // the MLP branch: y = x2 + down(swiglu(gate(h2), up(h2)))
+        let dyg = tp.gather(dy)?;
+        let down = linear_backward(&self.act, &p.down.w, &dyg)?;
+        named.push(("mlp.down_proj.weight", down.dw));
+        let (dgate, dup) = swiglu_backward(&self.gate, &self.up, &down.dx)?;
+        let h2g = tp.gather(&self.h2)?;
+        let gate = linear_backward(&h2g, &p.gate.w, &dgate)?;
+        let up = linear_backward(&h2g, &p.up.w, &dup)?;
+        named.push(("mlp.gate_proj.weight", gate.dw));
+        named.push(("mlp.up_proj.weight", up.dw));
+        if let (Some(bg), Some(bu)) = (&p.gate.b, &p.up.b) {
+            named.push(("mlp.gate_proj.bias", bias_backward(&dgate, bg)?));
+            named.push(("mlp.up_proj.bias", bias_backward(&dup, bu)?));
+        }
+        let dh2 = tp.reduce(&(gate.dx + up.dx)?)?;
+        let (dx2_n, dpost) = rms_norm_backward(&self.x2, &self.r2, &p.post_norm, &dh2)?;
+        let dx2 = (dy + dx2_n)?;
+        // the attention branch: x2 = x + o(attention(h1))
+        let dx2g = tp.gather(&dx2)?;
+        let o = linear_backward(&self.attn.out, &p.o.w, &dx2g)?;
+        named.push(("self_attn.o_proj.weight", o.dw));
+        let [dq, dk, dv] = self.attn.backward(&self.layer, &o.dx)?;
+        let h1g = tp.gather(&self.h1)?;
+        let mut dh1: Option<Tensor> = None;
+        for (name, lin, d) in [("q", &p.q, dq), ("k", &p.k, dk), ("v", &p.v, dv)] {
+            let g = linear_backward(&h1g, &lin.w, &d)?;
+            dh1 = Some(match dh1 {
+                Some(acc) => (acc + g.dx)?,
+                None => g.dx,
+            });
+            named.push((qkv_name(name, "weight"), g.dw));
+            if let Some(b) = &lin.b {
+                named.push((qkv_name(name, "bias"), bias_backward(&d, b)?));
+            }
+        }
+        let dh1 = tp.reduce(&dh1.expect("invariant: three projections"))?;
+        let (dx_n, dinput) = rms_norm_backward(&self.x, &self.r1, &p.input_norm, &dh1)?;
+        // the replicated parameters' gradients, from this rank's positions under sequence
+        // parallelism: summed over the group
+        let mut replicated = vec![
+            ("input_layernorm.weight", dinput),
+            ("post_attention_layernorm.weight", dpost),
+        ];
+        if let Some(b) = &p.o.b {
+            replicated.push(("self_attn.o_proj.bias", bias_backward(&dx2, b)?));
+        }
+        if let Some(b) = &p.down.b {
+            replicated.push(("mlp.down_proj.bias", bias_backward(dy, b)?));
+        }
+        let (names, grads): (Vec<&str>, Vec<Tensor>) = replicated.into_iter().unzip();
+        named.extend(names.into_iter().zip(tp.sum_partial_grads(grads)?));
+        let params = self
+            .layer
+            .params()
+            .iter()
+            .map(|s| {
+                let at = named.iter().position(|(n, _)| *n == s.name);
+                Ok(named
+                    .swap_remove(at.expect("invariant: a gradient per parameter"))
+                    .1)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Grads {
+            input: Some((dx2 + dx_n)?),
+            params,
+        })
+    }
+}
+
+fn qkv_name(which: &str, kind: &str) -> &'static str {
+    match (which, kind) {
+        ("q", "weight") => "self_attn.q_proj.weight",
+        ("k", "weight") => "self_attn.k_proj.weight",
+        ("v", "weight") => "self_attn.v_proj.weight",
+        ("q", _) => "self_attn.q_proj.bias",
+        ("k", _) => "self_attn.k_proj.bias",
+        _ => "self_attn.v_proj.bias",
+    }
+}
+
+/// The final norm and `lm_head` (tied to the embedding with `tie_word_embeddings`): [B, T, d]
+/// to logits [B, T, V/tp], split by vocabulary rows.
+struct Head(LlamaConfig, Tp);
+
+struct HeadTape {
+    c: LlamaConfig,
+    tp: Tp,
+    x: Tensor,
+    r: Tensor,
+    h: Tensor,
+}
+
+impl Head {
+    fn weights(c: &LlamaConfig, tp: &Tp, vb: &VarBuilder) -> Result<(Tensor, Tensor)> {
+        Ok((
+            vb.get(c.hidden_size, "model.norm.weight")?,
+            vb.get((c.vocab_size / tp.size(), c.hidden_size), "lm_head.weight")?,
+        ))
+    }
+
+    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+        let (c, tp) = (&self.0, &self.1);
+        let (norm, lm_head) = Head::weights(c, tp, vb)?;
+        let x = x.contiguous()?;
+        let (h, r) = rms_norm(&x, &norm, c.rms_norm_eps)?;
+        let output = linear(&tp.gather(&h)?, &lm_head, None)?;
+        let tape = HeadTape {
+            c: c.clone(),
+            tp: tp.clone(),
+            x,
+            r,
+            h,
+        };
+        Ok(Taped {
+            output,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for Head {
+    fn params(&self) -> Vec<ParamSpec> {
+        let c = &self.0;
+        let head = ParamSpec::new(
+            "lm_head.weight",
+            &[c.vocab_size, c.hidden_size],
+            weight_init(c),
+        )
+        .split(Split::dim(0));
+        vec![
+            ParamSpec::new("model.norm.weight", &[c.hidden_size], Init::Ones).norm(),
+            match c.tie_word_embeddings {
+                true => head.tied_to(EMBED),
+                false => head,
+            },
+        ]
+    }
+
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, x)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x).map(Some)
+    }
+
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        let c = &self.0;
+        Some(2 * (rows(shape) * c.hidden_size * c.vocab_size / self.1.size()) as u64)
+    }
+}
+
+impl Tape for HeadTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.x) + tensor_bytes(&self.r) + tensor_bytes(&self.h)
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let (norm, lm_head) = Head::weights(&self.c, &self.tp, vb)?;
+        let dy = dy.to_dtype(self.h.dtype())?;
+        let head = linear_backward(&self.tp.gather(&self.h)?, &lm_head, &dy)?;
+        let dh = self.tp.reduce(&head.dx)?;
+        let (dx, dnorm) = rms_norm_backward(&self.x, &self.r, &norm, &dh)?;
+        let dnorm = self.tp.sum_partial_grads(vec![dnorm])?.remove(0);
+        Ok(Grads {
+            input: Some(dx),
+            params: vec![dnorm, head.dw],
+        })
+    }
+}

@@ -1,0 +1,187 @@
+//! Rotary position embeddings in Hugging Face's convention: the head's two halves rotate
+//! together (`rotate_half`), frequencies from `rope_theta`, optionally rescaled (`linear`,
+//! `llama3`); the arithmetic is float32 as in transformers' `_compute_*_parameters`.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use serde_json::{Map, Value};
+
+/// How the inverse frequencies are rescaled for contexts longer than the pre-training one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scaling {
+    /// The original RoPE.
+    Default,
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth blend
+    /// between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: Scaling,
+}
+
+impl Rope {
+    /// transformers' default base.
+    pub const DEFAULT_THETA: f64 = 10_000.0;
+
+    /// From config.json in either spelling: transformers 5's `rope_parameters` or transformers
+    /// 4's top-level `rope_theta` with `rope_scaling` (whose type key was `type`, then
+    /// `rope_type`).
+    pub fn from_hf(o: &Map<String, Value>, max_position_embeddings: usize) -> Result2<Rope> {
+        let params = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .find_map(|k| o.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)));
+        let empty = Map::new();
+        let (section, p) = match params {
+            Some((k, v)) => (
+                k,
+                v.as_object()
+                    .ok_or_else(|| format!("`{k}` must be an object, got {v}"))?,
+            ),
+            None => ("rope_parameters", &empty),
+        };
+        let num = |key: &str| -> Result2<Option<f64>> {
+            match p
+                .get(key)
+                .or_else(|| (key == "rope_theta").then(|| o.get(key)).flatten())
+            {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| format!("`{section}.{key}` must be a number, got {v}")),
+            }
+        };
+        let need = |key: &str| -> Result2<f64> {
+            num(key)?.ok_or_else(|| format!("`{section}.{key}` is required by this rope type"))
+        };
+        let theta = num("rope_theta")?.unwrap_or(Rope::DEFAULT_THETA);
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let scaling = match kind {
+            "default" => Scaling::Default,
+            "linear" => Scaling::Linear {
+                factor: need("factor")?,
+            },
+            "llama3" => Scaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?
+                    .map_or(max_position_embeddings, |v| v as usize),
+            },
+            other => {
+                return Err(format!(
+                    "`{section}.rope_type` \"{other}\" is not supported (default, linear, llama3)"
+                ))
+            }
+        };
+        if !(theta > 0.0) {
+            return Err(format!("`rope_theta` must be positive, got {theta}"));
+        }
+        Ok(Rope { theta, scaling })
+    }
+
+    /// The inverse frequencies of a head of `dim` (dim / 2 of them), in f32 as transformers
+    /// computes them.
+    pub fn inv_freq(&self, dim: usize) -> Vec<f32> {
+        let base: Vec<f32> = (0..dim / 2)
+            .map(|i| {
+                let exponent = (2 * i) as f32 / dim as f32;
+                1.0 / (self.theta.powf(exponent as f64) as f32)
+            })
+            .collect();
+        match self.scaling {
+            Scaling::Default => base,
+            Scaling::Linear { factor } => base.iter().map(|f| f / factor as f32).collect(),
+            Scaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let (factor, low, high) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                );
+                let old = original_max_position_embeddings as f32;
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                        if !medium {
+                            return scaled;
+                        }
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// cos and sin [len, dim] of positions `start..start + len` (the halves repeated, as
+    /// transformers' `cat((freqs, freqs))`), in `dtype`.
+    pub fn tables(
+        &self,
+        dim: usize,
+        start: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let inv = self.inv_freq(dim);
+        let (mut cos, mut sin) = (Vec::with_capacity(len * dim), Vec::with_capacity(len * dim));
+        for p in start..start + len {
+            let angles: Vec<f32> = inv.iter().map(|f| p as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
+            }
+        }
+        let t = |v| Tensor::from_vec(v, (len, dim), device)?.to_dtype(dtype);
+        Ok((t(cos)?, t(sin)?))
+    }
+}
+
+type Result2<T> = std::result::Result<T, String>;
+
+/// `[-x2, x1]` of the halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+/// The transpose of `rotate_half`: `[g2, -g1]`.
+fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
+    let half = g.dim(D::Minus1)? / 2;
+    let g1 = g.narrow(D::Minus1, 0, half)?;
+    let g2 = g.narrow(D::Minus1, half, half)?;
+    Tensor::cat(&[&g2, &g1.neg()?], D::Minus1)
+}
+
+/// `x cos + rotate_half(x) sin` for x [B, H, T, hd] and tables [T, hd].
+pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)?
+}
+
+/// The gradient of `apply`'s input from its output's `dy`.
+pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    dy.broadcast_mul(cos)? + rotate_half_t(&dy.broadcast_mul(sin)?)?
+}
