@@ -135,6 +135,40 @@ impl ModelSpec {
         }
     }
 
+    /// The architecture's name for reports: "GPT" or transformers' class.
+    pub fn architecture(&self) -> &'static str {
+        match &self.arch {
+            Arch::Gpt(_) => "GPT",
+            Arch::Llama(c) => c.family.architecture(),
+        }
+    }
+
+    /// The sizes for summary.json: the GPT's V, T, d, H, L, or config.json's names.
+    pub fn summary(&self) -> serde_json::Value {
+        let mut v = match &self.arch {
+            Arch::Gpt(c) => serde_json::json!({"V": c.V, "T": c.T, "d": c.d, "H": c.H, "L": c.L}),
+            Arch::Llama(c) => serde_json::json!({
+                "model_type": c.family.model_type(),
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": c.num_hidden_layers,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "tie_word_embeddings": c.tie_word_embeddings,
+            }),
+        };
+        v["architecture"] = self.architecture().into();
+        v["seq_len"] = self.seq_len.into();
+        v["parameters"] = self.n_params().into();
+        v["from_weights"] = self
+            .weights
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .into();
+        v
+    }
+
     /// The built-in GPT's sizes, for the tools that model only it so far (the autotuner's
     /// activation and time models); an error naming the model otherwise.
     pub fn gpt(&self) -> Result<&GptConfig, String> {

@@ -18,10 +18,10 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, Config};
 use ds_engine::data::TokenWidth;
-use ds_engine::gpt::GptConfig;
 use ds_engine::monitor::Monitor;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::ModelSpec;
 
 pub use metrics::{gather_memory, memory_line, RankMemory};
 use metrics::{EvalRecord, MetricsFile, StepRecord};
@@ -35,9 +35,16 @@ pub struct TrainArgs {
     /// The ds_config (default: configs/examples/zero2.json, built in).
     #[arg(long, env = "DS_RS_CONFIG")]
     pub(crate) config: Option<PathBuf>,
-    /// tiny, small, gpt2, or a model JSON {"V","T","d","H","L"}.
+    /// A preset (GPT: tiny, small, gpt2; llama-tiny, llama-small, qwen2-tiny, mistral-tiny,
+    /// llama3-1b, llama3-8b), a GPT model JSON {"V","T","d","H","L"}, or a Hugging Face model
+    /// directory (config.json of a llama, mistral or qwen2 model; its model.safetensors or
+    /// sharded index, when present, are the starting weights).
     #[arg(long, default_value = "tiny")]
     pub(crate) model: String,
+    /// Tokens per sample (default: the model's: a config.json's max_position_embeddings, a
+    /// preset's own, the GPT's T).
+    #[arg(long)]
+    pub(crate) seq_len: Option<usize>,
     /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens),
     /// a token file *.bin, or a text file read as bytes.
     #[arg(long, default_value = "markov")]
@@ -54,7 +61,8 @@ pub struct TrainArgs {
     /// Seed of the initial weights and of the Markov data.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// Start from these weights (safetensors under the model's parameter names).
+    /// Start from these weights (a safetensors file or a model directory, under the model's
+    /// parameter names); instead of the --model directory's own.
     #[arg(long)]
     init: Option<PathBuf>,
     /// Where metrics.jsonl, summary.json and the chart go (default: a new folder under runs/).
@@ -103,11 +111,11 @@ const DEFAULT_STEPS: u64 = 300;
 /// What a run of `world` ranks trains, decided before any rank joins the job (the launcher
 /// calls it too, so a bad combination is one error line before anything starts): the model,
 /// the resolved config and its layout, checked against each other.
-pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config)> {
-    let model = model_config(&args.model)?;
+pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config)> {
+    let model = ModelSpec::resolve(&args.model, args.seq_len)?;
     let fill = Fill {
         args: args.training.to_args()?,
-        hidden_size: model.d,
+        hidden_size: model.hidden_size(),
         // with --epochs the step count needs the data: --max_steps sets the schedule's length
         run_steps: args
             .steps
@@ -121,7 +129,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(GptConfig, Config
     model
         .check_tp(cfg.dims.tp)
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
-    let layers = model.build();
+    let layers = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
     if cfg.dims.pp > 1 {
         // stages that split the model's layers, a ZeRO stage that combines with them
         ds_engine::pipeline_layout(&cfg, &layers)?;
@@ -156,7 +164,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
 /// The run of a rank that has joined the job.
 fn run_joined(
     args: &TrainArgs,
-    model: GptConfig,
+    model: ModelSpec,
     cfg: &Config,
     comm: &Communicator,
     started: Instant,
@@ -173,12 +181,12 @@ fn run_joined(
     let device = args.device.open()?;
     let opts = EngineOptions {
         seed: args.seed,
-        init: args.init.clone(),
+        init: args.init.clone().or_else(|| model.weights.clone()),
         device: device.clone(),
         ..EngineOptions::default()
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build_parallel(&tp).map_err(anyhow::Error::msg)?;
+    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
     let mut engine = Engine::initialize(layers, cfg, &groups, &opts)?;
     let s = engine.settings().clone();
     let width = match args.token_width.as_str() {
@@ -190,13 +198,13 @@ fn run_joined(
         &args.data,
         width,
         &data::Layout {
-            seq: model.T,
+            seq: model.seq_len,
             micro_batch: s.micro_batch,
             grad_accum: s.grad_accum,
             // tensor-parallel peers read the same samples: the order follows the replica
             rank: groups.grid().data_parallel_id(),
             world: cfg.dims.dp(),
-            vocab: model.V,
+            vocab: model.vocab_size(),
             seed: args.seed,
         },
     )?;
@@ -218,7 +226,7 @@ fn run_joined(
 
 struct Run<'a> {
     args: &'a TrainArgs,
-    model: GptConfig,
+    model: ModelSpec,
     cfg: &'a Config,
     steps: u64,
     dir: PathBuf,
@@ -237,7 +245,7 @@ impl Run<'_> {
         let rank0 = comm.rank() == 0;
         let s = engine.settings().clone();
         let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.dp()) as f64;
-        let tokens = samples * self.model.T as f64;
+        let tokens = samples * self.model.seq_len as f64;
         let flops_per_token = self.model.flops_per_token();
         let start = self.resume(engine, rank0)?;
         let (mut file, mut records, mut evals) = match rank0 {
@@ -381,7 +389,7 @@ impl Run<'_> {
             return Ok(());
         }
         let s = engine.settings();
-        let layers = engine.layer_profile(self.model.T);
+        let layers = engine.layer_profile(self.model.seq_len);
         flops::emit(
             fp,
             &flops::ProfileInput {
@@ -397,14 +405,14 @@ impl Run<'_> {
     }
 }
 
-pub(crate) fn model_config(spec: &str) -> anyhow::Result<GptConfig> {
-    if let Some(c) = GptConfig::preset(spec) {
-        return Ok(c);
-    }
-    if spec.ends_with(".json") {
-        return Ok(GptConfig::from_json_file(Path::new(spec))?);
-    }
-    anyhow::bail!("--model {spec}: expected tiny, small, gpt2 or a model JSON file")
+/// The built-in GPT that `spec` names, for the commands that model only it so far
+/// (`estimate`, the autotuner): a Llama-family model is a clear error there.
+pub(crate) fn model_config(spec: &str) -> anyhow::Result<ds_engine::gpt::GptConfig> {
+    let model = ModelSpec::resolve(spec, None)?;
+    let gpt = model
+        .gpt()
+        .map_err(|e| anyhow::anyhow!("--model {spec}: {e}"))?;
+    Ok(*gpt)
 }
 
 /// Whether the launcher that started this rank printed the warnings of this config already.

@@ -9,9 +9,14 @@ use super::{chart, data, Run};
 impl Run<'_> {
     pub(super) fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
         println!(
-            "ds-rs train: GPT {} ({} parameters), {} ranks (dp {} x tp {}), ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            "ds-rs train: {} {} ({} parameters{}), {} ranks (dp {} x tp {}), ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            self.model.architecture(),
             self.args.model,
             self.model.n_params(),
+            match &self.model.weights {
+                Some(_) => ", from its weights",
+                None => "",
+            },
             comm.world_size(),
             self.cfg.dims.dp(),
             self.cfg.dims.tp,
@@ -42,7 +47,9 @@ impl Run<'_> {
     /// DeepSpeed's partition report: which layers each pipeline stage runs (each of its
     /// model chunks, with virtual stages).
     fn stage_map(&self) -> String {
-        let model = self.model.build();
+        let Ok(model) = self.model.build(&ds_engine::parallel::Tp::none()) else {
+            return "pipeline: (no partition)".into();
+        };
         let method = self.cfg.pipeline["partition"]
             .as_str()
             .unwrap_or("parameters");
@@ -85,6 +92,8 @@ impl Run<'_> {
         let s = &self.cfg;
         let final_loss = records.last().map(|r| r.loss);
         let tps: Vec<f64> = records.iter().skip(1).map(|r| r.tokens_per_s).collect();
+        let mut model = self.model.summary();
+        model["name"] = self.args.model.clone().into();
         serde_json::json!({
             "steps": records.len(),
             "final_loss": final_loss,
@@ -94,9 +103,7 @@ impl Run<'_> {
             "median_step_ms": metrics::median(&records.iter().map(|r| r.step_ms).collect::<Vec<_>>()),
             "skipped_steps": records.iter().filter(|r| r.skipped).count(),
             "time_to_first_step_s": first_step_s,
-            "model": {"name": self.args.model, "V": self.model.V, "T": self.model.T,
-                      "d": self.model.d, "H": self.model.H, "L": self.model.L,
-                      "parameters": self.model.n_params()},
+            "model": model,
             "data": {"name": data.name, "loss_floor_nats": data.floor,
                      "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
             "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
@@ -138,7 +145,8 @@ impl Run<'_> {
             },
         ];
         let title = format!(
-            "ds-rs train: GPT {}, {} steps",
+            "ds-rs train: {} {}, {} steps",
+            self.model.architecture(),
             self.args.model,
             records.len()
         );
