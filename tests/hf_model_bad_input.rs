@@ -1,0 +1,98 @@
+//! A Hugging Face model directory that cannot be trained: one error line each, naming the
+//! file and the field or tensor, a non-zero exit and no backtrace.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf/llama")
+}
+
+/// The fixture's config.json, changed by `edit`, written into `dir`.
+fn config_with(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    std::fs::create_dir_all(dir).unwrap();
+    let text = std::fs::read_to_string(fixture().join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut v);
+    std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+}
+
+fn refused(cmd: &str, needles: &[&str]) {
+    let f = run(cmd, LIMIT);
+    assert!(!f.status.success(), "{cmd} succeeded");
+    for n in needles {
+        assert!(
+            f.stderr.contains(n),
+            "{cmd}: expected '{n}' in\n{}",
+            f.stderr
+        );
+    }
+    assert!(!f.stderr.contains("panicked"), "{cmd}: {}", f.stderr);
+}
+
+#[test]
+fn bad_model_directories_are_named() {
+    let s = Scratch::new("hf-bad");
+    let train = |dir: &Path| format!("train --model {} --seq-len 8 --steps 1", dir.display());
+
+    let missing = s.path("missing-field");
+    config_with(&missing, |v| {
+        v.as_object_mut().unwrap().remove("intermediate_size");
+    });
+    refused(
+        &train(&missing),
+        &["missing-field/config.json", "`intermediate_size`"],
+    );
+
+    let bert = s.path("bert");
+    config_with(&bert, |v| v["model_type"] = "bert".into());
+    refused(
+        &train(&bert),
+        &["bert/config.json", "\"bert\"", "llama, mistral, qwen2"],
+    );
+
+    let shape = s.path("shape");
+    config_with(&shape, |v| v["intermediate_size"] = 40.into());
+    std::fs::copy(
+        fixture().join("model.safetensors"),
+        shape.join("model.safetensors"),
+    )
+    .unwrap();
+    refused(
+        &train(&shape),
+        &[
+            "shape/model.safetensors",
+            "model.layers.0.mlp.gate_proj.weight",
+            "[48, 32]",
+        ],
+    );
+
+    let shard = s.path("shard");
+    config_with(&shard, |_| {});
+    let index = r#"{"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}"#;
+    std::fs::write(shard.join("model.safetensors.index.json"), index).unwrap();
+    refused(
+        &train(&shard),
+        &[
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "missing",
+        ],
+    );
+
+    // before any rank starts: the launcher plans the job
+    let tp = format!(
+        "launch --nproc_per_node 4 train --model {} --tp 4 --steps 1",
+        fixture().display()
+    );
+    refused(
+        &tp,
+        &["num_key_value_heads = 2", "tensor-parallel degree 4"],
+    );
+}
