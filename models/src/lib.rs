@@ -3,6 +3,7 @@
 //! decoders from a preset or a model directory (config.json, and safetensors weights when
 //! present). The engine stays model-agnostic: it sees `ds_engine::model::Model`s.
 
+pub mod hf_export;
 pub mod llama;
 
 use std::path::{Path, PathBuf};
@@ -38,6 +39,9 @@ pub struct ModelSpec {
     pub seq_len: usize,
     /// A model directory holding weights (`model.safetensors` or a sharded index).
     pub weights: Option<PathBuf>,
+    /// The directory's config.json as read, kept for exports (its RoPE spelling and any
+    /// field ds-rs does not use go out as they came in).
+    pub source_config: Option<serde_json::Value>,
 }
 
 impl ModelSpec {
@@ -45,13 +49,15 @@ impl ModelSpec {
     /// Face model directory; `seq_len` (`--seq-len`) overrides the default length: a Hugging
     /// Face config's `max_position_embeddings`, a preset's own, the GPT's T.
     pub fn resolve(spec: &str, seq_len: Option<usize>) -> Result<ModelSpec, ModelError> {
+        let mut source_config = None;
         let (arch, default_len, weights) = if let Some(c) = GptConfig::preset(spec) {
             (Arch::Gpt(c), c.T, None)
         } else if let Some(p) = llama::presets().into_iter().find(|p| p.name == spec) {
             (Arch::Llama(p.config), p.seq_len, None)
         } else if Path::new(spec).is_dir() {
             let dir = Path::new(spec);
-            let c = read_hf_config(dir)?;
+            let (c, json) = read_hf_config(dir)?;
+            source_config = Some(json);
             let len = c.max_position_embeddings;
             let w = weights::has_weights(dir).then(|| dir.to_path_buf());
             (Arch::Llama(c), len, w)
@@ -69,6 +75,7 @@ impl ModelSpec {
             arch,
             seq_len,
             weights,
+            source_config,
         };
         spec_ok
             .check_seq_len()
@@ -169,6 +176,16 @@ impl ModelSpec {
         v
     }
 
+    /// config.json of the model in transformers' form: the source directory's as read, or one
+    /// made from a preset; None for the built-in GPT, which has no Hugging Face form.
+    pub fn hf_config(&self) -> Option<serde_json::Value> {
+        match (&self.arch, &self.source_config) {
+            (Arch::Gpt(_), _) => None,
+            (Arch::Llama(_), Some(json)) => Some(json.clone()),
+            (Arch::Llama(c), None) => Some(c.to_hf_json()),
+        }
+    }
+
     /// The built-in GPT's sizes, for the tools that model only it so far (the autotuner's
     /// activation and time models); an error naming the model otherwise.
     pub fn gpt(&self) -> Result<&GptConfig, String> {
@@ -189,12 +206,13 @@ pub fn preset_names() -> Vec<&'static str> {
         .collect()
 }
 
-/// A model directory's config.json, as a Llama-family config.
-pub fn read_hf_config(dir: &Path) -> Result<LlamaConfig, ModelError> {
+/// A model directory's config.json, as a Llama-family config and as read.
+pub fn read_hf_config(dir: &Path) -> Result<(LlamaConfig, serde_json::Value), ModelError> {
     let path = dir.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| err(format!("{}: {e}", path.display())))?;
-    LlamaConfig::from_hf_json(&v).map_err(|e| err(format!("{}: {e}", path.display())))
+    let c = LlamaConfig::from_hf_json(&v).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    Ok((c, v))
 }

@@ -14,6 +14,26 @@ pub enum CheckpointCommand {
     Consolidate(ConsolidateArgs),
     /// List the checkpoints of a directory and verify their files.
     Inspect(InspectArgs),
+    /// Write a Hugging Face model directory (config.json, safetensors) from a checkpoint of
+    /// a Llama-family model, a tensor at a time.
+    ExportHf(ExportHfArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExportHfArgs {
+    /// The checkpoint directory (the --save-dir of the run).
+    dir: PathBuf,
+    /// The Hugging Face directory to write.
+    out: PathBuf,
+    /// The tag (default: the one `latest` names).
+    #[arg(long)]
+    tag: Option<String>,
+    /// fp32 (the master weights exactly), bf16 or fp16.
+    #[arg(long, default_value = "fp32")]
+    dtype: String,
+    /// Shard files of at most this many bytes (with an index when there are several).
+    #[arg(long, default_value_t = ds_models::hf_export::DEFAULT_MAX_SHARD_BYTES)]
+    shard_bytes: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -39,7 +59,37 @@ pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         CheckpointCommand::Consolidate(a) => consolidate(a),
         CheckpointCommand::Inspect(a) => inspect(&a.dir),
+        CheckpointCommand::ExportHf(a) => export_hf(a),
     }
+}
+
+fn export_hf(a: &ExportHfArgs) -> anyhow::Result<ExitCode> {
+    let dtype = weights::SaveDtype::parse(&a.dtype).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    let dir = tag_dir(&a.dir, a.tag.as_deref())?;
+    let m = Manifest::read(&dir)?;
+    let config = m.client_state.get("hf_config").cloned().with_context(|| {
+        format!(
+            "{}: the checkpoint names no Hugging Face config (a built-in GPT run, or one saved before ds-rs kept it)",
+            dir.display()
+        )
+    })?;
+    let opts = ds_models::hf_export::ExportOptions {
+        dtype,
+        max_shard_bytes: a.shard_bytes,
+    };
+    let e = ds_models::hf_export::export_checkpoint(&dir, &a.out, &config, &opts)?;
+    println!(
+        "{}: {} tensors of step {} -> {} ({} file{}, {:.1} MB, {})",
+        dir.display(),
+        e.tensors,
+        e.global_steps,
+        a.out.display(),
+        e.files.len(),
+        if e.files.len() == 1 { "" } else { "s" },
+        e.bytes as f64 / 1e6,
+        dtype.torch_name()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn tag_dir(dir: &Path, tag: Option<&str>) -> anyhow::Result<PathBuf> {

@@ -34,6 +34,9 @@ enum Command {
     Launch(crate::launch::LaunchArgs),
     /// Train a model (one rank; run it under `launch` for several).
     Train(crate::train::TrainArgs),
+    /// A model's loss and perplexity on a token source (one rank; under `launch` for
+    /// several).
+    Eval(crate::train::eval::EvalArgs),
     /// Search for the fastest configuration (the same as `launch --autotuning tune`).
     Autotune(crate::launch::LaunchArgs),
     /// Inspect DeepSpeed config files.
@@ -78,6 +81,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => config_check::run(&args),
         Command::Launch(args) => crate::launch::run(&args),
         Command::Train(args) => crate::train::run(&args),
+        Command::Eval(args) => crate::train::eval::run(&args),
         Command::Autotune(args) => autotune::run(&args, autotune::Mode::Tune),
         Command::Estimate(args) => estimate::run(&args),
         Command::Bench {

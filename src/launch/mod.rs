@@ -29,8 +29,9 @@ const DEFAULT_HOSTFILE: &str = "/job/hostfile";
 /// torchrun's and DeepSpeed's rendezvous port for multi-host jobs.
 const DEFAULT_MASTER_PORT: u16 = 29500;
 /// ds-rs subcommands that `launch` runs with this same executable.
-const OWN_COMMANDS: [&str; 6] = [
+const OWN_COMMANDS: [&str; 7] = [
     "train",
+    "eval",
     "bench",
     "autotune",
     "estimate",

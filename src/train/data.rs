@@ -41,33 +41,19 @@ pub struct Layout {
     pub seed: u64,
 }
 
+/// The token source `--data` names, whole.
+pub fn source(
+    spec: &str,
+    width: TokenWidth,
+    vocab: usize,
+    seed: u64,
+) -> anyhow::Result<Arc<dyn TokenSource>> {
+    Ok(read_source(spec, width, vocab, seed)?.0)
+}
+
 /// Opens `--data` and splits it into a training and a held-out part.
 pub fn open(spec: &str, width: TokenWidth, l: &Layout) -> anyhow::Result<Data> {
-    let (source, floor): (Arc<dyn TokenSource>, Option<f64>) = match spec {
-        "markov" => {
-            let m = MarkovTokens::new(
-                l.vocab.min(MARKOV_STATES),
-                MARKOV_BRANCHING,
-                MARKOV_TOKENS,
-                l.seed,
-            )?;
-            let floor = m.entropy_rate_nats();
-            (Arc::new(m), Some(floor))
-        }
-        "uniform" => {
-            let s = SyntheticTokens::new(
-                l.vocab,
-                SyntheticTokens::PEER_LEN,
-                SyntheticTokens::PEER_SEED,
-            )?;
-            (Arc::new(s), Some((l.vocab as f64).ln()))
-        }
-        path if path.ends_with(".bin") => (
-            Arc::new(TokenFile::open(Path::new(path), width, l.vocab)?),
-            None,
-        ),
-        path => (Arc::new(TextBytes::open(Path::new(path))?), None),
-    };
+    let (source, floor) = read_source(spec, width, l.vocab, l.seed)?;
     let name = source.name().to_string();
     let window = l.seq + 1;
     let (train, eval) = Slice::split(source.clone(), source.len() / HELD_OUT, window)
@@ -83,5 +69,36 @@ pub fn open(spec: &str, width: TokenWidth, l: &Layout) -> anyhow::Result<Data> {
             .with_context(|| format!("--data {spec}"))?,
         name,
         floor,
+    })
+}
+
+/// Opens `--data`: the source and the lowest reachable mean loss, when it knows it.
+fn read_source(
+    spec: &str,
+    width: TokenWidth,
+    vocab: usize,
+    seed: u64,
+) -> anyhow::Result<(Arc<dyn TokenSource>, Option<f64>)> {
+    Ok(match spec {
+        "markov" => {
+            let m = MarkovTokens::new(
+                vocab.min(MARKOV_STATES),
+                MARKOV_BRANCHING,
+                MARKOV_TOKENS,
+                seed,
+            )?;
+            let floor = m.entropy_rate_nats();
+            (Arc::new(m), Some(floor))
+        }
+        "uniform" => {
+            let s =
+                SyntheticTokens::new(vocab, SyntheticTokens::PEER_LEN, SyntheticTokens::PEER_SEED)?;
+            (Arc::new(s), Some((vocab as f64).ln()))
+        }
+        path if path.ends_with(".bin") => (
+            Arc::new(TokenFile::open(Path::new(path), width, vocab)?),
+            None,
+        ),
+        path => (Arc::new(TextBytes::open(Path::new(path))?), None),
     })
 }

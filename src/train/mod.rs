@@ -4,7 +4,9 @@
 
 pub(crate) mod chart;
 mod data;
+pub mod eval;
 mod flops;
+mod hf_out;
 mod metrics;
 mod progress;
 mod report;
@@ -87,6 +89,19 @@ pub struct TrainArgs {
     /// model's parameter names).
     #[arg(long)]
     save_weights: Option<PathBuf>,
+    /// After the last step, write a Hugging Face model directory here (config.json and
+    /// safetensors that transformers' from_pretrained loads; Llama-family models). At ZeRO-3
+    /// the config must set zero_optimization.stage3_gather_16bit_weights_on_model_save, as
+    /// DeepSpeed's save_16bit_model asks.
+    #[arg(long)]
+    pub(crate) save_hf: Option<PathBuf>,
+    /// The dtype of --save-hf's tensors: fp32, bf16 or fp16 (default: the run's precision).
+    #[arg(long)]
+    save_hf_dtype: Option<String>,
+    /// --save-hf writes shard files of at most this many bytes (with an index when there are
+    /// several); transformers' default is 5 GB.
+    #[arg(long, default_value_t = ds_models::hf_export::DEFAULT_MAX_SHARD_BYTES)]
+    save_hf_shard_bytes: u64,
     /// Resume from the newest checkpoint of --save-dir, if any (also done on every restart
     /// by `ds-rs launch --max_restarts`), in whatever layout it was saved.
     #[arg(long)]
@@ -135,6 +150,9 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
         ds_engine::pipeline_layout(&cfg, &layers)?;
     }
     ds_engine::check_ties(&cfg, &layers)?;
+    if args.save_hf.is_some() {
+        hf_out::check(args, &model, &cfg)?;
+    }
     // what the engine reads of the config (offload's settings among them), before any rank
     // starts
     ds_engine::Settings::from_config(&cfg, false)
@@ -317,6 +335,9 @@ impl Run<'_> {
         }
         if let Some(path) = &self.args.save_weights {
             engine.save_weights(path)?;
+        }
+        if let Some(dir) = &self.args.save_hf {
+            hf_out::save(self, engine, comm, dir)?;
         }
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
         if rank0 {

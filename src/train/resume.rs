@@ -44,6 +44,17 @@ impl Run<'_> {
         Ok(engine.global_steps())
     }
 
+    /// What a checkpoint keeps for this program: where the data stood, and the model's
+    /// Hugging Face config.json (for `ds-rs checkpoint export-hf`) when it has one.
+    pub(super) fn client_state(&self, step: u64) -> serde_json::Value {
+        let mut state =
+            serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
+        if let Some(hf) = self.model.hf_config() {
+            state["hf_config"] = hf;
+        }
+        state
+    }
+
     /// Saves after `step` when --save-interval says so, and after the last step.
     pub(super) fn checkpoint(&self, engine: &Engine, step: u64) -> anyhow::Result<()> {
         let Some(dir) = &self.args.save_dir else {
@@ -55,8 +66,7 @@ impl Run<'_> {
             return Ok(());
         }
         let tag = format!("global_step{}", engine.global_steps());
-        let state =
-            serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
+        let state = self.client_state(step);
         let t0 = Instant::now();
         let path = engine
             .save_checkpoint(dir, &tag, state)

@@ -325,6 +325,18 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
             .collect(),
     };
     let mut files = Files::new(dir, &m);
+    read_range(&mut files, &m, expect, &mut out)?;
+    let state = RankState {
+        owned: expect.owned.clone(),
+        master: out.master,
+        optimizer_step: m.optimizer_step,
+        buffers: out.buffers,
+    };
+    Ok((m, state))
+}
+
+/// Reads the parts of an open checkpoint that cover `expect.owned` into `out`.
+fn read_range(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -> Result<()> {
     let same_place = m
         .params
         .iter()
@@ -335,17 +347,10 @@ pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
         let numel = local_index(&m.params, expect.stage, expect.tp)?.numel();
         let want = expect.owned.start..expect.owned.end.min(numel);
         let buffer = (expect.stage, expect.tp.rank);
-        files.copy(buffer, want, 0, &mut out)?;
+        files.copy(buffer, want, 0, out)
     } else {
-        reshard(&mut files, &m, expect, &mut out)?;
+        reshard(files, m, expect, out)
     }
-    let state = RankState {
-        owned: expect.owned.clone(),
-        master: out.master,
-        optimizer_step: m.optimizer_step,
-        buffers: out.buffers,
-    };
-    Ok((m, state))
 }
 
 /// Note [resharding]: a checkpoint saved at tensor-parallel degree tp' and with its layers on
@@ -617,21 +622,54 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
     Ok(())
 }
 
+/// The logical model as one buffer: one stage, no tensor parallelism.
+fn whole_model(m: &Manifest) -> Vec<ParamEntry> {
+    m.params
+        .iter()
+        .map(|p| ParamEntry {
+            stage: 0,
+            ..p.clone()
+        })
+        .collect()
+}
+
+/// Each whole fp32 parameter of checkpoint `dir` (a tag's directory) in flat order, one at a
+/// time, every shard verified: what a consolidation or an export writes, with no more than
+/// one tensor in memory.
+pub fn each_tensor(
+    dir: &Path,
+    mut f: impl FnMut(&ParamEntry, &[f32]) -> Result<()>,
+) -> Result<Manifest> {
+    let m = Manifest::read(dir)?;
+    on_disk(dir, &m, m.parameters())?;
+    let whole = whole_model(&m);
+    let mut files = Files::new(dir, &m);
+    for p in &whole {
+        let n: usize = p.shape.iter().product();
+        let expect = Expect {
+            params: &whole,
+            buffers: None,
+            owned: p.offset..p.offset + n,
+            tp: TpRank::WHOLE,
+            stage: 0,
+        };
+        let mut out = Target {
+            master: vec![0f32; n],
+            buffers: Vec::new(),
+        };
+        read_range(&mut files, &m, &expect, &mut out)?;
+        f(p, &out.master)?;
+    }
+    Ok(m)
+}
+
 /// The whole fp32 parameters of checkpoint `dir` (a tag's directory), in flat order, every
 /// shard verified: DeepSpeed's zero_to_fp32.
 pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
     let m = Manifest::read(dir)?;
     let numel = m.parameters();
     on_disk(dir, &m, numel)?;
-    // the whole model as one buffer: one stage, no tensor parallelism
-    let whole: Vec<ParamEntry> = m
-        .params
-        .iter()
-        .map(|p| ParamEntry {
-            stage: 0,
-            ..p.clone()
-        })
-        .collect();
+    let whole = whole_model(&m);
     let expect = Expect {
         params: &whole,
         buffers: None,

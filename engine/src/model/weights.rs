@@ -233,3 +233,162 @@ fn float_width(dtype: Dtype) -> std::result::Result<usize, String> {
         )),
     }
 }
+
+/// The element type a weights file is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl SaveDtype {
+    /// fp32, bf16 or fp16 (also float32, bfloat16, float16).
+    pub fn parse(s: &str) -> std::result::Result<SaveDtype, String> {
+        match s {
+            "fp32" | "float32" => Ok(SaveDtype::F32),
+            "bf16" | "bfloat16" => Ok(SaveDtype::Bf16),
+            "fp16" | "float16" => Ok(SaveDtype::F16),
+            other => Err(format!("dtype {other}: expected fp32, bf16 or fp16")),
+        }
+    }
+
+    pub fn width(self) -> usize {
+        match self {
+            SaveDtype::F32 => 4,
+            _ => 2,
+        }
+    }
+
+    /// torch's name, as config.json's `dtype` spells it.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "float32",
+            SaveDtype::Bf16 => "bfloat16",
+            SaveDtype::F16 => "float16",
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "F32",
+            SaveDtype::Bf16 => "BF16",
+            SaveDtype::F16 => "F16",
+        }
+    }
+
+    /// `values` in this type's little-endian bytes (round to nearest even).
+    fn bytes(self, values: &[f32], out: &mut Vec<u8>) {
+        out.clear();
+        match self {
+            SaveDtype::F32 => out.extend(values.iter().flat_map(|x| x.to_le_bytes())),
+            SaveDtype::Bf16 => {
+                out.extend(values.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()))
+            }
+            SaveDtype::F16 => {
+                out.extend(values.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()))
+            }
+        }
+    }
+}
+
+/// A safetensors file written one tensor at a time, so that writing a model never holds
+/// more than one tensor: the header (names, shapes, offsets) first, from the shapes alone,
+/// then each tensor's values in order. Written to `<path>.partial` and renamed into place
+/// once complete and synced.
+pub struct StreamingWriter {
+    path: PathBuf,
+    partial: PathBuf,
+    out: std::io::BufWriter<File>,
+    dtype: SaveDtype,
+    /// Elements of each tensor, and how many tensors were written.
+    sizes: Vec<usize>,
+    written: usize,
+    bytes: Vec<u8>,
+}
+
+impl StreamingWriter {
+    /// Starts `path` for `tensors` (name, shape) in this order, in `dtype`; `metadata` goes
+    /// into the header's `__metadata__` (Hugging Face's loaders want `{"format": "pt"}`).
+    pub fn create(
+        path: &Path,
+        tensors: &[(String, Vec<usize>)],
+        dtype: SaveDtype,
+        metadata: &[(&str, &str)],
+    ) -> Result<StreamingWriter> {
+        let mut header = serde_json::Map::new();
+        let meta: serde_json::Map<String, serde_json::Value> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .collect();
+        header.insert("__metadata__".into(), meta.into());
+        let mut at = 0usize;
+        for (name, shape) in tensors {
+            let len = shape.iter().product::<usize>() * dtype.width();
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": dtype.tag(), "shape": shape, "data_offsets": [at, at + len]}),
+            );
+            at += len;
+        }
+        let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+        // the data starts 8-byte aligned, as safetensors' own writer pads it
+        text.resize(text.len().div_ceil(8) * 8, b' ');
+        let partial = path.with_extension("safetensors.partial");
+        let file = File::create(&partial).map_err(|e| EngineError::file(&partial, e))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        use std::io::Write;
+        out.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|_| out.write_all(&text))
+            .map_err(|e| EngineError::file(&partial, e))?;
+        Ok(StreamingWriter {
+            path: path.to_path_buf(),
+            partial,
+            out,
+            dtype,
+            sizes: tensors.iter().map(|(_, s)| s.iter().product()).collect(),
+            written: 0,
+            bytes: Vec::new(),
+        })
+    }
+
+    /// The next tensor's values.
+    pub fn put(&mut self, values: &[f32]) -> Result<()> {
+        use std::io::Write;
+        let want = self.sizes.get(self.written).copied();
+        if want != Some(values.len()) {
+            return Err(EngineError::file(
+                &self.path,
+                format!(
+                    "tensor {} of {} has {} values, the header says {want:?}",
+                    self.written,
+                    self.sizes.len(),
+                    values.len()
+                ),
+            ));
+        }
+        self.dtype.bytes(values, &mut self.bytes);
+        self.out
+            .write_all(&self.bytes)
+            .map_err(|e| EngineError::file(&self.partial, e))?;
+        self.written += 1;
+        Ok(())
+    }
+
+    /// Every tensor written: synced and renamed into place.
+    pub fn finish(self) -> Result<()> {
+        if self.written != self.sizes.len() {
+            return Err(EngineError::file(
+                &self.path,
+                format!("{} of {} tensors written", self.written, self.sizes.len()),
+            ));
+        }
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| EngineError::file(&self.partial, e.error().to_string()))?;
+        file.sync_all()
+            .map_err(|e| EngineError::file(&self.partial, e))?;
+        std::fs::rename(&self.partial, &self.path).map_err(|e| EngineError::file(&self.path, e))
+    }
+}

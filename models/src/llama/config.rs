@@ -161,6 +161,50 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
+    /// config.json for transformers (5's spelling of RoPE, `rope_parameters`), which
+    /// `from_hf_json` reads back to this config.
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = serde_json::json!({
+            "architectures": [self.family.architecture()],
+            "model_type": self.family.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": self.rope.to_hf_json(),
+        });
+        match self.family {
+            Family::Llama => {
+                v["attention_bias"] = self.qkv_bias.into();
+                v["mlp_bias"] = self.mlp_bias.into();
+            }
+            Family::Mistral => v["sliding_window"] = self.windows.first().copied().flatten().into(),
+            Family::Qwen2 => {
+                let window = self.windows.iter().flatten().next().copied();
+                v["use_sliding_window"] = window.is_some().into();
+                v["sliding_window"] = window.into();
+                let types: Vec<&str> = self
+                    .windows
+                    .iter()
+                    .map(|w| match w {
+                        Some(_) => "sliding_attention",
+                        None => "full_attention",
+                    })
+                    .collect();
+                v["layer_types"] = types.into();
+            }
+        }
+        v
+    }
+
     /// The sizes agree with each other.
     pub fn validate(&self) -> Result<(), String> {
         let sizes = [

@@ -93,6 +93,31 @@ impl Rope {
         Ok(Rope { theta, scaling })
     }
 
+    /// transformers 5's `rope_parameters` object.
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = serde_json::json!({"rope_theta": self.theta});
+        match self.scaling {
+            Scaling::Default => v["rope_type"] = "default".into(),
+            Scaling::Linear { factor } => {
+                v["rope_type"] = "linear".into();
+                v["factor"] = factor.into();
+            }
+            Scaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                v["rope_type"] = "llama3".into();
+                v["factor"] = factor.into();
+                v["low_freq_factor"] = low_freq_factor.into();
+                v["high_freq_factor"] = high_freq_factor.into();
+                v["original_max_position_embeddings"] = original_max_position_embeddings.into();
+            }
+        }
+        v
+    }
+
     /// The inverse frequencies of a head of `dim` (dim / 2 of them), in f32 as transformers
     /// computes them.
     pub fn inv_freq(&self, dim: usize) -> Vec<f32> {

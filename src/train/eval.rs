@@ -1,0 +1,147 @@
+//! `ds-rs eval`: a model's mean loss and perplexity on a token source, in any layout (run
+//! it under `launch` for several ranks): from a model directory's weights, `--init`, or the
+//! newest checkpoint of `--load-dir`. The source is read whole, in consecutive windows of
+//! `seq + 1` tokens, each global batch split over the ranks as training splits it.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, FromArgMatches};
+use ds_comm::{init, options_for, Groups};
+use ds_engine::data::{DataLoader, SampleOrder, TokenWidth};
+use ds_engine::parallel::Tp;
+use ds_engine::{Engine, EngineOptions};
+
+use super::TrainArgs;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct EvalArgs {
+    /// The ds_config: the micro-batch, precision and ZeRO layout (default: the built-in).
+    #[arg(long, env = "DS_RS_CONFIG")]
+    config: Option<PathBuf>,
+    /// As `train --model`: a preset, a GPT model JSON or a Hugging Face model directory.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Tokens per window (default: the model's).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// A token file *.bin, a text file read as bytes, markov or uniform.
+    #[arg(long)]
+    data: String,
+    /// Token width of a .bin file: u16 or u32.
+    #[arg(long, default_value = "u16")]
+    token_width: String,
+    /// The weights (a safetensors file or a model directory), instead of --model's own.
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Evaluate the newest checkpoint of this directory (any layout it was saved in).
+    #[arg(long)]
+    load_dir: Option<PathBuf>,
+    /// Global batches to evaluate (default: every whole one the source holds).
+    #[arg(long)]
+    batches: Option<u64>,
+    #[arg(long)]
+    tp: Option<usize>,
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Seed of the initial weights when none are read, and of the Markov data.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    #[command(flatten)]
+    backend: crate::cli::BackendArg,
+    #[command(flatten)]
+    device: crate::cli::DeviceArg,
+}
+
+impl EvalArgs {
+    /// The training arguments that plan the same job (no steps are trained).
+    fn as_train(&self) -> anyhow::Result<TrainArgs> {
+        let parser = TrainArgs::augment_args(clap::Command::new("train"));
+        let mut t = TrainArgs::from_arg_matches(&parser.get_matches_from(["train"]))?;
+        t.config = self.config.clone();
+        t.model = self.model.clone();
+        t.seq_len = self.seq_len;
+        t.data = self.data.clone();
+        t.token_width = self.token_width.clone();
+        t.init = self.init.clone();
+        t.tp = self.tp;
+        t.pp = self.pp;
+        t.seed = self.seed;
+        t.steps = Some(1);
+        t.backend = self.backend.clone();
+        t.device = self.device.clone();
+        Ok(t)
+    }
+}
+
+pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
+    let t = args.as_train()?;
+    let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
+    env.gpu = args.device.gpu_ordinal();
+    let (model, cfg) = super::plan(&t, env.world_size)?;
+    let comm = init(&env).context("joining the job")?;
+    let groups = Groups::new(&comm, cfg.dims)?;
+    let opts = EngineOptions {
+        seed: args.seed,
+        init: args.init.clone().or_else(|| model.weights.clone()),
+        device: args.device.open()?,
+        ..EngineOptions::default()
+    };
+    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
+    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
+    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
+    let from = match &args.load_dir {
+        Some(dir) => {
+            let m = engine
+                .load_checkpoint(dir, None)?
+                .with_context(|| format!("--load-dir {}: no checkpoint", dir.display()))?;
+            format!("{} at step {}", dir.join(&m.tag).display(), m.global_steps)
+        }
+        None => match &opts.init {
+            Some(p) => p.display().to_string(),
+            None => format!("seeded initial weights (seed {})", args.seed),
+        },
+    };
+    let s = engine.settings().clone();
+    let width = match args.token_width.as_str() {
+        "u16" => TokenWidth::U16,
+        "u32" => TokenWidth::U32,
+        w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
+    };
+    let source = super::data::source(&args.data, width, model.vocab_size(), args.seed)?;
+    let order = SampleOrder::new(
+        model.seq_len,
+        s.micro_batch,
+        s.grad_accum,
+        groups.grid().data_parallel_id(),
+        cfg.dims.dp(),
+    )?;
+    let whole = order.windows(source.as_ref())? / order.global_batch();
+    let batches = args.batches.unwrap_or(whole).min(whole);
+    if batches == 0 {
+        anyhow::bail!(
+            "--data {}: fewer windows of {} tokens than one global batch ({} samples)",
+            args.data,
+            model.seq_len + 1,
+            order.global_batch()
+        );
+    }
+    let name = source.name().to_string();
+    let loader = DataLoader::new(source, order, model.vocab_size())
+        .with_context(|| format!("--data {}", args.data))?;
+    let mut sum = 0.0f64;
+    for b in 0..batches {
+        sum += engine.eval_batch(|k| Ok(loader.micro_batch(b, k)?))? as f64;
+    }
+    let loss = sum / batches as f64;
+    if comm.rank() == 0 {
+        let tokens = batches * order.global_batch() * model.seq_len as u64;
+        println!(
+            "{}",
+            serde_json::json!({"eval_loss": loss, "perplexity": loss.exp(), "tokens": tokens,
+                "batches": batches, "data": name, "weights": from, "model": args.model})
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
