@@ -102,26 +102,13 @@ fn tag_dir(dir: &Path, tag: Option<&str>) -> anyhow::Result<PathBuf> {
 }
 
 fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
-    let bf16 = match a.dtype.as_str() {
-        "fp32" => false,
-        "bf16" => true,
+    let dtype = match a.dtype.as_str() {
+        "fp32" => weights::SaveDtype::F32,
+        "bf16" => weights::SaveDtype::Bf16,
         d => anyhow::bail!("--dtype {d}: expected fp32 or bf16"),
     };
     let dir = tag_dir(&a.dir, a.tag.as_deref())?;
-    let (m, flat) = checkpoint::consolidate(&dir)?;
-    let tensors: Vec<(&str, &[usize], &[f32])> = m
-        .params
-        .iter()
-        .map(|p| {
-            let n: usize = p.shape.iter().product();
-            (
-                p.name.as_str(),
-                p.shape.as_slice(),
-                &flat[p.offset..p.offset + n],
-            )
-        })
-        .collect();
-    weights::save_as(&a.out, &tensors, bf16)?;
+    let m = checkpoint::write_weights(&dir, &a.out, dtype)?;
     println!(
         "{}: {} parameters ({} tensors) of {} at step {} -> {} ({})",
         dir.display(),

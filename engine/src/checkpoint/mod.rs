@@ -663,6 +663,27 @@ pub fn each_tensor(
     Ok(m)
 }
 
+/// Writes checkpoint `dir`'s (a tag's directory) parameters as one safetensors file under
+/// their names, in `dtype`, a tensor at a time: DeepSpeed's zero_to_fp32 without the whole
+/// model in memory.
+pub fn write_weights(
+    dir: &Path,
+    out: &Path,
+    dtype: crate::model::weights::SaveDtype,
+) -> Result<Manifest> {
+    let m = Manifest::read(dir)?;
+    let tensors: Vec<(String, Vec<usize>)> = m
+        .params
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    let mut w =
+        crate::model::weights::StreamingWriter::create(out, &tensors, dtype, &[("format", "pt")])?;
+    each_tensor(dir, |_, values| w.put(values))?;
+    w.finish()?;
+    Ok(m)
+}
+
 /// The whole fp32 parameters of checkpoint `dir` (a tag's directory), in flat order, every
 /// shard verified: DeepSpeed's zero_to_fp32.
 pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {

@@ -428,20 +428,22 @@ impl Engine {
         each!(&mut self.core, t => t.take_timings())
     }
 
-    /// Writes the whole model as one safetensors file under the parameter names (fp32): every
-    /// rank helps gather it, data-parallel rank 0 writes it. A collective.
+    /// Writes the whole model as one safetensors file under the parameter names (fp32). A
+    /// collective: every rank saves what it owns as a checkpoint beside `path`, rank 0 writes
+    /// the file from it a tensor at a time and removes it, so no rank holds the model.
     pub fn save_weights(&self, path: &Path) -> Result<()> {
-        let params = self.gather_params()?;
+        let mut staging = path.as_os_str().to_owned();
+        staging.push(".ds-rs-staging");
+        let staging = PathBuf::from(staging);
+        let saved = self.save_checkpoint(&staging, "weights", serde_json::json!({}))?;
+        let mut result = Ok(());
         if self.groups.world().rank() == 0 {
-            let tensors: Vec<(&str, &[usize], &[f32])> = self
-                .all_params
-                .iter()
-                .zip(&params)
-                .map(|(p, (_, v))| (p.name.as_str(), p.shape.as_slice(), v.as_slice()))
-                .collect();
-            weights::save_as(path, &tensors, false)?;
+            result = checkpoint::write_weights(&saved, path, weights::SaveDtype::F32).map(|_| ());
+            std::fs::remove_dir_all(&staging).map_err(|e| EngineError::file(&staging, e))?;
         }
-        Ok(())
+        // no rank returns before the file is there
+        self.groups.world().barrier()?;
+        result
     }
 
     /// Writes checkpoint `dir/tag` (a collective: every rank calls it with the same
