@@ -8,8 +8,6 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, TensorView};
-
 use crate::{crash_point, EngineError, Result};
 
 /// Writes `bytes` to `path` so that `path` either keeps its old content or has all of the new
@@ -33,23 +31,78 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| EngineError::file(dir, e))
 }
 
-/// fp32 tensors as safetensors bytes, in the order given.
-pub fn encode(tensors: &[(&str, &[f32])], metadata: HashMap<String, String>) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors
+/// Writes 1-D fp32 tensors as a safetensors file at `path`, atomically as `write_atomic`
+/// (the same crash points), streaming: the header first, then each tensor through a small
+/// buffer, the CRC32C computed on the way, so a shard is never held as bytes in memory.
+/// Returns the file's size and checksum.
+pub fn write_tensors_atomic(
+    path: &Path,
+    tensors: &[(&str, &[f32])],
+    metadata: &[(&str, String)],
+) -> Result<(u64, u32)> {
+    let tmp = path.with_extension("partial");
+    let err = |e: std::io::Error| EngineError::file(&tmp, e);
+    let mut header = serde_json::Map::new();
+    let meta: serde_json::Map<String, serde_json::Value> = metadata
         .iter()
-        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .map(|(k, v)| (k.to_string(), v.clone().into()))
         .collect();
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, v), b)| {
-            let view = TensorView::new(Dtype::F32, vec![v.len()], b)
-                .expect("invariant: a 1-D f32 view of its own bytes");
-            (name.to_string(), view)
-        })
-        .collect();
-    safetensors::serialize(views, Some(metadata))
-        .map_err(|e| EngineError::Invalid(format!("encoding a checkpoint shard: {e}")))
+    header.insert("__metadata__".into(), meta.into());
+    let mut at = 0usize;
+    for (name, v) in tensors {
+        let len = v.len() * 4;
+        let entry =
+            serde_json::json!({"dtype": "F32", "shape": [v.len()], "data_offsets": [at, at + len]});
+        header.insert(name.to_string(), entry);
+        at += len;
+    }
+    let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = CrcWriter {
+        inner: std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp).map_err(err)?),
+        crc: 0,
+        bytes: 0,
+    };
+    out.write_all(&(text.len() as u64).to_le_bytes())
+        .map_err(err)?;
+    out.write_all(&text).map_err(err)?;
+    let mut chunk = Vec::with_capacity(1 << 16);
+    for (_, v) in tensors {
+        for part in v.chunks(1 << 14) {
+            chunk.clear();
+            chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+            out.write_all(&chunk).map_err(err)?;
+        }
+    }
+    let (crc, bytes) = (out.crc, out.bytes);
+    let f = out.inner.into_inner().map_err(|e| err(e.into_error()))?;
+    crash_point::point("file.written");
+    f.sync_all().map_err(err)?;
+    crash_point::point("file.synced");
+    std::fs::rename(&tmp, path).map_err(|e| EngineError::file(path, e))?;
+    crash_point::point("file.renamed");
+    sync_dir(path.parent().unwrap_or(Path::new(".")))?;
+    Ok((bytes, crc))
+}
+
+/// A writer that keeps the CRC32C and the count of what passes through it.
+struct CrcWriter<W: Write> {
+    inner: W,
+    crc: u32,
+    bytes: u64,
+}
+
+impl<W: Write> Write for CrcWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// A shard file checked against its recorded size and checksum, from which a rank then reads

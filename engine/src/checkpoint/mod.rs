@@ -197,18 +197,12 @@ fn shard_name(rank: usize) -> String {
 fn write_shard(dir: &Path, rank: usize, s: &RankState, d: &Description) -> Result<(u64, u32)> {
     let mut tensors: Vec<(&str, &[f32])> = vec![("master", &s.master)];
     tensors.extend(s.buffers.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
-    let meta = HashMap::from([
-        ("start".to_string(), s.owned.start.to_string()),
-        ("end".to_string(), s.owned.end.to_string()),
-        (
-            "global_steps".to_string(),
-            d.counters.global_steps.to_string(),
-        ),
-    ]);
-    let bytes = files::encode(&tensors, meta)?;
-    let path = dir.join(shard_name(rank));
-    write_atomic(&path, &bytes)?;
-    Ok((bytes.len() as u64, crc32c::crc32c(&bytes)))
+    let meta = [
+        ("start", s.owned.start.to_string()),
+        ("end", s.owned.end.to_string()),
+        ("global_steps", d.counters.global_steps.to_string()),
+    ];
+    files::write_tensors_atomic(&dir.join(shard_name(rank)), &tensors, &meta)
 }
 
 /// Every rank's (range, size, checksum), in rank order; ranks that wrote nothing are left out.
