@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""The peer of `ds-rs train --model DIR`: DeepSpeed 0.19.8 training transformers'
+LlamaForCausalLM from the same Hugging Face directory, on CPU (fp32), with the same
+ds_config, on the peer benchmark's token stream (../shared/bench/make_tokens.py), windows of
+seq + 1 tokens taken in order and split over the ranks as ds-rs splits them.
+
+  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 \
+      scripts/bench/llama_peer.py --model DIR --seq-len 256 --ds-config cfg.json
+
+Prints one JSON line: median tokens/s over the timed steps, losses, peak RSS per rank.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--ds-config", required=True)
+    ap.add_argument("--tokens", required=True, help="a uint16 token file")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    a = ap.parse_args()
+    with open(a.ds_config) as f:
+        ds_config = json.load(f)
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if n > 0:
+        torch.set_num_threads(n)
+    model = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation=a.attn)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    mb = engine.train_micro_batch_size_per_gpu()
+    t = a.seq_len
+    tokens = np.fromfile(a.tokens, dtype="<u2").astype(np.int64)
+    windows = len(tokens) // (t + 1)
+    times, losses = [], []
+    for step in range(a.warmup + a.steps):
+        first = (step * world * mb + rank * mb) % (windows - mb)
+        x = torch.from_numpy(tokens[first * (t + 1):(first + mb) * (t + 1)].reshape(mb, t + 1))
+        t0 = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gathered = [None] * world
+    dist.all_gather_object(gathered, dict(rss=rss, times=times))
+    if rank == 0:
+        step_s = statistics.median(max(g["times"][i] for g in gathered) for i in range(a.warmup, len(times)))
+        print(json.dumps(dict(impl="deepspeed", model=a.model, world=world, micro_batch=mb, seq_len=t,
+                              zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
+                              tokens_per_s=world * mb * t / step_s, step_ms_median=1e3 * step_s,
+                              losses=[round(v, 5) for v in losses],
+                              peak_rss_mib_per_rank=[round(g["rss"], 1) for g in gathered])))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
