@@ -194,3 +194,33 @@ fn save_hf_refusals() {
     assert!(f.stderr.contains("--save-weights"), "{}", f.stderr);
     assert!(!out.exists(), "nothing written");
 }
+
+/// GPT-2's export: its Conv1D weights go out transposed ([in, out]) and its tied head is left
+/// out, as in transformers' own file; the directory trains on from where it stopped.
+#[test]
+fn gpt2_exports_in_transformers_layout() {
+    let s = Scratch::new("hf-gpt2");
+    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf/gpt2");
+    let out = s.path("out");
+    let cmd = format!(
+        "launch --nproc_per_node 2 train --model {} --seq-len 16 --steps 2 --tp 2 \
+         --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-hf {}",
+        gpt2.display(),
+        s.path("m").display(),
+        out.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+    assert_eq!(
+        header(&out.join("model.safetensors")),
+        header(&gpt2.join("model.safetensors"))
+    );
+    let again = format!(
+        "train --model {} --seq-len 16 --steps 1 --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+        out.display(),
+        s.path("m2").display()
+    );
+    let f = run(&again, LIMIT);
+    assert!(f.status.success(), "{again}\n{}", f.stderr);
+    assert!(f.stdout.contains("from its weights"), "{}", f.stdout);
+}

@@ -48,6 +48,35 @@ pub struct GptConfig {
     pub tie_embeddings: bool,
 }
 
+/// What differs between the peer's GPT and Hugging Face's GPT-2 (`GPT2LMHeadModel`) of the
+/// same sizes: the MLP's width (GPT-2's `n_inner`), LayerNorm's epsilon, and the parameter
+/// names (GPT-2's under `transformer.`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptVariant {
+    pub mlp: usize,
+    pub ln_eps: f64,
+    pub hf_names: bool,
+}
+
+impl GptVariant {
+    /// The peer benchmark's GPT: 4d, 1e-5, its own names.
+    pub fn peer(c: &GptConfig) -> GptVariant {
+        GptVariant {
+            mlp: 4 * c.d,
+            ln_eps: LN_EPS,
+            hf_names: false,
+        }
+    }
+
+    /// A name under GPT-2's `transformer.` module when the variant uses its names.
+    fn module(&self, name: &str) -> String {
+        match self.hf_names {
+            true => format!("transformer.{name}"),
+            false => name.to_string(),
+        }
+    }
+}
+
 /// The presets of ../shared/bench/gpt.py.
 pub const PRESETS: [(&str, GptConfig); 3] = [
     (
@@ -114,15 +143,25 @@ impl GptConfig {
     /// Parameter count: embeddings, L blocks of 12d^2 + 13d, final LayerNorm, lm_head
     /// (once: a tied head is the embedding).
     pub fn n_params(&self) -> usize {
+        self.n_params_of(&GptVariant::peer(self))
+    }
+
+    /// The parameter count with `v`'s MLP width m: blocks of 4d^2 + 2dm + 9d + m.
+    pub fn n_params_of(&self, v: &GptVariant) -> usize {
         let GptConfig { V, T, d, L, .. } = *self;
+        let m = v.mlp;
         let head = if self.tie_embeddings { 0 } else { V * d };
-        V * d + T * d + L * (12 * d * d + 13 * d) + 2 * d + head
+        V * d + T * d + L * (4 * d * d + 2 * d * m + 9 * d + m) + 2 * d + head
     }
 
     /// Model FLOPs per trained token (forward + backward): 6 per parameter for the matrix
     /// products plus 12 L T d for attention's scores and weighted sums (the PaLM paper's count).
     pub fn flops_per_token(&self) -> f64 {
-        6.0 * self.n_params() as f64 + 12.0 * (self.L * self.T * self.d) as f64
+        self.flops_per_token_of(&GptVariant::peer(self))
+    }
+
+    pub fn flops_per_token_of(&self, v: &GptVariant) -> f64 {
+        6.0 * self.n_params_of(v) as f64 + 12.0 * (self.L * self.T * self.d) as f64
     }
 
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
@@ -135,8 +174,12 @@ impl GptConfig {
     /// whole heads per rank, the MLP width and the vocabulary in equal parts); the error
     /// names the numbers.
     pub fn check_tp(&self, tp: usize) -> std::result::Result<(), String> {
-        let GptConfig { V, d, H, .. } = *self;
-        let bad: Vec<String> = [("heads H", H), ("MLP width 4d", 4 * d), ("vocabulary V", V)]
+        self.check_tp_of(tp, &GptVariant::peer(self))
+    }
+
+    pub fn check_tp_of(&self, tp: usize, v: &GptVariant) -> std::result::Result<(), String> {
+        let GptConfig { V, H, .. } = *self;
+        let bad: Vec<String> = [("heads H", H), ("MLP width", v.mlp), ("vocabulary V", V)]
             .iter()
             .filter(|(_, n)| tp == 0 || n % tp != 0)
             .map(|(what, n)| format!("{what} = {n}"))
@@ -154,12 +197,18 @@ impl GptConfig {
     /// q|k|v and MLP input, row-parallel projections, vocabulary-parallel embedding, LM head
     /// and cross-entropy. Names, shapes and initial values stay those of the logical model.
     pub fn build_parallel(&self, tp: &Tp) -> std::result::Result<Model, String> {
-        self.check_tp(tp.size())?;
-        let mut m = Model::new().layer("", Embeddings(*self, tp.clone()));
+        self.build_variant(tp, &GptVariant::peer(self))
+    }
+
+    /// The model of variant `v` (Hugging Face's GPT-2 with its names, MLP width and epsilon).
+    pub fn build_variant(&self, tp: &Tp, v: &GptVariant) -> std::result::Result<Model, String> {
+        self.check_tp_of(tp.size(), v)?;
+        let top = if v.hf_names { "transformer" } else { "" };
+        let mut m = Model::new().layer(top, Embeddings(*self, tp.clone()));
         for i in 0..self.L {
-            m = m.layer(&format!("h.{i}"), Block(*self, tp.clone()));
+            m = m.layer(&v.module(&format!("h.{i}")), Block(*self, tp.clone(), *v));
         }
-        let m = m.layer("", Head(*self, tp.clone()));
+        let m = m.layer("", Head(*self, tp.clone(), *v));
         Ok(match tp.size() {
             1 => m.layer("", CrossEntropyLoss),
             _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
@@ -260,7 +309,7 @@ impl Tape for EmbeddingsTape {
 /// q|k|v and the MLP's first linear are column-parallel (each rank owns whole heads and
 /// 4d/tp of the MLP width), the two output projections row-parallel; LayerNorms and the
 /// projections' biases are replicated.
-struct Block(GptConfig, Tp);
+struct Block(GptConfig, Tp, GptVariant);
 
 /// A block's parameters, each a (weight, bias) pair, in declaration order.
 struct BlockParams {
@@ -274,7 +323,7 @@ struct BlockParams {
 
 impl BlockParams {
     /// This rank's slices: the local shapes of `Block::params` at degree `tp`.
-    fn new(vb: &VarBuilder, d: usize, tp: usize) -> Result<BlockParams> {
+    fn new(vb: &VarBuilder, d: usize, mlp: usize, tp: usize) -> Result<BlockParams> {
         let ln = |n: &str| -> Result<(Tensor, Tensor)> {
             Ok((
                 vb.get(d, &format!("{n}.weight"))?,
@@ -292,8 +341,8 @@ impl BlockParams {
             c_attn: lin("attn.c_attn", 3 * d / tp, d)?,
             attn_proj: lin("attn.c_proj", d, d / tp)?,
             ln_2: ln("ln_2")?,
-            c_fc: lin("mlp.c_fc", 4 * d / tp, d)?,
-            mlp_proj: lin("mlp.c_proj", d, 4 * d / tp)?,
+            c_fc: lin("mlp.c_fc", mlp / tp, d)?,
+            mlp_proj: lin("mlp.c_proj", d, mlp / tp)?,
         })
     }
 }
@@ -301,6 +350,7 @@ impl BlockParams {
 /// What a block's backward reads: the activations of its forward.
 struct BlockTape {
     c: GptConfig,
+    v: GptVariant,
     tp: Tp,
     x: Tensor,
     h1: Tensor,
@@ -314,20 +364,21 @@ struct BlockTape {
 
 impl Block {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
-        let (c, tp) = (self.0, &self.1);
-        let p = BlockParams::new(vb, c.d, tp.size())?;
+        let (c, tp, v) = (self.0, &self.1, self.2);
+        let p = BlockParams::new(vb, c.d, v.mlp, tp.size())?;
         let x = x.contiguous()?;
         // Note [gather and reduce]: x, h1, x2, h2 and the output are this rank's positions
         // under sequence parallelism, whole otherwise
-        let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, LN_EPS)?;
+        let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, v.ln_eps)?;
         let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn)?;
         let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
-        let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, LN_EPS)?;
+        let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, v.ln_eps)?;
         let f = linear(&tp.gather(&h2)?, &p.c_fc.0, Some(&p.c_fc.1))?;
         let g = gelu(&f)?;
         let output = (&x2 + row_parallel_linear(tp, &g, &p.mlp_proj.0, &p.mlp_proj.1)?)?;
         let tape = BlockTape {
             c,
+            v,
             tp: tp.clone(),
             x,
             h1,
@@ -347,6 +398,14 @@ impl Block {
 impl Layer for Block {
     fn params(&self) -> Vec<ParamSpec> {
         let d = self.0.d;
+        // GPT-2's Conv1D keeps its weights as [in, out] in Hugging Face's files
+        let matrix = |name: String, shape: &[usize]| {
+            let p = ParamSpec::new(&name, shape, WEIGHT_INIT);
+            match self.2.hf_names {
+                true => p.stored_transposed(),
+                false => p,
+            }
+        };
         let ln = |n: &str| {
             [
                 ParamSpec::new(&format!("{n}.weight"), &[d], Init::Ones).norm(),
@@ -357,14 +416,14 @@ impl Layer for Block {
         let column = |n: &str, out: usize, blocks: usize| {
             let split = Split::Dim { dim: 0, blocks };
             [
-                ParamSpec::new(&format!("{n}.weight"), &[out, d], WEIGHT_INIT).split(split),
+                matrix(format!("{n}.weight"), &[out, d]).split(split),
                 ParamSpec::new(&format!("{n}.bias"), &[out], Init::Zeros).split(split),
             ]
         };
         // row-parallel: weight split by input columns, bias replicated
         let row = |n: &str, inp: usize| {
             [
-                ParamSpec::new(&format!("{n}.weight"), &[d, inp], WEIGHT_INIT).split(Split::dim(1)),
+                matrix(format!("{n}.weight"), &[d, inp]).split(Split::dim(1)),
                 ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
             ]
         };
@@ -373,8 +432,8 @@ impl Layer for Block {
             column("attn.c_attn", 3 * d, 3),
             row("attn.c_proj", d),
             ln("ln_2"),
-            column("mlp.c_fc", 4 * d, 1),
-            row("mlp.c_proj", 4 * d),
+            column("mlp.c_fc", self.2.mlp, 1),
+            row("mlp.c_proj", self.2.mlp),
         ]
         .concat()
     }
@@ -392,8 +451,8 @@ impl Layer for Block {
     /// sequence (2 T d per token). Normalisation and activations are left out.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         let (d, seq) = (self.0.d as u64, *shape.get(1)? as u64);
-        let tp = self.1.size() as u64;
-        Some(2 * rows(shape) as u64 * (12 * d * d + 2 * seq * d) / tp)
+        let (tp, m) = (self.1.size() as u64, self.2.mlp as u64);
+        Some(2 * rows(shape) as u64 * (4 * d * d + 2 * d * m + 2 * seq * d) / tp)
     }
 }
 
@@ -409,9 +468,10 @@ impl Tape for BlockTape {
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let p = BlockParams::new(vb, self.c.d, self.tp.size())?;
+        let p = BlockParams::new(vb, self.c.d, self.v.mlp, self.tp.size())?;
         let BlockTape {
             c,
+            v,
             tp,
             x,
             h1,
@@ -428,14 +488,15 @@ impl Tape for BlockTape {
         // a column-parallel input's gradient: the sum of every rank's part
         let dh2 = tp.reduce(&fc.dx)?;
         let (dx2_ln, dln_2w, dln_2b) =
-            layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &dh2, LN_EPS)?;
+            layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &dh2, v.ln_eps)?;
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
         let aproj = linear_backward(&attn.out, &p.attn_proj.0, &tp.gather(&dx2)?)?;
         let dqkv = attn.backward(c.H / tp.size(), &aproj.dx)?;
         let qkv = linear_backward(&tp.gather(&h1)?, &p.c_attn.0, &dqkv)?;
         let dh1 = tp.reduce(&qkv.dx)?;
-        let (dx_ln, dln_1w, dln_1b) = layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &dh1, LN_EPS)?;
+        let (dx_ln, dln_1w, dln_1b) =
+            layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &dh1, v.ln_eps)?;
         // the replicated parameters' gradients, from this rank's positions under sequence
         // parallelism: summed over the group
         let partial = tp.sum_partial_grads(vec![
@@ -536,10 +597,11 @@ fn scale(hd: usize) -> f64 {
 
 /// Final LayerNorm and lm_head (tied to wte with `tie_embeddings`): [B, T, d] to logits [B, T, V]; under tensor
 /// parallelism lm_head is split by vocabulary rows and a rank's logits are its V/tp columns.
-struct Head(GptConfig, Tp);
+struct Head(GptConfig, Tp, GptVariant);
 
 struct HeadTape {
     c: GptConfig,
+    v: GptVariant,
     tp: Tp,
     x: Tensor,
     h: Tensor,
@@ -547,20 +609,28 @@ struct HeadTape {
 
 impl Head {
     /// ln_f's (weight, bias) and this rank's rows of lm_head's weight.
-    fn params(c: GptConfig, tp: &Tp, vb: &VarBuilder) -> Result<((Tensor, Tensor), Tensor)> {
-        let ln_f = (vb.get(c.d, "ln_f.weight")?, vb.get(c.d, "ln_f.bias")?);
+    fn params(
+        c: GptConfig,
+        v: &GptVariant,
+        tp: &Tp,
+        vb: &VarBuilder,
+    ) -> Result<((Tensor, Tensor), Tensor)> {
+        let ln_f = (
+            vb.get(c.d, &v.module("ln_f.weight"))?,
+            vb.get(c.d, &v.module("ln_f.bias"))?,
+        );
         Ok((ln_f, vb.get((c.V / tp.size(), c.d), "lm_head.weight")?))
     }
 }
 
 impl Head {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
-        let (c, tp) = (self.0, self.1.clone());
-        let (ln_f, lm_head) = Head::params(c, &tp, vb)?;
+        let (c, tp, v) = (self.0, self.1.clone(), self.2);
+        let (ln_f, lm_head) = Head::params(c, &v, &tp, vb)?;
         let x = x.contiguous()?;
-        let h = layer_norm(&x, &ln_f.0, &ln_f.1, LN_EPS)?;
+        let h = layer_norm(&x, &ln_f.0, &ln_f.1, v.ln_eps)?;
         let output = linear(&tp.gather(&h)?, &lm_head, None)?;
-        let tape = HeadTape { c, tp, x, h };
+        let tape = HeadTape { c, v, tp, x, h };
         Ok(Taped {
             output,
             tape: Box::new(tape),
@@ -570,13 +640,13 @@ impl Head {
 
 impl Layer for Head {
     fn params(&self) -> Vec<ParamSpec> {
-        let c = self.0;
+        let (c, v) = (self.0, self.2);
         let head = ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0));
         vec![
-            ParamSpec::new("ln_f.weight", &[c.d], Init::Ones).norm(),
-            ParamSpec::new("ln_f.bias", &[c.d], Init::Zeros).norm(),
+            ParamSpec::new(&v.module("ln_f.weight"), &[c.d], Init::Ones).norm(),
+            ParamSpec::new(&v.module("ln_f.bias"), &[c.d], Init::Zeros).norm(),
             match c.tie_embeddings {
-                true => head.tied_to("wte.weight"),
+                true => head.tied_to(&v.module("wte.weight")),
                 false => head,
             },
         ]
@@ -601,12 +671,12 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (ln_f, lm_head) = Head::params(self.c, &self.tp, vb)?;
+        let (ln_f, lm_head) = Head::params(self.c, &self.v, &self.tp, vb)?;
         let dy = dy.to_dtype(self.h.dtype())?;
         let head = linear_backward(&self.tp.gather(&self.h)?, &lm_head, &dy)?;
         // lm_head is column-parallel over the vocabulary: its input gradient is summed
         let dh = self.tp.reduce(&head.dx)?;
-        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, LN_EPS)?;
+        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, self.v.ln_eps)?;
         let mut ln_f = self.tp.sum_partial_grads(vec![dw, db])?;
         let db = ln_f.pop().expect("invariant: two gradients");
         let dw = ln_f.pop().expect("invariant: two gradients");

@@ -9,7 +9,7 @@ use ds_engine::model::weights::{SaveDtype, StreamingWriter, HF_INDEX, HF_WEIGHTS
 use serde_json::Value;
 
 use crate::llama::EMBED;
-use crate::{err, ModelError};
+use crate::{err, Arch, ModelError, ModelSpec};
 
 /// How to write the directory.
 #[derive(Debug, Clone, Copy)]
@@ -42,15 +42,22 @@ pub fn export_checkpoint(
     opts: &ExportOptions,
 ) -> Result<Exported, ModelError> {
     let m = Manifest::read(tag_dir).map_err(|e| err(e.to_string()))?;
-    let tied = config["tie_word_embeddings"].as_bool() == Some(true);
+    let transposed = stored_transposed(config)?;
+    let tied = config["tie_word_embeddings"]
+        .as_bool()
+        .unwrap_or(config["model_type"] == "gpt2");
     let keep = |name: &str| !(tied && name == "lm_head.weight");
     let tensors: Vec<(String, Vec<usize>)> = m
         .params
         .iter()
         .filter(|p| keep(&p.name))
-        .map(|p| (p.name.clone(), p.shape.clone()))
+        .map(|p| match transposed.contains(&p.name) {
+            true => (p.name.clone(), p.shape.iter().rev().copied().collect()),
+            false => (p.name.clone(), p.shape.clone()),
+        })
         .collect();
-    if tied && !tensors.iter().any(|(n, _)| n == EMBED) {
+    let owners = [EMBED, "transformer.wte.weight"];
+    if tied && !tensors.iter().any(|(n, _)| owners.contains(&n.as_str())) {
         return Err(err(format!(
             "{}: a tied model without {EMBED}",
             tag_dir.display()
@@ -85,7 +92,10 @@ pub fn export_checkpoint(
             )?);
         }
         let w = writer.as_mut().expect("invariant: a shard is open");
-        w.put(values)?;
+        match transposed.contains(&p.name) {
+            true => w.put(&transpose(values, p.shape[0], p.shape[1]))?,
+            false => w.put(values)?,
+        }
         exported.bytes += (values.len() * opts.dtype.width()) as u64;
         if shards[s].end == k + 1 {
             writer
@@ -101,6 +111,35 @@ pub fn export_checkpoint(
         write_index(out, &tensors, &shards, &names, exported.bytes)?;
     }
     Ok(exported)
+}
+
+/// The parameters whose files hold them transposed (GPT-2's Conv1D weights), by name.
+fn stored_transposed(config: &Value) -> Result<std::collections::HashSet<String>, ModelError> {
+    let arch = Arch::from_hf_json(config).map_err(|e| err(format!("the model's config: {e}")))?;
+    let spec = ModelSpec {
+        arch,
+        seq_len: 1,
+        weights: None,
+        source_config: None,
+    };
+    let model = spec.build(&ds_engine::parallel::Tp::none()).map_err(err)?;
+    Ok(model
+        .params()
+        .into_iter()
+        .filter(|p| p.stored_transposed)
+        .map(|p| p.name)
+        .collect())
+}
+
+/// A [rows, cols] matrix's transpose.
+fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = v[r * cols + c];
+        }
+    }
+    t
 }
 
 /// Consecutive tensors grouped into shards of at most `max_shard_bytes` each.

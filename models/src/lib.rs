@@ -3,6 +3,8 @@
 //! decoders from a preset or a model directory (config.json, and safetensors weights when
 //! present). The engine stays model-agnostic: it sees `ds_engine::model::Model`s.
 
+mod fields;
+pub mod gpt2;
 pub mod hf_export;
 pub mod llama;
 
@@ -13,6 +15,8 @@ use ds_engine::model::weights;
 use ds_engine::model::Model;
 use ds_engine::parallel::Tp;
 
+pub use fields::ConfigProblem;
+pub use gpt2::Gpt2Config;
 pub use llama::LlamaConfig;
 
 /// A model description that cannot be used, naming the file and field.
@@ -28,7 +32,23 @@ fn err(msg: impl Into<String>) -> ModelError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Arch {
     Gpt(GptConfig),
+    /// Hugging Face's GPT-2: the GPT's layers under its names.
+    Gpt2(Gpt2Config),
     Llama(LlamaConfig),
+}
+
+impl Arch {
+    /// A Hugging Face config.json's model, by its `model_type`.
+    pub fn from_hf_json(v: &serde_json::Value) -> Result<Arch, ConfigProblem> {
+        match v.get("model_type").and_then(|t| t.as_str()) {
+            Some("gpt2") => Gpt2Config::from_hf_json(v).map(Arch::Gpt2),
+            Some(t) if !llama::Family::SUPPORTED.contains(&t) => Err(ConfigProblem(format!(
+                "`model_type` \"{t}\" is not supported; supported: gpt2, {}",
+                llama::Family::SUPPORTED.join(", ")
+            ))),
+            _ => LlamaConfig::from_hf_json(v).map(Arch::Llama),
+        }
+    }
 }
 
 /// What `--model` names: an architecture, the sequence length it trains at, and the weights
@@ -56,11 +76,15 @@ impl ModelSpec {
             (Arch::Llama(p.config), p.seq_len, None)
         } else if Path::new(spec).is_dir() {
             let dir = Path::new(spec);
-            let (c, json) = read_hf_config(dir)?;
+            let (arch, json) = read_hf_config(dir)?;
             source_config = Some(json);
-            let len = c.max_position_embeddings;
+            let len = match &arch {
+                Arch::Llama(c) => c.max_position_embeddings,
+                Arch::Gpt2(c) => c.gpt.T,
+                Arch::Gpt(c) => c.T,
+            };
             let w = weights::has_weights(dir).then(|| dir.to_path_buf());
-            (Arch::Llama(c), len, w)
+            (arch, len, w)
         } else if spec.ends_with(".json") {
             let c = GptConfig::from_json_file(Path::new(spec)).map_err(|e| err(e.to_string()))?;
             (Arch::Gpt(c), c.T, None)
@@ -87,10 +111,15 @@ impl ModelSpec {
         if self.seq_len == 0 {
             return Err("the sequence length must be positive".into());
         }
-        match &self.arch {
-            Arch::Gpt(c) if self.seq_len > c.T => Err(format!(
-                "sequence length {} is longer than the GPT's T = {} (its position table)",
-                self.seq_len, c.T
+        let positions = match &self.arch {
+            Arch::Gpt(c) => Some(c.T),
+            Arch::Gpt2(c) => Some(c.gpt.T),
+            Arch::Llama(_) => None,
+        };
+        match positions {
+            Some(t) if self.seq_len > t => Err(format!(
+                "sequence length {} is longer than the model's {t} positions (its position table)",
+                self.seq_len
             )),
             _ => Ok(()),
         }
@@ -99,6 +128,7 @@ impl ModelSpec {
     pub fn vocab_size(&self) -> usize {
         match &self.arch {
             Arch::Gpt(c) => c.V,
+            Arch::Gpt2(c) => c.gpt.V,
             Arch::Llama(c) => c.vocab_size,
         }
     }
@@ -107,6 +137,7 @@ impl ModelSpec {
     pub fn hidden_size(&self) -> usize {
         match &self.arch {
             Arch::Gpt(c) => c.d,
+            Arch::Gpt2(c) => c.gpt.d,
             Arch::Llama(c) => c.hidden_size,
         }
     }
@@ -114,6 +145,7 @@ impl ModelSpec {
     pub fn n_params(&self) -> usize {
         match &self.arch {
             Arch::Gpt(c) => c.n_params(),
+            Arch::Gpt2(c) => c.gpt.n_params_of(&c.variant),
             Arch::Llama(c) => c.n_params(),
         }
     }
@@ -122,6 +154,7 @@ impl ModelSpec {
     pub fn flops_per_token(&self) -> f64 {
         match &self.arch {
             Arch::Gpt(c) => c.flops_per_token(),
+            Arch::Gpt2(c) => c.gpt.flops_per_token_of(&c.variant),
             Arch::Llama(c) => c.flops_per_token(self.seq_len),
         }
     }
@@ -130,6 +163,7 @@ impl ModelSpec {
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
         match &self.arch {
             Arch::Gpt(c) => c.check_tp(tp),
+            Arch::Gpt2(c) => c.gpt.check_tp_of(tp, &c.variant),
             Arch::Llama(c) => c.check_tp(tp),
         }
     }
@@ -138,6 +172,7 @@ impl ModelSpec {
     pub fn build(&self, tp: &Tp) -> Result<Model, String> {
         match &self.arch {
             Arch::Gpt(c) => c.build_parallel(tp),
+            Arch::Gpt2(c) => c.gpt.build_variant(tp, &c.variant),
             Arch::Llama(c) => llama::build(c, tp),
         }
     }
@@ -146,6 +181,7 @@ impl ModelSpec {
     pub fn architecture(&self) -> &'static str {
         match &self.arch {
             Arch::Gpt(_) => "GPT",
+            Arch::Gpt2(_) => "GPT2LMHeadModel",
             Arch::Llama(c) => c.family.architecture(),
         }
     }
@@ -154,6 +190,7 @@ impl ModelSpec {
     pub fn summary(&self) -> serde_json::Value {
         let mut v = match &self.arch {
             Arch::Gpt(c) => serde_json::json!({"V": c.V, "T": c.T, "d": c.d, "H": c.H, "L": c.L}),
+            Arch::Gpt2(c) => c.to_hf_json(),
             Arch::Llama(c) => serde_json::json!({
                 "model_type": c.family.model_type(),
                 "vocab_size": c.vocab_size,
@@ -181,7 +218,8 @@ impl ModelSpec {
     pub fn hf_config(&self) -> Option<serde_json::Value> {
         match (&self.arch, &self.source_config) {
             (Arch::Gpt(_), _) => None,
-            (Arch::Llama(_), Some(json)) => Some(json.clone()),
+            (_, Some(json)) => Some(json.clone()),
+            (Arch::Gpt2(c), None) => Some(c.to_hf_json()),
             (Arch::Llama(c), None) => Some(c.to_hf_json()),
         }
     }
@@ -191,9 +229,9 @@ impl ModelSpec {
     pub fn gpt(&self) -> Result<&GptConfig, String> {
         match &self.arch {
             Arch::Gpt(c) => Ok(c),
-            Arch::Llama(c) => Err(format!(
+            _ => Err(format!(
                 "{} is not modelled by this command yet (the built-in GPT is)",
-                c.family.architecture()
+                self.architecture()
             )),
         }
     }
@@ -206,13 +244,13 @@ pub fn preset_names() -> Vec<&'static str> {
         .collect()
 }
 
-/// A model directory's config.json, as a Llama-family config and as read.
-pub fn read_hf_config(dir: &Path) -> Result<(LlamaConfig, serde_json::Value), ModelError> {
+/// A model directory's config.json, as an architecture and as read.
+pub fn read_hf_config(dir: &Path) -> Result<(Arch, serde_json::Value), ModelError> {
     let path = dir.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| err(format!("{}: {e}", path.display())))?;
-    let c = LlamaConfig::from_hf_json(&v).map_err(|e| err(format!("{}: {e}", path.display())))?;
-    Ok((c, v))
+    let arch = Arch::from_hf_json(&v).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    Ok((arch, v))
 }

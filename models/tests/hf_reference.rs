@@ -23,7 +23,7 @@ use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
-const FAMILIES: [&str; 3] = ["llama", "qwen2", "mistral"];
+const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -104,10 +104,13 @@ fn forward_backward(dir: &Path, r: &Reference) -> (f32, Tensor, HashMap<String, 
                 let w = weights
                     .get(&full.name)
                     .or_else(|| weights.get(full.value_name()));
-                (
-                    local.name,
-                    w.unwrap_or_else(|| panic!("{}", full.name)).clone(),
-                )
+                let w = w.unwrap_or_else(|| panic!("{}", full.name)).clone();
+                // GPT-2's Conv1D weights are [in, out] in its files
+                let w = match full.stored_transposed {
+                    true => w.t().unwrap().contiguous().unwrap(),
+                    false => w,
+                };
+                (local.name, w)
             })
             .collect();
         let vb = VarBuilder::from_tensors(local, DType::F32, &dev);
@@ -124,6 +127,10 @@ fn forward_backward(dir: &Path, r: &Reference) -> (f32, Tensor, HashMap<String, 
     for (layer, (tape, vb)) in model.layers().iter().zip(tapes).rev() {
         let g = tape.backward(&dy, &vb).unwrap();
         for (p, grad) in layer.params().iter().zip(g.params) {
+            let grad = match p.stored_transposed {
+                true => grad.t().unwrap().contiguous().unwrap(),
+                false => grad,
+            };
             // a tied copy's gradient adds to its owner's, as the engine sums them
             let name = p.value_name().to_string();
             let sum = match grads.remove(&name) {

@@ -39,6 +39,7 @@ pub trait GradStore<T: Element>: Send {
     fn finish(&mut self, boundary: bool) -> Result<()>;
     /// The reduced, averaged gradients of `owned` (valid after the boundary's `finish`).
     fn owned(&self, owned: Range<usize>) -> &[T];
+    fn owned_mut(&mut self, owned: Range<usize>) -> &mut [T];
     fn zero(&mut self) -> Result<()>;
     /// Bytes of gradients held between steps.
     fn bytes(&self) -> usize;
@@ -108,6 +109,10 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 
     fn owned(&self, owned: Range<usize>) -> &[T] {
         &self.grads[owned]
+    }
+
+    fn owned_mut(&mut self, owned: Range<usize>) -> &mut [T] {
+        &mut self.grads[owned]
     }
 
     fn zero(&mut self) -> Result<()> {
@@ -294,6 +299,10 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
 
     fn owned(&self, _owned: Range<usize>) -> &[T] {
         &self.shard
+    }
+
+    fn owned_mut(&mut self, _owned: Range<usize>) -> &mut [T] {
+        &mut self.shard
     }
 
     fn zero(&mut self) -> Result<()> {

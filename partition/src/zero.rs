@@ -236,6 +236,46 @@ impl<T: Element> Zero<T> {
         self.grads.finish(boundary)
     }
 
+    /// Sums the reduced gradients of two flat ranges of one length (a tied parameter's two
+    /// uses) into both, where each rank holds only its shard of them (stages 2-3): piece by
+    /// piece, every rank contributes the parts it owns of both ranges to one all-reduce
+    /// (a sum with zeros: exact), then writes `a + b`, taken in f32, into its parts. The
+    /// result is the bits of the whole-buffer sum at stages 0-1.
+    pub fn sum_sharded_pair(&mut self, a: Range<usize>, b: Range<usize>) -> Result<()> {
+        const PIECE: usize = 1 << 20;
+        let (n, owned) = (a.len(), self.owned.clone());
+        let mut buf = vec![T::default(); 2 * PIECE.min(n)];
+        let mut at = 0;
+        while at < n {
+            let len = PIECE.min(n - at);
+            let buf = &mut buf[..2 * len];
+            buf.fill(T::default());
+            let pieces = [
+                a.start + at..a.start + at + len,
+                b.start + at..b.start + at + len,
+            ];
+            let mine = |r: &Range<usize>| r.start.max(owned.start)..r.end.min(owned.end);
+            let grads = self.grads.owned(owned.clone());
+            for (half, r) in pieces.iter().enumerate() {
+                let m = mine(r);
+                if m.start < m.end {
+                    let dst = half * len + (m.start - r.start)..half * len + (m.end - r.start);
+                    buf[dst].copy_from_slice(&grads[m.start - owned.start..m.end - owned.start]);
+                }
+            }
+            self.group.all_reduce(buf, ReduceOp::Sum)?;
+            let grads = self.grads.owned_mut(owned.clone());
+            for r in &pieces {
+                for e in mine(r) {
+                    let i = e - r.start;
+                    grads[e - owned.start] = T::from_f32(buf[i].to_f32() + buf[len + i].to_f32());
+                }
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
     /// The reduced gradients of the owned range.
     pub fn owned_grads(&self) -> &[T] {
         self.grads.owned(self.owned.clone())

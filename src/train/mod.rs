@@ -149,7 +149,6 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
         // stages that split the model's layers, a ZeRO stage that combines with them
         ds_engine::pipeline_layout(&cfg, &layers)?;
     }
-    ds_engine::check_ties(&cfg, &layers)?;
     if args.save_hf.is_some() {
         hf_out::check(args, &model, &cfg)?;
     }

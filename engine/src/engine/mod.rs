@@ -39,7 +39,6 @@ pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
 pub use program::{check_optimizer, program_optimizer_line};
 pub use settings::{CpuOffload, Precision, Settings};
-pub use tied::check_ties;
 use trainer::Trainer;
 pub use update::{StepOutcome, STEP_PIECE};
 
@@ -159,7 +158,6 @@ impl Engine {
 
         // Settings the engine cannot carry out would otherwise be ignored.
         config.check_implemented()?;
-        tied::check_ties(config, &model)?;
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
         // every parameter of the whole model, split as tensor parallelism asks, and the
         // pipeline stage that holds it (checkpoints record the whole model)

@@ -3,13 +3,14 @@
 //! values; before every optimizer step the two gradients are summed into both slots
 //! (DeepSpeed's ReduceTiedGrads), so the two updates, and the two copies, stay bit-identical.
 //! When the two layers sit on different pipeline stages, the sum is an exchange between the
-//! two stages' ranks; on one stage it is a local sum. The copy's gradient is left out of the
-//! gradient norm, which counts the parameter once.
+//! two stages' ranks; on one stage it is a local sum, or at ZeRO 2-3, where each rank holds a
+//! shard of the gradients, one all-reduce assembling the pair's pieces. The copy's gradient is
+//! left out of the gradient norm, which counts the parameter once.
 
 use std::ops::Range;
 
 use ds_comm::{Element, Group};
-use ds_partition::FlatIndex;
+use ds_partition::{FlatIndex, Zero};
 
 use crate::model::ParamSpec;
 use crate::{EngineError, Result};
@@ -43,20 +44,6 @@ impl Tie {
             } => Some(range.clone()),
             Tie::Remote { .. } => None,
         }
-    }
-}
-
-/// Tied parameters need whole gradients (ZeRO stage 0 or 1): `train` checks it before any
-/// rank starts, `Engine::initialize` for programs embedding the engine.
-pub fn check_ties(config: &ds_config::Config, model: &crate::model::Model) -> Result<()> {
-    let tied = model.params().into_iter().find(|p| p.tied.is_some());
-    match (tied, config.zero_stage()) {
-        (Some(p), stage) if stage.partitions_gradients() => Err(EngineError::Invalid(format!(
-            "zero_optimization.stage = {stage}: tied parameters ({} tied to {}) need ZeRO stage 0 or 1 (their gradients are summed from whole gradient buffers)",
-            p.name,
-            p.tied.unwrap_or_default()
-        ))),
-        _ => Ok(()),
     }
 }
 
@@ -150,6 +137,23 @@ pub(crate) fn reduce_tied<T: Element>(
                 for ((g, m), t) in grads[range.clone()].iter_mut().zip(&mine).zip(&theirs) {
                     *g = sum(*m, *t);
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sums each tied pair's gradients into both slots where the gradients are sharded over the
+/// data-parallel group (ZeRO 2-3; `Zero::sum_sharded_pair`). Such a pair is on one stage:
+/// pipeline parallelism combines with ZeRO 0-1 only.
+pub(crate) fn reduce_tied_sharded<T: Element>(ties: &[Tie], zero: &mut Zero<T>) -> Result<()> {
+    for tie in ties {
+        match tie {
+            Tie::Local { owner, copy } => zero.sum_sharded_pair(owner.clone(), copy.clone())?,
+            Tie::Remote { .. } => {
+                return Err(EngineError::Invalid(
+                    "a tie across pipeline stages needs whole gradients (ZeRO 0 or 1)".into(),
+                ))
             }
         }
     }

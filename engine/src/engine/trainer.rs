@@ -509,10 +509,10 @@ impl<T: Dtype> Trainer<T> {
         }
         let t0 = Instant::now();
         if !self.ties.is_empty() {
-            let grads = self.zero.whole_grads_mut().ok_or_else(|| {
-                EngineError::Invalid("tied parameters need whole gradients (ZeRO 0 or 1)".into())
-            })?;
-            tied::reduce_tied(&self.ties, grads, self.pp.as_ref())?;
+            match self.zero.whole_grads_mut() {
+                Some(grads) => tied::reduce_tied(&self.ties, grads, self.pp.as_ref())?,
+                None => tied::reduce_tied_sharded(&self.ties, &mut self.zero)?,
+            }
         }
         let outcome = self.updater.step(&mut self.zero, self.settings.clip)?;
         self.timings.step += t0.elapsed();

@@ -45,6 +45,9 @@ pub struct ParamSpec {
     /// A norm layer's parameter (LayerNorm, RMSNorm): no weight decay in HF's parameter
     /// groups, which find them by the layer's type.
     pub norm: bool,
+    /// Weights files hold this matrix transposed, [in, out] (Hugging Face GPT-2's `Conv1D`):
+    /// read (and exported) through the transpose.
+    pub stored_transposed: bool,
 }
 
 impl ParamSpec {
@@ -57,6 +60,21 @@ impl ParamSpec {
             split: Split::Replicated,
             tied: None,
             norm: false,
+            stored_transposed: false,
+        }
+    }
+
+    /// Weights files hold this matrix transposed (see `stored_transposed`).
+    pub fn stored_transposed(mut self) -> ParamSpec {
+        self.stored_transposed = true;
+        self
+    }
+
+    /// Its shape in weights files.
+    pub fn stored_shape(&self) -> Vec<usize> {
+        match self.stored_transposed {
+            true => self.shape.iter().rev().copied().collect(),
+            false => self.shape.clone(),
         }
     }
 

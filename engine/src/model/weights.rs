@@ -53,8 +53,9 @@ pub fn save_as(path: &Path, tensors: &[(&str, &[usize], &[f32])], bf16: bool) ->
 pub struct WeightsFile {
     /// Each file and its map.
     files: Vec<(PathBuf, Mmap)>,
-    /// Per spec, in the specs' order: its file, dtype and its data's first byte in the file.
-    params: Vec<(usize, Dtype, usize)>,
+    /// Per spec, in the specs' order: its file, dtype and its data's first byte in the file,
+    /// and for a matrix stored transposed its (rows, columns) as the model sees it.
+    params: Vec<(usize, Dtype, usize, Option<(usize, usize)>)>,
 }
 
 /// Hugging Face's single-file and sharded weights names in a model directory.
@@ -64,6 +65,9 @@ pub const HF_INDEX: &str = "model.safetensors.index.json";
 /// Tensors a Hugging Face checkpoint may hold that are buffers, not parameters (old Llama
 /// files' rotary frequencies, GPT-2's causal masks): skipped when reading.
 const HF_BUFFERS: [&str; 3] = [".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"];
+
+/// GPT2LMHeadModel's module prefix, which older hub files leave out.
+const GPT2_PREFIX: &str = "transformer.";
 
 /// The safetensors files of a weights path: the file itself, or a model directory's.
 pub fn weight_files(path: &Path) -> Result<Vec<PathBuf>> {
@@ -130,7 +134,9 @@ impl WeightsFile {
         for (f, file_path) in weight_files(path)?.into_iter().enumerate() {
             let (map, tensors) = map_file(&file_path)?;
             for (name, info) in tensors {
-                let known = model.iter().any(|s| s.name == name);
+                // GPT-2 hub files name the transformer's tensors without its prefix
+                let prefixed = format!("{GPT2_PREFIX}{name}");
+                let known = model.iter().any(|s| s.name == name || s.name == prefixed);
                 if !known && !HF_BUFFERS.iter().any(|b| name.ends_with(b)) {
                     return Err(EngineError::file(
                         &file_path,
@@ -147,22 +153,30 @@ impl WeightsFile {
                 let (f, t) = found
                     .get(&s.name)
                     .or_else(|| found.get(s.value_name()))
+                    .or_else(|| {
+                        let bare = s.name.strip_prefix(GPT2_PREFIX)?;
+                        found.get(bare)
+                    })
                     .ok_or_else(|| {
                         EngineError::file(path, format!("parameter '{}' is missing", s.name))
                     })?;
                 let file = &files[*f].0;
-                if t.shape != s.shape {
+                if t.shape != s.stored_shape() {
                     return Err(EngineError::file(
                         file,
                         format!(
                             "'{}' has shape {:?}, the model expects {:?}",
-                            s.name, t.shape, s.shape
+                            s.name,
+                            t.shape,
+                            s.stored_shape()
                         ),
                     ));
                 }
                 float_width(t.dtype)
                     .map_err(|e| EngineError::file(file, format!("'{}': {e}", s.name)))?;
-                Ok((*f, t.dtype, t.at))
+                let transposed =
+                    (s.stored_transposed && s.shape.len() == 2).then(|| (s.shape[0], s.shape[1]));
+                Ok((*f, t.dtype, t.at, transposed))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(WeightsFile { files, params })
@@ -170,9 +184,18 @@ impl WeightsFile {
 
     /// Elements `start..start + dst.len()` of the `i`-th spec's values, as f32.
     pub fn read(&self, i: usize, start: usize, dst: &mut [f32]) -> Result<()> {
-        let (f, dtype, at) = self.params[i];
+        let (f, dtype, at, transposed) = self.params[i];
         let (path, map) = &self.files[f];
         let width = float_width(dtype).map_err(|e| EngineError::file(path, e))?;
+        if let Some((rows, cols)) = transposed {
+            // element (r, c) of the model's matrix is the file's (c, r)
+            for (k, d) in dst.iter_mut().enumerate() {
+                let (r, c) = ((start + k) / cols, (start + k) % cols);
+                let b = at + (c * rows + r) * width;
+                *d = decode(dtype, &map[b..b + width]);
+            }
+            return Ok(());
+        }
         let bytes = &map[at + start * width..at + (start + dst.len()) * width];
         match dtype {
             Dtype::F32 => dst
@@ -189,6 +212,15 @@ impl WeightsFile {
                 .for_each(|(d, c)| *d = f16::from_le_bytes([c[0], c[1]]).to_f32()),
         }
         Ok(())
+    }
+}
+
+/// One element of a float dtype ds-rs reads, as f32.
+fn decode(dtype: Dtype, b: &[u8]) -> f32 {
+    match dtype {
+        Dtype::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        Dtype::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        _ => f16::from_le_bytes([b[0], b[1]]).to_f32(),
     }
 }
 

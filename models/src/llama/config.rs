@@ -2,9 +2,10 @@
 //! transformers' `LlamaConfig`, `MistralConfig` and `Qwen2Config` read it (their defaults
 //! for a field left out), or from a preset.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::rope::Rope;
+use crate::fields::{problem, ConfigProblem, Fields};
 
 /// Which transformers class the config describes: the same decoder with different
 /// projections' biases and attention windows.
@@ -74,15 +75,6 @@ pub struct LlamaConfig {
     pub initializer_range: f64,
 }
 
-/// A problem in config.json, naming the field.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigProblem(pub String);
-
-fn problem(msg: impl Into<String>) -> ConfigProblem {
-    ConfigProblem(msg.into())
-}
-
 impl LlamaConfig {
     /// Reads a parsed config.json.
     pub fn from_hf_json(v: &Value) -> Result<LlamaConfig, ConfigProblem> {
@@ -124,6 +116,12 @@ impl LlamaConfig {
                 Family::Qwen2 => 32768,
             }),
         )?;
+        let dropout = f.f64("attention_dropout", 0.0)?;
+        if dropout != 0.0 {
+            return Err(problem(format!(
+                "`attention_dropout` {dropout}: ds-rs has no dropout, so it would train another function; set it to 0.0"
+            )));
+        }
         let attention_bias = f.bool("attention_bias", false)?;
         let (qkv_bias, o_bias) = match family {
             Family::Llama => (attention_bias, attention_bias),
@@ -326,7 +324,7 @@ fn windows(family: Family, f: &Fields, layers: usize) -> Result<Vec<Option<usize
     if family == Family::Mistral {
         return Ok(vec![Some(w); layers]);
     }
-    if let Some(types) = f.0.get("layer_types").filter(|v| !v.is_null()) {
+    if let Some(types) = f.get("layer_types").filter(|v| !v.is_null()) {
         let types = types
             .as_array()
             .filter(|a| a.len() == layers)
@@ -344,68 +342,4 @@ fn windows(family: Family, f: &Fields, layers: usize) -> Result<Vec<Option<usize
     }
     let from = f.usize("max_window_layers", Some(28))?;
     Ok((0..layers).map(|i| (i >= from).then_some(w)).collect())
-}
-
-/// Typed reads of config.json's fields, each error naming the field.
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl Fields<'_> {
-    fn usize(&self, key: &str, default: Option<usize>) -> Result<usize, ConfigProblem> {
-        match (self.0.get(key), default) {
-            (None, Some(d)) => Ok(d),
-            (None, None) => Err(problem(format!("required field `{key}` is missing"))),
-            (Some(v), _) => as_usize(key, v),
-        }
-    }
-
-    /// A size where `null` means the default (transformers' `int | None`).
-    fn usize_or_null(&self, key: &str, default: usize) -> Result<usize, ConfigProblem> {
-        match self.0.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => as_usize(key, v),
-        }
-    }
-
-    /// A size that `null` turns off.
-    fn usize_opt(&self, key: &str, default: Option<usize>) -> Result<Option<usize>, ConfigProblem> {
-        match self.0.get(key) {
-            None => Ok(default),
-            Some(Value::Null) => Ok(None),
-            Some(v) => as_usize(key, v).map(Some),
-        }
-    }
-
-    fn f64(&self, key: &str, default: f64) -> Result<f64, ConfigProblem> {
-        match self.0.get(key) {
-            None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| problem(format!("`{key}` must be a number, got {v}"))),
-        }
-    }
-
-    fn bool(&self, key: &str, default: bool) -> Result<bool, ConfigProblem> {
-        match self.0.get(key) {
-            None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| problem(format!("`{key}` must be true or false, got {v}"))),
-        }
-    }
-
-    fn str(&self, key: &str, default: &str) -> Result<String, ConfigProblem> {
-        match self.0.get(key) {
-            None => Ok(default.to_string()),
-            Some(v) => v
-                .as_str()
-                .map(str::to_string)
-                .ok_or_else(|| problem(format!("`{key}` must be a string, got {v}"))),
-        }
-    }
-}
-
-fn as_usize(key: &str, v: &Value) -> Result<usize, ConfigProblem> {
-    v.as_u64()
-        .map(|n| n as usize)
-        .ok_or_else(|| problem(format!("`{key}` must be a non-negative integer, got {v}")))
 }

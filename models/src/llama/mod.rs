@@ -9,7 +9,8 @@ pub mod rope;
 #[cfg(test)]
 mod tests;
 
-pub use config::{ConfigProblem, Family, LlamaConfig};
+pub use crate::fields::ConfigProblem;
+pub use config::{Family, LlamaConfig};
 pub use layers::{build, EMBED};
 pub use rope::{Rope, Scaling};
 

@@ -2,8 +2,11 @@
 //! 3): the Llama fixture of models/tests/fixtures/hf (grouped-query attention, llama3 rope,
 //! untied), started from its weights (`--model DIR`), trained 10 steps in fp32 on the same
 //! global batch (8 samples) at tp 2, tp 2 x dp 2 ZeRO-3, pp 2, pp 2 x tp 2 x dp 2 ZeRO-1, with
-//! and without activation checkpointing, gives every step's loss of one process; so does the
-//! tied Qwen2 fixture at tp 2 x dp 2 ZeRO-1. Ranks are processes started by `ds-rs launch`.
+//! and without activation checkpointing, gives every step's loss of one process; so do the
+//! tied Qwen2 fixture at dp 2 ZeRO-2, dp 4 ZeRO-3 and tp 2 x dp 2 ZeRO-1, and the tied GPT-2
+//! fixture (Conv1D weights read through the transpose) at tp 2 x dp 2 ZeRO-1 and ZeRO-3 and
+//! pp 2. Ranks are processes started by
+//! `ds-rs launch`.
 //!
 //! Tolerance, 1e-5 relative (the issue's): every layout computes the same f32 function;
 //! tensor parallelism sums partial products and data parallelism averages gradients in
@@ -133,6 +136,12 @@ fn llama_pipeline_layouts_equal_one_process() {
 }
 
 #[test]
-fn tied_qwen2_equals_one_process_at_tp2_dp2() {
+fn tied_qwen2_and_gpt2_equal_one_process() {
     check("qwen2", "tp=2 x dp=2 ZeRO-1", 4, 1, "--tp 2", "");
+    check("gpt2", "tp=2 x dp=2 ZeRO-1", 4, 1, "--tp 2", "");
+    check("gpt2", "pp=2", 2, 0, "--pp 2", "");
+    // tied copies whose gradients are sharded: summed by one all-reduce of their pieces
+    check("gpt2", "tp=2 x dp=2 ZeRO-3", 4, 3, "--tp 2", "");
+    check("qwen2", "dp=2 ZeRO-2", 2, 2, "", "");
+    check("qwen2", "dp=4 ZeRO-3", 4, 3, "", "");
 }
