@@ -1,9 +1,11 @@
-//! The activations one micro-batch holds on a rank of the built-in GPT, by the rules of
+//! The activations one micro-batch holds on a rank of a model (the built-in GPT and GPT-2,
+//! the Llama family), by the rules of
 //! ds-engine's trainer (Note [checkpoint segments], Note [ZeRO-3 reuse]): what each layer's
 //! forward keeps (its tape, its input only, or nothing), and the most held at once, at the end
 //! of forward or while backward differentiates a layer with the layers below it still saved.
 
-use ds_engine::gpt::GptConfig;
+use ds_engine::gpt::{GptConfig, GptVariant};
+use ds_models::{Arch, LlamaConfig, ModelSpec};
 
 /// Per layer of a stage: the bytes of its input and of its tape (what its backward needs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,9 +24,67 @@ pub struct MicroBatch {
     pub dtype: u64,
 }
 
+/// The model's layers in model order, at its sequence length.
+pub fn layers(spec: &ModelSpec, m: MicroBatch) -> Vec<LayerActivations> {
+    match &spec.arch {
+        Arch::Gpt(c) => gpt_layers(c, &GptVariant::peer(c), spec.seq_len, m),
+        Arch::Gpt2(c) => gpt_layers(&c.gpt, &c.variant, spec.seq_len, m),
+        Arch::Llama(c) => llama_layers(c, spec.seq_len, m),
+    }
+}
+
+/// The loss layer's tape: softmax rows in f32 and the targets (u32); under tensor
+/// parallelism this rank's softmax columns, its local targets and their mask.
+fn loss_tape(tokens: u64, v: u64, m: MicroBatch) -> u64 {
+    match m.tp {
+        1 => tokens * v * 4 + tokens * 4,
+        tp => tokens * v / tp * 4 + tokens * 4 + tokens * m.dtype,
+    }
+}
+
+/// The Llama decoder's layers: the embedding, the decoder layers (their tapes: the input,
+/// two norms' outputs and f32 reciprocal roots, rotated q and k, v, the probabilities, the
+/// heads' outputs, the residual, gate, up and their product), the norm + head, the loss.
+fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
+    let (b, t, d, v) = (
+        m.rows,
+        seq as u64,
+        c.hidden_size as u64,
+        c.vocab_size as u64,
+    );
+    let (tp, e) = (m.tp, m.dtype);
+    let tokens = b * t;
+    let hidden = tokens * d * e;
+    let (q, kv) = (c.q_width() as u64 / tp, c.kv_width() as u64 / tp);
+    let f = c.intermediate_size as u64 / tp;
+    let probs = b * (c.num_attention_heads as u64 / tp) * t * t * e;
+    let layer = 4 * hidden // x, h1, x2, h2
+        + 2 * tokens * 4 // the reciprocal roots
+        + tokens * (2 * q + 2 * kv) * e // q, k, v, the heads' outputs
+        + probs
+        + 3 * tokens * f * e; // gate, up, their product
+    let mut layers = vec![LayerActivations {
+        input: tokens * 4,
+        tape: tokens * 4,
+    }];
+    layers.extend((0..c.num_hidden_layers).map(|_| LayerActivations {
+        input: hidden,
+        tape: layer,
+    }));
+    layers.push(LayerActivations {
+        input: hidden,
+        tape: 2 * hidden + tokens * 4,
+    });
+    layers.push(LayerActivations {
+        input: tokens * v / tp * e,
+        tape: loss_tape(tokens, v, m),
+    });
+    layers
+}
+
 /// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.
-pub fn gpt_layers(c: &GptConfig, m: MicroBatch) -> Vec<LayerActivations> {
-    let (b, t, d, v) = (m.rows, c.T as u64, c.d as u64, c.V as u64);
+fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
+    let (b, t, d, v) = (m.rows, seq as u64, c.d as u64, c.V as u64);
     let (tp, e) = (m.tp, m.dtype);
     let tokens = b * t;
     let hidden = tokens * d * e;
@@ -35,13 +95,8 @@ pub fn gpt_layers(c: &GptConfig, m: MicroBatch) -> Vec<LayerActivations> {
         + tokens * 3 * d / tp * e // q|k|v
         + probs
         + tokens * d / tp * e // the heads' outputs
-        + 2 * tokens * 4 * d / tp * e; // the MLP's pre-activation and GELU
-    let loss = match tp {
-        // softmax rows in f32 and the targets (u32)
-        1 => tokens * v * 4 + tokens * 4,
-        // this rank's softmax columns in f32, its local targets (u32) and their mask
-        _ => tokens * v / tp * 4 + tokens * 4 + tokens * e,
-    };
+        + 2 * tokens * var.mlp as u64 / tp * e; // the MLP's pre-activation and GELU
+    let loss = loss_tape(tokens, v, m);
     let mut layers = vec![LayerActivations {
         input: tokens * 4,
         tape: tokens * 4,

@@ -11,13 +11,14 @@
 use std::ops::Range;
 
 use ds_config::{Config, ZeroStage};
-use ds_engine::gpt::GptConfig;
 use ds_engine::model::Model;
+use ds_engine::parallel::Tp;
 use ds_engine::{pipeline_layout, Precision, Settings, STEP_PIECE};
+use ds_models::ModelSpec;
 use ds_partition::{FlatIndex, ShardLayout, TpRank};
 use serde::Serialize;
 
-use crate::activations::{gpt_layers, keep_graph, kept, peak, MicroBatch};
+use crate::activations::{keep_graph, kept, layers, peak, MicroBatch};
 
 /// One rank's predicted bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -80,7 +81,7 @@ impl RankEstimate {
 /// What the estimate needs to know of the run.
 pub struct Run<'a> {
     pub config: &'a Config,
-    pub model: &'a GptConfig,
+    pub model: &'a ModelSpec,
     /// The micro-batch (rows per rank), if not the config's.
     pub micro_batch: Option<usize>,
 }
@@ -92,7 +93,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
     let cfg = run.config;
     let dims = cfg.dims;
     let settings = Settings::from_config(cfg, false)?;
-    let model = run.model.build();
+    let model = run.model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
     // each stage's model chunks, as ranges of layers
     let chunks: Vec<Vec<Range<usize>>> = match dims.pp {
         1 => vec![vec![0..model.layers().len()]],
@@ -111,7 +112,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
         tp: tp as u64,
         dtype,
     };
-    let layers = gpt_layers(run.model, micro);
+    let layers = layers(run.model, micro);
     let interval = settings.checkpoint_interval.max(1);
     let mut out = Vec::new();
     for rank in 0..dims.world_size {
@@ -175,7 +176,8 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
         };
         let layer_bytes = (largest.max(graphs) + largest) * dtype;
         let comm = comm_buffers(&settings, &numel, shard as usize, padded as usize) as u64 * dtype;
-        let logits_grad = micro.rows * run.model.T as u64 * (run.model.V / tp) as u64 * dtype;
+        let logits_grad =
+            micro.rows * run.model.seq_len as u64 * (run.model.vocab_size() / tp) as u64 * dtype;
         let mut transient = logits_grad;
         let mut optimizer_states = owned * (4 + per_element);
         let mut offloaded = 0;

@@ -5,8 +5,8 @@
 //! what the rates miss (the elementwise work, the overlap of communication with compute).
 
 use ds_config::{Config, ZeroStage};
-use ds_engine::gpt::GptConfig;
 use ds_engine::{Precision, Settings};
+use ds_models::ModelSpec;
 use serde::Serialize;
 
 /// What the cluster was measured to do.
@@ -57,13 +57,13 @@ pub struct Work {
 }
 
 impl Work {
-    /// The built-in GPT.
-    pub fn gpt(m: &GptConfig) -> Work {
+    /// A model ds-rs builds (`--model`), at its sequence length.
+    pub fn of_model(m: &ModelSpec) -> Work {
         Work {
             params: m.n_params() as f64,
-            flops_per_sample: m.T as f64 * m.flops_per_token(),
-            boundary_elements_per_sample: (m.T * m.d) as f64,
-            layers: m.L,
+            flops_per_sample: m.seq_len as f64 * m.flops_per_token(),
+            boundary_elements_per_sample: (m.seq_len * m.hidden_size()) as f64,
+            layers: m.blocks(),
         }
     }
 

@@ -98,3 +98,74 @@ impl Gpt2Config {
         })
     }
 }
+
+/// GPT-2 presets: a tiny one for tests and benchmarks (the built-in GPT's tiny sizes, tied),
+/// and the published 124M model's config.
+pub fn presets() -> Vec<(&'static str, Gpt2Config)> {
+    let make = |v, t, d, h, l| Gpt2Config {
+        gpt: GptConfig {
+            V: v,
+            T: t,
+            d,
+            H: h,
+            L: l,
+            tie_embeddings: true,
+        },
+        variant: GptVariant {
+            mlp: 4 * d,
+            ln_eps: 1e-5,
+            hf_names: true,
+        },
+        initializer_range: 0.02,
+    };
+    vec![
+        ("gpt2-tiny", make(4096, 128, 256, 4, 4)),
+        ("gpt2-124m", make(50257, 1024, 768, 12, 12)),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn the_published_gpt2_has_124m_parameters() {
+        let (_, c) = presets()
+            .into_iter()
+            .find(|(n, _)| *n == "gpt2-124m")
+            .unwrap();
+        // transformers' GPT2LMHeadModel.num_parameters() for the "gpt2" config
+        assert_eq!(c.gpt.n_params_of(&c.variant), 124_439_808);
+        let declared: usize = c
+            .gpt
+            .build_variant(&ds_engine::parallel::Tp::none(), &c.variant)
+            .unwrap()
+            .params()
+            .iter()
+            .filter(|p| p.tied.is_none())
+            .map(|p| p.numel())
+            .sum();
+        assert_eq!(declared, 124_439_808);
+    }
+
+    #[test]
+    fn hub_configs_read_and_dropout_is_refused() {
+        let hub = json!({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
+            "vocab_size": 100, "n_positions": 32});
+        let e = Gpt2Config::from_hf_json(&hub).unwrap_err().to_string();
+        assert!(e.contains("resid_pdrop") && e.contains("0.0"), "{e}");
+        let mut ok = hub.clone();
+        for k in ["resid_pdrop", "embd_pdrop", "attn_pdrop"] {
+            ok[k] = json!(0.0);
+        }
+        let c = Gpt2Config::from_hf_json(&ok).unwrap();
+        assert_eq!((c.variant.mlp, c.gpt.tie_embeddings), (256, true));
+        assert_eq!(Gpt2Config::from_hf_json(&c.to_hf_json()).unwrap(), c);
+        let mut relu = ok.clone();
+        relu["activation_function"] = json!("relu");
+        let e = Gpt2Config::from_hf_json(&relu).unwrap_err().to_string();
+        assert!(e.contains("activation_function"), "{e}");
+    }
+}

@@ -74,6 +74,8 @@ impl ModelSpec {
             (Arch::Gpt(c), c.T, None)
         } else if let Some(p) = llama::presets().into_iter().find(|p| p.name == spec) {
             (Arch::Llama(p.config), p.seq_len, None)
+        } else if let Some((_, c)) = gpt2::presets().into_iter().find(|(n, _)| *n == spec) {
+            (Arch::Gpt2(c), c.gpt.T, None)
         } else if Path::new(spec).is_dir() {
             let dir = Path::new(spec);
             let (arch, json) = read_hf_config(dir)?;
@@ -150,6 +152,15 @@ impl ModelSpec {
         }
     }
 
+    /// Transformer blocks (decoder layers).
+    pub fn blocks(&self) -> usize {
+        match &self.arch {
+            Arch::Gpt(c) => c.L,
+            Arch::Gpt2(c) => c.gpt.L,
+            Arch::Llama(c) => c.num_hidden_layers,
+        }
+    }
+
     /// Model FLOPs per trained token, forward and backward.
     pub fn flops_per_token(&self) -> f64 {
         match &self.arch {
@@ -221,18 +232,6 @@ impl ModelSpec {
             (_, Some(json)) => Some(json.clone()),
             (Arch::Gpt2(c), None) => Some(c.to_hf_json()),
             (Arch::Llama(c), None) => Some(c.to_hf_json()),
-        }
-    }
-
-    /// The built-in GPT's sizes, for the tools that model only it so far (the autotuner's
-    /// activation and time models); an error naming the model otherwise.
-    pub fn gpt(&self) -> Result<&GptConfig, String> {
-        match &self.arch {
-            Arch::Gpt(c) => Ok(c),
-            _ => Err(format!(
-                "{} is not modelled by this command yet (the built-in GPT is)",
-                self.architecture()
-            )),
         }
     }
 }

@@ -19,9 +19,13 @@ pub struct EstimateArgs {
     /// ds-rs's own estimate of this ds_config, per rank.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// With --config: the model, tiny, small, gpt2 or a model JSON.
+    /// With --config: the model, as `train --model` takes it (a preset, a model JSON, a
+    /// Hugging Face model directory).
     #[arg(long, default_value = "tiny")]
     model: String,
+    /// With --config: tokens per sample (default: the model's).
+    #[arg(long)]
+    seq_len: Option<usize>,
     /// With --config: the ranks of the job.
     #[arg(long, default_value_t = 1)]
     world_size: usize,
@@ -59,10 +63,10 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
 
 /// ds-rs's own model of the config's layout: one line (or JSON object) per rank.
 fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let model = crate::train::model_config(&args.model)?;
+    let model = ds_models::ModelSpec::resolve(&args.model, args.seq_len)?;
     let fill = crate::train::Fill {
         args: ds_config::TrainingArgs::default(),
-        hidden_size: model.d,
+        hidden_size: model.hidden_size(),
         run_steps: None,
     };
     let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp, &fill)?;

@@ -425,16 +425,6 @@ impl Run<'_> {
     }
 }
 
-/// The built-in GPT that `spec` names, for the commands that model only it so far
-/// (`estimate`, the autotuner): a Llama-family model is a clear error there.
-pub(crate) fn model_config(spec: &str) -> anyhow::Result<ds_engine::gpt::GptConfig> {
-    let model = ModelSpec::resolve(spec, None)?;
-    let gpt = model
-        .gpt()
-        .map_err(|e| anyhow::anyhow!("--model {spec}: {e}"))?;
-    Ok(*gpt)
-}
-
 /// Whether the launcher that started this rank printed the warnings of this config already.
 fn launcher_warned(path: Option<&Path>) -> bool {
     let warned = std::env::var_os(crate::launch::CONFIG_WARNED);

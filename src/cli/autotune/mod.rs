@@ -153,7 +153,7 @@ impl Tuner {
         let text = |k: &str, d: &str| at.get(k).and_then(Json::as_str).unwrap_or(d).to_string();
         let int = |k: &str, d: i64| at.get(k).and_then(Json::as_i64).unwrap_or(d);
         let space = space::space_of(&user, ranks, tp, pp, &name)?;
-        let model = train.as_ref().map(|t| t.model.as_str());
+        let model = train.as_ref().map(|t| (t.model.as_str(), t.seq_len));
         let workload = Workload::new(&program, model, at, &space, &name)?;
         let mut ignored = vec![
             (

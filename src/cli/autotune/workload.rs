@@ -7,13 +7,13 @@ use ds_autotune::memory::{estimate, Run};
 use ds_autotune::time::Work;
 use ds_autotune::tuning::{Metric, Space, TunerKind};
 use ds_config::{Config, ZeroStage};
-use ds_engine::gpt::GptConfig;
 use ds_engine::{Precision, Settings};
+use ds_models::ModelSpec;
 use serde_json::Value as Json;
 
 pub enum Workload {
     /// `train --model NAME`: the memory model of `ds-rs estimate --config`, the GPT's FLOPs.
-    Train { model: GptConfig, name: String },
+    Train { model: ModelSpec, name: String },
     /// A program that embeds the engine: the engine's trial hook measures it (DeepSpeed's
     /// `_autotuning_exit`), `arg_mappings` put each trial's values on its command line.
     Program {
@@ -32,21 +32,21 @@ impl Workload {
     /// The model's hidden size, where ds-rs knows the model (fills "auto" bucket sizes).
     pub fn hidden_size(&self) -> Option<usize> {
         match self {
-            Workload::Train { model, .. } => Some(model.d),
+            Workload::Train { model, .. } => Some(model.hidden_size()),
             Workload::Program { .. } => None,
         }
     }
 
     pub fn new(
         program: &[String],
-        model: Option<&str>,
+        model: Option<(&str, Option<usize>)>,
         at: &Json,
         space: &Space,
         name: &dyn Fn() -> String,
     ) -> anyhow::Result<Workload> {
-        if let Some(model) = model {
+        if let Some((model, seq_len)) = model {
             return Ok(Workload::Train {
-                model: crate::train::model_config(model)?,
+                model: ModelSpec::resolve(model, seq_len)?,
                 name: model.to_string(),
             });
         }
@@ -117,7 +117,7 @@ impl Workload {
     /// What a step asks of the time model.
     pub fn work(&self) -> Work {
         match self {
-            Workload::Train { model, .. } => Work::gpt(model),
+            Workload::Train { model, .. } => Work::of_model(model),
             Workload::Program { num_params, .. } => Work::of_params(num_params.unwrap_or(1)),
         }
     }
@@ -125,7 +125,7 @@ impl Workload {
     /// The matrix width and rows per sample the compute rate is measured at.
     pub fn matmul_shape(&self) -> (usize, usize) {
         match self {
-            Workload::Train { model, .. } => (model.d, model.T),
+            Workload::Train { model, .. } => (model.hidden_size(), model.seq_len),
             Workload::Program { hidden, .. } => (*hidden, 64),
         }
     }
