@@ -233,3 +233,42 @@ fn train_and_estimate(
         serde_json::from_str(&e.stdout).unwrap(),
     )
 }
+
+/// The same equality for Hugging Face models (`--model DIR`): the Llama fixture (grouped-query
+/// attention, SwiGLU) and the tied GPT-2 one (n_inner != 4d), in three layouts.
+#[test]
+fn hugging_face_models_states_and_activations_equal_memory_report() {
+    let s = Scratch::new("estimate-hf");
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf");
+    for family in ["llama", "gpt2"] {
+        let model = fixtures.join(family).display().to_string();
+        for (name, nproc, stage, args) in [
+            ("z0", 1, 0, "--seq-len 16"),
+            ("z3-dp2", 2, 3, "--seq-len 16"),
+            ("z1-tp2-dp2", 4, 1, "--seq-len 16 --tp 2"),
+        ] {
+            let tag = format!("{family}-{name}");
+            let cfg = s.write(
+                &format!("{tag}.json"),
+                &format!(
+                    r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+                    "zero_optimization": {{"stage": {stage}}}}}"#
+                ),
+            );
+            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, nproc, 1, args);
+            for m in summary["ranks"].as_array().unwrap() {
+                let rank = m["rank"].as_u64().unwrap() as usize;
+                for key in [
+                    "params_bytes",
+                    "grads_bytes",
+                    "optimizer_states_bytes",
+                    "activations_bytes",
+                ] {
+                    assert_eq!(est["ranks"][rank][key], m[key], "{tag} rank {rank} {key}");
+                }
+            }
+        }
+    }
+}
