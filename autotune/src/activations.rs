@@ -4,7 +4,7 @@
 //! forward keeps (its tape, its input only, or nothing), and the most held at once, at the end
 //! of forward or while backward differentiates a layer with the layers below it still saved.
 
-use ds_engine::gpt::{GptConfig, GptVariant};
+use ds_models::gpt::{GptConfig, GptVariant};
 use ds_models::{Arch, LlamaConfig, ModelSpec};
 
 /// Per layer of a stage: the bytes of its input and of its tape (what its backward needs).

@@ -33,10 +33,10 @@ use candle_core::{Module, Tensor};
 use candle_nn::{embedding, Linear, VarBuilder};
 use ds_comm::ReduceOp;
 use ds_engine::data::{DataLoader, MarkovTokens, SampleOrder};
-use ds_engine::gpt::CrossEntropyLoss;
 use ds_engine::model::{Context, Init, Layer, Model, ParamSpec};
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::gpt::CrossEntropyLoss;
 
 const V: usize = 64; // vocabulary
 const W: usize = 32; // width

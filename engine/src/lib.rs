@@ -1,5 +1,6 @@
-//! The ds-rs engine: the model API and the built-in GPT, data, the training loop over ZeRO
-//! stages 0-3 (`Engine`), optimizers, LR schedules and mixed precision with loss scaling.
+//! The ds-rs engine: the model API, data, the training loop over ZeRO stages 0-3 (`Engine`),
+//! optimizers, LR schedules and mixed precision with loss scaling. The models themselves
+//! (the built-in GPT, Hugging Face's families) are ds-models'.
 //!
 //! It owns every parameter (DESIGN.md invariant 1): layers read their weights from a
 //! `VarBuilder` the engine fills, and forward and backward run layer by layer, so gathering,
@@ -9,11 +10,10 @@
 //!
 //! Modules import one way: `model` (the API: `Layer`, `ParamSpec`, `Model`) and `kernels`
 //! (differentiable ops and CPU fast paths) know nothing of each other or of anything above;
-//! `parallel` (tensor parallelism) uses both; `gpt` (the built-in model) uses all three; the
-//! engine uses everything and nothing below it knows the engine.
+//! `parallel` (tensor parallelism) uses both; the engine uses everything and nothing below it
+//! knows the engine.
 
 mod error;
-pub mod gpt;
 pub mod kernels;
 pub mod model;
 pub mod monitor;

@@ -6,8 +6,8 @@ use std::time::Duration;
 use ds_comm::testkit::run_ranks;
 use ds_config::{hjson, resolve, ParallelDims};
 use ds_engine::data::Batch;
-use ds_engine::gpt::GptConfig;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::gpt::GptConfig;
 
 fn config(world: usize, stage: u8, extra: &str) -> ds_config::Config {
     let text = format!(

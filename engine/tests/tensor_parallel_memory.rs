@@ -7,9 +7,9 @@ use std::time::Duration;
 use ds_comm::testkit::run_ranks;
 use ds_comm::Groups;
 use ds_config::{hjson, resolve, ParallelDims};
-use ds_engine::gpt::GptConfig;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::gpt::GptConfig;
 
 const GPT: GptConfig = GptConfig {
     V: 128,

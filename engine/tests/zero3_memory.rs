@@ -66,8 +66,8 @@ use std::time::{Duration, Instant};
 use ds_comm::testkit::run_ranks;
 use ds_config::{hjson, resolve, ParallelDims};
 use ds_engine::data::Batch;
-use ds_engine::gpt::GptConfig;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::gpt::GptConfig;
 
 // ---------------------------------------------------------------------------------------
 // The counting allocator.

@@ -3,7 +3,7 @@
 //! `n_inner`, `layer_norm_epsilon` and tied head, and its `Conv1D` weights read and written
 //! through the transpose ([in, out] in its files).
 
-use ds_engine::gpt::{GptConfig, GptVariant};
+use crate::gpt::{GptConfig, GptVariant};
 use serde_json::Value;
 
 use crate::fields::{problem, ConfigProblem, Fields};

@@ -4,13 +4,14 @@
 //! present). The engine stays model-agnostic: it sees `ds_engine::model::Model`s.
 
 mod fields;
+pub mod gpt;
 pub mod gpt2;
 pub mod hf_export;
 pub mod llama;
 
 use std::path::{Path, PathBuf};
 
-use ds_engine::gpt::GptConfig;
+use crate::gpt::GptConfig;
 use ds_engine::model::weights;
 use ds_engine::model::Model;
 use ds_engine::parallel::Tp;
@@ -238,7 +239,7 @@ impl ModelSpec {
 
 /// Every preset name, GPT's first.
 pub fn preset_names() -> Vec<&'static str> {
-    let gpt = ds_engine::gpt::PRESETS.iter().map(|(n, _)| *n);
+    let gpt = crate::gpt::PRESETS.iter().map(|(n, _)| *n);
     gpt.chain(llama::presets().into_iter().map(|p| p.name))
         .collect()
 }

@@ -10,9 +10,9 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Groups};
 use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
-use ds_engine::gpt::GptConfig;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
+use ds_models::gpt::GptConfig;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct TrainBenchArgs {

@@ -1,7 +1,7 @@
 //! The differentiable building blocks and the CPU fast paths beneath every layer: fused
 //! kernels with their backward, the primitive compositions other devices run, and the
 //! products and attention through the `gemm` crate. Kernels see tensors only: they know no
-//! `Layer`, no tensor parallelism, no GPT.
+//! `Layer`, no tensor parallelism, no model.
 //!
 //! Imports point down this list, never up or sideways within a row:
 //! - `vmath`, `cpu_matmul`, `cpu_storage`, `primitive`: candle, gemm and plain arithmetic only;
@@ -9,10 +9,10 @@
 //! - `grad` (linear and its backward), `cpu_attention`;
 //! - `nn`: the layers and dispatchers a model calls.
 
-pub(crate) mod cpu_attention;
+pub mod cpu_attention;
 mod cpu_matmul;
 mod cpu_storage;
-pub(crate) mod fused_norm_loss;
+pub mod fused_norm_loss;
 pub mod grad;
 pub mod nn;
 pub mod ops;

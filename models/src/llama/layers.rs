@@ -8,9 +8,9 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
+use crate::gpt::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_engine::gpt::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::model::{

@@ -9,17 +9,17 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
-use crate::kernels::cpu_attention;
-use crate::kernels::fused_norm_loss::{
+use ds_engine::kernels::cpu_attention;
+use ds_engine::kernels::fused_norm_loss::{
     cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
 };
-use crate::kernels::grad::{bias_backward, linear, linear_backward};
-use crate::kernels::nn::{cross_entropy, layer_norm};
-use crate::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
-use crate::model::{
+use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_engine::kernels::nn::{cross_entropy, layer_norm};
+use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
+use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use crate::parallel::{row_parallel_linear, vocab, Tp};
+use ds_engine::parallel::{row_parallel_linear, vocab, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -120,12 +120,13 @@ impl GptConfig {
     }
 
     /// A model JSON: `{"V": .., "T": .., "d": .., "H": .., "L": ..}`.
-    pub fn from_json_file(path: &Path) -> crate::Result<GptConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| crate::EngineError::file(path, e))?;
+    pub fn from_json_file(path: &Path) -> ds_engine::Result<GptConfig> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| ds_engine::EngineError::file(path, e))?;
         let cfg: GptConfig =
-            serde_json::from_str(&text).map_err(|e| crate::EngineError::file(path, e))?;
+            serde_json::from_str(&text).map_err(|e| ds_engine::EngineError::file(path, e))?;
         cfg.validate()
-            .map_err(|e| crate::EngineError::file(path, e))?;
+            .map_err(|e| ds_engine::EngineError::file(path, e))?;
         Ok(cfg)
     }
 
