@@ -72,7 +72,8 @@ fn losses_of(
 }
 
 fn reference(model: &'static str) -> Vec<f64> {
-    static REFERENCES: OnceLock<Mutex<Vec<(&'static str, Vec<f64>)>>> = OnceLock::new();
+    type Cache = Mutex<Vec<(&'static str, Vec<f64>)>>;
+    static REFERENCES: OnceLock<Cache> = OnceLock::new();
     let cache = REFERENCES.get_or_init(Default::default);
     if let Some((_, l)) = cache.lock().unwrap().iter().find(|(m, _)| *m == model) {
         return l.clone();

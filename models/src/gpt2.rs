@@ -64,7 +64,7 @@ impl Gpt2Config {
             ln_eps: f.f64("layer_norm_epsilon", 1e-5)?,
             hf_names: true,
         };
-        if variant.mlp == 0 || !(variant.ln_eps > 0.0) {
+        if variant.mlp == 0 || variant.ln_eps.is_nan() || variant.ln_eps <= 0.0 {
             return Err(problem(
                 "`n_inner` and `layer_norm_epsilon` must be positive",
             ));

@@ -33,7 +33,7 @@ enum Command {
     /// Start the ranks of a job on this host or on the hosts of a hostfile.
     Launch(crate::launch::LaunchArgs),
     /// Train a model (one rank; run it under `launch` for several).
-    Train(crate::train::TrainArgs),
+    Train(Box<crate::train::TrainArgs>),
     /// A model's loss and perplexity on a token source (one rank; under `launch` for
     /// several).
     Eval(crate::train::eval::EvalArgs),

@@ -53,9 +53,18 @@ pub fn save_as(path: &Path, tensors: &[(&str, &[usize], &[f32])], bf16: bool) ->
 pub struct WeightsFile {
     /// Each file and its map.
     files: Vec<(PathBuf, Mmap)>,
-    /// Per spec, in the specs' order: its file, dtype and its data's first byte in the file,
-    /// and for a matrix stored transposed its (rows, columns) as the model sees it.
-    params: Vec<(usize, Dtype, usize, Option<(usize, usize)>)>,
+    /// Per spec, in the specs' order: where its values are.
+    params: Vec<Located>,
+}
+
+/// Where a parameter's values are: its file, dtype and data's first byte in the file, and
+/// for a matrix stored transposed its (rows, columns) as the model sees it.
+#[derive(Clone, Copy)]
+struct Located {
+    file: usize,
+    dtype: Dtype,
+    at: usize,
+    transposed: Option<(usize, usize)>,
 }
 
 /// Hugging Face's single-file and sharded weights names in a model directory.
@@ -176,7 +185,12 @@ impl WeightsFile {
                     .map_err(|e| EngineError::file(file, format!("'{}': {e}", s.name)))?;
                 let transposed =
                     (s.stored_transposed && s.shape.len() == 2).then(|| (s.shape[0], s.shape[1]));
-                Ok((*f, t.dtype, t.at, transposed))
+                Ok(Located {
+                    file: *f,
+                    dtype: t.dtype,
+                    at: t.at,
+                    transposed,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(WeightsFile { files, params })
@@ -184,8 +198,13 @@ impl WeightsFile {
 
     /// Elements `start..start + dst.len()` of the `i`-th spec's values, as f32.
     pub fn read(&self, i: usize, start: usize, dst: &mut [f32]) -> Result<()> {
-        let (f, dtype, at, transposed) = self.params[i];
-        let (path, map) = &self.files[f];
+        let Located {
+            file,
+            dtype,
+            at,
+            transposed,
+        } = self.params[i];
+        let (path, map) = &self.files[file];
         let width = float_width(dtype).map_err(|e| EngineError::file(path, e))?;
         if let Some((rows, cols)) = transposed {
             // element (r, c) of the model's matrix is the file's (c, r)

@@ -233,7 +233,7 @@ impl LlamaConfig {
                 self.head_dim
             ));
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(format!(
                 "`rms_norm_eps` must be positive, got {}",
                 self.rms_norm_eps

@@ -87,7 +87,7 @@ impl Rope {
                 ))
             }
         };
-        if !(theta > 0.0) {
+        if theta.is_nan() || theta <= 0.0 {
             return Err(format!("`rope_theta` must be positive, got {theta}"));
         }
         Ok(Rope { theta, scaling })
@@ -147,7 +147,7 @@ impl Rope {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
                         let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                         if !medium {
                             return scaled;
                         }

@@ -13,7 +13,7 @@ use serde_json::Value as Json;
 
 pub enum Workload {
     /// `train --model NAME`: the memory model of `ds-rs estimate --config`, the GPT's FLOPs.
-    Train { model: ModelSpec, name: String },
+    Train { model: Box<ModelSpec>, name: String },
     /// A program that embeds the engine: the engine's trial hook measures it (DeepSpeed's
     /// `_autotuning_exit`), `arg_mappings` put each trial's values on its command line.
     Program {
@@ -46,7 +46,7 @@ impl Workload {
     ) -> anyhow::Result<Workload> {
         if let Some((model, seq_len)) = model {
             return Ok(Workload::Train {
-                model: ModelSpec::resolve(model, seq_len)?,
+                model: Box::new(ModelSpec::resolve(model, seq_len)?),
                 name: model.to_string(),
             });
         }
