@@ -8,6 +8,8 @@ pub mod gpt;
 pub mod gpt2;
 pub mod hf_export;
 pub mod llama;
+#[cfg(test)]
+mod taped_check;
 
 use std::path::{Path, PathBuf};
 
