@@ -1,4 +1,5 @@
-//! `ds-rs train`: trains the built-in GPT (a preset or a model JSON) with a ds_config, on one
+//! `ds-rs train`: trains a model (`--model`: the built-in GPT, a Hugging Face directory or a
+//! preset) with a ds_config, on one
 //! rank or as every rank of a job that `ds-rs launch` (or a scheduler) started. Rank 0 shows
 //! progress and writes the metrics contract (metrics.jsonl, summary.json) and a chart.
 
@@ -38,9 +39,9 @@ pub struct TrainArgs {
     #[arg(long, env = "DS_RS_CONFIG")]
     pub(crate) config: Option<PathBuf>,
     /// A preset (GPT: tiny, small, gpt2; llama-tiny, llama-small, qwen2-tiny, mistral-tiny,
-    /// llama3-1b, llama3-8b), a GPT model JSON {"V","T","d","H","L"}, or a Hugging Face model
-    /// directory (config.json of a llama, mistral or qwen2 model; its model.safetensors or
-    /// sharded index, when present, are the starting weights).
+    /// llama3-1b, llama3-8b, gpt2-tiny, gpt2-124m), a GPT model JSON {"V","T","d","H","L"}, or
+    /// a Hugging Face model directory (config.json of a gpt2, llama, mistral or qwen2 model;
+    /// its model.safetensors or sharded index, when present, are the starting weights).
     #[arg(long, default_value = "tiny")]
     pub(crate) model: String,
     /// Tokens per sample (default: the model's: a config.json's max_position_embeddings, a
