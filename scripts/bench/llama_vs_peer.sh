@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # issue 33's speed figure, in one run: a small Llama (the llama-small preset: V 8192, d 512,
 # 6 layers, 8 heads over 4 kv heads, SwiGLU 1376, 256 positions) trained on 2 ranks by ds-rs
-# (`train --model DIR`) and by DeepSpeed 0.19.8 training transformers' LlamaForCausalLM from
+# (`bench train --model DIR`) and by DeepSpeed 0.19.8 training transformers' LlamaForCausalLM from
 # the same directory (llama_peer.py), at ZeRO 1 and 3, fp32, micro-batch MB, the programs
 # interleaved REPS times (this machine drifts within minutes: only figures of one repetition
 # compare). Prints one JSON line per run and the ratio of each pair.
@@ -40,10 +40,8 @@ JSON
         ds=$("$peer" -m torch.distributed.run --standalone --nproc_per_node 2 \
             "$root/scripts/bench/llama_peer.py" --model "$work/model" --seq-len 256 \
             --ds-config "$cfg" --tokens "$tokens" --steps $steps 2>/dev/null | grep '^{')
-        "$dsrs" launch --nproc_per_node 2 --config "$cfg" train --model "$work/model" \
-            --seq-len 256 --data "$tokens" --steps $((steps + 2)) --eval-interval 0 --eval-batches 1 \
-            --metrics-dir "$work/m$stage" >/dev/null
-        rs=$(python3 -c "import json; s = json.load(open('$work/m$stage/summary.json')); print(json.dumps(dict(impl='ds-rs', zero_stage=$stage, tokens_per_s=s['median_tokens_per_s'], step_ms_median=s['median_step_ms'], peak_rss_mib_per_rank=[r['peak_rss_mib'] for r in s['ranks']])))")
+        rs=$("$dsrs" bench train --model "$work/model" --seq-len 256 --config "$cfg" --nproc 2 \
+            --warmup 2 --steps $steps --json | grep '^{' | python3 -c "import json, sys; s = json.load(sys.stdin); print(json.dumps(dict(impl='ds-rs', zero_stage=$stage, tokens_per_s=s['tokens_per_s'], step_ms_median=s['step_ms_median'], peak_rss_mib_per_rank=s['peak_rss_mib'])))")
         echo "$ds"
         echo "$rs"
         python3 -c "import json; a = json.loads('''$rs'''); b = json.loads('''$ds'''); print(json.dumps(dict(rep=$rep, zero_stage=$stage, micro_batch=$mb, ratio_tokens_per_s=round(a['tokens_per_s'] / b['tokens_per_s'], 3))))"

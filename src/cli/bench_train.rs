@@ -12,13 +12,17 @@ use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
-use ds_models::gpt::GptConfig;
+use ds_models::ModelSpec;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct TrainBenchArgs {
-    /// Model preset: tiny, small or gpt2.
-    #[arg(long, default_value = "tiny")]
-    preset: String,
+    /// The model, as `train --model` takes it: a preset (the peer's tiny, small, gpt2, or
+    /// llama-small, ...), a GPT model JSON or a Hugging Face model directory.
+    #[arg(long = "model", alias = "preset", default_value = "tiny")]
+    model: String,
+    /// Tokens per sample (default: the model's).
+    #[arg(long)]
+    seq_len: Option<usize>,
     /// The ds_config (e.g. ../shared/bench/configs/zero2.json).
     #[arg(long)]
     config: PathBuf,
@@ -61,8 +65,7 @@ pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
-    let model = GptConfig::preset(&args.preset)
-        .with_context(|| format!("--preset {}: expected tiny, small or gpt2", args.preset))?;
+    let model = ModelSpec::resolve(&args.model, args.seq_len)?;
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
     let doc = load(&args.config)?;
@@ -71,7 +74,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     // "auto" values and a missing optimizer as `train` fills them
     let ctx = FillContext {
         data_parallel: dims.dp() as i64,
-        hidden_size: Some(model.d as i64),
+        hidden_size: Some(model.hidden_size() as i64),
         run_steps: Some((args.warmup + args.steps) as i64),
     };
     let training = args.training.to_args()?;
@@ -79,17 +82,17 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     cfg.check_filled().with_context(name)?;
     model
         .check_tp(dims.tp)
-        .map_err(|e| anyhow::anyhow!("--preset {}: {e}", args.preset))?;
+        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let comm = init(&env).context("joining the job")?;
     let groups = Groups::new(&comm, dims)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let opts = EngineOptions {
-        init: args.init.clone(),
+        init: args.init.clone().or_else(|| model.weights.clone()),
         device: args.device.open()?,
         ..EngineOptions::default()
     };
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build_parallel(&tp).map_err(anyhow::Error::msg)?;
+    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
     let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
     if let Some(path) = &args.save_init {
         engine.save_weights(path)?;
@@ -97,13 +100,13 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let s = engine.settings().clone();
     // The peer's stream: uniform tokens (V, 2^20 tokens, seed 1234) in windows of T+1.
     let source = SyntheticTokens::new(
-        model.V,
+        model.vocab_size(),
         SyntheticTokens::PEER_LEN,
         SyntheticTokens::PEER_SEED,
     )?;
     // tensor-parallel peers train on the same samples
     let (replica, dp) = (groups.grid().data_parallel_id(), dims.dp());
-    let order = SampleOrder::new(model.T, s.micro_batch, s.grad_accum, replica, dp)?;
+    let order = SampleOrder::new(model.seq_len, s.micro_batch, s.grad_accum, replica, dp)?;
     let mut m = Measured::default();
     for step in 0..(args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
@@ -120,7 +123,8 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     if rank == 0 {
         report(args, &s, world, dp, &model, &m);
         if dims.pp > 1 {
-            let layout = ds_engine::pipeline_layout(&cfg, &model.build())?;
+            let whole = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
+            let layout = ds_engine::pipeline_layout(&cfg, &whole)?;
             print_bubble(&bubble, &layout, s.grad_accum, args.json);
         }
     }
@@ -196,7 +200,7 @@ fn report(
     s: &ds_engine::Settings,
     world: usize,
     dp: usize,
-    model: &GptConfig,
+    model: &ModelSpec,
     m: &Measured,
 ) {
     let (times, losses, parts) = (&m.times, &m.losses, &m.parts);
@@ -213,7 +217,7 @@ fn report(
     let mut timed = times[args.warmup.min(times.len())..].to_vec();
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens = (dp * s.micro_batch * s.grad_accum * model.T) as f64;
+    let tokens = (dp * s.micro_batch * s.grad_accum * model.seq_len) as f64;
     // NVMe offload's I/O per timed step, and its rate while reading or writing
     let mut swap = ds_engine::IoTotals::default();
     for t in &parts[args.warmup.min(parts.len())..] {
@@ -221,7 +225,7 @@ fn report(
     }
     let per_step = |b: u64| b as f64 / (1u64 << 20) as f64 / args.steps.max(1) as f64;
     let row = serde_json::json!({
-        "preset": args.preset, "config": args.config.display().to_string(),
+        "preset": args.model, "config": args.config.display().to_string(),
         "zero_stage": u8::from(s.zero.stage), "nproc": world, "dp": dp, "tp": world / dp,
         "step_ms_median": 1e3 * median,
         "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
