@@ -247,3 +247,58 @@ fn five_adamw_steps_equal_torch() {
         assert!(worst <= 1e-5, "{name}: {losses:?} vs {want:?}");
     }
 }
+
+/// GPT-2 files as the hub has them: tensors without the `transformer.` prefix, and the
+/// causal-mask buffers `h.N.attn.bias`; the engine reads them (skipping the buffers) and the
+/// loss is transformers' own.
+#[test]
+fn gpt2_hub_files_without_the_prefix_load() {
+    let fixture = fixture("gpt2");
+    let r = Reference::load(&fixture);
+    let (b, t) = r.shape();
+    let dir = std::env::temp_dir().join(format!("ds-rs-gpt2-hub-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture.join("config.json"), dir.join("config.json")).unwrap();
+    let weights =
+        candle_core::safetensors::load(fixture.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut hub: HashMap<String, Tensor> = weights
+        .into_iter()
+        .map(|(k, v)| (k.trim_start_matches("transformer.").to_string(), v))
+        .collect();
+    let mask = Tensor::ones((1, 1, 32, 32), DType::F32, &Device::Cpu).unwrap();
+    hub.insert("h.0.attn.bias".into(), mask.clone());
+    hub.insert("h.1.attn.bias".into(), mask);
+    candle_core::safetensors::save(&hub, dir.join("model.safetensors")).unwrap();
+    let cfg_text = format!(
+        r#"{{"train_micro_batch_size_per_gpu": {b}, "gradient_accumulation_steps": 1,
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}}}"#
+    );
+    let doc = ds_config::hjson::parse_bytes(cfg_text.as_bytes()).unwrap();
+    let cfg = ds_config::resolve(&doc, &ds_config::ParallelDims::new(1, 1, 1).unwrap()).unwrap();
+    let spec = ModelSpec::resolve(dir.to_str().unwrap(), Some(t)).unwrap();
+    assert_eq!(spec.weights.as_deref(), Some(dir.as_path()));
+    let batch = Batch {
+        inputs: r.ids("input_ids"),
+        targets: r.ids("targets"),
+        batch: b,
+        seq: t,
+    };
+    let loss = run_ranks(1, Duration::from_secs(120), move |comm| {
+        let opts = EngineOptions {
+            init: spec.weights.clone(),
+            ..EngineOptions::default()
+        };
+        let groups = ds_comm::Groups::data_parallel(&comm)?;
+        let mut engine =
+            Engine::initialize(spec.build(&Tp::none()).unwrap(), &cfg, &groups, &opts)?;
+        engine.eval_batch(|_| Ok(batch.clone()))
+    })
+    .unwrap()
+    .remove(0);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let want = r.json["loss"].as_f64().unwrap();
+    assert!(
+        (loss as f64 - want).abs() <= 1e-5 * want,
+        "{loss} vs transformers' {want}"
+    );
+}

@@ -163,8 +163,9 @@ impl WeightsFile {
                     .get(&s.name)
                     .or_else(|| found.get(s.value_name()))
                     .or_else(|| {
-                        let bare = s.name.strip_prefix(GPT2_PREFIX)?;
-                        found.get(bare)
+                        // a hub file's bare name, of the parameter or of its tie's owner
+                        let bare = |n: &str| n.strip_prefix(GPT2_PREFIX).and_then(|b| found.get(b));
+                        bare(&s.name).or_else(|| bare(s.value_name()))
                     })
                     .ok_or_else(|| {
                         EngineError::file(path, format!("parameter '{}' is missing", s.name))
