@@ -17,4 +17,5 @@ pub mod grad;
 pub mod nn;
 pub mod ops;
 pub mod primitive;
+pub mod rms_swiglu;
 mod vmath;

@@ -1,13 +1,18 @@
 //! The Llama block's elementwise pieces with their backward: RMSNorm (normalised in f32, as
 //! transformers' `LlamaRMSNorm`), the SwiGLU product, grouped-query heads and the
-//! sliding-window softmax. Composed of candle's ops, so they run on every device.
+//! sliding-window softmax. Composed of candle's ops, so they run on every device; RMSNorm
+//! and SwiGLU take ds-engine's fused CPU path where it applies (untracked f32 on the CPU).
 
 use candle_core::{DType, Result, Tensor, D};
 use ds_engine::kernels::primitive::softmax_last_dim;
+use ds_engine::kernels::rms_swiglu;
 
 /// `w * (x / sqrt(mean(x^2) + eps))`, the normalisation in f32 and cast back before the
 /// weight; also returns the reciprocal root [.., 1] (f32) for the backward.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    if let Some(fused) = rms_swiglu::rms_norm(x, w, eps)? {
+        return Ok(fused);
+    }
     let xf = x.to_dtype(DType::F32)?;
     let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
@@ -25,6 +30,9 @@ pub fn rms_norm_backward(
     w: &Tensor,
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    if let Some(fused) = rms_swiglu::rms_norm_backward(x, r, w, dy)? {
+        return Ok(fused);
+    }
     let n = x.to_dtype(DType::F32)?.broadcast_mul(r)?;
     let dn = dy.broadcast_mul(w)?.to_dtype(DType::F32)?;
     let dot = (&dn * &n)?.mean_keepdim(D::Minus1)?;
@@ -39,12 +47,18 @@ pub fn rms_norm_backward(
 
 /// `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if let Some(fused) = rms_swiglu::swiglu(gate, up)? {
+        return Ok(fused);
+    }
     gate.silu()? * up
 }
 
 /// The gradients of `swiglu`'s gate and up from its output's `dy`:
 /// silu'(g) = s(g) (1 + g (1 - s(g))) with s the logistic function.
 pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    if let Some(fused) = rms_swiglu::swiglu_backward(gate, up, dy)? {
+        return Ok(fused);
+    }
     let s = (gate.neg()?.exp()? + 1.0)?.recip()?;
     let dsilu = (&s * ((gate * (1.0 - &s)?)? + 1.0)?)?;
     let dgate = ((dy * up)? * dsilu)?;

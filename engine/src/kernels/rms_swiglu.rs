@@ -1,0 +1,148 @@
+//! Fused CPU paths for RMSNorm and the SwiGLU product, forward and backward, for untracked
+//! contiguous f32 tensors: each is one pass over rows or elements where candle's primitive
+//! compositions take 6-10 (each op a pass and an allocation). `None` means the path does not
+//! apply (another device or dtype, or a tensor autograd tracks) and the caller runs the
+//! primitive composition, the function these are tested against.
+
+use candle_core::{DType, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+/// Rows handed to one task; a fixed number, so that the weight gradient's partial sums, and
+/// so its bits, do not depend on the thread count.
+const ROWS_PER_TASK: usize = 64;
+
+fn usable(ts: &[&Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op())
+}
+
+/// The contiguous f32 elements of `t` (a copy; `t` is untracked f32 on the CPU).
+fn elements(t: &Tensor) -> Result<Vec<f32>> {
+    let t = t.contiguous()?;
+    let (s, l) = t.storage_and_layout();
+    match (&*s, l.contiguous_offsets()) {
+        (Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => Ok(v[a..b].to_vec()),
+        _ => candle_core::bail!("fused op: expected contiguous f32 CPU storage"),
+    }
+}
+
+/// `w * (x / sqrt(mean(x^2) + eps))` over the last dimension, and the reciprocal roots
+/// [.., 1].
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<(Tensor, Tensor)>> {
+    if !usable(&[x, w]) {
+        return Ok(None);
+    }
+    let d = w.dim(0)?;
+    let (mut y, wv) = (elements(x)?, elements(w)?);
+    let mut r = vec![0f32; y.len() / d.max(1)];
+    y.par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(r.par_chunks_mut(ROWS_PER_TASK))
+        .for_each(|(rows, roots)| {
+            for (row, root) in rows.chunks_mut(d).zip(roots.iter_mut()) {
+                let mean = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                *root = 1.0 / (mean + eps as f32).sqrt();
+                row.iter_mut()
+                    .zip(&wv)
+                    .for_each(|(v, w)| *v = w * (*v * *root));
+            }
+        });
+    let mut root_shape = x.dims().to_vec();
+    *root_shape.last_mut().expect("a norm input has dimensions") = 1;
+    Ok(Some((
+        Tensor::from_vec(y, x.shape(), x.device())?,
+        Tensor::from_vec(r, root_shape, x.device())?,
+    )))
+}
+
+/// RMSNorm's input and weight gradients from the input `x`, its reciprocal roots `r` and
+/// `dy`: with n = x r, dx = r (w dy - n mean(w dy n)), dw = the sum over rows of dy n.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if !usable(&[x, r, w, dy]) {
+        return Ok(None);
+    }
+    let d = w.dim(0)?;
+    let (xv, rv, wv, mut dx) = (elements(x)?, elements(r)?, elements(w)?, elements(dy)?);
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(xv.par_chunks(d * ROWS_PER_TASK))
+        .zip(rv.par_chunks(ROWS_PER_TASK))
+        .map(|((dys, xs), roots)| {
+            let mut dw = vec![0f32; d];
+            for ((g, x), root) in dys.chunks_mut(d).zip(xs.chunks(d)).zip(roots) {
+                let mut dot = 0f32;
+                for j in 0..d {
+                    let n = x[j] * root;
+                    dw[j] += g[j] * n;
+                    dot += g[j] * wv[j] * n;
+                }
+                let mean = dot / d as f32;
+                for j in 0..d {
+                    let n = x[j] * root;
+                    g[j] = (g[j] * wv[j] - n * mean) * root;
+                }
+            }
+            dw
+        })
+        .collect();
+    let mut dw = vec![0f32; d];
+    for p in &partials {
+        dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+    }
+    Ok(Some((
+        Tensor::from_vec(dx, x.shape(), x.device())?,
+        Tensor::from_vec(dw, d, x.device())?,
+    )))
+}
+
+fn sigmoid(g: f32) -> f32 {
+    1.0 / (1.0 + (-g).exp())
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    if !usable(&[gate, up]) {
+        return Ok(None);
+    }
+    let (mut a, u) = (elements(gate)?, elements(up)?);
+    a.par_chunks_mut(1 << 14)
+        .zip(u.par_chunks(1 << 14))
+        .for_each(|(a, u)| {
+            a.iter_mut()
+                .zip(u)
+                .for_each(|(g, u)| *g = *g * sigmoid(*g) * u)
+        });
+    Ok(Some(Tensor::from_vec(a, gate.shape(), gate.device())?))
+}
+
+/// The gate's and up's gradients from `dy`: silu'(g) = s(g) (1 + g (1 - s(g))).
+pub fn swiglu_backward(
+    gate: &Tensor,
+    up: &Tensor,
+    dy: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if !usable(&[gate, up, dy]) {
+        return Ok(None);
+    }
+    let (g, u, mut dg) = (elements(gate)?, elements(up)?, elements(dy)?);
+    let mut du = vec![0f32; dg.len()];
+    dg.par_chunks_mut(1 << 14)
+        .zip(du.par_chunks_mut(1 << 14))
+        .zip(g.par_chunks(1 << 14).zip(u.par_chunks(1 << 14)))
+        .for_each(|((dg, du), (g, u))| {
+            for i in 0..dg.len() {
+                let s = sigmoid(g[i]);
+                let dy = dg[i];
+                du[i] = dy * g[i] * s;
+                dg[i] = dy * u[i] * s * (1.0 + g[i] * (1.0 - s));
+            }
+        });
+    Ok(Some((
+        Tensor::from_vec(dg, gate.shape(), gate.device())?,
+        Tensor::from_vec(du, gate.shape(), gate.device())?,
+    )))
+}
