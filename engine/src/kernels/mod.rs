@@ -18,4 +18,5 @@ pub mod nn;
 pub mod ops;
 pub mod primitive;
 pub mod rms_swiglu;
+pub mod rotary;
 mod vmath;

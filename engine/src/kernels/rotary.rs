@@ -1,0 +1,62 @@
+//! Rotary position embeddings in the split-halves convention (Hugging Face's `rotate_half`),
+//! fused for untracked contiguous f32 CPU tensors: `x cos + rotate_half(x) sin` and its
+//! backward in one pass each, where the composition of narrows, a concatenation and four
+//! products takes six. `None` where the path does not apply; the caller composes candle's ops.
+
+use candle_core::{DType, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+fn slice(t: &Tensor) -> Option<Vec<f32>> {
+    if !t.device().is_cpu() || t.dtype() != DType::F32 || t.track_op() {
+        return None;
+    }
+    let t = t.contiguous().ok()?;
+    let (s, l) = t.storage_and_layout();
+    match (&*s, l.contiguous_offsets()) {
+        (Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => Some(v[a..b].to_vec()),
+        _ => None,
+    }
+}
+
+/// `x cos + rotate_half(x) sin` for x [.., T, hd] and tables [T, hd]; with `transpose`, the
+/// backward (`dy cos + rotate_half^T(dy sin)`).
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transpose: bool) -> Result<Option<Tensor>> {
+    let (Some(xv), Some(c), Some(s)) = (slice(x), slice(cos), slice(sin)) else {
+        return Ok(None);
+    };
+    let (t, hd) = cos.dims2()?;
+    let half = hd / 2;
+    let mut out = vec![0f32; xv.len()];
+    out.par_chunks_mut(t * hd)
+        .zip(xv.par_chunks(t * hd))
+        .for_each(|(o, x)| {
+            for p in 0..t {
+                let (x, o) = (&x[p * hd..(p + 1) * hd], &mut o[p * hd..(p + 1) * hd]);
+                let (c, s) = (&c[p * hd..(p + 1) * hd], &s[p * hd..(p + 1) * hd]);
+                for i in 0..half {
+                    let j = i + half;
+                    match transpose {
+                        false => {
+                            o[i] = x[i] * c[i] - x[j] * s[i];
+                            o[j] = x[j] * c[j] + x[i] * s[j];
+                        }
+                        true => {
+                            o[i] = x[i] * c[i] + x[j] * s[j];
+                            o[j] = x[j] * c[j] - x[i] * s[i];
+                        }
+                    }
+                }
+            }
+        });
+    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
+}
+
+/// `x cos + rotate_half(x) sin`.
+pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+    rotate(x, cos, sin, false)
+}
+
+/// The gradient of `apply`'s input from its output's `dy`.
+pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+    rotate(dy, cos, sin, true)
+}
