@@ -25,6 +25,23 @@ use ds_models::ModelSpec;
 
 const FAMILIES: [&str; 4] = ["llama", "qwen2", "mistral", "gpt2"];
 
+/// A directory under the temporary one, removed when dropped, a failing test included.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
@@ -256,8 +273,8 @@ fn gpt2_hub_files_without_the_prefix_load() {
     let fixture = fixture("gpt2");
     let r = Reference::load(&fixture);
     let (b, t) = r.shape();
-    let dir = std::env::temp_dir().join(format!("ds-rs-gpt2-hub-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = Scratch::new("gpt2-hub");
+    let dir = scratch.0.clone();
     std::fs::copy(fixture.join("config.json"), dir.join("config.json")).unwrap();
     let weights =
         candle_core::safetensors::load(fixture.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -295,7 +312,6 @@ fn gpt2_hub_files_without_the_prefix_load() {
     })
     .unwrap()
     .remove(0);
-    std::fs::remove_dir_all(&dir).unwrap();
     let want = r.json["loss"].as_f64().unwrap();
     assert!(
         (loss as f64 - want).abs() <= 1e-5 * want,
