@@ -64,6 +64,19 @@ impl Rope {
             num(key)?.ok_or_else(|| format!("`{section}.{key}` is required by this rope type"))
         };
         let theta = num("rope_theta")?.unwrap_or(Rope::DEFAULT_THETA);
+        // transformers reads it beside the RoPE parameters or at the top level
+        let partial = match p
+            .get("partial_rotary_factor")
+            .or_else(|| o.get("partial_rotary_factor"))
+        {
+            None | Some(Value::Null) => 1.0,
+            Some(v) => v.as_f64().unwrap_or(f64::NAN),
+        };
+        if partial != 1.0 {
+            return Err(format!(
+                "`partial_rotary_factor` {partial}: ds-rs rotates the whole head (1.0 only)"
+            ));
+        }
         let kind = p
             .get("rope_type")
             .or_else(|| p.get("type"))

@@ -120,3 +120,11 @@ fn qwen2_windows_start_at_max_window_layers() {
     assert_eq!(c.windows, vec![None, Some(16), Some(16)]);
     assert!(c.qkv_bias && !c.o_bias);
 }
+
+#[test]
+fn a_partial_rotary_factor_is_refused() {
+    let c = json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "partial_rotary_factor": 0.5});
+    let e = LlamaConfig::from_hf_json(&c).unwrap_err().to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+}
