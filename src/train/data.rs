@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use ds_engine::data::{
-    DataLoader, MarkovTokens, SampleOrder, Slice, SyntheticTokens, TextBytes, TokenFile,
-    TokenSource, TokenWidth,
+    is_indexed, DataLoader, IndexedDataset, MarkovTokens, SampleOrder, Slice, SyntheticTokens,
+    TextBytes, TokenFile, TokenSource, TokenWidth,
 };
 
 /// The Markov stream's size: enough windows that tiny/small models do not repeat data within
@@ -95,6 +95,10 @@ fn read_source(
                 SyntheticTokens::new(vocab, SyntheticTokens::PEER_LEN, SyntheticTokens::PEER_SEED)?;
             (Arc::new(s), Some((vocab as f64).ln()))
         }
+        path if is_indexed(Path::new(path)) => (
+            Arc::new(IndexedDataset::open(Path::new(path), vocab)?),
+            None,
+        ),
         path if path.ends_with(".bin") => (
             Arc::new(TokenFile::open(Path::new(path), width, vocab)?),
             None,

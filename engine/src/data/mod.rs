@@ -2,7 +2,8 @@
 //!
 //! Token sources sit behind [`TokenSource`]: the peer benchmark's synthetic stream
 //! ([`SyntheticTokens`], bit-identical to `shared/bench/make_tokens.py`), memory-mapped token
-//! files ([`TokenFile`], nanoGPT's flat `.bin`), plain text as bytes ([`TextBytes`]) and a
+//! files ([`TokenFile`], nanoGPT's flat `.bin`), Megatron-LM's indexed datasets
+//! ([`IndexedDataset`], `.bin` + `.idx`), plain text as bytes ([`TextBytes`]) and a
 //! learnable Markov chain with a known entropy floor ([`MarkovTokens`]).
 //!
 //! [`SampleOrder`] maps (step, micro-step, row) to a sample, and a sample to a window of
@@ -12,6 +13,7 @@
 
 mod error;
 mod file;
+mod indexed;
 mod loader;
 mod markov;
 mod order;
@@ -23,6 +25,7 @@ mod testing;
 
 pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};
+pub use indexed::{indexed_paths, is_indexed, IndexedDataset};
 pub use loader::DataLoader;
 pub use markov::MarkovTokens;
 pub use order::SampleOrder;
