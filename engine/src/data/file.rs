@@ -1,5 +1,7 @@
 //! Memory-mapped token files: nanoGPT's flat little-endian `.bin` ([`TokenFile`], uint16 or
-//! uint32, no header) and plain text read as bytes ([`TextBytes`], vocabulary 256).
+//! uint32, no header), llm.c's `.bin` (a header of 256 int32s: magic 20240520 with uint16
+//! tokens, 20240801 with uint32, then the token count) and plain text read as bytes
+//! ([`TextBytes`], vocabulary 256).
 //!
 //! Token ids are checked against the vocabulary as windows are read, not by a scan at open:
 //! a scan would read a multi-gigabyte corpus before the first step (and leave it resident,
@@ -82,6 +84,43 @@ pub struct TokenFile {
     file: Mapped,
     width: TokenWidth,
     vocab: usize,
+    /// The first token's byte (after llm.c's header) and the number of tokens.
+    start: usize,
+    len: usize,
+}
+
+/// llm.c's header: 256 little-endian int32s, [magic, version, token count, 0...].
+const LLMC_HEADER: usize = 256 * 4;
+
+/// The token type and count an llm.c header gives, if the file starts with one.
+fn llmc_header(name: &str, map: &[u8]) -> Result<Option<(TokenWidth, usize)>> {
+    if map.len() < LLMC_HEADER {
+        return Ok(None);
+    }
+    let int = |i: usize| i32::from_le_bytes(map[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    let (width, version) = match int(0) {
+        20240520 => (TokenWidth::U16, 1),
+        20240801 => (TokenWidth::U32, 7),
+        _ => return Ok(None),
+    };
+    let bad = |what: String| DataError::Invalid(format!("{name}: llm.c header: {what}"));
+    if int(1) != version {
+        return Err(bad(format!(
+            "magic {} with version {}, expected version {version}",
+            int(0),
+            int(1)
+        )));
+    }
+    let count = usize::try_from(int(2)).map_err(|_| bad(format!("token count {}", int(2))))?;
+    let want = LLMC_HEADER + count * width.bytes();
+    if map.len() != want {
+        return Err(bad(format!(
+            "{count} tokens of {} bytes make {want} bytes with the header; the file has {}",
+            width.bytes(),
+            map.len()
+        )));
+    }
+    Ok(Some((width, count)))
 }
 
 impl TokenFile {
@@ -93,8 +132,32 @@ impl TokenFile {
                 path.display()
             )));
         }
-        let file = Mapped::open(path, width.bytes())?;
-        Ok(TokenFile { file, width, vocab })
+        let file = Mapped::open(path, 1)?;
+        // llm.c's files say their token type; nanoGPT's are `width` tokens from the start
+        if let Some((width, len)) = llmc_header(&file.name, &file.map)? {
+            return Ok(TokenFile {
+                file,
+                width,
+                vocab,
+                start: LLMC_HEADER,
+                len,
+            });
+        }
+        if file.map.len() % width.bytes() != 0 {
+            return Err(DataError::Length {
+                path: file.name,
+                bytes: file.map.len(),
+                width: width.bytes(),
+            });
+        }
+        let len = file.map.len() / width.bytes();
+        Ok(TokenFile {
+            file,
+            width,
+            vocab,
+            start: 0,
+            len,
+        })
     }
 
     /// The on-disk token type.
@@ -108,7 +171,7 @@ impl TokenSource for TokenFile {
         &self.file.name
     }
     fn len(&self) -> usize {
-        self.file.map.len() / self.width.bytes()
+        self.len
     }
     fn vocab(&self) -> usize {
         self.vocab
@@ -116,7 +179,7 @@ impl TokenSource for TokenFile {
     fn read(&self, start: usize, out: &mut [u32]) -> Result<()> {
         let range = span(&self.file.name, start, out.len(), self.len())?;
         let size = self.width.bytes();
-        let bytes = &self.file.map[range.start * size..range.end * size];
+        let bytes = &self.file.map[self.start + range.start * size..self.start + range.end * size];
         // Chunks are exactly `size` bytes, so the indexing below is in bounds.
         let decode: fn(&[u8]) -> u32 = match self.width {
             TokenWidth::U16 => |b| u32::from(u16::from_le_bytes([b[0], b[1]])),
@@ -129,7 +192,7 @@ impl TokenSource for TokenFile {
                     name: self.file.name.clone(),
                     token: *o,
                     index: start + i,
-                    byte: (start + i) * size,
+                    byte: self.start + (start + i) * size,
                     vocab: self.vocab,
                 });
             }
@@ -259,5 +322,49 @@ mod tests {
         assert_eq!("u16".parse::<TokenWidth>().unwrap(), TokenWidth::U16);
         assert_eq!("u32".parse::<TokenWidth>().unwrap(), TokenWidth::U32);
         assert!("u8".parse::<TokenWidth>().is_err());
+    }
+}
+
+#[cfg(test)]
+mod llmc_tests {
+    use super::super::testing::TempDir;
+    use super::*;
+
+    /// An llm.c file: the 256-int32 header [magic, version, count], then the tokens.
+    fn llmc(magic: i32, version: i32, count: i32, tokens: &[u8]) -> Vec<u8> {
+        let mut header = vec![0i32; 256];
+        header[..3].copy_from_slice(&[magic, version, count]);
+        let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+        bytes.extend_from_slice(tokens);
+        bytes
+    }
+
+    #[test]
+    fn llmc_files_read_after_their_header() {
+        let dir = TempDir::new("llmc");
+        let ids: Vec<u32> = vec![50256, 464, 3290, 7, 0, 1];
+        let u16s: Vec<u8> = ids.iter().flat_map(|v| (*v as u16).to_le_bytes()).collect();
+        let gpt2 = dir.file("gpt2.bin", &llmc(20240520, 1, 6, &u16s));
+        // the header decides the width, whatever --token-width says
+        let f = TokenFile::open(&gpt2, TokenWidth::U32, 50257).unwrap();
+        let mut out = vec![0; f.len()];
+        f.read(0, &mut out).unwrap();
+        assert_eq!((f.width(), out), (TokenWidth::U16, ids.clone()));
+        let big: Vec<u32> = vec![128000, 9906, 1917, 0];
+        let u32s: Vec<u8> = big.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let llama = dir.file("llama.bin", &llmc(20240801, 7, 4, &u32s));
+        let f = TokenFile::open(&llama, TokenWidth::U16, 128256).unwrap();
+        let mut out = vec![0; 4];
+        f.read(0, &mut out).unwrap();
+        assert_eq!(out, big);
+        for (name, bytes, needle) in [
+            ("version", llmc(20240520, 3, 6, &u16s), "version 3"),
+            ("count", llmc(20240520, 1, 7, &u16s), "7 tokens"),
+        ] {
+            let e = TokenFile::open(&dir.file(name, &bytes), TokenWidth::U16, 50257)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle) && e.contains(name), "{name}: {e}");
+        }
     }
 }
