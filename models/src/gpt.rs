@@ -180,18 +180,10 @@ impl GptConfig {
 
     pub fn check_tp_of(&self, tp: usize, v: &GptVariant) -> std::result::Result<(), String> {
         let GptConfig { V, H, .. } = *self;
-        let bad: Vec<String> = [("heads H", H), ("MLP width", v.mlp), ("vocabulary V", V)]
-            .iter()
-            .filter(|(_, n)| tp == 0 || n % tp != 0)
-            .map(|(what, n)| format!("{what} = {n}"))
-            .collect();
-        match bad.is_empty() {
-            true => Ok(()),
-            false => Err(format!(
-                "tensor-parallel degree {tp} does not divide the model's {}",
-                bad.join(", ")
-            )),
-        }
+        crate::check_tp_divides(
+            tp,
+            &[("heads H", H), ("MLP width", v.mlp), ("vocabulary V", V)],
+        )
     }
 
     /// The model with its layers split over the tensor-parallel group `tp`: column-parallel

@@ -8,7 +8,6 @@ use ds_engine::checkpoint::{self, Manifest};
 use ds_engine::model::weights::{SaveDtype, StreamingWriter, HF_INDEX, HF_WEIGHTS};
 use serde_json::Value;
 
-use crate::llama::EMBED;
 use crate::{err, Arch, ModelError, ModelSpec};
 
 /// How to write the directory.
@@ -42,11 +41,9 @@ pub fn export_checkpoint(
     opts: &ExportOptions,
 ) -> Result<Exported, ModelError> {
     let m = Manifest::read(tag_dir).map_err(|e| err(e.to_string()))?;
-    let transposed = stored_transposed(config)?;
-    let tied = config["tie_word_embeddings"]
-        .as_bool()
-        .unwrap_or(config["model_type"] == "gpt2");
-    let keep = |name: &str| !(tied && name == "lm_head.weight");
+    let layout = FileLayout::of(config)?;
+    let transposed = &layout.transposed;
+    let keep = |name: &str| !layout.tied.iter().any(|(copy, _)| copy == name);
     let tensors: Vec<(String, Vec<usize>)> = m
         .params
         .iter()
@@ -56,12 +53,13 @@ pub fn export_checkpoint(
             false => (p.name.clone(), p.shape.clone()),
         })
         .collect();
-    let owners = [EMBED, "transformer.wte.weight"];
-    if tied && !tensors.iter().any(|(n, _)| owners.contains(&n.as_str())) {
-        return Err(err(format!(
-            "{}: a tied model without {EMBED}",
-            tag_dir.display()
-        )));
+    for (copy, owner) in &layout.tied {
+        if !tensors.iter().any(|(n, _)| n == owner) {
+            return Err(err(format!(
+                "{}: {copy} is tied to {owner}, which the checkpoint does not hold",
+                tag_dir.display()
+            )));
+        }
     }
     let shards = plan_shards(&tensors, opts);
     let names = shard_names(shards.len());
@@ -114,21 +112,40 @@ pub fn export_checkpoint(
 }
 
 /// The parameters whose files hold them transposed (GPT-2's Conv1D weights), by name.
-fn stored_transposed(config: &Value) -> Result<std::collections::HashSet<String>, ModelError> {
-    let arch = Arch::from_hf_json(config).map_err(|e| err(format!("the model's config: {e}")))?;
-    let spec = ModelSpec {
-        arch,
-        seq_len: 1,
-        weights: None,
-        source_config: None,
-    };
-    let model = spec.build(&ds_engine::parallel::Tp::none()).map_err(err)?;
-    Ok(model
-        .params()
-        .into_iter()
-        .filter(|p| p.stored_transposed)
-        .map(|p| p.name)
-        .collect())
+/// How the model's parameters go into its files, from the parameters the model declares:
+/// which are stored transposed (GPT-2's Conv1D), and which are tied copies (copy, owner),
+/// left out as save_pretrained leaves them.
+struct FileLayout {
+    transposed: std::collections::HashSet<String>,
+    tied: Vec<(String, String)>,
+}
+
+impl FileLayout {
+    fn of(config: &Value) -> Result<FileLayout, ModelError> {
+        let arch =
+            Arch::from_hf_json(config).map_err(|e| err(format!("the model's config: {e}")))?;
+        let spec = ModelSpec {
+            arch,
+            seq_len: 1,
+            weights: None,
+            source_config: None,
+        };
+        let params = spec
+            .build(&ds_engine::parallel::Tp::none())
+            .map_err(err)?
+            .params();
+        Ok(FileLayout {
+            transposed: params
+                .iter()
+                .filter(|p| p.stored_transposed)
+                .map(|p| p.name.clone())
+                .collect(),
+            tied: params
+                .into_iter()
+                .filter_map(|p| p.tied.map(|owner| (p.name, owner)))
+                .collect(),
+        })
+    }
 }
 
 /// A [rows, cols] matrix's transpose.

@@ -239,6 +239,23 @@ impl ModelSpec {
     }
 }
 
+/// Whether tensor parallelism of degree `tp` divides every named size of a model (heads, MLP
+/// width, vocabulary); the error names the sizes it does not.
+pub(crate) fn check_tp_divides(tp: usize, sizes: &[(&str, usize)]) -> Result<(), String> {
+    let bad: Vec<String> = sizes
+        .iter()
+        .filter(|(_, n)| tp == 0 || !n.is_multiple_of(tp))
+        .map(|(what, n)| format!("{what} = {n}"))
+        .collect();
+    match bad.is_empty() {
+        true => Ok(()),
+        false => Err(format!(
+            "tensor-parallel degree {tp} does not divide the model's {}",
+            bad.join(", ")
+        )),
+    }
+}
+
 /// Every preset name, GPT's first.
 pub fn preset_names() -> Vec<&'static str> {
     let gpt = crate::gpt::PRESETS.iter().map(|(n, _)| *n);

@@ -11,7 +11,7 @@ use ds_comm::{init, options_for, Groups};
 use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
 use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
 use ds_engine::parallel::Tp;
-use ds_engine::{Engine, EngineOptions};
+use ds_engine::EngineOptions;
 use ds_models::ModelSpec;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -87,13 +87,11 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let groups = Groups::new(&comm, dims)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let opts = EngineOptions {
-        init: args.init.clone().or_else(|| model.weights.clone()),
+        init: args.init.clone(),
         device: args.device.open()?,
         ..EngineOptions::default()
     };
-    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
-    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
+    let mut engine = crate::train::start_engine(&model, &cfg, &groups, opts)?;
     if let Some(path) = &args.save_init {
         engine.save_weights(path)?;
     }

@@ -10,8 +10,7 @@ use anyhow::Context;
 use clap::{Args, FromArgMatches};
 use ds_comm::{init, options_for, Groups};
 use ds_engine::data::{DataLoader, SampleOrder, TokenWidth};
-use ds_engine::parallel::Tp;
-use ds_engine::{Engine, EngineOptions};
+use ds_engine::EngineOptions;
 
 use super::TrainArgs;
 
@@ -88,9 +87,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         device: args.device.open()?,
         ..EngineOptions::default()
     };
-    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
-    let mut engine = Engine::initialize(layers, &cfg, &groups, &opts)?;
+    let mut engine = super::start_engine(&model, &cfg, &groups, opts.clone())?;
     let from = match &args.load_dir {
         Some(dir) => {
             let m = engine

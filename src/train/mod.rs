@@ -160,6 +160,20 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
     Ok((model, cfg))
 }
 
+/// This rank's engine over `model`: its layers split over the rank's tensor-parallel group,
+/// starting from `opts.init`, else the model directory's weights (train, eval, bench train).
+pub(crate) fn start_engine(
+    model: &ModelSpec,
+    cfg: &Config,
+    groups: &Groups,
+    mut opts: EngineOptions,
+) -> anyhow::Result<Engine> {
+    opts.init = opts.init.or_else(|| model.weights.clone());
+    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
+    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
+    Ok(Engine::initialize(layers, cfg, groups, &opts)?)
+}
+
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
@@ -199,13 +213,11 @@ fn run_joined(
     let device = args.device.open()?;
     let opts = EngineOptions {
         seed: args.seed,
-        init: args.init.clone().or_else(|| model.weights.clone()),
+        init: args.init.clone(),
         device: device.clone(),
         ..EngineOptions::default()
     };
-    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
-    let mut engine = Engine::initialize(layers, cfg, &groups, &opts)?;
+    let mut engine = start_engine(&model, cfg, &groups, opts)?;
     let s = engine.settings().clone();
     let width = match args.token_width.as_str() {
         "u16" => TokenWidth::U16,

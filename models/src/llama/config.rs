@@ -287,23 +287,15 @@ impl LlamaConfig {
     /// Whether tensor parallelism of degree `tp` can split the model: whole query and key/value
     /// heads per rank, the MLP width and the vocabulary in equal parts.
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
-        let bad: Vec<String> = [
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("vocab_size", self.vocab_size),
-        ]
-        .iter()
-        .filter(|(_, n)| tp == 0 || !n.is_multiple_of(tp))
-        .map(|(what, n)| format!("{what} = {n}"))
-        .collect();
-        match bad.is_empty() {
-            true => Ok(()),
-            false => Err(format!(
-                "tensor-parallel degree {tp} does not divide the model's {}",
-                bad.join(", ")
-            )),
-        }
+        crate::check_tp_divides(
+            tp,
+            &[
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("intermediate_size", self.intermediate_size),
+                ("vocab_size", self.vocab_size),
+            ],
+        )
     }
 }
 
