@@ -1,4 +1,4 @@
-//! `--data PREFIX` with Megatron-LM's indexed datasets (engine/tests/fixtures/megatron, written
+//! `--data PREFIX` with Megatron-LM's indexed datasets (data/tests/fixtures/megatron, written
 //! by megatron-core): `train` and `eval` read them; the uint16 and int32 files of the same
 //! documents give the same losses; a damaged index is one error line naming it.
 
@@ -13,7 +13,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 fn prefix(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("engine/tests/fixtures/megatron")
+        .join("data/tests/fixtures/megatron")
         .join(format!("{name}_text_document"))
 }
 

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use candle_core::{Module, Tensor};
 use candle_nn::{embedding, Linear, VarBuilder};
 use ds_comm::ReduceOp;
-use ds_engine::data::{DataLoader, MarkovTokens, SampleOrder};
+use ds_data::{DataLoader, MarkovTokens, SampleOrder};
 use ds_engine::model::{Context, Init, Layer, Model, ParamSpec};
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};

@@ -12,8 +12,6 @@ pub enum EngineError {
     #[error(transparent)]
     Config(#[from] ds_config::ConfigError),
     #[error(transparent)]
-    Data(#[from] crate::data::DataError),
-    #[error(transparent)]
     Optim(#[from] crate::optim::OptimError),
     #[error("{path}: {reason}")]
     File { path: String, reason: String },

@@ -1,4 +1,4 @@
-//! The ds-rs engine: the model API, data, the training loop over ZeRO stages 0-3 (`Engine`),
+//! The ds-rs engine: the model API, the training loop over ZeRO stages 0-3 (`Engine`),
 //! optimizers, LR schedules and mixed precision with loss scaling. The models themselves
 //! (the built-in GPT, Hugging Face's families) are ds-models'.
 //!
@@ -13,16 +13,17 @@
 //! `parallel` (tensor parallelism) uses both; the engine uses everything and nothing below it
 //! knows the engine.
 
+mod batch;
 mod error;
 pub mod kernels;
 pub mod model;
 pub mod monitor;
 
+pub use batch::Batch;
 pub use candle_core::Device;
 pub use error::{EngineError, Result};
 pub mod checkpoint;
 pub mod crash_point;
-pub mod data;
 pub mod device;
 mod engine;
 pub mod loss_scale;

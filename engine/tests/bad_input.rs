@@ -146,7 +146,7 @@ fn train_batch_inside_an_open_accumulation_window_is_an_error() {
             &EngineOptions::default(),
         )?;
         let w: Vec<u32> = (0..=MODEL.T as u32).collect();
-        let batch = ds_engine::data::Batch::from_windows(&[w]);
+        let batch = ds_engine::Batch::from_windows(&[w]);
         engine.forward(&batch)?;
         engine.backward()?;
         engine.train_batch(|_| Ok(batch.clone())).map(|_| ())

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
 use ds_config::{hjson, resolve, ParallelDims};
-use ds_engine::data::Batch;
+use ds_engine::Batch;
 use ds_engine::{Engine, EngineOptions};
 use ds_models::gpt::GptConfig;
 

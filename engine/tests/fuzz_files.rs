@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ds_comm::testkit::LargestAlloc;
+use ds_data::{TextBytes, TokenFile, TokenSource, TokenWidth};
 use ds_engine::checkpoint;
-use ds_engine::data::{TextBytes, TokenFile, TokenSource, TokenWidth};
 use ds_engine::model::weights::{self, WeightsFile};
 use ds_engine::model::{Init, ParamSpec};
 use proptest::prelude::*;

@@ -17,9 +17,9 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ds_comm::testkit::run_ranks;
-use ds_engine::data::Batch;
 use ds_engine::model::{Context, Tape};
 use ds_engine::parallel::Tp;
+use ds_engine::Batch;
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 

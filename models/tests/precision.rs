@@ -9,8 +9,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
-use ds_engine::data::Batch;
 use ds_engine::parallel::Tp;
+use ds_engine::Batch;
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 

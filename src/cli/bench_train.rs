@@ -9,8 +9,9 @@ use std::time::Instant;
 use anyhow::Context;
 use ds_comm::{init, options_for, Groups};
 use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
-use ds_engine::data::{Batch, SampleOrder, SyntheticTokens};
+use ds_data::{SampleOrder, SyntheticTokens};
 use ds_engine::parallel::Tp;
+use ds_engine::Batch;
 use ds_engine::EngineOptions;
 use ds_models::ModelSpec;
 

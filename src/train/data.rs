@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use ds_engine::data::{
+use ds_data::{
     is_indexed, DataLoader, IndexedDataset, MarkovTokens, SampleOrder, Slice, SyntheticTokens,
     TextBytes, TokenFile, TokenSource, TokenWidth,
 };

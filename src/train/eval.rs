@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, FromArgMatches};
 use ds_comm::{init, options_for, Groups};
-use ds_engine::data::{DataLoader, SampleOrder, TokenWidth};
+use ds_data::{DataLoader, SampleOrder, TokenWidth};
 use ds_engine::EngineOptions;
 
 use super::TrainArgs;

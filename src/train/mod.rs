@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, Config};
-use ds_engine::data::TokenWidth;
+use ds_data::TokenWidth;
 use ds_engine::monitor::Monitor;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};

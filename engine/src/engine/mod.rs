@@ -27,10 +27,10 @@ use ds_partition::{runs, FlatIndex, Placement, TpRank};
 use half::{bf16, f16};
 
 use crate::checkpoint;
-use crate::data::Batch;
 use crate::loss_scale::LossScaler;
 use crate::model::{weights, Model, ParamSpec};
 use crate::parallel::PartitionConfig;
+use crate::Batch;
 use crate::{EngineError, Result};
 pub use decay::DecayGroups;
 use decay::DecayPlan;

@@ -24,8 +24,8 @@ use std::ops::Range;
 
 use super::trainer::{Micro, Trainer};
 use super::Dtype;
-use crate::data::Batch;
 use crate::model::Model;
+use crate::Batch;
 use crate::{EngineError, Result};
 
 /// This rank's place in its pipeline.

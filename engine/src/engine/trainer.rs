@@ -18,8 +18,8 @@ use super::tied::{self, Tie};
 use super::update::{StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
-use crate::data::Batch;
 use crate::model::{tensor_bytes, Context, Model, Tape};
+use crate::Batch;
 use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.

@@ -1,4 +1,4 @@
-//! Training data: where tokens come from and which of them each rank trains on.
+//! ds-data: training data, where tokens come from and which of them each rank trains on.
 //!
 //! Token sources sit behind [`TokenSource`]: the peer benchmark's synthetic stream
 //! ([`SyntheticTokens`], bit-identical to `shared/bench/make_tokens.py`), memory-mapped token
@@ -32,29 +32,7 @@ pub use order::SampleOrder;
 pub use slice::Slice;
 pub use synthetic::SyntheticTokens;
 
-/// One micro-batch: `batch` rows of `seq` input tokens and their next-token targets, both
-/// row-major `[batch, seq]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Batch {
-    pub inputs: Vec<u32>,
-    pub targets: Vec<u32>,
-    pub batch: usize,
-    pub seq: usize,
-}
-
-impl Batch {
-    /// A batch from windows of T+1 tokens each: inputs are their first T tokens, targets
-    /// their last T.
-    pub fn from_windows(windows: &[Vec<u32>]) -> Batch {
-        let seq = windows.first().map_or(0, |w| w.len().saturating_sub(1));
-        Batch {
-            inputs: windows.iter().flat_map(|w| w[..seq].to_vec()).collect(),
-            targets: windows.iter().flat_map(|w| w[1..].to_vec()).collect(),
-            batch: windows.len(),
-            seq,
-        }
-    }
-}
+pub use ds_engine::Batch;
 
 /// A flat, random-access sequence of token ids, each below [`TokenSource::vocab`].
 ///

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ds_engine::data::{IndexedDataset, TokenSource};
+use ds_data::{IndexedDataset, TokenSource};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron")

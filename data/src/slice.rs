@@ -82,7 +82,7 @@ impl TokenSource for Slice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::SyntheticTokens;
+    use crate::SyntheticTokens;
 
     #[test]
     fn split_parts_read_the_parents_tokens_without_overlap() {
