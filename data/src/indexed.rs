@@ -18,19 +18,35 @@ use super::error::{span, DataError, Result};
 use super::TokenSource;
 
 /// The first bytes of every index file.
-const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
+pub(crate) const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 /// magic, version (u64), dtype code (u8), sequence and document counts (u64 each).
 const HEADER: usize = 9 + 8 + 1 + 8 + 8;
 
 /// The token types Megatron writes for token ids: uint16 below a vocabulary of 65500, else
 /// int32 (its dtype codes 8 and 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ids {
+pub(crate) enum Ids {
     U16,
     I32,
 }
 
 impl Ids {
+    /// What Megatron picks for a vocabulary (`DType.optimal_dtype`).
+    pub(crate) fn for_vocab(vocab: usize) -> Ids {
+        if vocab < 65500 {
+            Ids::U16
+        } else {
+            Ids::I32
+        }
+    }
+
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Ids::U16 => 8,
+            Ids::I32 => 4,
+        }
+    }
+
     fn from_code(code: u8) -> std::result::Result<Ids, String> {
         let name = match code {
             8 => return Ok(Ids::U16),
@@ -48,7 +64,7 @@ impl Ids {
         ))
     }
 
-    fn bytes(self) -> usize {
+    pub(crate) fn bytes(self) -> usize {
         match self {
             Ids::U16 => 2,
             Ids::I32 => 4,

@@ -14,23 +14,29 @@
 mod error;
 mod file;
 mod indexed;
+mod indexed_writer;
 mod loader;
 mod markov;
 mod order;
+mod preprocess;
 mod shuffle;
 mod slice;
 mod synthetic;
 #[cfg(test)]
 mod testing;
+mod tokenizer;
 
 pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};
 pub use indexed::{indexed_paths, is_indexed, IndexedDataset};
+pub use indexed_writer::{IndexedSummary, IndexedWriter};
 pub use loader::DataLoader;
 pub use markov::MarkovTokens;
 pub use order::SampleOrder;
+pub use preprocess::{input_files, output_prefix, preprocess, PreprocessJob, PreprocessReport};
 pub use slice::Slice;
 pub use synthetic::SyntheticTokens;
+pub use tokenizer::TextTokenizer;
 
 pub use ds_engine::Batch;
 

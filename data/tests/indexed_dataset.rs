@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ds_data::{IndexedDataset, TokenSource};
+use ds_data::{IndexedDataset, IndexedWriter, TokenSource};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron")
@@ -51,6 +51,14 @@ fn megatron_core_files_read_as_their_documents() {
 /// A directory under the temporary one, removed when dropped (a failing test included).
 struct Scratch(PathBuf);
 
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let s = Scratch(std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id())));
+        std::fs::create_dir_all(&s.0).unwrap();
+        s
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
@@ -59,8 +67,7 @@ impl Drop for Scratch {
 
 #[test]
 fn damaged_indexes_are_named() {
-    let s = Scratch(std::env::temp_dir().join(format!("ds-rs-indexed-{}", std::process::id())));
-    std::fs::create_dir_all(&s.0).unwrap();
+    let s = Scratch::new("indexed");
     let src = fixtures().join("u16_text_document");
     let idx = std::fs::read(src.with_extension("idx")).unwrap();
     let bin = std::fs::read(src.with_extension("bin")).unwrap();
@@ -119,5 +126,27 @@ fn damaged_indexes_are_named() {
             e.contains(&format!("{name}.idx")),
             "{name}: the error names the file: {e}"
         );
+    }
+}
+
+/// ds-rs's writer, given megatron-core's documents, writes megatron-core's bytes: uint16 for
+/// a vocabulary below 65500 and int32 above, as Megatron's optimal_dtype picks.
+#[test]
+fn the_writer_writes_megatron_cores_bytes() {
+    let s = Scratch::new("indexed-writer");
+    for (name, vocab) in [("u16", 50_000), ("i32", 70_000)] {
+        let prefix = s.0.join(format!("{name}_text_document"));
+        let mut w = IndexedWriter::create(&prefix, vocab).unwrap();
+        for doc in documents() {
+            let lengths: Vec<usize> = doc.iter().map(Vec::len).collect();
+            w.add_document(&doc.concat(), &lengths).unwrap();
+        }
+        w.finish().unwrap();
+        for ext in ["bin", "idx"] {
+            let want =
+                std::fs::read(fixtures().join(format!("{name}_text_document.{ext}"))).unwrap();
+            let got = std::fs::read(prefix.with_extension(ext)).unwrap();
+            assert!(got == want, "{name}.{ext} differs from megatron-core's");
+        }
     }
 }

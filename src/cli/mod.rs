@@ -6,6 +6,7 @@ mod bench_comm;
 mod bench_train;
 mod checkpoint;
 mod config_check;
+mod data;
 mod estimate;
 mod local_ranks;
 mod training_args;
@@ -51,6 +52,11 @@ enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// Prepare training data (tokenize into Megatron indexed datasets).
+    Data {
+        #[command(subcommand)]
+        command: data::DataCommand,
+    },
     /// Inspect and consolidate checkpoints.
     Checkpoint {
         #[command(subcommand)]
@@ -94,5 +100,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command: BenchCommand::Train(args),
         } => bench_train::run(&args),
         Command::Checkpoint { command } => checkpoint::run(&command),
+        Command::Data { command } => data::run(&command),
     }
 }
