@@ -366,7 +366,7 @@ fn tied_embeddings_train_as_pytorchs_tied_gpt() {
         let (dir, weights) = (s.path(&tag), s.path(&format!("{tag}.safetensors")));
         let cmd = format!(
             "launch --nproc_per_node {nproc} --config {} train --model {} --init {} --data {} \
-             --steps {} {args} --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-weights {}",
+             --no-shuffle --steps {} {args} --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-weights {}",
             cfg.display(),
             fixtures.join("model.json").display(),
             fixtures.join("init.safetensors").display(),

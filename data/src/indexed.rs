@@ -80,7 +80,8 @@ pub struct IndexedDataset {
     ids: Ids,
     /// Tokens in all sequences.
     tokens: usize,
-    documents: usize,
+    /// The token offset of each document's start, and the total (documents + 1 entries).
+    document_starts: Vec<usize>,
     vocab: usize,
 }
 
@@ -130,14 +131,14 @@ impl IndexedDataset {
             bin,
             ids: index.ids,
             tokens,
-            documents: index.document_count.saturating_sub(1),
+            document_starts: index.document_starts(tokens),
             vocab,
         })
     }
 
     /// Documents in the dataset.
     pub fn documents(&self) -> usize {
-        self.documents
+        self.document_starts.len().saturating_sub(1)
     }
 }
 
@@ -156,6 +157,17 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 impl<'a> Index<'a> {
+    /// The token offset where each document boundary falls (checked sequences only).
+    fn document_starts(&self, tokens: usize) -> Vec<usize> {
+        let width = self.ids.bytes() as u64;
+        (0..self.document_count)
+            .map(|k| match u64_at(self.documents, 8 * k) as usize {
+                s if s < self.sequence_count => (u64_at(self.pointers, 8 * s) / width) as usize,
+                _ => tokens,
+            })
+            .collect()
+    }
+
     fn parse(b: &'a [u8]) -> std::result::Result<Index<'a>, String> {
         if b.len() < HEADER || &b[..9] != MAGIC {
             return Err("not a Megatron index: it does not start with MMIDIDX".into());
@@ -223,6 +235,9 @@ impl<'a> Index<'a> {
 impl TokenSource for IndexedDataset {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn document_starts(&self) -> Option<&[usize]> {
+        Some(&self.document_starts)
     }
     fn len(&self) -> usize {
         self.tokens

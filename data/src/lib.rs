@@ -6,11 +6,20 @@
 //! ([`IndexedDataset`], `.bin` + `.idx`), plain text as bytes ([`TextBytes`]) and a
 //! learnable Markov chain with a known entropy floor ([`MarkovTokens`]).
 //!
-//! [`SampleOrder`] maps (step, micro-step, row) to a sample, and a sample to a window of
-//! `seq + 1` tokens. It depends on the step, the global batch and the shuffle seed only, never
-//! on how the global batch is split into ranks and micro-steps, so every layout trains on the
-//! same samples per step. [`DataLoader`] binds a source to an order and hands out [`Batch`]es.
+//! [`Samples`] are what a step reads, `seq + 1` tokens each: [`Windows`] packs a source into
+//! windows, shuffled per epoch by the seed; [`Blend`] mixes datasets by weight as Megatron's
+//! `--data-path` does; [`Split`] divides a source into train / validation / test parts as
+//! Megatron's `--split`. [`SampleOrder`] maps (step, micro-step, row) to a sample index. It
+//! depends on the step and the global batch only, never on how the global batch is split into
+//! ranks and micro-steps, so every layout trains on the same samples per step. [`DataLoader`]
+//! binds samples to an order and hands out [`Batch`]es.
+//!
+//! Text arrives through [`TextTokenizer`] (a tokenizer.json): [`preprocess`] writes Megatron
+//! indexed datasets ([`IndexedWriter`]) on every core, and [`tokenized`] caches a text file's
+//! tokens beside it for `train --data`.
 
+mod blend;
+mod cache;
 mod error;
 mod file;
 mod indexed;
@@ -19,13 +28,17 @@ mod loader;
 mod markov;
 mod order;
 mod preprocess;
+mod samples;
 mod shuffle;
 mod slice;
+mod split;
 mod synthetic;
 #[cfg(test)]
 mod testing;
 mod tokenizer;
 
+pub use blend::{parse_blend, Blend};
+pub use cache::tokenized;
 pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};
 pub use indexed::{indexed_paths, is_indexed, IndexedDataset};
@@ -34,7 +47,9 @@ pub use loader::DataLoader;
 pub use markov::MarkovTokens;
 pub use order::SampleOrder;
 pub use preprocess::{input_files, output_prefix, preprocess, PreprocessJob, PreprocessReport};
+pub use samples::{Samples, Windows};
 pub use slice::Slice;
+pub use split::{Part, Split};
 pub use synthetic::SyntheticTokens;
 pub use tokenizer::TextTokenizer;
 
@@ -57,4 +72,9 @@ pub trait TokenSource: Send + Sync {
     /// Tokens `start .. start + out.len()` into `out`. Errors name the source: a read past the
     /// end, or (for files) a token not below the vocabulary.
     fn read(&self, start: usize, out: &mut [u32]) -> Result<()>;
+    /// Where documents start (token offsets, ending with the length), for sources that know
+    /// their documents: a split then divides documents, as Megatron's does.
+    fn document_starts(&self) -> Option<&[usize]> {
+        None
+    }
 }

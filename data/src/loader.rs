@@ -1,62 +1,68 @@
-//! A token source bound to one rank's sample order, checked once up front: what a training
-//! loop holds to ask for micro-batches by (step, micro-step).
+//! Samples bound to one rank's sample order, checked once up front: what a training loop
+//! holds to ask for micro-batches by (step, micro-step).
 
 use std::sync::Arc;
 
 use super::error::{DataError, Result};
-use super::{Batch, SampleOrder, TokenSource};
+use super::{Batch, SampleOrder, Samples};
 
-/// One rank's micro-batches from a shared source.
+/// One rank's micro-batches from shared samples.
 #[derive(Clone)]
 pub struct DataLoader {
-    source: Arc<dyn TokenSource>,
+    samples: Arc<dyn Samples>,
     order: SampleOrder,
 }
 
 impl DataLoader {
-    /// Binds `source` to `order` for a model with `model_vocab` embedding rows. Fails, naming
-    /// the source, if it holds less than one window of seq + 1 tokens or emits ids the model
-    /// cannot embed, so a bad setup stops before step 0 rather than inside it.
+    /// Binds `samples` to `order` for a model with `model_vocab` embedding rows. Fails, naming
+    /// the data, if its samples are not seq + 1 tokens long or hold ids the model cannot
+    /// embed, so a bad setup stops before step 0 rather than inside it.
     pub fn new(
-        source: Arc<dyn TokenSource>,
+        samples: Arc<dyn Samples>,
         order: SampleOrder,
         model_vocab: usize,
     ) -> Result<DataLoader> {
-        order.windows(source.as_ref())?;
-        if source.vocab() > model_vocab {
+        if samples.sample_tokens() != order.seq() + 1 {
+            return Err(DataError::Invalid(format!(
+                "{}: samples of {} tokens, the order reads seq + 1 = {}",
+                samples.name(),
+                samples.sample_tokens(),
+                order.seq() + 1
+            )));
+        }
+        if samples.vocab() > model_vocab {
             return Err(DataError::VocabMismatch {
-                name: source.name().to_string(),
-                vocab: source.vocab(),
+                name: samples.name().to_string(),
+                vocab: samples.vocab(),
                 model: model_vocab,
             });
         }
-        Ok(DataLoader { source, order })
+        Ok(DataLoader { samples, order })
     }
 
     /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`.
     pub fn micro_batch(&self, step: u64, micro: usize) -> Result<Batch> {
-        self.order.micro_batch(self.source.as_ref(), step, micro)
+        self.order.micro_batch(self.samples.as_ref(), step, micro)
     }
 
-    pub fn source(&self) -> &dyn TokenSource {
-        self.source.as_ref()
+    pub fn samples(&self) -> &dyn Samples {
+        self.samples.as_ref()
     }
 
     pub fn order(&self) -> &SampleOrder {
         &self.order
     }
 
-    /// Epochs completed after `steps` optimizer steps (samples seen / windows), for logs.
+    /// Epochs completed after `steps` optimizer steps (samples seen / samples in an epoch).
     pub fn epochs(&self, steps: u64) -> f64 {
-        let windows = self.source.len() / (self.order.seq() + 1);
-        steps as f64 * self.order.global_batch() as f64 / windows.max(1) as f64
+        steps as f64 * self.order.global_batch() as f64 / self.samples.len() as f64
     }
 }
 
 impl std::fmt::Debug for DataLoader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataLoader")
-            .field("source", &self.source.name())
+            .field("samples", &self.samples.name())
             .field("order", &self.order)
             .finish()
     }
@@ -65,7 +71,7 @@ impl std::fmt::Debug for DataLoader {
 #[cfg(test)]
 mod tests {
     use super::super::testing::TempDir;
-    use super::super::{SyntheticTokens, TokenFile, TokenWidth};
+    use super::super::{SyntheticTokens, TokenFile, TokenSource, TokenWidth, Windows};
     use super::*;
 
     /// A u16 file holding the tokens 0..8 (vocabulary 8), its path and the open source.
@@ -81,7 +87,8 @@ mod tests {
         let dir = TempDir::new("loader-fits");
         let (_, file) = eight_tokens(&dir);
         // seq 7: the file is exactly one window, so every sample of every step is that one.
-        let l = DataLoader::new(file, SampleOrder::new(7, 2, 1, 0, 1).unwrap(), 8).unwrap();
+        let samples = Arc::new(Windows::new(file, 7).unwrap());
+        let l = DataLoader::new(samples, SampleOrder::new(7, 2, 1, 0, 1).unwrap(), 8).unwrap();
         let row: Vec<u32> = (0..7).collect();
         let want = Batch {
             inputs: [row.clone(), row.clone()].concat(),
@@ -106,28 +113,29 @@ mod tests {
             .collect();
         let path = dir.file("peer.bin", &bytes);
         let file = TokenFile::open(&path, TokenWidth::U16, 4096).unwrap();
-        let order = SampleOrder::new(128, 8, 2, 1, 2).unwrap().shuffled(3);
+        let order = SampleOrder::new(128, 8, 2, 1, 2).unwrap();
+        let from_synth = Windows::new(Arc::new(synth), 128).unwrap().shuffled(3);
+        let from_file = Windows::new(Arc::new(file), 128).unwrap().shuffled(3);
         for step in [0, 5, 100] {
             for k in 0..2 {
-                let want = order.micro_batch(&synth, step, k).unwrap();
-                assert_eq!(order.micro_batch(&file, step, k).unwrap(), want);
+                let want = order.micro_batch(&from_synth, step, k).unwrap();
+                assert_eq!(order.micro_batch(&from_file, step, k).unwrap(), want);
             }
         }
     }
 
     #[test]
-    fn too_short_and_too_wide_sources_are_refused_up_front() {
+    fn mismatched_and_too_wide_samples_are_refused_up_front() {
         let dir = TempDir::new("loader-bad");
         let (path, file) = eight_tokens(&dir);
-        let short = SampleOrder::new(8, 2, 1, 0, 1).unwrap();
-        let e = DataLoader::new(file.clone(), short, 8).unwrap_err();
-        let why = "8 tokens, fewer than one window of seq + 1 = 9";
+        let samples = Arc::new(Windows::new(file, 7).unwrap());
+        let other = SampleOrder::new(6, 2, 1, 0, 1).unwrap();
+        let e = DataLoader::new(samples.clone(), other, 8).unwrap_err();
+        let why = "samples of 8 tokens, the order reads seq + 1 = 7";
         assert_eq!(e.to_string(), format!("{path}: {why}"));
         let fits = SampleOrder::new(7, 2, 1, 0, 1).unwrap();
-        let e = DataLoader::new(file, fits, 7).unwrap_err();
+        let e = DataLoader::new(samples, fits, 7).unwrap_err();
         let why = "vocabulary of 8 is larger than the model's 7";
         assert_eq!(e.to_string(), format!("{path}: {why}"));
-        let synth = Arc::new(SyntheticTokens::new(4096, 100, 1).unwrap());
-        assert!(DataLoader::new(synth, fits, 4095).is_err());
     }
 }

@@ -1,16 +1,12 @@
-//! Which samples a rank reads at each step, and which window of tokens a sample is.
+//! Which samples a rank reads at each step (what a sample is, is [`super::Samples`]').
 //!
-//! Sample g is the non-overlapping window `tokens[w*(T+1) .. w*(T+1) + T+1]` with
-//! `w = g mod n_windows` (n_windows = N / (T+1)), or with shuffling `w = perm_e(g mod n)` for
-//! the epoch `e = g / n_windows`; inputs are its first T tokens, targets its last T.
 //! Step s trains on the global batch of samples `s*GB .. s*GB + GB` (GB = B * GA * DP);
 //! data-parallel rank r reads, at micro-step k, samples `s*GB + (r*GA + k)*B + b`, b < B.
 //! With GA = 1 that is the peer benchmark's `(s*W + r)*B + b` (shared/bench/gpt.py,
 //! TokenBatches), and for any split of GB into (B, GA, DP) a step covers the same samples.
 
 use super::error::{DataError, Result};
-use super::shuffle::permute;
-use super::{Batch, TokenSource};
+use super::{Batch, Samples};
 
 /// The sample order of one data-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,13 +17,11 @@ pub struct SampleOrder {
     dp_rank: usize,
     dp_size: usize,
     global_batch: u64,
-    shuffle: Option<u64>,
 }
 
 impl SampleOrder {
     /// Rank `dp_rank` of `dp_size`, reading `micro_batch` rows of `seq` tokens per micro-step
-    /// and `grad_accum` micro-steps per optimizer step; windows in file order until
-    /// [`SampleOrder::shuffled`].
+    /// and `grad_accum` micro-steps per optimizer step.
     pub fn new(
         seq: usize,
         micro_batch: usize,
@@ -60,17 +54,7 @@ impl SampleOrder {
             dp_rank,
             dp_size,
             global_batch: global_batch as u64,
-            shuffle: None,
         })
-    }
-
-    /// The same order with every epoch's windows permuted by a permutation that depends on
-    /// (`seed`, epoch) only, so all ranks and layouts agree on it.
-    pub fn shuffled(self, seed: u64) -> SampleOrder {
-        SampleOrder {
-            shuffle: Some(seed),
-            ..self
-        }
     }
 
     pub fn seq(&self) -> usize {
@@ -101,37 +85,20 @@ impl SampleOrder {
             .ok_or_else(|| DataError::Invalid(format!("sample order: step {step} overflows")))
     }
 
-    /// The window sample `g` reads, among `windows` (> 0, see [`SampleOrder::windows`]).
-    fn window(&self, g: u64, windows: u64) -> u64 {
-        let pos = g % windows;
-        match self.shuffle {
-            Some(seed) => permute(seed, g / windows, pos, windows),
-            None => pos,
-        }
-    }
-
-    /// The number of whole windows of `seq + 1` tokens in `source`; at least one, or an error
-    /// naming the source.
-    pub fn windows(&self, source: &dyn TokenSource) -> Result<u64> {
-        match source.len() / (self.seq + 1) {
-            0 => Err(DataError::TooShort {
-                name: source.name().to_string(),
-                tokens: source.len(),
-                needed: self.seq + 1,
-            }),
-            n => Ok(n as u64),
-        }
-    }
-
     /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`.
-    pub fn micro_batch(&self, source: &dyn TokenSource, step: u64, micro: usize) -> Result<Batch> {
-        let (t, windows) = (self.seq, self.windows(source)?);
+    pub fn micro_batch(&self, samples: &dyn Samples, step: u64, micro: usize) -> Result<Batch> {
+        if samples.sample_tokens() != self.seq + 1 {
+            return Err(DataError::Invalid(format!(
+                "{}: samples of {} tokens, the order reads {}",
+                samples.name(),
+                samples.sample_tokens(),
+                self.seq + 1
+            )));
+        }
         let rows = (0..self.micro_batch)
             .map(|b| {
-                // window < windows <= len / (t+1), so the start fits a usize.
-                let w = self.window(self.sample(step, micro, b)?, windows) as usize;
-                let mut row = vec![0u32; t + 1];
-                source.read(w * (t + 1), &mut row)?;
+                let mut row = vec![0u32; self.seq + 1];
+                samples.read(self.sample(step, micro, b)?, &mut row)?;
                 Ok(row)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -141,12 +108,18 @@ impl SampleOrder {
 
 #[cfg(test)]
 mod tests {
-    use super::super::SyntheticTokens;
+    use std::sync::Arc;
+
+    use super::super::{SyntheticTokens, Windows};
     use super::*;
 
-    /// The tiny preset's stream and window: V = 4096, N = 2^20, T = 128 (8128 windows).
-    fn peer() -> SyntheticTokens {
-        SyntheticTokens::new(4096, 1 << 20, 1234).unwrap()
+    /// The tiny preset's stream in windows: V = 4096, N = 2^20, T = 128 (8128 windows).
+    fn peer() -> Windows {
+        Windows::new(
+            Arc::new(SyntheticTokens::new(4096, 1 << 20, 1234).unwrap()),
+            128,
+        )
+        .unwrap()
     }
 
     fn rows(b: &Batch) -> Vec<(Vec<u32>, Vec<u32>)> {
@@ -163,13 +136,14 @@ mod tests {
         shuffle: Option<u64>,
         step: u64,
     ) -> Vec<(Vec<u32>, Vec<u32>)> {
-        let src = SyntheticTokens::new(512, 20_000, 9).unwrap();
+        let mut src =
+            Windows::new(Arc::new(SyntheticTokens::new(512, 20_000, 9).unwrap()), 16).unwrap();
+        if let Some(seed) = shuffle {
+            src = src.shuffled(seed);
+        }
         let mut out = Vec::new();
         for r in 0..dp {
-            let mut o = SampleOrder::new(16, b, ga, r, dp).unwrap();
-            if let Some(seed) = shuffle {
-                o = o.shuffled(seed);
-            }
+            let o = SampleOrder::new(16, b, ga, r, dp).unwrap();
             for k in 0..ga {
                 out.extend(rows(&o.micro_batch(&src, step, k).unwrap()));
             }
@@ -240,26 +214,6 @@ mod tests {
     }
 
     #[test]
-    fn shuffling_permutes_each_epoch_differently() {
-        let n = 8128u64;
-        let epoch = |o: &SampleOrder, e: u64| -> Vec<u64> {
-            (e * n..(e + 1) * n).map(|g| o.window(g, n)).collect()
-        };
-        let plain = SampleOrder::new(128, 8, 1, 0, 1).unwrap();
-        assert_eq!(epoch(&plain, 2), (0..n).collect::<Vec<_>>());
-        let a = plain.shuffled(1);
-        let (e0, e1) = (epoch(&a, 0), epoch(&a, 1));
-        for e in [&e0, &e1] {
-            let mut s = e.clone();
-            s.sort_unstable();
-            assert_eq!(s, (0..n).collect::<Vec<_>>());
-        }
-        assert_ne!(e0, e1);
-        assert_ne!(e0, epoch(&plain.shuffled(2), 0));
-        assert_ne!(e0, (0..n).collect::<Vec<_>>());
-    }
-
-    #[test]
     fn bad_parameters_are_errors() {
         for (t, b, ga, r, w) in [
             (0, 1, 1, 0, 1),
@@ -274,20 +228,12 @@ mod tests {
         assert!(SampleOrder::new(usize::MAX, 1, 1, 0, 1).is_err());
         assert!(SampleOrder::new(usize::MAX / 2, 3, 1, 0, 1).is_err());
         let o = SampleOrder::new(8, 4, 2, 0, 1).unwrap();
-        assert!(o.micro_batch(&peer(), 0, 2).is_err());
+        let eight = Windows::new(Arc::new(SyntheticTokens::new(10, 100, 0).unwrap()), 8).unwrap();
+        assert!(o.micro_batch(&eight, 0, 1).is_ok());
+        assert!(o.micro_batch(&eight, 0, 2).is_err());
         assert!(o.sample(u64::MAX / 4, 0, 0).is_err());
-        let tiny = SyntheticTokens::new(10, 8, 0).unwrap();
-        let e = o.micro_batch(&tiny, 0, 0).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                DataError::TooShort {
-                    tokens: 8,
-                    needed: 9,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        let other = Windows::new(Arc::new(SyntheticTokens::new(10, 100, 0).unwrap()), 9).unwrap();
+        let e = o.micro_batch(&other, 0, 0).unwrap_err().to_string();
+        assert!(e.contains("samples of 10 tokens, the order reads 9"), "{e}");
     }
 }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use candle_core::{Module, Tensor};
 use candle_nn::{embedding, Linear, VarBuilder};
 use ds_comm::ReduceOp;
-use ds_data::{DataLoader, MarkovTokens, SampleOrder};
+use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
 use ds_engine::model::{Context, Init, Layer, Model, ParamSpec};
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
@@ -210,8 +210,9 @@ fn run(args: &Args) -> Result<(), Error> {
     let (micro, accum, dp, dp_rank) = (s.micro_batch, s.grad_accum, dims.dp(), engine.dp_rank());
     let tokens = MarkovTokens::new(V, 4, 1 << 16, 7)?;
     let floor = tokens.entropy_rate_nats();
-    let order = SampleOrder::new(T, micro, accum, dp_rank, dp)?.shuffled(1);
-    let loader = DataLoader::new(Arc::new(tokens), order, V)?;
+    let order = SampleOrder::new(T, micro, accum, dp_rank, dp)?;
+    let samples = Windows::new(Arc::new(tokens), T)?.shuffled(1);
+    let loader = DataLoader::new(Arc::new(samples), order, V)?;
     if comm.rank() == 0 {
         println!(
             "{} rank(s): micro-batch {micro} x {accum} accumulation x {dp} data-parallel = global \

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use ds_comm::{init, options_for, Groups};
 use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
-use ds_data::{SampleOrder, SyntheticTokens};
+use ds_data::{SampleOrder, SyntheticTokens, Windows};
 use ds_engine::parallel::Tp;
 use ds_engine::Batch;
 use ds_engine::EngineOptions;
@@ -103,6 +103,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         SyntheticTokens::PEER_LEN,
         SyntheticTokens::PEER_SEED,
     )?;
+    let source = Windows::new(std::sync::Arc::new(source), model.seq_len)?;
     // tensor-parallel peers train on the same samples
     let (replica, dp) = (groups.grid().data_parallel_id(), dims.dp());
     let order = SampleOrder::new(model.seq_len, s.micro_batch, s.grad_accum, replica, dp)?;

@@ -1,14 +1,17 @@
-//! What `ds-rs train --data` reads: the default learnable Markov stream (its entropy rate is
-//! the loss floor), the peer benchmark's uniform tokens, a token .bin, or a text file as bytes.
-//! The tail of every source is held out for evaluation.
+//! What `ds-rs train --data` (and `eval --data`) reads: the default learnable Markov stream
+//! (its entropy rate is the loss floor), the peer benchmark's uniform tokens, Megatron indexed
+//! datasets, nanoGPT's and llm.c's token files, text (tokenized once by `--tokenizer`, else
+//! read as bytes), or a blend of them as Megatron's `--data-path` spells it. Validation data
+//! is `--eval-data`, else the `--split` validation part, else the tail of every source.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
 use ds_data::{
-    is_indexed, DataLoader, IndexedDataset, MarkovTokens, SampleOrder, Slice, SyntheticTokens,
-    TextBytes, TokenFile, TokenSource, TokenWidth,
+    is_indexed, parse_blend, tokenized, Blend, DataLoader, IndexedDataset, MarkovTokens,
+    Part as SplitPart, SampleOrder, Samples, Slice, Split, SyntheticTokens, TextBytes,
+    TextTokenizer, TokenFile, TokenSource, TokenWidth, Windows,
 };
 
 /// The Markov stream's size: enough windows that tiny/small models do not repeat data within
@@ -19,7 +22,7 @@ const MARKOV_BRANCHING: usize = 4;
 /// States of the chain (at most the model's vocabulary): few enough that a tiny model learns
 /// the transition table within minutes on CPU.
 const MARKOV_STATES: usize = 512;
-/// Fraction of the tokens held out for evaluation.
+/// Without --split, the fraction of each source held out for evaluation (its tail).
 const HELD_OUT: usize = 20;
 
 /// The loaders of one rank, and what the data is.
@@ -29,6 +32,47 @@ pub struct Data {
     pub name: String,
     /// The lowest reachable mean loss in nats, when the source knows it.
     pub floor: Option<f64>,
+    /// What decides which samples each step reads: recorded in checkpoints, so that a resume
+    /// that would read other samples says so (see `position`).
+    pub identity: serde_json::Value,
+}
+
+impl Data {
+    /// Where the data stands after `steps` optimizer steps: the next sample, its epoch and
+    /// its place in the epoch, beside the identity.
+    pub fn position(&self, steps: u64) -> serde_json::Value {
+        let next = steps * self.train.order().global_batch();
+        let per_epoch = self.train.samples().len();
+        let mut v = self.identity.clone();
+        v["next_sample"] = next.into();
+        v["epoch"] = (next / per_epoch).into();
+        v["sample_in_epoch"] = (next % per_epoch).into();
+        v
+    }
+
+    /// Why a checkpoint's data position cannot be continued by this run, if it cannot: the
+    /// fields of the identity that differ.
+    pub fn resume_conflict(&self, saved: &serde_json::Value) -> Option<String> {
+        let saved = saved.as_object()?;
+        let now = self.identity.as_object()?;
+        let differ: Vec<String> = now
+            .iter()
+            .filter(|(k, v)| saved.get(*k).is_some_and(|s| s != *v))
+            .map(|(k, v)| format!("{k} was {} and is now {v}", saved[k.as_str()]))
+            .collect();
+        (!differ.is_empty()).then(|| differ.join("; "))
+    }
+}
+
+/// Where the data comes from, as the command line names it.
+pub struct DataArgs<'a> {
+    pub data: &'a str,
+    pub eval_data: Option<&'a str>,
+    pub split: Option<&'a str>,
+    pub tokenizer: Option<PathBuf>,
+    /// Training windows in a new order each epoch (else file order).
+    pub shuffle: bool,
+    pub width: TokenWidth,
 }
 
 pub struct Layout {
@@ -41,41 +85,134 @@ pub struct Layout {
     pub seed: u64,
 }
 
-/// The token source `--data` names, whole.
-pub fn source(
-    spec: &str,
-    width: TokenWidth,
-    vocab: usize,
-    seed: u64,
-) -> anyhow::Result<Arc<dyn TokenSource>> {
-    Ok(read_source(spec, width, vocab, seed)?.0)
+/// The tokenizer for text data: `--tokenizer`, else the model directory's tokenizer.json.
+pub fn tokenizer_path(arg: Option<&Path>, model: &str) -> Option<PathBuf> {
+    let from_model = Path::new(model).join("tokenizer.json");
+    arg.map(Path::to_path_buf)
+        .or_else(|| from_model.is_file().then_some(from_model))
 }
 
-/// Opens `--data` and splits it into a training and a held-out part.
-pub fn open(spec: &str, width: TokenWidth, l: &Layout) -> anyhow::Result<Data> {
-    let (source, floor) = read_source(spec, width, l.vocab, l.seed)?;
-    let name = source.name().to_string();
-    let window = l.seq + 1;
-    let (train, eval) = Slice::split(source.clone(), source.len() / HELD_OUT, window)
-        .with_context(|| format!("--data {spec}"))?;
+/// Opens the training and validation data of one rank.
+pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
+    let split = a.split.map(Split::parse).transpose()?;
+    let sources = open_sources(a.data, a, l)?;
+    let floor = match &sources[..] {
+        [(_, _, floor)] => *floor,
+        _ => None,
+    };
+    let (mut train, mut held) = (Vec::new(), Vec::new());
+    for (i, (weight, source, _)) in sources.into_iter().enumerate() {
+        let (t, h) = divide(source, split.as_ref(), a.eval_data.is_none(), l.seq)
+            .with_context(|| format!("--data {}", a.data))?;
+        // each part of a blend in its own order; one source keeps the run's seed
+        let seed = l.seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        train.push((weight, windows(t, l.seq, a.shuffle.then_some(seed))?));
+        if let Some(h) = h {
+            held.push((weight, windows(h, l.seq, None)?));
+        }
+    }
+    let eval = match a.eval_data {
+        Some(spec) => {
+            let parts = open_sources(spec, a, l)?
+                .into_iter()
+                .map(|(w, s, _)| Ok((w, windows(s, l.seq, None)?)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            blend(parts).with_context(|| format!("--eval-data {spec}"))?
+        }
+        None => blend(held)?,
+    };
+    let train = blend(train)?;
+    let name = train.name().to_string();
     let order = SampleOrder::new(l.seq, l.micro_batch, l.grad_accum, l.rank, l.world)?;
+    let identity = serde_json::json!({
+        "data": a.data, "eval_data": a.eval_data, "split": a.split,
+        "tokenizer": a.tokenizer.as_ref().map(|t| t.display().to_string()),
+        "seed": l.seed, "shuffle": a.shuffle, "seq": l.seq, "global_batch": order.global_batch(),
+        "samples_per_epoch": train.len(),
+    });
     // Evaluation batches are global batches too, split like training ones, so that every
     // layout evaluates the same samples.
-    let eval_order = order;
     Ok(Data {
-        train: DataLoader::new(Arc::new(train), order, l.vocab)
-            .with_context(|| format!("--data {spec}"))?,
-        eval: DataLoader::new(Arc::new(eval), eval_order, l.vocab)
-            .with_context(|| format!("--data {spec}"))?,
+        train: DataLoader::new(train, order, l.vocab)
+            .with_context(|| format!("--data {}", a.data))?,
+        eval: DataLoader::new(eval, order, l.vocab)
+            .with_context(|| format!("--eval-data {}", a.eval_data.unwrap_or(a.data)))?,
         name,
         floor,
+        identity,
     })
 }
 
-/// Opens `--data`: the source and the lowest reachable mean loss, when it knows it.
+/// The samples `spec` names (all of it, in order): what `eval --data` reads.
+pub fn whole(a: &DataArgs, l: &Layout) -> anyhow::Result<Arc<dyn Samples>> {
+    let parts = open_sources(a.data, a, l)?
+        .into_iter()
+        .map(|(w, s, _)| Ok((w, windows(s, l.seq, None)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    blend(parts).with_context(|| format!("--data {}", a.data))
+}
+
+type Part = Arc<dyn TokenSource>;
+
+/// The training part of a source and, when validation comes from it, the held-out part.
+fn divide(
+    source: Part,
+    split: Option<&Split>,
+    hold_out: bool,
+    seq: usize,
+) -> ds_data::Result<(Part, Option<Part>)> {
+    let part = |s: &Split, p| -> ds_data::Result<Part> { Ok(Arc::new(s.part(source.clone(), p)?)) };
+    Ok(match (split, hold_out) {
+        (Some(s), true) => (
+            part(s, SplitPart::Train)?,
+            Some(part(s, SplitPart::Validation)?),
+        ),
+        (Some(s), false) => (part(s, SplitPart::Train)?, None),
+        (None, true) => {
+            let (t, h) = Slice::split(source.clone(), source.len() / HELD_OUT, seq + 1)?;
+            (Arc::new(t), Some(Arc::new(h)))
+        }
+        (None, false) => (source, None),
+    })
+}
+
+fn windows(
+    source: Arc<dyn TokenSource>,
+    seq: usize,
+    shuffle: Option<u64>,
+) -> anyhow::Result<Arc<dyn Samples>> {
+    let w = Windows::new(source, seq)?;
+    Ok(Arc::new(match shuffle {
+        Some(seed) => w.shuffled(seed),
+        None => w,
+    }))
+}
+
+/// One part as itself, several as a blend.
+fn blend(mut parts: Vec<(Option<f64>, Arc<dyn Samples>)>) -> anyhow::Result<Arc<dyn Samples>> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0).1);
+    }
+    Ok(Arc::new(Blend::new(parts)?))
+}
+
+type Source = (Option<f64>, Arc<dyn TokenSource>, Option<f64>);
+
+/// Each source of `spec` (one, or a blend's), with its weight and loss floor.
+fn open_sources(spec: &str, a: &DataArgs, l: &Layout) -> anyhow::Result<Vec<Source>> {
+    parse_blend(spec)?
+        .into_iter()
+        .map(|(w, one)| {
+            let (s, floor) = read_source(&one, a, l.vocab, l.seed)?;
+            Ok((w, s, floor))
+        })
+        .collect()
+}
+
+/// Opens one source: the source and the lowest reachable mean loss, when it knows it.
 fn read_source(
     spec: &str,
-    width: TokenWidth,
+    a: &DataArgs,
     vocab: usize,
     seed: u64,
 ) -> anyhow::Result<(Arc<dyn TokenSource>, Option<f64>)> {
@@ -100,9 +237,23 @@ fn read_source(
             None,
         ),
         path if path.ends_with(".bin") => (
-            Arc::new(TokenFile::open(Path::new(path), width, vocab)?),
+            Arc::new(TokenFile::open(Path::new(path), a.width, vocab)?),
             None,
         ),
-        path => (Arc::new(TextBytes::open(Path::new(path))?), None),
+        path => match &a.tokenizer {
+            Some(t) => {
+                let tokenizer = TextTokenizer::open(t)?;
+                anyhow::ensure!(
+                    tokenizer.vocab_size() <= vocab,
+                    "{}: a vocabulary of {} is larger than the model's {vocab}",
+                    t.display(),
+                    tokenizer.vocab_size()
+                );
+                let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let prefix = tokenized(Path::new(path), &tokenizer, workers)?;
+                (Arc::new(IndexedDataset::open(&prefix, vocab)?), None)
+            }
+            None => (Arc::new(TextBytes::open(Path::new(path))?), None),
+        },
     })
 }

@@ -25,9 +25,12 @@ pub struct EvalArgs {
     /// Tokens per window (default: the model's).
     #[arg(long)]
     seq_len: Option<usize>,
-    /// A token file *.bin, a text file read as bytes, markov or uniform.
+    /// As `train --data`: an indexed dataset, a token file, text, a blend, markov or uniform.
     #[arg(long)]
     data: String,
+    /// The tokenizer.json for text --data (default: the --model directory's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Token width of a .bin file: u16 or u32.
     #[arg(long, default_value = "u16")]
     token_width: String,
@@ -62,6 +65,7 @@ impl EvalArgs {
         t.model = self.model.clone();
         t.seq_len = self.seq_len;
         t.data = self.data.clone();
+        t.tokenizer = self.tokenizer.clone();
         t.token_width = self.token_width.clone();
         t.init = self.init.clone();
         t.tp = self.tp;
@@ -106,15 +110,32 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         "u32" => TokenWidth::U32,
         w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
     };
-    let source = super::data::source(&args.data, width, model.vocab_size(), args.seed)?;
+    let layout = super::data::Layout {
+        seq: model.seq_len,
+        micro_batch: s.micro_batch,
+        grad_accum: s.grad_accum,
+        rank: groups.grid().data_parallel_id(),
+        world: cfg.dims.dp(),
+        vocab: model.vocab_size(),
+        seed: args.seed,
+    };
+    let data = super::data::DataArgs {
+        data: &args.data,
+        eval_data: None,
+        split: None,
+        tokenizer: super::data::tokenizer_path(args.tokenizer.as_deref(), &args.model),
+        shuffle: false,
+        width,
+    };
+    let samples = super::data::whole(&data, &layout)?;
     let order = SampleOrder::new(
-        model.seq_len,
-        s.micro_batch,
-        s.grad_accum,
-        groups.grid().data_parallel_id(),
-        cfg.dims.dp(),
+        layout.seq,
+        layout.micro_batch,
+        layout.grad_accum,
+        layout.rank,
+        layout.world,
     )?;
-    let whole = order.windows(source.as_ref())? / order.global_batch();
+    let whole = samples.len() / order.global_batch();
     let batches = args.batches.unwrap_or(whole).min(whole);
     if batches == 0 {
         anyhow::bail!(
@@ -124,8 +145,8 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
             order.global_batch()
         );
     }
-    let name = source.name().to_string();
-    let loader = DataLoader::new(source, order, model.vocab_size())
+    let name = samples.name().to_string();
+    let loader = DataLoader::new(samples, order, model.vocab_size())
         .with_context(|| format!("--data {}", args.data))?;
     let mut sum = 0.0f64;
     for b in 0..batches {

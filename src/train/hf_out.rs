@@ -53,6 +53,7 @@ fn default_dtype(p: Precision) -> SaveDtype {
 pub(super) fn save(
     run: &Run,
     engine: &Engine,
+    data: &super::data::Data,
     comm: &Communicator,
     dir: &Path,
 ) -> anyhow::Result<()> {
@@ -66,7 +67,7 @@ pub(super) fn save(
     };
     let staging = dir.join(STAGING);
     let tag = format!("global_step{}", engine.global_steps());
-    let state = run.client_state(run.steps.saturating_sub(1));
+    let state = run.client_state(data, run.steps.saturating_sub(1));
     let saved = engine
         .save_checkpoint(&staging, &tag, state)
         .with_context(|| format!("--save-hf: saving the weights under {}", staging.display()))?;

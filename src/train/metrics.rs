@@ -22,6 +22,9 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     pub samples_per_s: f64,
     pub step_ms: f64,
+    /// Of it, the time this rank spent reading its micro-batches.
+    #[serde(default)]
+    pub data_ms: f64,
     /// Model FLOPs achieved per second over all ranks, in TFLOP/s.
     pub tflops: f64,
     /// Wall-clock time the step ended, in milliseconds since the Unix epoch.

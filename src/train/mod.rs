@@ -48,10 +48,27 @@ pub struct TrainArgs {
     /// preset's own, the GPT's T).
     #[arg(long)]
     pub(crate) seq_len: Option<usize>,
-    /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens),
-    /// a token file *.bin, or a text file read as bytes.
+    /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens), a
+    /// Megatron indexed dataset PREFIX (.bin/.idx), a token file *.bin (nanoGPT's raw ids,
+    /// llm.c's headered files), a text or JSON-lines file (tokenized once by --tokenizer and
+    /// cached beside it; without a tokenizer, text is read as bytes), or a blend as Megatron's
+    /// --data-path spells it: "0.3 P1 0.7 P2".
     #[arg(long, default_value = "markov")]
     data: String,
+    /// Validation data (any --data form, e.g. nanoGPT's val.bin), instead of a part of --data.
+    #[arg(long)]
+    eval_data: Option<String>,
+    /// Train / validation / test proportions of each --data source, as Megatron's --split
+    /// (by documents for indexed datasets); without it the last 5% is validation.
+    #[arg(long)]
+    split: Option<String>,
+    /// The tokenizer.json for text --data (default: the --model directory's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Read the training windows in file order every epoch (as a PyTorch loop without a
+    /// shuffling sampler, the peer benchmark's) instead of a new order per epoch.
+    #[arg(long)]
+    no_shuffle: bool,
     /// Token width of a .bin file: u16 or u32.
     #[arg(long, default_value = "u16")]
     token_width: String,
@@ -225,8 +242,14 @@ fn run_joined(
         w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
     };
     let data = data::open(
-        &args.data,
-        width,
+        &data::DataArgs {
+            data: &args.data,
+            eval_data: args.eval_data.as_deref(),
+            split: args.split.as_deref(),
+            tokenizer: data::tokenizer_path(args.tokenizer.as_deref(), &args.model),
+            shuffle: !args.no_shuffle,
+            width,
+        },
         &data::Layout {
             seq: model.seq_len,
             micro_batch: s.micro_batch,
@@ -277,7 +300,7 @@ impl Run<'_> {
         let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.dp()) as f64;
         let tokens = samples * self.model.seq_len as f64;
         let flops_per_token = self.model.flops_per_token();
-        let start = self.resume(engine, rank0)?;
+        let start = self.resume(engine, data, rank0)?;
         let (mut file, mut records, mut evals) = match rank0 {
             true => {
                 let (f, r, e) = MetricsFile::open(&self.dir, start)?;
@@ -297,7 +320,13 @@ impl Run<'_> {
         let mut gpu_peak: Option<ds_engine::device::GpuInfo> = None;
         for step in start..self.steps {
             let t0 = Instant::now();
-            let (loss, out) = engine.train_batch(|k| Ok(data.train.micro_batch(step, k)?))?;
+            let mut reading = std::time::Duration::ZERO;
+            let (loss, out) = engine.train_batch(|k| {
+                let t = Instant::now();
+                let batch = data.train.micro_batch(step, k);
+                reading += t.elapsed();
+                Ok(batch?)
+            })?;
             let dt = t0.elapsed().as_secs_f64();
             first_step_s.get_or_insert(started.elapsed().as_secs_f64());
             let r = StepRecord {
@@ -310,6 +339,7 @@ impl Run<'_> {
                 tokens_per_s: tokens / dt,
                 samples_per_s: samples / dt,
                 step_ms: 1e3 * dt,
+                data_ms: 1e3 * reading.as_secs_f64(),
                 tflops: tokens * flops_per_token / dt / 1e12,
                 unix_ms: unix_ms(),
             };
@@ -340,7 +370,7 @@ impl Run<'_> {
                 }
                 evals.push(e);
             }
-            self.checkpoint(engine, step)?;
+            self.checkpoint(engine, data, step)?;
         }
         if rank0 {
             progress.finish();
@@ -349,7 +379,7 @@ impl Run<'_> {
             engine.save_weights(path)?;
         }
         if let Some(dir) = &self.args.save_hf {
-            hf_out::save(self, engine, comm, dir)?;
+            hf_out::save(self, engine, data, comm, dir)?;
         }
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
         if rank0 {

@@ -101,10 +101,13 @@ impl Run<'_> {
             "final_eval_loss": evals.last().map(|e| e.eval_loss),
             "median_tokens_per_s": metrics::median(&tps),
             "median_step_ms": metrics::median(&records.iter().map(|r| r.step_ms).collect::<Vec<_>>()),
+            "median_data_ms": metrics::median(&records.iter().map(|r| r.data_ms).collect::<Vec<_>>()),
             "skipped_steps": records.iter().filter(|r| r.skipped).count(),
             "time_to_first_step_s": first_step_s,
             "model": model,
             "data": {"name": data.name, "loss_floor_nats": data.floor,
+                     "epochs": records.last().map(|r| data.train.epochs(r.step + 1)),
+                     "samples_per_epoch": data.train.samples().len(),
                      "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
             "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
                        "zero_stage": s.zero_stage() as u8,
@@ -156,14 +159,21 @@ impl Run<'_> {
 
     pub(super) fn print_summary(&self, v: &serde_json::Value, memory: &[metrics::RankMemory]) {
         println!(
-            "done: {} steps, loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
+            "done: {} steps ({:.3} epochs), loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
             v["steps"],
+            v["data"]["epochs"].as_f64().unwrap_or(0.0),
             v["first_loss"],
             v["final_loss"],
             v["final_eval_loss"],
             v["median_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
             self.dir.join("summary.json").display()
         );
+        if let (Some(d), Some(t)) = (v["median_data_ms"].as_f64(), v["median_step_ms"].as_f64()) {
+            println!(
+                "reading the data: median {d:.3} ms of a {t:.1} ms step ({:.2}%)",
+                100.0 * d / t
+            );
+        }
         if let Some(gap) = v["data"]["gap_to_floor_nats"].as_f64() {
             println!("the final loss is {gap:.4} nats above the data's floor");
         }

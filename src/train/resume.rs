@@ -9,12 +9,18 @@ use anyhow::Context;
 use ds_engine::checkpoint::{self, Manifest};
 use ds_engine::Engine;
 
+use super::data::Data;
 use super::Run;
 
 impl Run<'_> {
     /// With --save-dir and --resume (or on a launcher restart), loads the newest checkpoint;
     /// returns the step to start from.
-    pub(super) fn resume(&self, engine: &mut Engine, rank0: bool) -> anyhow::Result<u64> {
+    pub(super) fn resume(
+        &self,
+        engine: &mut Engine,
+        data: &Data,
+        rank0: bool,
+    ) -> anyhow::Result<u64> {
         let restarted = std::env::var("DS_RS_RESTART_COUNT").is_ok_and(|c| c != "0");
         let Some(dir) = self
             .args
@@ -28,16 +34,24 @@ impl Run<'_> {
         let Some(m) = engine.load_checkpoint(dir, None)? else {
             return Ok(0);
         };
+        if let Some(why) = data.resume_conflict(&m.client_state["data"]) {
+            anyhow::bail!(
+                "{}: resuming would read other samples than the saved run would have ({why}); \
+                 start a new --save-dir, or resume with the saved data settings",
+                dir.join(&m.tag).display()
+            );
+        }
         if rank0 {
             checkpoint::remove_leftovers(dir)?;
             println!(
-                "resumed from {} (saved at dp {} x tp {} x pp {} ZeRO-{}) at step {} in {}",
+                "resumed from {} (saved at dp {} x tp {} x pp {} ZeRO-{}) at step {}, {}, in {}",
                 dir.join(&m.tag).display(),
                 m.layout.dp,
                 m.layout.tp,
                 m.layout.pp,
                 m.layout.zero_stage,
                 m.global_steps,
+                epoch_note(&data.position(m.global_steps)),
                 rate(&m, t0.elapsed())
             );
         }
@@ -46,9 +60,8 @@ impl Run<'_> {
 
     /// What a checkpoint keeps for this program: where the data stood, and the model's
     /// Hugging Face config.json (for `ds-rs checkpoint export-hf`) when it has one.
-    pub(super) fn client_state(&self, step: u64) -> serde_json::Value {
-        let mut state =
-            serde_json::json!({"step": step + 1, "data": self.args.data, "seed": self.args.seed});
+    pub(super) fn client_state(&self, data: &Data, step: u64) -> serde_json::Value {
+        let mut state = serde_json::json!({"step": step + 1, "data": data.position(step + 1)});
         if let Some(hf) = self.model.hf_config() {
             state["hf_config"] = hf;
         }
@@ -56,7 +69,7 @@ impl Run<'_> {
     }
 
     /// Saves after `step` when --save-interval says so, and after the last step.
-    pub(super) fn checkpoint(&self, engine: &Engine, step: u64) -> anyhow::Result<()> {
+    pub(super) fn checkpoint(&self, engine: &Engine, data: &Data, step: u64) -> anyhow::Result<()> {
         let Some(dir) = &self.args.save_dir else {
             return Ok(());
         };
@@ -66,7 +79,7 @@ impl Run<'_> {
             return Ok(());
         }
         let tag = format!("global_step{}", engine.global_steps());
-        let state = self.client_state(step);
+        let state = self.client_state(data, step);
         let t0 = Instant::now();
         let path = engine
             .save_checkpoint(dir, &tag, state)
@@ -98,4 +111,12 @@ fn rate(m: &Manifest, took: std::time::Duration) -> String {
     let mb = m.shards.iter().map(|s| s.bytes).sum::<u64>() as f64 / 1e6;
     let s = took.as_secs_f64();
     format!("{s:.2} s ({mb:.1} MB, {:.0} MB/s)", mb / s)
+}
+
+/// "epoch 1, sample 37 of 256" from a data position.
+fn epoch_note(p: &serde_json::Value) -> String {
+    format!(
+        "epoch {}, sample {} of {}",
+        p["epoch"], p["sample_in_epoch"], p["samples_per_epoch"]
+    )
 }
