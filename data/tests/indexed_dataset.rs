@@ -3,6 +3,9 @@
 //! of documents.json (gen_indexed.py); ds-rs reads them back as those documents' tokens, in
 //! order. A damaged index is one error naming the .idx and what is wrong.
 
+mod common;
+
+use common::Scratch;
 use std::path::{Path, PathBuf};
 
 use ds_data::{IndexedDataset, IndexedWriter, TokenSource};
@@ -45,23 +48,6 @@ fn megatron_core_files_read_as_their_documents() {
         let e = IndexedDataset::open(&prefix, 100).unwrap();
         let err = e.read(0, &mut [0; 8]).unwrap_err().to_string();
         assert!(err.contains("not below the vocabulary size 100"), "{err}");
-    }
-}
-
-/// A directory under the temporary one, removed when dropped (a failing test included).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let s = Scratch(std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id())));
-        std::fs::create_dir_all(&s.0).unwrap();
-        s
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -5,6 +5,9 @@
 //! byte (built as Megatron's preprocess_data.py builds them, with --append-eod), whatever
 //! the number of workers and however the input is cut into files.
 
+mod common;
+
+use common::Scratch;
 use std::path::{Path, PathBuf};
 
 use ds_data::{input_files, output_prefix, preprocess, PreprocessJob, TextTokenizer};
@@ -14,23 +17,6 @@ const TOKENIZERS: [&str; 2] = ["bytelevel", "sentencepiece"];
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenize")
-}
-
-/// A directory under the temporary one, removed when dropped (a failing test included).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let s = Scratch(std::env::temp_dir().join(format!("ds-rs-{tag}-{}", std::process::id())));
-        std::fs::create_dir_all(&s.0).unwrap();
-        s
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn job(inputs: Vec<PathBuf>, out: &Path, workers: usize) -> PreprocessJob {

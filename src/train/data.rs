@@ -85,6 +85,36 @@ pub struct Layout {
     pub seed: u64,
 }
 
+impl Layout {
+    /// This rank's place in the job's data: tensor-parallel and pipeline peers read the same
+    /// samples, so the order follows the data-parallel replica.
+    pub fn of(
+        model: &ds_models::ModelSpec,
+        s: &ds_engine::Settings,
+        groups: &ds_comm::Groups,
+        seed: u64,
+    ) -> Layout {
+        Layout {
+            seq: model.seq_len,
+            micro_batch: s.micro_batch,
+            grad_accum: s.grad_accum,
+            rank: groups.grid().data_parallel_id(),
+            world: groups.dims().dp(),
+            vocab: model.vocab_size(),
+            seed,
+        }
+    }
+}
+
+/// `--token-width`.
+pub fn token_width(arg: &str) -> anyhow::Result<TokenWidth> {
+    match arg {
+        "u16" => Ok(TokenWidth::U16),
+        "u32" => Ok(TokenWidth::U32),
+        w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
+    }
+}
+
 /// The tokenizer for text data: `--tokenizer`, else the model directory's tokenizer.json.
 pub fn tokenizer_path(arg: Option<&Path>, model: &str) -> Option<PathBuf> {
     let from_model = Path::new(model).join("tokenizer.json");

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, FromArgMatches};
 use ds_comm::{init, options_for, Groups};
-use ds_data::{DataLoader, SampleOrder, TokenWidth};
+use ds_data::{DataLoader, SampleOrder};
 use ds_engine::EngineOptions;
 
 use super::TrainArgs;
@@ -105,20 +105,8 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         },
     };
     let s = engine.settings().clone();
-    let width = match args.token_width.as_str() {
-        "u16" => TokenWidth::U16,
-        "u32" => TokenWidth::U32,
-        w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
-    };
-    let layout = super::data::Layout {
-        seq: model.seq_len,
-        micro_batch: s.micro_batch,
-        grad_accum: s.grad_accum,
-        rank: groups.grid().data_parallel_id(),
-        world: cfg.dims.dp(),
-        vocab: model.vocab_size(),
-        seed: args.seed,
-    };
+    let width = super::data::token_width(&args.token_width)?;
+    let layout = super::data::Layout::of(&model, &s, &groups, args.seed);
     let data = super::data::DataArgs {
         data: &args.data,
         eval_data: None,

@@ -20,7 +20,6 @@ use std::time::Instant;
 use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, Config};
-use ds_data::TokenWidth;
 use ds_engine::monitor::Monitor;
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
@@ -236,11 +235,7 @@ fn run_joined(
     };
     let mut engine = start_engine(&model, cfg, &groups, opts)?;
     let s = engine.settings().clone();
-    let width = match args.token_width.as_str() {
-        "u16" => TokenWidth::U16,
-        "u32" => TokenWidth::U32,
-        w => anyhow::bail!("--token-width {w}: expected u16 or u32"),
-    };
+    let width = data::token_width(&args.token_width)?;
     let data = data::open(
         &data::DataArgs {
             data: &args.data,
@@ -250,16 +245,7 @@ fn run_joined(
             shuffle: !args.no_shuffle,
             width,
         },
-        &data::Layout {
-            seq: model.seq_len,
-            micro_batch: s.micro_batch,
-            grad_accum: s.grad_accum,
-            // tensor-parallel peers read the same samples: the order follows the replica
-            rank: groups.grid().data_parallel_id(),
-            world: cfg.dims.dp(),
-            vocab: model.vocab_size(),
-            seed: args.seed,
-        },
+        &data::Layout::of(&model, &s, &groups, args.seed),
     )?;
     let steps = match (args.epochs, args.steps) {
         (Some(e), _) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
