@@ -256,3 +256,73 @@ fn bad_data_arguments_are_named() {
         assert!(!f.stderr.contains("panicked"), "{cmd}: {}", f.stderr);
     }
 }
+
+/// Instruction records with prompts and completions of uneven lengths, from the licence
+/// paragraphs of the tokenizer fixture's docs.jsonl.
+fn instruction_records(s: &Scratch) -> PathBuf {
+    let f = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tests/fixtures/tokenize");
+    let docs = std::fs::read_to_string(f.join("docs.jsonl")).unwrap();
+    let mut out = String::new();
+    for (i, line) in docs.lines().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let Some(text) = v["text"].as_str().filter(|t| t.len() > 40) else {
+            continue;
+        };
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let cut = 3 + i % 7;
+        let (prompt, completion) = words.split_at(cut.min(words.len() - 1));
+        let completion = &completion[..completion.len().min(2 + (i * 5) % 23)];
+        let record =
+            serde_json::json!({"prompt": prompt.join(" "), "completion": completion.join(" ")});
+        out.push_str(&record.to_string());
+        out.push('\n');
+    }
+    s.write("sft.jsonl", &out)
+}
+
+/// With only completions counted, the loss is the mean over the global batch's counted
+/// targets: the same at dp1 with micro-batch 8, dp2 with micro-batch 2 x 2 accumulation, and
+/// tp2 with micro-batch 4 x 2, though each micro-batch counts a different number of tokens
+/// (a mean per micro-batch, averaged, would differ between these).
+#[test]
+fn instruction_data_averages_completion_tokens_over_the_global_batch() {
+    let s = Scratch::new("real-sft");
+    let data = instruction_records(&s);
+    let config = s.write(
+        "ds.json",
+        r#"{"train_batch_size": 8, "gradient_clipping": 1.0, "steps_per_print": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}"#,
+    );
+    let model = s.write("m.json", r#"{"V": 1024, "T": 48, "d": 64, "H": 2, "L": 2}"#);
+    let run_layout = |tag: &str, layout: &str, extra: &str| {
+        ok(&format!(
+            "launch --config {} {layout} train --model {} --data {} --tokenizer {} {extra} \
+             --steps 4 --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+            config.display(),
+            model.display(),
+            data.display(),
+            tokenizer().display(),
+            s.path(tag).display()
+        ));
+        losses(&s.path(tag))
+    };
+    for packing in ["", "--packing"] {
+        let one = run_layout(
+            "dp1",
+            "--nproc_per_node 1",
+            &format!("--micro-batch 8 {packing}"),
+        );
+        let dp2 = run_layout(
+            "dp2",
+            "--nproc_per_node 2",
+            &format!("--micro-batch 2 {packing}"),
+        );
+        let tp2 = run_layout(
+            "tp2",
+            "--nproc_per_node 2",
+            &format!("--tp 2 --micro-batch 4 {packing}"),
+        );
+        assert_same_losses(&dp2, &one, 1e-5, &format!("dp2 {packing}"));
+        assert_same_losses(&tp2, &one, 1e-5, &format!("tp2 {packing}"));
+    }
+}

@@ -127,6 +127,13 @@ impl Samples for Blend {
         let (d, k) = self.locate(g);
         self.parts[d].read(k, out)
     }
+    fn has_loss_mask(&self) -> bool {
+        self.parts.iter().any(|p| p.has_loss_mask())
+    }
+    fn read_loss_mask(&self, g: u64, out: &mut [bool]) -> Result<()> {
+        let (d, k) = self.locate(g);
+        self.parts[d].read_loss_mask(k, out)
+    }
 }
 
 #[cfg(test)]

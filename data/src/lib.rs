@@ -24,6 +24,7 @@ mod error;
 mod file;
 mod indexed;
 mod indexed_writer;
+mod instruct;
 mod loader;
 mod markov;
 mod order;
@@ -43,6 +44,7 @@ pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};
 pub use indexed::{indexed_paths, is_indexed, IndexedDataset};
 pub use indexed_writer::{IndexedSummary, IndexedWriter};
+pub use instruct::{is_instruction_file, InstructionTokens, PaddedExamples};
 pub use loader::DataLoader;
 pub use markov::MarkovTokens;
 pub use order::SampleOrder;
@@ -76,5 +78,14 @@ pub trait TokenSource: Send + Sync {
     /// their documents: a split then divides documents, as Megatron's does.
     fn document_starts(&self) -> Option<&[usize]> {
         None
+    }
+    /// Whether some tokens do not count as targets (instruction data's prompts).
+    fn has_loss_mask(&self) -> bool {
+        false
+    }
+    /// For tokens `start .. start + out.len()`, whether each counts as a target.
+    fn read_loss_mask(&self, _start: usize, out: &mut [bool]) -> Result<()> {
+        out.fill(true);
+        Ok(())
     }
 }

@@ -1,7 +1,7 @@
 //! Samples bound to one rank's sample order, checked once up front: what a training loop
 //! holds to ask for micro-batches by (step, micro-step).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::error::{DataError, Result};
 use super::{Batch, SampleOrder, Samples};
@@ -11,6 +11,8 @@ use super::{Batch, SampleOrder, Samples};
 pub struct DataLoader {
     samples: Arc<dyn Samples>,
     order: SampleOrder,
+    /// (step, counted targets in its global batch), for data with a loss mask.
+    counted: Arc<Mutex<Option<(u64, u64)>>>,
 }
 
 impl DataLoader {
@@ -37,12 +39,42 @@ impl DataLoader {
                 model: model_vocab,
             });
         }
-        Ok(DataLoader { samples, order })
+        Ok(DataLoader {
+            samples,
+            order,
+            counted: Arc::default(),
+        })
     }
 
-    /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`.
+    /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`. Where some
+    /// targets do not count, its loss weight makes the step's loss the mean over the counted
+    /// targets of the whole global batch, whatever the layout: the engine averages the
+    /// micro-batches' losses (each a mean over its own counted targets), so micro-batch m
+    /// weighs `counted_m x micro-batches per step / counted in the global batch`.
     pub fn micro_batch(&self, step: u64, micro: usize) -> Result<Batch> {
-        self.order.micro_batch(self.samples.as_ref(), step, micro)
+        let mut batch = self.order.micro_batch(self.samples.as_ref(), step, micro)?;
+        if self.samples.has_loss_mask() {
+            let global = self.global_counted(step)?;
+            let per_step = self.order.global_batch() / self.order.micro_batch_size() as u64;
+            batch.loss_weight = match global {
+                0 => 0.0,
+                n => (batch.counted() as f64 * per_step as f64 / n as f64) as f32,
+            };
+        }
+        Ok(batch)
+    }
+
+    /// The counted targets of `step`'s global batch, computed once per step.
+    fn global_counted(&self, step: u64) -> Result<u64> {
+        let mut cached = self.counted.lock().expect("no reader panics holding it");
+        if let Some((s, n)) = *cached {
+            if s == step {
+                return Ok(n);
+            }
+        }
+        let n = self.order.global_counted(self.samples.as_ref(), step)?;
+        *cached = Some((step, n));
+        Ok(n)
     }
 
     pub fn samples(&self) -> &dyn Samples {
@@ -95,6 +127,7 @@ mod tests {
             targets: [&row[1..], &[7], &row[1..], &[7]].concat(),
             batch: 2,
             seq: 7,
+            loss_weight: 1.0,
         };
         assert_eq!(l.micro_batch(3, 0).unwrap(), want);
         assert_eq!(l.epochs(3), 6.0);

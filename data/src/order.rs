@@ -7,6 +7,7 @@
 
 use super::error::{DataError, Result};
 use super::{Batch, Samples};
+use ds_engine::IGNORE;
 
 /// The sample order of one data-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +103,34 @@ impl SampleOrder {
                 Ok(row)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Batch::from_windows(&rows))
+        let mut batch = Batch::from_windows(&rows);
+        if samples.has_loss_mask() {
+            let mut mask = vec![true; self.seq + 1];
+            for b in 0..self.micro_batch {
+                samples.read_loss_mask(self.sample(step, micro, b)?, &mut mask)?;
+                let targets = &mut batch.targets[b * self.seq..(b + 1) * self.seq];
+                for (t, counts) in targets.iter_mut().zip(&mask[1..]) {
+                    if !counts {
+                        *t = IGNORE;
+                    }
+                }
+            }
+        }
+        Ok(batch)
+    }
+
+    /// The targets that count in the whole global batch of `step` (all ranks' samples).
+    pub fn global_counted(&self, samples: &dyn Samples, step: u64) -> Result<u64> {
+        let first = step
+            .checked_mul(self.global_batch)
+            .ok_or_else(|| DataError::Invalid(format!("sample order: step {step} overflows")))?;
+        let mut mask = vec![true; self.seq + 1];
+        let mut counted = 0u64;
+        for g in first..first + self.global_batch {
+            samples.read_loss_mask(g, &mut mask)?;
+            counted += mask[1..].iter().filter(|&&c| c).count() as u64;
+        }
+        Ok(counted)
     }
 }
 

@@ -27,6 +27,15 @@ pub trait Samples: Send + Sync {
     fn vocab(&self) -> usize;
     /// Sample `g` into `out` (`sample_tokens()` long).
     fn read(&self, g: u64, out: &mut [u32]) -> Result<()>;
+    /// Whether some tokens do not count as targets.
+    fn has_loss_mask(&self) -> bool {
+        false
+    }
+    /// For each token of sample `g`, whether it counts as a target.
+    fn read_loss_mask(&self, _g: u64, out: &mut [bool]) -> Result<()> {
+        out.fill(true);
+        Ok(())
+    }
 }
 
 /// A token stream cut into windows of `seq + 1` tokens.
@@ -93,6 +102,13 @@ impl Samples for Windows {
     fn read(&self, g: u64, out: &mut [u32]) -> Result<()> {
         // window < count <= len / window, so the start fits a usize.
         self.source.read(self.window(g) as usize * self.window, out)
+    }
+    fn has_loss_mask(&self) -> bool {
+        self.source.has_loss_mask()
+    }
+    fn read_loss_mask(&self, g: u64, out: &mut [bool]) -> Result<()> {
+        self.source
+            .read_loss_mask(self.window(g) as usize * self.window, out)
     }
 }
 

@@ -12,6 +12,8 @@ pub struct Slice {
     start: usize,
     len: usize,
     name: String,
+    /// The inner source's documents that lie within, rebased (for splits by document).
+    starts: Option<Vec<usize>>,
 }
 
 impl Slice {
@@ -24,11 +26,26 @@ impl Slice {
             )));
         }
         let name = format!("{} [tokens {start}..{}]", inner.name(), start + len);
+        let starts = inner.document_starts().map(|all| {
+            let mut within: Vec<usize> = all
+                .iter()
+                .filter(|&&s| s >= start && s <= start + len)
+                .map(|s| s - start)
+                .collect();
+            if within.first() != Some(&0) {
+                within.insert(0, 0);
+            }
+            if within.last() != Some(&len) {
+                within.push(len);
+            }
+            within
+        });
         Ok(Slice {
             inner,
             start,
             len,
             name,
+            starts,
         })
     }
 
@@ -76,6 +93,16 @@ impl TokenSource for Slice {
             )));
         }
         self.inner.read(self.start + start, out)
+    }
+    fn document_starts(&self) -> Option<&[usize]> {
+        self.starts.as_deref()
+    }
+    fn has_loss_mask(&self) -> bool {
+        self.inner.has_loss_mask()
+    }
+    fn read_loss_mask(&self, start: usize, out: &mut [bool]) -> Result<()> {
+        super::error::span(&self.name, start, out.len(), self.len)?;
+        self.inner.read_loss_mask(self.start + start, out)
     }
 }
 

@@ -36,7 +36,7 @@ use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
 use ds_engine::model::{Context, Init, Layer, Model, ParamSpec};
 use ds_engine::parallel::Tp;
 use ds_engine::{Engine, EngineOptions};
-use ds_models::gpt::CrossEntropyLoss;
+use ds_models::loss::CrossEntropyLoss;
 
 const V: usize = 64; // vocabulary
 const W: usize = 32; // width

@@ -19,7 +19,7 @@ pub mod kernels;
 pub mod model;
 pub mod monitor;
 
-pub use batch::Batch;
+pub use batch::{Batch, Targets, IGNORE};
 pub use candle_core::Device;
 pub use error::{EngineError, Result};
 pub mod checkpoint;

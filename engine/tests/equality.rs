@@ -65,6 +65,7 @@ fn batch(c: GptConfig, s: u64, r: usize, ga: usize, k: usize, micro: usize) -> B
         targets,
         batch: micro,
         seq: c.T,
+        loss_weight: 1.0,
     }
 }
 

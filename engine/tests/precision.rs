@@ -43,6 +43,7 @@ fn batch(step: u64, rank: usize) -> Batch {
         targets: [&a[1..], &b[1..]].concat(),
         batch: 2,
         seq: t,
+        loss_weight: 1.0,
     }
 }
 

@@ -329,6 +329,7 @@ fn batch() -> Batch {
         targets,
         batch: b,
         seq: t,
+        loss_weight: 1.0,
     }
 }
 

@@ -5,16 +5,16 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
+
 use ds_engine::kernels::cpu_attention;
-use ds_engine::kernels::fused_norm_loss::{
-    cross_entropy_backward, cross_entropy_with_probs, layer_norm_backward,
-};
+use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
-use ds_engine::kernels::nn::{cross_entropy, layer_norm};
+use ds_engine::kernels::nn::layer_norm;
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
@@ -683,135 +683,6 @@ impl Tape for HeadTape {
 /// Token positions in an input of `shape` ([B, T] ids or [B, T, d] activations).
 fn rows(shape: &[usize]) -> usize {
     shape.iter().take(2).product()
-}
-
-/// Mean cross-entropy of the logits against the next tokens, over all B*T positions.
-pub struct CrossEntropyLoss;
-
-impl Layer for CrossEntropyLoss {
-    fn params(&self) -> Vec<ParamSpec> {
-        Vec::new()
-    }
-
-    fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
-        let v = logits.dim(D::Minus1)?;
-        cross_entropy(&logits.reshape(((), v))?, &cx.targets.flatten_all()?)
-    }
-
-    /// Keeps the softmax, so backward is one pass and computes no exponential.
-    fn forward_taped(
-        &self,
-        _: &VarBuilder,
-        logits: &Tensor,
-        cx: &Context,
-    ) -> Result<Option<Taped>> {
-        let v = logits.dim(D::Minus1)?;
-        let rows = logits.reshape(((), v))?.to_dtype(DType::F32)?;
-        let targets = cx.targets.flatten_all()?;
-        let (loss, probs) = cross_entropy_with_probs(&rows, &targets)?;
-        let tape = LossTape {
-            probs,
-            targets,
-            shape: logits.dims().to_vec(),
-            dtype: logits.dtype(),
-        };
-        Ok(Some(Taped {
-            output: loss,
-            tape: Box::new(tape),
-        }))
-    }
-}
-
-struct LossTape {
-    /// The softmax of each row of logits [B*T, V], in f32.
-    probs: Tensor,
-    targets: Tensor,
-    shape: Vec<usize>,
-    dtype: DType,
-}
-
-impl Tape for LossTape {
-    fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.probs) + tensor_bytes(&self.targets)
-    }
-
-    /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
-    /// the rows.
-    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
-        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        let rows = self.targets.elem_count().max(1) as f64;
-        let dlogits = cross_entropy_backward(&self.probs, &self.targets, seed / rows)?
-            .reshape(self.shape)?
-            .to_dtype(self.dtype)?;
-        Ok(Grads {
-            input: Some(dlogits),
-            params: Vec::new(),
-        })
-    }
-}
-
-/// Mean cross-entropy of logits split by vocabulary over the tensor-parallel group
-/// (`vocab::cross_entropy`): every rank gets the whole loss, no rank the whole logits.
-pub struct VocabParallelCrossEntropy(pub Tp);
-
-impl VocabParallelCrossEntropy {
-    fn taped(&self, logits: &Tensor, cx: &Context) -> Result<Taped> {
-        let v = logits.dim(D::Minus1)?;
-        let rows = logits.reshape(((), v))?;
-        let (loss, tape) = vocab::cross_entropy(&self.0, &rows, &cx.targets.flatten_all()?)?;
-        let tape = VocabLossTape {
-            tape,
-            shape: logits.dims().to_vec(),
-            dtype: logits.dtype(),
-        };
-        Ok(Taped {
-            output: loss,
-            tape: Box::new(tape),
-        })
-    }
-}
-
-impl Layer for VocabParallelCrossEntropy {
-    fn params(&self) -> Vec<ParamSpec> {
-        Vec::new()
-    }
-
-    fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
-        Ok(self.taped(logits, cx)?.output)
-    }
-
-    fn forward_taped(
-        &self,
-        _: &VarBuilder,
-        logits: &Tensor,
-        cx: &Context,
-    ) -> Result<Option<Taped>> {
-        self.taped(logits, cx).map(Some)
-    }
-}
-
-struct VocabLossTape {
-    tape: vocab::CrossEntropyTape,
-    shape: Vec<usize>,
-    dtype: DType,
-}
-
-impl Tape for VocabLossTape {
-    fn activation_bytes(&self) -> usize {
-        self.tape.bytes()
-    }
-
-    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
-        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        let rows = self.shape.iter().rev().skip(1).product::<usize>().max(1) as f64;
-        let dlogits = vocab::cross_entropy_backward(&self.tape, seed / rows)?
-            .reshape(self.shape)?
-            .to_dtype(self.dtype)?;
-        Ok(Grads {
-            input: Some(dlogits),
-            params: Vec::new(),
-        })
-    }
 }
 
 #[cfg(test)]

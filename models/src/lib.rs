@@ -8,6 +8,7 @@ pub mod gpt;
 pub mod gpt2;
 pub mod hf_export;
 pub mod llama;
+pub mod loss;
 #[cfg(test)]
 mod taped_check;
 

@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 use ds_comm::testkit::run_ranks;
 use ds_engine::model::{Context, Tape};
 use ds_engine::parallel::Tp;
-use ds_engine::Batch;
+use ds_engine::{Batch, Targets};
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
@@ -107,7 +107,7 @@ fn forward_backward(dir: &Path, r: &Reference) -> (f32, Tensor, HashMap<String, 
         candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let dev = Device::Cpu;
     let ids = Tensor::from_vec(r.ids("input_ids"), (b, t), &dev).unwrap();
-    let targets = Tensor::from_vec(r.ids("targets"), (b, t), &dev).unwrap();
+    let targets = Targets::all(Tensor::from_vec(r.ids("targets"), (b, t), &dev).unwrap());
     let cx = Context { targets: &targets };
     let mut x = ids;
     let mut tapes: Vec<(Box<dyn Tape>, VarBuilder)> = Vec::new();
@@ -232,6 +232,7 @@ fn five_adamw_steps_equal_torch() {
             targets: r.ids("targets"),
             batch: b,
             seq: t,
+            loss_weight: 1.0,
         };
         let losses = run_ranks(1, Duration::from_secs(120), move |comm| {
             let opts = EngineOptions {
@@ -299,6 +300,7 @@ fn gpt2_hub_files_without_the_prefix_load() {
         targets: r.ids("targets"),
         batch: b,
         seq: t,
+        loss_weight: 1.0,
     };
     let loss = run_ranks(1, Duration::from_secs(120), move |comm| {
         let opts = EngineOptions {

@@ -33,6 +33,7 @@ fn losses(family: &str, extra: &str) -> Vec<f32> {
         targets: ids("targets"),
         batch: b,
         seq: t,
+        loss_weight: 1.0,
     };
     let text = format!(
         r#"{{"train_micro_batch_size_per_gpu": {b}, "gradient_accumulation_steps": 1,

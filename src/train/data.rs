@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use ds_data::{
-    is_indexed, parse_blend, tokenized, Blend, DataLoader, IndexedDataset, MarkovTokens,
-    Part as SplitPart, SampleOrder, Samples, Slice, Split, SyntheticTokens, TextBytes,
-    TextTokenizer, TokenFile, TokenSource, TokenWidth, Windows,
+    is_indexed, is_instruction_file, parse_blend, tokenized, Blend, DataLoader, IndexedDataset,
+    InstructionTokens, MarkovTokens, PaddedExamples, Part as SplitPart, SampleOrder, Samples,
+    Slice, Split, SyntheticTokens, TextBytes, TextTokenizer, TokenFile, TokenSource, TokenWidth,
+    Windows,
 };
 
 /// The Markov stream's size: enough windows that tiny/small models do not repeat data within
@@ -72,6 +73,9 @@ pub struct DataArgs<'a> {
     pub tokenizer: Option<PathBuf>,
     /// Training windows in a new order each epoch (else file order).
     pub shuffle: bool,
+    /// Instruction examples packed back to back into windows (else one example a sample,
+    /// padded).
+    pub packing: bool,
     pub width: TokenWidth,
 }
 
@@ -136,16 +140,19 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
             .with_context(|| format!("--data {}", a.data))?;
         // each part of a blend in its own order; one source keeps the run's seed
         let seed = l.seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        train.push((weight, windows(t, l.seq, a.shuffle.then_some(seed))?));
+        train.push((
+            weight,
+            samples(t, l.seq, a.shuffle.then_some(seed), a.packing)?,
+        ));
         if let Some(h) = h {
-            held.push((weight, windows(h, l.seq, None)?));
+            held.push((weight, samples(h, l.seq, None, a.packing)?));
         }
     }
     let eval = match a.eval_data {
         Some(spec) => {
             let parts = open_sources(spec, a, l)?
                 .into_iter()
-                .map(|(w, s, _)| Ok((w, windows(s, l.seq, None)?)))
+                .map(|(w, s, _)| Ok((w, samples(s, l.seq, None, a.packing)?)))
                 .collect::<anyhow::Result<Vec<_>>>()?;
             blend(parts).with_context(|| format!("--eval-data {spec}"))?
         }
@@ -157,7 +164,7 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
     let identity = serde_json::json!({
         "data": a.data, "eval_data": a.eval_data, "split": a.split,
         "tokenizer": a.tokenizer.as_ref().map(|t| t.display().to_string()),
-        "seed": l.seed, "shuffle": a.shuffle, "seq": l.seq, "global_batch": order.global_batch(),
+        "seed": l.seed, "shuffle": a.shuffle, "packing": a.packing, "seq": l.seq, "global_batch": order.global_batch(),
         "samples_per_epoch": train.len(),
     });
     // Evaluation batches are global batches too, split like training ones, so that every
@@ -177,7 +184,7 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
 pub fn whole(a: &DataArgs, l: &Layout) -> anyhow::Result<Arc<dyn Samples>> {
     let parts = open_sources(a.data, a, l)?
         .into_iter()
-        .map(|(w, s, _)| Ok((w, windows(s, l.seq, None)?)))
+        .map(|(w, s, _)| Ok((w, samples(s, l.seq, None, a.packing)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     blend(parts).with_context(|| format!("--data {}", a.data))
 }
@@ -206,16 +213,26 @@ fn divide(
     })
 }
 
-fn windows(
+/// A source's samples: windows packed across documents, or, for instruction data without
+/// `--packing`, one example a sample padded to seq + 1 (TRL's default).
+fn samples(
     source: Arc<dyn TokenSource>,
     seq: usize,
     shuffle: Option<u64>,
+    packing: bool,
 ) -> anyhow::Result<Arc<dyn Samples>> {
+    if source.has_loss_mask() && !packing {
+        let p = PaddedExamples::new(source, seq, 0)?;
+        return Ok(match shuffle {
+            Some(seed) => Arc::new(p.shuffled(seed)),
+            None => Arc::new(p),
+        });
+    }
     let w = Windows::new(source, seq)?;
-    Ok(Arc::new(match shuffle {
-        Some(seed) => w.shuffled(seed),
-        None => w,
-    }))
+    Ok(match shuffle {
+        Some(seed) => Arc::new(w.shuffled(seed)),
+        None => Arc::new(w),
+    })
 }
 
 /// One part as itself, several as a blend.
@@ -271,6 +288,13 @@ fn read_source(
             None,
         ),
         path => match &a.tokenizer {
+            Some(t) if is_instruction_file(Path::new(path))? => {
+                let tokenizer = TextTokenizer::open(t)?;
+                (
+                    Arc::new(InstructionTokens::open(Path::new(path), &tokenizer)?),
+                    None,
+                )
+            }
             Some(t) => {
                 let tokenizer = TextTokenizer::open(t)?;
                 anyhow::ensure!(

@@ -113,6 +113,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         split: None,
         tokenizer: super::data::tokenizer_path(args.tokenizer.as_deref(), &args.model),
         shuffle: false,
+        packing: false,
         width,
     };
     let samples = super::data::whole(&data, &layout)?;

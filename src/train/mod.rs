@@ -68,6 +68,10 @@ pub struct TrainArgs {
     /// shuffling sampler, the peer benchmark's) instead of a new order per epoch.
     #[arg(long)]
     no_shuffle: bool,
+    /// Instruction data (JSON lines of prompt/completion): pack examples back to back into
+    /// windows of seq + 1 tokens, instead of one example a sample padded (TRL's `packing`).
+    #[arg(long)]
+    packing: bool,
     /// Token width of a .bin file: u16 or u32.
     #[arg(long, default_value = "u16")]
     token_width: String,
@@ -243,6 +247,7 @@ fn run_joined(
             split: args.split.as_deref(),
             tokenizer: data::tokenizer_path(args.tokenizer.as_deref(), &args.model),
             shuffle: !args.no_shuffle,
+            packing: args.packing,
             width,
         },
         &data::Layout::of(&model, &s, &groups, args.seed),

@@ -25,7 +25,7 @@ use std::ops::Range;
 use super::trainer::{Micro, Trainer};
 use super::Dtype;
 use crate::model::Model;
-use crate::Batch;
+use crate::{Batch, Targets};
 use crate::{EngineError, Result};
 
 /// This rank's place in its pipeline.
@@ -183,7 +183,7 @@ pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Pipe
 struct Slot {
     /// The stage's input (token ids, or the activations received).
     input: Option<Tensor>,
-    targets: Option<Tensor>,
+    targets: Option<Targets>,
     /// The stage's output, until sent.
     output: Option<Tensor>,
     /// The gradient of the output (received), then of the input (to send).
@@ -299,10 +299,10 @@ pub(crate) fn train_batch<T: Dtype>(
 
 /// Middle stages have no targets of their own (the loss layer is elsewhere): zeros of the
 /// input's batch shape stand in.
-fn targets_or_none(targets: Option<Tensor>, input: &Tensor) -> Result<Tensor> {
+fn targets_or_none(targets: Option<Targets>, input: &Tensor) -> Result<Targets> {
     match targets {
         Some(t) => Ok(t),
-        None => Ok(input.zeros_like()?.to_dtype(DType::U32)?),
+        None => Ok(Targets::all(input.zeros_like()?.to_dtype(DType::U32)?)),
     }
 }
 
@@ -310,7 +310,7 @@ fn targets_or_none(targets: Option<Tensor>, input: &Tensor) -> Result<Tensor> {
 /// first needs them (in micro-batch order, as DeepSpeed's LoadMicroBatch).
 struct Loader<'a> {
     next: &'a mut dyn FnMut(usize) -> Result<Batch>,
-    loaded: HashMap<usize, (Option<Tensor>, Option<Tensor>)>,
+    loaded: HashMap<usize, (Option<Tensor>, Option<Targets>)>,
 }
 
 impl Loader<'_> {
@@ -318,7 +318,7 @@ impl Loader<'_> {
         &mut self,
         t: &Trainer<T>,
         micro: usize,
-    ) -> Result<&mut (Option<Tensor>, Option<Tensor>)> {
+    ) -> Result<&mut (Option<Tensor>, Option<Targets>)> {
         if !self.loaded.contains_key(&micro) {
             let (ids, targets) = t.batch_tensors(&(self.next)(micro)?)?;
             self.loaded.insert(micro, (Some(ids), Some(targets)));

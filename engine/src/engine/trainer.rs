@@ -19,7 +19,7 @@ use super::update::{StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::model::{tensor_bytes, Context, Model, Tape};
-use crate::Batch;
+use crate::{Batch, Targets};
 use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.
@@ -88,7 +88,7 @@ pub(crate) struct Trainer<T: Dtype> {
     saved: Vec<Saved>,
     /// The layers the micro-batch in `saved` ran forward through.
     running: Range<usize>,
-    targets: Option<Tensor>,
+    targets: Option<Targets>,
     micro_steps: u64,
     timings: Timings,
     /// The I/O of this rank's swap files (NVMe offload), and its reading at the last
@@ -103,7 +103,7 @@ pub(crate) struct Trainer<T: Dtype> {
 pub(crate) struct Micro {
     saved: Vec<Saved>,
     running: Range<usize>,
-    targets: Option<Tensor>,
+    targets: Option<Targets>,
 }
 
 /// What a trainer is built from, whatever its dtype.
@@ -288,18 +288,22 @@ impl<T: Dtype> Trainer<T> {
     }
 
     /// A micro-batch's token ids and targets as tensors [batch, seq].
-    pub fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Tensor)> {
+    pub fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Targets)> {
         let shape = (batch.batch, batch.seq);
         Ok((
             Tensor::from_slice(&batch.inputs, shape, &self.dev)?,
-            Tensor::from_slice(&batch.targets, shape, &self.dev)?,
+            Targets {
+                ids: Tensor::from_slice(&batch.targets, shape, &self.dev)?,
+                weight: batch.loss_weight,
+                counted: counted_positions(&batch.targets, &self.dev)?,
+            },
         ))
     }
 
     /// Forward of one micro-batch over this rank's layers from `x` (token ids on the first
     /// stage, the previous stage's activations on the others); returns the last layer's
     /// output (the loss on the last stage).
-    pub fn forward_stage(&mut self, x: Tensor, targets: Tensor) -> Result<Tensor> {
+    pub fn forward_stage(&mut self, x: Tensor, targets: Targets) -> Result<Tensor> {
         self.forward_layers(0..self.model.layers().len(), x, targets)
     }
 
@@ -309,7 +313,7 @@ impl<T: Dtype> Trainer<T> {
         &mut self,
         layers: Range<usize>,
         mut x: Tensor,
-        targets: Tensor,
+        targets: Targets,
     ) -> Result<Tensor> {
         let t0 = Instant::now();
         self.targets = Some(targets);
@@ -688,4 +692,16 @@ fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
         v.resize(i + 1, std::time::Duration::ZERO);
     }
     v[i] += d;
+}
+
+/// The positions of the targets that count, when some do not (None: all count).
+fn counted_positions(targets: &[u32], dev: &Device) -> Result<Option<Tensor>> {
+    if !targets.contains(&crate::IGNORE) {
+        return Ok(None);
+    }
+    let at: Vec<u32> = (0..targets.len() as u32)
+        .filter(|&i| targets[i as usize] != crate::IGNORE)
+        .collect();
+    let n = at.len();
+    Ok(Some(Tensor::from_vec(at, n, dev)?))
 }

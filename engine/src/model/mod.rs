@@ -107,8 +107,9 @@ impl ParamSpec {
 
 /// What a layer sees of the current micro-batch besides its input.
 pub struct Context<'a> {
-    /// Target token ids [batch, seq] (u32), for the loss layer.
-    pub targets: &'a Tensor,
+    /// Target token ids [batch, seq] (u32; `crate::IGNORE` where a target does not count)
+    /// and the micro-batch's loss weight, for the loss layer.
+    pub targets: &'a crate::Targets,
 }
 
 /// One layer: an ordinary candle computation over parameters the engine provides.

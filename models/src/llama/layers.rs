@@ -8,7 +8,7 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::gpt::{CrossEntropyLoss, VocabParallelCrossEntropy};
+use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};

@@ -1,0 +1,326 @@
+//! The language-modelling losses every family ends with: the mean cross-entropy of the logits
+//! against the next tokens, whole or split by vocabulary over the tensor-parallel group.
+//!
+//! Targets that do not count (`ds_engine::IGNORE`, Hugging Face's -100: instruction data's
+//! prompts) are left out: the loss is the mean over the counted targets times the
+//! micro-batch's weight (`Targets::weight`, which the data sets so that the step averages
+//! over the counted targets of the whole global batch), and their rows get no gradient.
+//! With every target counted and a weight of 1, the loss is the plain mean, bit for bit.
+
+use candle_core::{DType, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use ds_engine::kernels::fused_norm_loss::{cross_entropy_backward, cross_entropy_with_probs};
+use ds_engine::kernels::nn::cross_entropy;
+use ds_engine::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
+use ds_engine::parallel::{vocab, Tp};
+use ds_engine::Targets;
+
+/// The rows of the loss: the targets [k] of the counted positions among n, and what the mean
+/// over them is multiplied by.
+struct Rows {
+    targets: Tensor,
+    /// The counted positions among the n, when not all count.
+    at: Option<Tensor>,
+    n: usize,
+    weight: f64,
+}
+
+impl Rows {
+    /// The counted rows of `logits` [.., v] as [k, v], and the rows; None when nothing in
+    /// the micro-batch counts.
+    fn of(logits: &Tensor, t: &Targets) -> Result<Option<(Tensor, Rows)>> {
+        let v = logits.dim(D::Minus1)?;
+        let (logits, targets) = (logits.reshape(((), v))?, t.ids.flatten_all()?);
+        let (n, weight) = (targets.elem_count(), f64::from(t.weight));
+        Ok(match &t.counted {
+            None => Some((
+                logits,
+                Rows {
+                    targets,
+                    at: None,
+                    n,
+                    weight,
+                },
+            )),
+            Some(at) if at.elem_count() == 0 => None,
+            Some(at) => Some((
+                logits.index_select(at, 0)?,
+                Rows {
+                    targets: targets.index_select(at, 0)?,
+                    at: Some(at.clone()),
+                    n,
+                    weight,
+                },
+            )),
+        })
+    }
+
+    /// The loss times the weight (untouched at weight 1).
+    fn weighted(&self, loss: Tensor) -> Result<Tensor> {
+        match self.weight == 1.0 {
+            true => Ok(loss),
+            false => loss.affine(self.weight, 0.0),
+        }
+    }
+
+    /// The gradient of the selected rows put back among all n (zeros elsewhere).
+    fn scatter(&self, d: Tensor) -> Result<Tensor> {
+        match &self.at {
+            None => Ok(d),
+            Some(at) => {
+                Tensor::zeros((self.n, d.dim(1)?), d.dtype(), d.device())?.index_add(at, &d, 0)
+            }
+        }
+    }
+
+    /// The backward's scale: the loss seed over the counted rows, times the weight.
+    fn scale(&self, seed: f64) -> f64 {
+        let k = self.targets.elem_count().max(1) as f64;
+        match self.weight == 1.0 {
+            true => seed / k,
+            false => seed * self.weight / k,
+        }
+    }
+}
+
+/// A loss of 0 with zero gradients: a micro-batch where no target counts.
+fn nothing_counts(logits: &Tensor) -> Result<Taped> {
+    Ok(Taped {
+        output: Tensor::zeros((), DType::F32, logits.device())?,
+        tape: Box::new(ZeroTape(logits.zeros_like()?)),
+    })
+}
+
+struct ZeroTape(Tensor);
+
+impl Tape for ZeroTape {
+    fn activation_bytes(&self) -> usize {
+        0
+    }
+    fn backward(self: Box<Self>, _: &Tensor, _: &VarBuilder) -> Result<Grads> {
+        Ok(Grads {
+            input: Some(self.0),
+            params: Vec::new(),
+        })
+    }
+}
+
+/// Mean cross-entropy of the logits against the next tokens, over the counted positions.
+pub struct CrossEntropyLoss;
+
+impl Layer for CrossEntropyLoss {
+    fn params(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
+        match Rows::of(logits, cx.targets)? {
+            Some((x, r)) => r.weighted(cross_entropy(&x, &r.targets)?),
+            None => (logits.sum_all()? * 0.0)?.to_dtype(DType::F32),
+        }
+    }
+
+    /// Keeps the softmax, so backward is one pass and computes no exponential.
+    fn forward_taped(
+        &self,
+        _: &VarBuilder,
+        logits: &Tensor,
+        cx: &Context,
+    ) -> Result<Option<Taped>> {
+        let Some((x, rows)) = Rows::of(logits, cx.targets)? else {
+            return nothing_counts(logits).map(Some);
+        };
+        let (loss, probs) = cross_entropy_with_probs(&x.to_dtype(DType::F32)?, &rows.targets)?;
+        let tape = LossTape {
+            probs,
+            rows,
+            shape: logits.dims().to_vec(),
+            dtype: logits.dtype(),
+        };
+        Ok(Some(Taped {
+            output: tape.rows.weighted(loss)?,
+            tape: Box::new(tape),
+        }))
+    }
+}
+
+struct LossTape {
+    /// The softmax of each counted row of logits [k, V], in f32.
+    probs: Tensor,
+    rows: Rows,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl Tape for LossTape {
+    fn activation_bytes(&self) -> usize {
+        tensor_bytes(&self.probs) + tensor_bytes(&self.rows.targets)
+    }
+
+    /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
+    /// the counted rows.
+    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
+        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let r = &self.rows;
+        let d = cross_entropy_backward(&self.probs, &r.targets, r.scale(seed))?;
+        let dlogits = r.scatter(d)?.reshape(self.shape)?.to_dtype(self.dtype)?;
+        Ok(Grads {
+            input: Some(dlogits),
+            params: Vec::new(),
+        })
+    }
+}
+
+/// Mean cross-entropy of logits split by vocabulary over the tensor-parallel group
+/// (`vocab::cross_entropy`): every rank gets the whole loss, no rank the whole logits.
+pub struct VocabParallelCrossEntropy(pub Tp);
+
+impl VocabParallelCrossEntropy {
+    fn taped(&self, logits: &Tensor, cx: &Context) -> Result<Taped> {
+        // every tensor-parallel rank has the same targets, so the same rows
+        let Some((x, rows)) = Rows::of(logits, cx.targets)? else {
+            return nothing_counts(logits);
+        };
+        let (loss, tape) = vocab::cross_entropy(&self.0, &x, &rows.targets)?;
+        let tape = VocabLossTape {
+            tape,
+            rows,
+            shape: logits.dims().to_vec(),
+            dtype: logits.dtype(),
+        };
+        Ok(Taped {
+            output: tape.rows.weighted(loss)?,
+            tape: Box::new(tape),
+        })
+    }
+}
+
+impl Layer for VocabParallelCrossEntropy {
+    fn params(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
+        Ok(self.taped(logits, cx)?.output)
+    }
+
+    fn forward_taped(
+        &self,
+        _: &VarBuilder,
+        logits: &Tensor,
+        cx: &Context,
+    ) -> Result<Option<Taped>> {
+        self.taped(logits, cx).map(Some)
+    }
+}
+
+struct VocabLossTape {
+    tape: vocab::CrossEntropyTape,
+    rows: Rows,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl Tape for VocabLossTape {
+    fn activation_bytes(&self) -> usize {
+        self.tape.bytes()
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
+        let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let d = vocab::cross_entropy_backward(&self.tape, self.rows.scale(seed))?;
+        let dlogits = self
+            .rows
+            .scatter(d)?
+            .reshape(self.shape)?
+            .to_dtype(self.dtype)?;
+        Ok(Grads {
+            input: Some(dlogits),
+            params: Vec::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// [n, v] logits, n = 6, v = 5, from a fixed formula.
+    fn logits() -> Tensor {
+        let v: Vec<f32> = (0..30)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) / 3.0)
+            .collect();
+        Tensor::from_vec(v, (6, 5), &Device::Cpu).unwrap()
+    }
+
+    fn targets(ids: [u32; 6], counted: &[u32], weight: f32) -> Targets {
+        let at = Tensor::from_vec(counted.to_vec(), counted.len(), &Device::Cpu).unwrap();
+        Targets {
+            ids: Tensor::from_vec(ids.to_vec(), (1, 6), &Device::Cpu).unwrap(),
+            weight,
+            counted: Some(at),
+        }
+    }
+
+    /// The loss and d(loss)/d(logits) through the taped path, seed 1.
+    fn loss_and_grad(t: &Targets) -> (f64, Vec<Vec<f32>>) {
+        let vb = VarBuilder::zeros(DType::F32, &Device::Cpu);
+        let x = logits().reshape((1, 6, 5)).unwrap();
+        let taped = CrossEntropyLoss
+            .forward_taped(&vb, &x, &Context { targets: t })
+            .unwrap()
+            .unwrap();
+        let loss = taped.output.to_scalar::<f32>().unwrap() as f64;
+        let one = Tensor::new(1f32, &Device::Cpu).unwrap();
+        let g = taped.tape.backward(&one, &vb).unwrap().input.unwrap();
+        (loss, g.reshape((6, 5)).unwrap().to_vec2().unwrap())
+    }
+
+    /// float64: weight x the mean over the counted rows of -log softmax at the target, and its
+    /// gradient (softmax - onehot) x weight / counted on those rows, zero on the others.
+    fn reference(ids: [u32; 6], counted: &[usize], weight: f64) -> (f64, Vec<Vec<f64>>) {
+        let x: Vec<Vec<f32>> = logits().to_vec2().unwrap();
+        let mut grad = vec![vec![0.0; 5]; 6];
+        let mut sum = 0.0;
+        for &r in counted {
+            let row: Vec<f64> = x[r].iter().map(|&v| v as f64).collect();
+            let z: f64 = row.iter().map(|v| v.exp()).sum();
+            sum += z.ln() - row[ids[r] as usize];
+            for (j, g) in grad[r].iter_mut().enumerate() {
+                let onehot = if j == ids[r] as usize { 1.0 } else { 0.0 };
+                *g = (row[j].exp() / z - onehot) * weight / counted.len() as f64;
+            }
+        }
+        (weight * sum / counted.len() as f64, grad)
+    }
+
+    fn close(got: (f64, Vec<Vec<f32>>), want: (f64, Vec<Vec<f64>>)) -> bool {
+        let grads = got.1.iter().flatten().zip(want.1.iter().flatten());
+        (got.0 - want.0).abs() < 1e-6 && grads.map(|(g, w)| (*g as f64 - w).abs()).all(|d| d < 1e-6)
+    }
+
+    #[test]
+    fn only_counted_targets_move_the_loss() {
+        let ids = [1, 4, 0, 2, 3, 1];
+        let counted = [1u32, 2, 4];
+        let base = loss_and_grad(&targets(ids, &counted, 1.5));
+        assert!(close(base.clone(), reference(ids, &[1, 2, 4], 1.5)));
+        // a target that does not count, changed: nothing moves
+        let mut other = ids;
+        other[3] = 0;
+        assert_eq!(loss_and_grad(&targets(other, &counted, 1.5)), base);
+        // a counted target, changed: the loss moves, as the reference says
+        let mut moved = ids;
+        moved[2] = 4;
+        let got = loss_and_grad(&targets(moved, &counted, 1.5));
+        assert_ne!(got.0, base.0);
+        assert!(close(got, reference(moved, &[1, 2, 4], 1.5)));
+        // nothing counts: zero loss, zero gradient
+        let none = loss_and_grad(&targets(ids, &[], 1.0));
+        assert_eq!(none.0, 0.0);
+        assert!(none.1.iter().flatten().all(|&g| g == 0.0));
+    }
+}
