@@ -1,5 +1,7 @@
 //! Instruction data: JSON lines of `{"prompt": ..., "completion": ...}` whose prompt tokens
-//! do not count in the loss (Hugging Face's labels of -100, TRL's completion-only loss).
+//! do not count in the loss (Hugging Face's labels of -100, TRL's completion-only loss), or of
+//! `{"messages": [{"role", "content"}, ...]}` rendered by the tokenizer's chat template
+//! ([`super::ChatTemplate`]), whose assistant turns are what counts.
 //!
 //! Each example is its prompt's ids, then its completion's ids and the end-of-document token
 //! (when the tokenizer has one), tokenized apart as TRL does for prompt-completion data; the
@@ -13,10 +15,10 @@ use std::sync::Arc;
 
 use super::error::{DataError, Result};
 use super::shuffle::permute;
-use super::{Samples, TextTokenizer, TokenSource};
+use super::{ChatTemplate, Samples, TextTokenizer, TokenSource};
 
-/// Whether a JSON-lines file holds instruction data (its first record has a `prompt`), or
-/// chat messages, which need a chat template ds-rs does not render yet.
+/// Whether a JSON-lines file holds instruction data: its first record has a `prompt` or
+/// `messages`.
 pub fn is_instruction_file(path: &Path) -> Result<bool> {
     let name = path.to_string_lossy();
     if !(name.ends_with(".jsonl") || name.ends_with(".json") || name.ends_with(".ndjson")) {
@@ -32,14 +34,7 @@ pub fn is_instruction_file(path: &Path) -> Result<bool> {
     let Some(Ok(v)) = first.map(|l| serde_json::from_str::<serde_json::Value>(&l)) else {
         return Ok(false);
     };
-    if v.get("messages").is_some() {
-        return Err(DataError::Invalid(format!(
-            "{}: chat messages need the tokenizer's chat template, which ds-rs does not render \
-             yet; give prompt/completion records",
-            path.display()
-        )));
-    }
-    Ok(v.get("prompt").is_some())
+    Ok(v.get("prompt").is_some() || v.get("messages").is_some())
 }
 
 /// Tokenized examples: ids, and for each id whether it counts as a target.
@@ -66,6 +61,7 @@ impl InstructionTokens {
             starts: vec![0],
             vocab: tokenizer.vocab_size(),
         };
+        let mut chat: Option<ChatTemplate> = None;
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
@@ -78,6 +74,27 @@ impl InstructionTokens {
                     DataError::Invalid(format!("{}: no text under the key {key:?}", at()))
                 })
             };
+            if let Some(messages) = v.get("messages") {
+                let messages = messages.as_array().ok_or_else(|| {
+                    DataError::Invalid(format!("{}: \"messages\" is not a list", at()))
+                })?;
+                if chat.is_none() {
+                    chat = Some(ChatTemplate::beside(tokenizer.path())?.ok_or_else(|| {
+                        DataError::Invalid(format!(
+                            "{}: chat messages need a chat template, and neither \
+                             tokenizer_config.json nor chat_template.jinja beside {} has one",
+                            at(),
+                            tokenizer.path().display()
+                        ))
+                    })?);
+                }
+                let template = chat.as_ref().expect("set above");
+                for (text, counted) in template.segments(messages)? {
+                    t.push(&tokenizer.encode(&text)?, counted);
+                }
+                t.starts.push(t.ids.len());
+                continue;
+            }
             let (prompt, completion) = (field("prompt")?, field("completion")?);
             t.push(&tokenizer.encode(prompt)?, false);
             t.push(&tokenizer.encode(completion)?, true);

@@ -20,6 +20,7 @@
 
 mod blend;
 mod cache;
+mod chat;
 mod error;
 mod file;
 mod indexed;
@@ -40,6 +41,7 @@ mod tokenizer;
 
 pub use blend::{parse_blend, Blend};
 pub use cache::tokenized;
+pub use chat::ChatTemplate;
 pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};
 pub use indexed::{indexed_paths, is_indexed, IndexedDataset};
