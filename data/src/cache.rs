@@ -1,8 +1,10 @@
 //! Text given to `train --data` with a tokenizer is tokenized once, into an indexed dataset
-//! beside the text (`F.ds-rs-HASH_text_document.bin/.idx`), and read from there by every
-//! later run. The name's hash covers what decides the tokens (the text file's size and
-//! modification time, the tokenizer.json's bytes, the end-of-document token), so changed
-//! text or another tokenizer makes a new cache rather than reading a stale one.
+//! beside the text (`F.ds-rs-HASH_text_document.bin/.idx`; instruction records also get
+//! `F.ds-rs-HASH_mask_document`), and read from there, memory-mapped, by every later run.
+//! The name's hash covers what decides the tokens (the file's size and modification time,
+//! the tokenizer.json's and tokenizer_config.json's bytes, the end-of-document token, the
+//! kind of data), so changed text or another tokenizer makes a new cache rather than
+//! reading a stale one.
 //!
 //! Ranks that share the file system take an exclusive lock on `F.ds-rs-HASH.lock`: the first
 //! tokenizes, the others wait for it (bounded), then open what it wrote. The OS releases the
@@ -22,12 +24,40 @@ const POLL: Duration = Duration::from_millis(200);
 /// The indexed dataset of `text` tokenized by `tokenizer` (with end-of-document tokens when
 /// it has one), made now if no run made it before.
 pub fn tokenized(text: &Path, tokenizer: &TextTokenizer, workers: usize) -> Result<PathBuf> {
-    let stem = cache_stem(text, tokenizer)?;
+    let stem = cache_stem(text, tokenizer, "text")?;
     let prefix = output_prefix(&stem, "text");
-    if is_indexed(&prefix) {
-        return Ok(prefix);
+    once(&stem, &prefix, || {
+        let job = PreprocessJob {
+            inputs: input_files(text)?,
+            json_keys: vec!["text".into()],
+            output_prefix: stem.clone(),
+            append_eod: tokenizer.eod().is_some(),
+            workers,
+        };
+        preprocess(&job, tokenizer, |_, _| {}).map(drop)
+    })?;
+    Ok(prefix)
+}
+
+/// The cache stem of instruction records of `path` (`STEM_text_document` holds the ids,
+/// `STEM_mask_document` 1 where a token counts), made by `build(stem)` if no run made it.
+pub fn instructions_cached(
+    path: &Path,
+    tokenizer: &TextTokenizer,
+    build: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let stem = cache_stem(path, tokenizer, "instructions")?;
+    once(&stem, &output_prefix(&stem, "mask"), || build(&stem))?;
+    Ok(stem)
+}
+
+/// Runs `build` unless `done` (an indexed dataset, written last) exists, under the stem's
+/// lock: of several ranks, one builds and the others wait, then find it built.
+fn once(stem: &Path, done: &Path, build: impl FnOnce() -> Result<()>) -> Result<()> {
+    if is_indexed(done) {
+        return Ok(());
     }
-    let mut lock_path = stem.clone().into_os_string();
+    let mut lock_path = stem.as_os_str().to_owned();
     lock_path.push(".lock");
     let lock_path = PathBuf::from(lock_path);
     let lock = File::create(&lock_path).map_err(|error| DataError::Open {
@@ -51,22 +81,16 @@ pub fn tokenized(text: &Path, tokenizer: &TextTokenizer, workers: usize) -> Resu
         }
     }
     // Another rank may have finished while this one waited.
-    if !is_indexed(&prefix) {
-        let job = PreprocessJob {
-            inputs: input_files(text)?,
-            json_keys: vec!["text".into()],
-            output_prefix: stem,
-            append_eod: tokenizer.eod().is_some(),
-            workers,
-        };
-        preprocess(&job, tokenizer, |_, _| {})?;
-    }
+    let built = match is_indexed(done) {
+        true => Ok(()),
+        false => build(),
+    };
     let _ = std::fs::remove_file(&lock_path);
-    Ok(prefix)
+    built
 }
 
 /// `F.ds-rs-HASH`: beside the text, named by what decides its tokens.
-fn cache_stem(text: &Path, tokenizer: &TextTokenizer) -> Result<PathBuf> {
+fn cache_stem(text: &Path, tokenizer: &TextTokenizer, kind: &str) -> Result<PathBuf> {
     let open = |path: &Path, error| DataError::Open {
         path: path.display().to_string(),
         error,
@@ -87,7 +111,11 @@ fn cache_stem(text: &Path, tokenizer: &TextTokenizer) -> Result<PathBuf> {
     h.write(&meta.len().to_le_bytes());
     h.write(&mtime.map_or(0, |d| d.as_nanos()).to_le_bytes());
     h.write(&json);
+    // the chat template and special tokens live there
+    let config = tokenizer.path().with_file_name("tokenizer_config.json");
+    h.write(&std::fs::read(config).unwrap_or_default());
     h.write(&tokenizer.eod().map_or(u64::MAX, u64::from).to_le_bytes());
+    h.write(kind.as_bytes());
     let mut name = text.as_os_str().to_owned();
     name.push(format!(".ds-rs-{:016x}", h.0));
     Ok(PathBuf::from(name))

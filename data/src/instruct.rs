@@ -15,7 +15,10 @@ use std::sync::Arc;
 
 use super::error::{DataError, Result};
 use super::shuffle::permute;
-use super::{ChatTemplate, Samples, TextTokenizer, TokenSource};
+use super::{
+    instructions_cached, output_prefix, ChatTemplate, IndexedDataset, IndexedWriter, Samples,
+    TextTokenizer, TokenSource,
+};
 
 /// Whether a JSON-lines file holds instruction data: its first record has a `prompt` or
 /// `messages`.
@@ -37,82 +40,129 @@ pub fn is_instruction_file(path: &Path) -> Result<bool> {
     Ok(v.get("prompt").is_some() || v.get("messages").is_some())
 }
 
-/// Tokenized examples: ids, and for each id whether it counts as a target.
+/// Tokenized examples, memory-mapped from the cache beside the records: the ids, and for
+/// each id whether it counts as a target; an example is a document.
 pub struct InstructionTokens {
     name: String,
-    ids: Vec<u32>,
-    counted: Vec<bool>,
-    /// Where each example starts, and the total.
-    starts: Vec<usize>,
-    vocab: usize,
+    ids: IndexedDataset,
+    mask: IndexedDataset,
 }
 
 impl InstructionTokens {
-    /// Reads and tokenizes every record of `path`.
+    /// The records of `path` tokenized, from the cache beside it (made now if no run made it).
     pub fn open(path: &Path, tokenizer: &TextTokenizer) -> Result<InstructionTokens> {
-        let text = std::fs::read_to_string(path).map_err(|error| DataError::Open {
-            path: path.display().to_string(),
-            error,
+        let stem = instructions_cached(path, tokenizer, |stem| {
+            write_examples(path, tokenizer, stem)
         })?;
-        let mut t = InstructionTokens {
+        let ids = IndexedDataset::open(&output_prefix(&stem, "text"), tokenizer.vocab_size())?;
+        let mask = IndexedDataset::open(&output_prefix(&stem, "mask"), 2)?;
+        if ids.len() != mask.len() || ids.is_empty() {
+            return Err(DataError::Invalid(format!(
+                "{}: {} tokens and {} mask entries in its cache {}",
+                path.display(),
+                ids.len(),
+                mask.len(),
+                stem.display()
+            )));
+        }
+        Ok(InstructionTokens {
             name: path.display().to_string(),
-            ids: Vec::new(),
-            counted: Vec::new(),
-            starts: vec![0],
-            vocab: tokenizer.vocab_size(),
-        };
-        let mut chat: Option<ChatTemplate> = None;
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let at = || format!("{}:{}", path.display(), i + 1);
-            let v: serde_json::Value = serde_json::from_str(line)
-                .map_err(|e| DataError::Invalid(format!("{}: not a JSON line: {e}", at())))?;
-            let field = |key: &str| {
-                v.get(key).and_then(|x| x.as_str()).ok_or_else(|| {
-                    DataError::Invalid(format!("{}: no text under the key {key:?}", at()))
-                })
-            };
-            if let Some(messages) = v.get("messages") {
-                let messages = messages.as_array().ok_or_else(|| {
-                    DataError::Invalid(format!("{}: \"messages\" is not a list", at()))
-                })?;
-                if chat.is_none() {
-                    chat = Some(ChatTemplate::beside(tokenizer.path())?.ok_or_else(|| {
-                        DataError::Invalid(format!(
-                            "{}: chat messages need a chat template, and neither \
-                             tokenizer_config.json nor chat_template.jinja beside {} has one",
-                            at(),
-                            tokenizer.path().display()
-                        ))
-                    })?);
-                }
-                let template = chat.as_ref().expect("set above");
-                for (text, counted) in template.segments(messages)? {
-                    t.push(&tokenizer.encode(&text)?, counted);
-                }
-                t.starts.push(t.ids.len());
-                continue;
-            }
-            let (prompt, completion) = (field("prompt")?, field("completion")?);
-            t.push(&tokenizer.encode(prompt)?, false);
-            t.push(&tokenizer.encode(completion)?, true);
-            if let Some(eod) = tokenizer.eod() {
-                t.push(&[eod], true);
-            }
-            t.starts.push(t.ids.len());
-        }
-        if t.ids.is_empty() {
-            return Err(DataError::Invalid(format!("{}: no examples", t.name)));
-        }
-        Ok(t)
+            ids,
+            mask,
+        })
     }
+}
 
+/// An example: its ids and whether each counts.
+#[derive(Default)]
+struct Example {
+    ids: Vec<u32>,
+    counted: Vec<u32>,
+}
+
+impl Example {
     fn push(&mut self, ids: &[u32], counted: bool) {
         self.ids.extend_from_slice(ids);
-        self.counted.resize(self.ids.len(), counted);
+        self.counted.resize(self.ids.len(), u32::from(counted));
     }
+}
+
+/// Tokenizes every record of `path` into `STEM_text_document` (ids) and `STEM_mask_document`
+/// (1 where a token counts), an example a document.
+fn write_examples(path: &Path, tokenizer: &TextTokenizer, stem: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|error| DataError::Open {
+        path: path.display().to_string(),
+        error,
+    })?;
+    let mut ids = IndexedWriter::create(&output_prefix(stem, "text"), tokenizer.vocab_size())?;
+    let mut mask = IndexedWriter::create(&output_prefix(stem, "mask"), 2)?;
+    let mut chat: Option<ChatTemplate> = None;
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let at = || format!("{}:{}", path.display(), i + 1);
+        let line = line.map_err(|e| DataError::Invalid(format!("{}: {e}", at())))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .map_err(|e| DataError::Invalid(format!("{}: not a JSON line: {e}", at())))?;
+        let e = match v.get("messages") {
+            Some(m) => chat_example(m, &mut chat, tokenizer, &at)?,
+            None => prompt_example(&v, tokenizer, &at)?,
+        };
+        ids.add_document(&e.ids, &[e.ids.len()])?;
+        mask.add_document(&e.counted, &[e.counted.len()])?;
+    }
+    // the ids first: the mask's index is what says the cache is whole
+    ids.finish()?;
+    mask.finish()?;
+    Ok(())
+}
+
+/// A prompt/completion record: the completion and the end token count.
+fn prompt_example(
+    v: &serde_json::Value,
+    tokenizer: &TextTokenizer,
+    at: &dyn Fn() -> String,
+) -> Result<Example> {
+    let field = |key: &str| {
+        v.get(key)
+            .and_then(|x| x.as_str())
+            .ok_or_else(|| DataError::Invalid(format!("{}: no text under the key {key:?}", at())))
+    };
+    let mut e = Example::default();
+    e.push(&tokenizer.encode(field("prompt")?)?, false);
+    e.push(&tokenizer.encode(field("completion")?)?, true);
+    if let Some(eod) = tokenizer.eod() {
+        e.push(&[eod], true);
+    }
+    Ok(e)
+}
+
+/// A chat record: its assistant turns count (the template is read at the first one).
+fn chat_example(
+    messages: &serde_json::Value,
+    chat: &mut Option<ChatTemplate>,
+    tokenizer: &TextTokenizer,
+    at: &dyn Fn() -> String,
+) -> Result<Example> {
+    let messages = messages
+        .as_array()
+        .ok_or_else(|| DataError::Invalid(format!("{}: \"messages\" is not a list", at())))?;
+    if chat.is_none() {
+        *chat = Some(ChatTemplate::beside(tokenizer.path())?.ok_or_else(|| {
+            DataError::Invalid(format!(
+                "{}: chat messages need a chat template, and neither tokenizer_config.json nor \
+                 chat_template.jinja beside {} has one",
+                at(),
+                tokenizer.path().display()
+            ))
+        })?);
+    }
+    let mut e = Example::default();
+    for (text, counted) in chat.as_ref().expect("set above").segments(messages)? {
+        e.push(&tokenizer.encode(&text)?, counted);
+    }
+    Ok(e)
 }
 
 impl TokenSource for InstructionTokens {
@@ -123,22 +173,23 @@ impl TokenSource for InstructionTokens {
         self.ids.len()
     }
     fn vocab(&self) -> usize {
-        self.vocab
+        self.ids.vocab()
     }
     fn read(&self, start: usize, out: &mut [u32]) -> Result<()> {
-        let r = super::error::span(&self.name, start, out.len(), self.ids.len())?;
-        out.copy_from_slice(&self.ids[r]);
-        Ok(())
+        self.ids.read(start, out)
     }
     fn document_starts(&self) -> Option<&[usize]> {
-        Some(&self.starts)
+        self.ids.document_starts()
     }
     fn has_loss_mask(&self) -> bool {
         true
     }
     fn read_loss_mask(&self, start: usize, out: &mut [bool]) -> Result<()> {
-        let r = super::error::span(&self.name, start, out.len(), self.ids.len())?;
-        out.copy_from_slice(&self.counted[r]);
+        let mut m = vec![0u32; out.len()];
+        self.mask.read(start, &mut m)?;
+        for (o, v) in out.iter_mut().zip(m) {
+            *o = v == 1;
+        }
         Ok(())
     }
 }

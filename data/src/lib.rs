@@ -40,7 +40,7 @@ mod testing;
 mod tokenizer;
 
 pub use blend::{parse_blend, Blend};
-pub use cache::tokenized;
+pub use cache::{instructions_cached, tokenized};
 pub use chat::ChatTemplate;
 pub use error::{DataError, Result};
 pub use file::{TextBytes, TokenFile, TokenWidth};

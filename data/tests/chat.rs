@@ -5,6 +5,9 @@
 //! through minijinja, cuts the same segments, and its instruction tokens are Python
 //! `tokenizers`' ids of those segments, with exactly the assistant turns counted.
 
+mod common;
+
+use common::Scratch;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -68,8 +71,12 @@ fn conversations_render_and_cut_as_transformers_does() {
             }
         }
         // the instruction source of chat.jsonl holds those ids, the assistant turns counted
+        // (tokenized into a cache beside a copy of the records)
+        let s = Scratch::new(&format!("chat-{name}"));
+        let records = s.0.join("chat.jsonl");
+        std::fs::copy(fixtures().join("chat.jsonl"), &records).unwrap();
         let tokens: Arc<dyn TokenSource> =
-            Arc::new(InstructionTokens::open(&fixtures().join("chat.jsonl"), &tokenizer).unwrap());
+            Arc::new(InstructionTokens::open(&records, &tokenizer).unwrap());
         let mut ids = vec![0; tokens.len()];
         let mut counted = vec![false; tokens.len()];
         tokens.read(0, &mut ids).unwrap();
