@@ -9,6 +9,7 @@
 //! - `grad` (linear and its backward), `cpu_attention`;
 //! - `nn`: the layers and dispatchers a model calls.
 
+pub mod autograd;
 pub mod cpu_attention;
 mod cpu_matmul;
 mod cpu_storage;
