@@ -149,13 +149,7 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
         }
     }
     let eval = match a.eval_data {
-        Some(spec) => {
-            let parts = open_sources(spec, a, l)?
-                .into_iter()
-                .map(|(w, s, _)| Ok((w, samples(s, l.seq, None, a.packing)?)))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            blend(parts).with_context(|| format!("--eval-data {spec}"))?
-        }
+        Some(spec) => whole(spec, a, l).with_context(|| format!("--eval-data {spec}"))?,
         None => blend(held)?,
     };
     let train = blend(train)?;
@@ -180,13 +174,13 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
     })
 }
 
-/// The samples `spec` names (all of it, in order): what `eval --data` reads.
-pub fn whole(a: &DataArgs, l: &Layout) -> anyhow::Result<Arc<dyn Samples>> {
-    let parts = open_sources(a.data, a, l)?
+/// The samples `spec` names (all of it, in order): what `eval --data` and `--eval-data` read.
+pub fn whole(spec: &str, a: &DataArgs, l: &Layout) -> anyhow::Result<Arc<dyn Samples>> {
+    let parts = open_sources(spec, a, l)?
         .into_iter()
         .map(|(w, s, _)| Ok((w, samples(s, l.seq, None, a.packing)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    blend(parts).with_context(|| format!("--data {}", a.data))
+    blend(parts)
 }
 
 type Part = Arc<dyn TokenSource>;

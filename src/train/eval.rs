@@ -116,7 +116,8 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         packing: false,
         width,
     };
-    let samples = super::data::whole(&data, &layout)?;
+    let samples = super::data::whole(&args.data, &data, &layout)
+        .with_context(|| format!("--data {}", args.data))?;
     let order = SampleOrder::new(
         layout.seq,
         layout.micro_batch,
