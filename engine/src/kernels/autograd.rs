@@ -8,7 +8,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
 
 use super::cpu_storage::{f32_slice, from_f32, map_rows};
@@ -18,24 +18,6 @@ use super::{rms_swiglu, rotary, vmath};
 /// Whether the fused CPU path applies.
 fn fused(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
-}
-
-/// An untracked f32 tensor of a custom op's CPU input.
-fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
-    let v = f32_slice(s, l)?.into_owned();
-    Tensor::from_vec(v, l.shape(), &candle_core::Device::Cpu)
-}
-
-/// A CPU tensor's storage, for a custom op's output.
-fn storage_of(t: &Tensor) -> Result<(CpuStorage, Shape)> {
-    let t = t.contiguous()?;
-    let (s, l) = t.storage_and_layout();
-    match (&*s, l.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
-            Ok((CpuStorage::F32(v[a..b].to_vec()), t.shape().clone()))
-        }
-        _ => candle_core::bail!("fused op: expected a contiguous f32 CPU result"),
-    }
 }
 
 /// `w * x / sqrt(mean(x^2) + eps)` over the last dimension (candle-nn's `ops::rms_norm`).
@@ -69,10 +51,9 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (tensor_of(s1, l1)?, tensor_of(s2, l2)?);
-        let (y, _) = rms_swiglu::rms_norm(&x, &w, self.eps)?
-            .ok_or_else(|| candle_core::Error::Msg("rms_norm: the fused path refused".into()))?;
-        storage_of(&y)
+        let mut y = f32_slice(s1, l1)?.into_owned();
+        rms_swiglu::rms_norm_rows(&mut y, &f32_slice(s2, l2)?, self.eps);
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
     fn bwd(
         &self,
@@ -131,10 +112,10 @@ impl CustomOp3 for Rope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, cos, sin) = (tensor_of(s1, l1)?, tensor_of(s2, l2)?, tensor_of(s3, l3)?);
-        let y = rotary::apply(&x, &cos, &sin)?
-            .ok_or_else(|| candle_core::Error::Msg("rope: the fused path refused".into()))?;
-        storage_of(&y)
+        let (x, cos, sin) = (f32_slice(s1, l1)?, f32_slice(s2, l2)?, f32_slice(s3, l3)?);
+        let tables = l2.shape().dims2()?;
+        let y = rotary::rotate_rows(&x, &cos, &sin, tables, false);
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
     /// The tables are constants (no gradient), as in every rotary embedding.
     fn bwd(

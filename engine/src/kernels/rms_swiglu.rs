@@ -32,8 +32,20 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<(Tensor, Tens
     if !usable(&[x, w]) {
         return Ok(None);
     }
-    let d = w.dim(0)?;
     let (mut y, wv) = (elements(x)?, elements(w)?);
+    let r = rms_norm_rows(&mut y, &wv, eps);
+    let mut root_shape = x.dims().to_vec();
+    *root_shape.last_mut().expect("a norm input has dimensions") = 1;
+    Ok(Some((
+        Tensor::from_vec(y, x.shape(), x.device())?,
+        Tensor::from_vec(r, root_shape, x.device())?,
+    )))
+}
+
+/// `rms_norm`'s arithmetic in place over contiguous rows of `w.len()`; returns the
+/// reciprocal roots, one a row.
+pub(crate) fn rms_norm_rows(y: &mut [f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let d = w.len();
     let mut r = vec![0f32; y.len() / d.max(1)];
     y.par_chunks_mut(d * ROWS_PER_TASK)
         .zip(r.par_chunks_mut(ROWS_PER_TASK))
@@ -42,16 +54,11 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<(Tensor, Tens
                 let mean = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
                 *root = 1.0 / (mean + eps as f32).sqrt();
                 row.iter_mut()
-                    .zip(&wv)
+                    .zip(w)
                     .for_each(|(v, w)| *v = w * (*v * *root));
             }
         });
-    let mut root_shape = x.dims().to_vec();
-    *root_shape.last_mut().expect("a norm input has dimensions") = 1;
-    Ok(Some((
-        Tensor::from_vec(y, x.shape(), x.device())?,
-        Tensor::from_vec(r, root_shape, x.device())?,
-    )))
+    r
 }
 
 /// RMSNorm's input and weight gradients from the input `x`, its reciprocal roots `r` and

@@ -25,6 +25,18 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transpose: bool) -> Result<Opt
         return Ok(None);
     };
     let (t, hd) = cos.dims2()?;
+    let out = rotate_rows(&xv, &c, &s, (t, hd), transpose);
+    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
+}
+
+/// `rotate`'s arithmetic over contiguous f32 data: x [.., t, hd], tables [t, hd].
+pub(crate) fn rotate_rows(
+    xv: &[f32],
+    c: &[f32],
+    s: &[f32],
+    (t, hd): (usize, usize),
+    transpose: bool,
+) -> Vec<f32> {
     let half = hd / 2;
     let mut out = vec![0f32; xv.len()];
     out.par_chunks_mut(t * hd)
@@ -48,7 +60,7 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transpose: bool) -> Result<Opt
                 }
             }
         });
-    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
+    out
 }
 
 /// `x cos + rotate_half(x) sin`.
