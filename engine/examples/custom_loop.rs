@@ -226,12 +226,13 @@ fn run(args: &Args) -> Result<(), Error> {
     for step in 0..args.steps {
         let mut loss_sum = 0.0f32;
         for k in 0..accum {
-            let loss = engine.forward(&loader.micro_batch(step, k)?)?;
-            engine.backward()?;
+            let batch = loader.micro_batch(step, k)?.to_inputs(&engine.device())?;
+            let loss = engine.forward(&batch)?;
+            engine.backward(&loss)?;
             // Steps the optimizer at the end of the accumulation window only (DeepSpeed's
             // engine.step()); the gradients are averaged over all ranks first.
             engine.step()?;
-            loss_sum += loss;
+            loss_sum += loss.to_scalar::<f32>()?;
         }
         // This rank's loss is the mean over its own samples; the mean over the ranks is the
         // loss of the global batch (every rank holds as many samples).

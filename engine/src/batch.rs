@@ -1,6 +1,7 @@
-//! What the engine trains on per micro-step.
+//! What the engine trains on per micro-step: token batches (`Batch`), or any named tensors
+//! (`Inputs`).
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 /// A target id that does not count in the loss (Hugging Face's label -100): instruction
 /// data's prompt tokens, padding.
@@ -38,6 +39,118 @@ impl Batch {
     /// The number of targets that count.
     pub fn counted(&self) -> usize {
         self.targets.iter().filter(|&&t| t != IGNORE).count()
+    }
+
+    /// The batch as the engine's inputs on `dev`: its token ids under `input_ids` [batch,
+    /// seq], and its targets for a model whose last layer is the loss.
+    pub fn to_inputs(&self, dev: &Device) -> candle_core::Result<Inputs> {
+        let shape = (self.batch, self.seq);
+        let targets = Targets {
+            ids: Tensor::from_slice(&self.targets, shape, dev)?,
+            weight: self.loss_weight,
+            counted: counted_positions(&self.targets, dev)?,
+        };
+        Ok(Inputs::new()
+            .with("input_ids", Tensor::from_slice(&self.inputs, shape, dev)?)
+            .with_targets(targets))
+    }
+}
+
+/// The positions of the targets that count, when some do not (None: all count).
+fn counted_positions(targets: &[u32], dev: &Device) -> candle_core::Result<Option<Tensor>> {
+    if !targets.contains(&IGNORE) {
+        return Ok(None);
+    }
+    let at: Vec<u32> = (0..targets.len() as u32)
+        .filter(|&i| targets[i as usize] != IGNORE)
+        .collect();
+    let n = at.len();
+    Ok(Some(Tensor::from_vec(at, n, dev)?))
+}
+
+/// One micro-batch as named tensors of any dtype (token ids, images, masks, labels), each
+/// with the micro-batch as its leading dimension. The first is the first layer's input;
+/// every layer can read any of them (`Context::input`).
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    named: Vec<(String, Tensor)>,
+    /// Next-token targets for a model that ends in a loss layer (the built-in models').
+    targets: Option<Targets>,
+}
+
+impl Inputs {
+    pub const fn new() -> Inputs {
+        Inputs {
+            named: Vec::new(),
+            targets: None,
+        }
+    }
+
+    /// These inputs and `tensor` under `name` (replacing one of that name).
+    pub fn with(mut self, name: &str, tensor: Tensor) -> Inputs {
+        self.named.retain(|(n, _)| n != name);
+        self.named.push((name.to_string(), tensor));
+        self
+    }
+
+    /// These inputs with next-token targets for a loss layer.
+    pub fn with_targets(mut self, targets: Targets) -> Inputs {
+        self.targets = Some(targets);
+        self
+    }
+
+    /// Only targets: a pipeline's last stage, whose input is the activation it received.
+    pub fn targets_only(targets: Option<Targets>) -> Inputs {
+        Inputs {
+            named: Vec::new(),
+            targets,
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.named.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    /// The first layer's input: the first tensor added.
+    pub fn first(&self) -> Option<&Tensor> {
+        self.named.first().map(|(_, t)| t)
+    }
+
+    pub fn targets(&self) -> Option<&Targets> {
+        self.targets.as_ref()
+    }
+
+    /// Each named tensor, in the order added.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.named.iter().map(|(n, t)| (n.as_str(), t))
+    }
+
+    /// The same inputs on `dev` (no copy where they are there already).
+    pub fn to_device(&self, dev: &Device) -> candle_core::Result<Inputs> {
+        let named = self
+            .named
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.to_device(dev)?)))
+            .collect::<candle_core::Result<_>>()?;
+        let targets = match &self.targets {
+            None => None,
+            Some(t) => Some(Targets {
+                ids: t.ids.to_device(dev)?,
+                weight: t.weight,
+                counted: t.counted.as_ref().map(|c| c.to_device(dev)).transpose()?,
+            }),
+        };
+        Ok(Inputs { named, targets })
+    }
+
+    /// The name of a tensor (or "targets") whose leading dimension is not `rows`.
+    pub fn not_leading(&self, rows: usize) -> Option<(String, Vec<usize>)> {
+        let named = self.named.iter().map(|(n, t)| (n.as_str(), t));
+        let targets = self.targets.iter().map(|t| ("targets", &t.ids));
+        named
+            .chain(targets)
+            .find(|(_, t)| t.dims().first() != Some(&rows))
+            .map(|(n, t)| (n.to_string(), t.dims().to_vec()))
     }
 }
 

@@ -15,13 +15,18 @@
 
 mod batch;
 mod error;
+mod job;
 pub mod kernels;
+/// candle-nn's modules and ops with a backward (RMSNorm, LayerNorm, softmax, rotary
+/// embeddings, the cross-entropy), for users' models.
+pub use kernels::nn;
 pub mod model;
 pub mod monitor;
 
-pub use batch::{Batch, Targets, IGNORE};
+pub use batch::{Batch, Inputs, Targets, IGNORE};
 pub use candle_core::Device;
 pub use error::{EngineError, Result};
+pub use job::Job;
 pub mod checkpoint;
 pub mod crash_point;
 pub mod device;

@@ -128,7 +128,8 @@ fn backward_without_forward_is_an_error() {
             &ds_comm::Groups::data_parallel(&comm)?,
             &EngineOptions::default(),
         )?;
-        engine.backward()
+        let loss = candle_core::Tensor::new(1f32, &engine.device())?;
+        engine.backward(&loss)
     })
     .unwrap_err();
     assert!(e.contains("forward"), "{e}");
@@ -147,10 +148,95 @@ fn train_batch_inside_an_open_accumulation_window_is_an_error() {
         )?;
         let w: Vec<u32> = (0..=MODEL.T as u32).collect();
         let batch = ds_engine::Batch::from_windows(&[w]);
-        engine.forward(&batch)?;
-        engine.backward()?;
+        let loss = engine.forward(&batch.to_inputs(&engine.device())?)?;
+        engine.backward(&loss)?;
         engine.train_batch(|_| Ok(batch.clone())).map(|_| ())
     })
     .unwrap_err();
     assert!(e.contains("accumulation window"), "{e}");
+}
+
+/// The error from building a model of candle-nn modules with `build`.
+fn module_error(build: fn() -> ds_engine::Result<ds_engine::model::Model>) -> String {
+    match build() {
+        Ok(_) => panic!("the model was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_parameter_built_twice_is_an_error_naming_it() {
+    use ds_engine::model::Model;
+    // twice in one module
+    let e = module_error(|| {
+        Model::new().module("fc", |vb| {
+            let a = candle_nn::linear(4, 4, vb.clone())?;
+            let _b = candle_nn::linear(4, 4, vb)?;
+            Ok(a)
+        })
+    });
+    assert!(e.contains("fc.weight") && e.contains("twice"), "{e}");
+    // by two modules under one prefix
+    let e = module_error(|| {
+        Model::new()
+            .module("fc", |vb| candle_nn::linear(4, 4, vb))?
+            .module("fc", |vb| candle_nn::linear(4, 4, vb))
+    });
+    assert!(e.contains("fc.weight") && e.contains("twice"), "{e}");
+}
+
+#[test]
+fn a_module_that_reads_no_parameter_is_an_error() {
+    use ds_engine::model::Model;
+    let e = module_error(|| Model::new().module("act", |_| Ok(candle_nn::Activation::Relu)));
+    assert!(e.contains("\"act\"") && e.contains("no parameter"), "{e}");
+}
+
+/// The first rank's error from one training micro-step of a one-layer candle-nn model, with
+/// `inputs` and the loss `loss(logits)`.
+fn micro_step_error(
+    inputs: fn() -> candle_core::Result<ds_engine::Inputs>,
+    loss: fn(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> String {
+    run_ranks(1, Duration::from_secs(30), move |comm| {
+        let job = ds_engine::Job::join(&comm, OK)?;
+        let model =
+            ds_engine::model::Model::new().module("fc", |vb| candle_nn::linear(4, 3, vb))?;
+        let mut engine = job.initialize(model, &EngineOptions::default())?;
+        let logits = engine.forward(&inputs()?)?;
+        engine.backward(&loss(&logits)?)
+    })
+    .unwrap_err()
+}
+
+fn features(rows: usize) -> candle_core::Result<candle_core::Tensor> {
+    candle_core::Tensor::ones(
+        (rows, 4),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+}
+
+#[test]
+fn a_loss_that_does_not_depend_on_the_model_is_an_error() {
+    let e = micro_step_error(
+        || Ok(ds_engine::Inputs::new().with("x", features(1)?)),
+        |logits| candle_core::Tensor::new(1f32, logits.device()),
+    );
+    assert!(e.contains("does not depend"), "{e}");
+}
+
+#[test]
+fn a_batch_tensor_of_another_size_than_the_micro_batch_is_an_error() {
+    // the config's micro-batch is 1
+    let e = micro_step_error(
+        || Ok(ds_engine::Inputs::new().with("x", features(3)?)),
+        |logits| logits.sum_all(),
+    );
+    assert!(
+        e.contains("\"x\"")
+            && e.contains("[3, 4]")
+            && e.contains("train_micro_batch_size_per_gpu = 1"),
+        "{e}"
+    );
 }

@@ -115,7 +115,7 @@ impl Layer for CrossEntropyLoss {
     }
 
     fn forward(&self, _: &VarBuilder, logits: &Tensor, cx: &Context) -> Result<Tensor> {
-        match Rows::of(logits, cx.targets)? {
+        match Rows::of(logits, cx.targets()?)? {
             Some((x, r)) => r.weighted(cross_entropy(&x, &r.targets)?),
             None => (logits.sum_all()? * 0.0)?.to_dtype(DType::F32),
         }
@@ -128,7 +128,7 @@ impl Layer for CrossEntropyLoss {
         logits: &Tensor,
         cx: &Context,
     ) -> Result<Option<Taped>> {
-        let Some((x, rows)) = Rows::of(logits, cx.targets)? else {
+        let Some((x, rows)) = Rows::of(logits, cx.targets()?)? else {
             return nothing_counts(logits).map(Some);
         };
         let (loss, probs) = cross_entropy_with_probs(&x.to_dtype(DType::F32)?, &rows.targets)?;
@@ -179,7 +179,7 @@ pub struct VocabParallelCrossEntropy(pub Tp);
 impl VocabParallelCrossEntropy {
     fn taped(&self, logits: &Tensor, cx: &Context) -> Result<Taped> {
         // every tensor-parallel rank has the same targets, so the same rows
-        let Some((x, rows)) = Rows::of(logits, cx.targets)? else {
+        let Some((x, rows)) = Rows::of(logits, cx.targets()?)? else {
             return nothing_counts(logits);
         };
         let (loss, tape) = vocab::cross_entropy(&self.0, &x, &rows.targets)?;
@@ -270,7 +270,7 @@ mod tests {
         let vb = VarBuilder::zeros(DType::F32, &Device::Cpu);
         let x = logits().reshape((1, 6, 5)).unwrap();
         let taped = CrossEntropyLoss
-            .forward_taped(&vb, &x, &Context { targets: t })
+            .forward_taped(&vb, &x, &Context::of_targets(t))
             .unwrap()
             .unwrap();
         let loss = taped.output.to_scalar::<f32>().unwrap() as f64;

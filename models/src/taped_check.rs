@@ -35,7 +35,7 @@ pub fn check_layers(model: &Model, (b, t): (usize, usize), width: usize, vocab: 
     let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
     let targets: Vec<u32> = (0..b * t).map(|i| (i * 5 % vocab) as u32).collect();
     let targets = ds_engine::Targets::all(Tensor::from_vec(targets, (b, t), &dev).unwrap());
-    let cx = Context { targets: &targets };
+    let cx = Context::of_targets(&targets);
     let last = model.layers().len() - 1;
     for (li, layer) in model.layers().iter().enumerate() {
         let specs = layer.layer.params();

@@ -108,7 +108,7 @@ fn forward_backward(dir: &Path, r: &Reference) -> (f32, Tensor, HashMap<String, 
     let dev = Device::Cpu;
     let ids = Tensor::from_vec(r.ids("input_ids"), (b, t), &dev).unwrap();
     let targets = Targets::all(Tensor::from_vec(r.ids("targets"), (b, t), &dev).unwrap());
-    let cx = Context { targets: &targets };
+    let cx = Context::of_targets(&targets);
     let mut x = ids;
     let mut tapes: Vec<(Box<dyn Tape>, VarBuilder)> = Vec::new();
     let mut logits = None;

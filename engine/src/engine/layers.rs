@@ -11,7 +11,8 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use candle_core::{backprop::GradStore, DType, Device, Storage, Tensor, Var, WithDType};
+use candle_core::{backprop::GradStore, DType, Device, Shape, Storage, Tensor, Var, WithDType};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use ds_comm::Element;
 use ds_partition::FlatIndex;
@@ -32,6 +33,8 @@ impl<T: Element + WithDType> Dtype for T {}
 pub struct LayerParams {
     tensors: Vec<Tensor>,
     names: Vec<String>,
+    /// Each parameter's whole shape, which a module may ask for in place of its slice.
+    logical: Vec<Vec<usize>>,
     vars: OnceLock<Vec<Var>>,
 }
 
@@ -54,14 +57,17 @@ impl LayerParams {
         };
         let mut tensors = Vec::with_capacity(ids.len());
         let mut names = Vec::with_capacity(ids.len());
+        let mut logical = Vec::with_capacity(ids.len());
         for e in &index.entries()[ids] {
             let view = whole.narrow(0, e.offset - flat, e.numel())?;
             tensors.push(view.reshape(e.shape.as_slice())?);
             names.push(e.name.clone());
+            logical.push(e.logical_shape.clone());
         }
         Ok(LayerParams {
             tensors,
             names,
+            logical,
             vars: OnceLock::new(),
         })
     }
@@ -106,8 +112,10 @@ impl LayerParams {
             true => self.vars()?.iter().map(|v| v.as_tensor().clone()).collect(),
             false => self.tensors.clone(),
         };
-        let map: HashMap<String, Tensor> = self.names.iter().cloned().zip(tensors).collect();
-        let vb = VarBuilder::from_tensors(map, dtype, dev);
+        let held = tensors.into_iter().zip(self.logical.iter().cloned());
+        let map: HashMap<String, (Tensor, Vec<usize>)> =
+            self.names.iter().cloned().zip(held).collect();
+        let vb = VarBuilder::from_backend(Box::new(Materialised(map)), dtype, dev.clone());
         Ok(match prefix {
             "" => vb,
             p => vb.pp(p),
@@ -144,6 +152,52 @@ impl LayerParams {
             }
         }
         LayerGrads::new(grads)
+    }
+}
+
+/// A layer's materialised parameters by full name, with their whole shapes.
+///
+/// Note [slices under whole shapes]: a module written for one process asks its `VarBuilder`
+/// for the whole shape (`candle_nn::linear(d, 4 * d, vb)`); under tensor parallelism the
+/// engine holds only this rank's slice of a split parameter, and hands it over for either
+/// shape, as DeepSpeed's AutoTP swaps a layer's weight for its slice. The module then
+/// computes on the slice; its code marks the tensor-parallel regions (`parallel::Tp`).
+struct Materialised(HashMap<String, (Tensor, Vec<usize>)>);
+
+impl SimpleBackend for Materialised {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let (t, logical) = self.0.get(name).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "the engine holds no parameter {name} for this layer (the layer asked for a parameter it did not declare)"
+            ))
+        })?;
+        if t.dims() != shape.dims() && logical != shape.dims() {
+            return Err(candle_core::Error::Msg(format!(
+                "{name} has shape {logical:?}, the layer asked for {:?}",
+                shape.dims()
+            )));
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let (t, _) = self.0.get(name).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "the engine holds no parameter {name} for this layer"
+            ))
+        })?;
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_key(name)
     }
 }
 

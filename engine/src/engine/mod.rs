@@ -30,7 +30,7 @@ use crate::checkpoint;
 use crate::loss_scale::LossScaler;
 use crate::model::{weights, Model, ParamSpec};
 use crate::parallel::PartitionConfig;
-use crate::Batch;
+use crate::{Batch, Inputs};
 use crate::{EngineError, Result};
 pub use decay::DecayGroups;
 use decay::DecayPlan;
@@ -136,6 +136,8 @@ pub struct Engine {
     all_params: Vec<checkpoint::ParamEntry>,
     /// An autotuning trial's step timer (a config with `autotuning.metric_path`).
     probe: Option<autotuning::TrialProbe>,
+    /// The output `forward` returned, until `backward` differentiates the loss made from it.
+    output: Option<candle_core::Var>,
 }
 
 impl Engine {
@@ -251,7 +253,13 @@ impl Engine {
             stage,
             all_params,
             probe,
+            output: None,
         })
+    }
+
+    /// The device this rank computes on.
+    pub fn device(&self) -> Device {
+        each!(&self.core, t => t.device().clone())
     }
 
     /// This rank's groups.
@@ -267,17 +275,78 @@ impl Engine {
         &self.specs
     }
 
-    /// Forward of one micro-batch; returns this rank's loss of it.
-    pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
+    /// Forward of one micro-batch (`Batch::to_inputs` for token batches); returns the
+    /// model's output, differentiable: the loss for a model that ends in one, else what its
+    /// last layer returns (logits), from which the program computes its loss for `backward`.
+    pub fn forward(&mut self, inputs: &Inputs) -> Result<candle_core::Tensor> {
         self.not_pipelined("forward")?;
-        each!(&mut self.core, t => t.forward(batch))
+        let rows = self.settings.micro_batch;
+        if let Some((name, dims)) = inputs.not_leading(rows) {
+            return Err(EngineError::Invalid(format!(
+                "forward: the batch tensor {name:?} has shape {dims:?}; its leading dimension must be the micro-batch, train_micro_batch_size_per_gpu = {rows}"
+            )));
+        }
+        let inputs = inputs.to_device(&self.device())?;
+        let x = inputs.first().cloned().ok_or_else(|| {
+            EngineError::Invalid("forward: the batch holds no tensor for the first layer".into())
+        })?;
+        let y = each!(&mut self.core, t => t.forward_stage(x, inputs))?;
+        let output = candle_core::Var::from_tensor(&y.detach())?;
+        let y = output.as_tensor().clone();
+        self.output = Some(output);
+        Ok(y)
     }
 
-    /// Backward of the last forward; gradients are reduced at accumulation boundaries
-    /// (ZeRO-2/3: at every micro-step).
-    pub fn backward(&mut self) -> Result<()> {
+    /// The model's output for `inputs` without gradients (evaluation, metrics): nothing is
+    /// kept for a backward, and the batch may have any number of rows (the same in each
+    /// tensor).
+    pub fn infer(&mut self, inputs: &Inputs) -> Result<candle_core::Tensor> {
+        self.not_pipelined("infer")?;
+        if self.output.is_some() {
+            return Err(EngineError::Invalid(
+                "infer() between forward() and backward(): finish the micro-batch first".into(),
+            ));
+        }
+        let rows = inputs.first().and_then(|t| t.dims().first().copied());
+        if let Some((name, dims)) = rows.and_then(|r| inputs.not_leading(r)) {
+            return Err(EngineError::Invalid(format!(
+                "infer: the batch tensor {name:?} has shape {dims:?}, its first dimension differs from the first tensor's ({})",
+                rows.unwrap_or(0)
+            )));
+        }
+        let inputs = inputs.to_device(&self.device())?;
+        let x = inputs.first().cloned().ok_or_else(|| {
+            EngineError::Invalid("infer: the batch holds no tensor for the first layer".into())
+        })?;
+        let y = each!(&mut self.core, t => t.forward_stage(x, inputs))?;
+        each!(&mut self.core, t => t.drop_saved());
+        Ok(y.detach())
+    }
+
+    /// Backward of the last forward from `loss`, any scalar the program computed from its
+    /// output (for a model that ends in a loss, the output itself). Scaled by the loss scale
+    /// over the accumulation steps, as DeepSpeed's `backward`; gradients are reduced at
+    /// accumulation boundaries (ZeRO-2/3: at every micro-step).
+    pub fn backward(&mut self, loss: &candle_core::Tensor) -> Result<()> {
         self.not_pipelined("backward")?;
-        each!(&mut self.core, t => t.backward())
+        let output = self
+            .output
+            .take()
+            .ok_or_else(|| EngineError::Invalid("backward() needs a forward() first".into()))?;
+        if loss.elem_count() != 1 {
+            return Err(EngineError::Invalid(format!(
+                "backward: the loss must be a scalar, it has shape {:?}",
+                loss.dims()
+            )));
+        }
+        let seed = each!(&self.core, t => t.loss_seed());
+        let grads = loss.affine(seed, 0.0)?.backward()?;
+        let dy = grads.get(output.as_tensor()).cloned().ok_or_else(|| {
+            EngineError::Invalid(
+                "backward: the loss does not depend on the output of forward(), so on no trainable parameter".into(),
+            )
+        })?;
+        each!(&mut self.core, t => t.backward_stage(Some(dy))).map(|_| ())
     }
 
     /// The optimizer step when an accumulation window is complete; `None` otherwise.
@@ -315,8 +384,9 @@ impl Engine {
         }
         let mut sum = 0.0f32;
         for k in 0..ga {
-            sum += self.forward(&next(k)?)?;
-            self.backward()?;
+            let loss = self.forward(&next(k)?.to_inputs(&self.device())?)?;
+            sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+            self.backward(&loss)?;
         }
         let outcome = self.step()?.ok_or_else(|| {
             EngineError::Invalid(
@@ -364,7 +434,8 @@ impl Engine {
                 let mut sum = 0.0f32;
                 for k in 0..ga {
                     let (ids, targets) = each!(&self.core, t => t.batch_tensors(&next(k)?))?;
-                    let loss = each!(&mut self.core, t => t.forward_stage(ids, targets))?;
+                    let inputs = Inputs::targets_only(targets);
+                    let loss = each!(&mut self.core, t => t.forward_stage(ids, inputs))?;
                     each!(&mut self.core, t => t.drop_saved());
                     sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
                 }

@@ -25,7 +25,7 @@ use std::ops::Range;
 use super::trainer::{Micro, Trainer};
 use super::Dtype;
 use crate::model::Model;
-use crate::{Batch, Targets};
+use crate::{Batch, Inputs, Targets};
 use crate::{EngineError, Result};
 
 /// This rank's place in its pipeline.
@@ -242,7 +242,7 @@ pub(crate) fn train_batch<T: Dtype>(
                 let (ids, targets) = t.batch_tensors(&next(loaded)?)?;
                 loaded += 1;
                 let slot = &mut slots[buffer];
-                slot.targets = Some(targets);
+                slot.targets = targets;
                 if stage.is_first() {
                     slot.input = Some(ids);
                 }
@@ -254,8 +254,7 @@ pub(crate) fn train_batch<T: Dtype>(
             Instruction::ForwardPass { buffer } => {
                 let slot = &mut slots[buffer];
                 let input = slot.input.take().ok_or_else(|| missing("input", buffer))?;
-                let targets = targets_or_none(slot.targets.take(), &input)?;
-                let y = t.forward_stage(input, targets)?;
+                let y = t.forward_stage(input, Inputs::targets_only(slot.targets.take()))?;
                 if stage.is_last() {
                     loss += y.to_dtype(DType::F32)?.to_scalar::<f32>()?;
                 } else {
@@ -297,15 +296,6 @@ pub(crate) fn train_batch<T: Dtype>(
     Ok((loss, outcome))
 }
 
-/// Middle stages have no targets of their own (the loss layer is elsewhere): zeros of the
-/// input's batch shape stand in.
-fn targets_or_none(targets: Option<Targets>, input: &Tensor) -> Result<Targets> {
-    match targets {
-        Some(t) => Ok(t),
-        None => Ok(Targets::all(input.zeros_like()?.to_dtype(DType::U32)?)),
-    }
-}
-
 /// The micro-batches' token ids and targets, loaded once each as the first or last stage
 /// first needs them (in micro-batch order, as DeepSpeed's LoadMicroBatch).
 struct Loader<'a> {
@@ -321,7 +311,7 @@ impl Loader<'_> {
     ) -> Result<&mut (Option<Tensor>, Option<Targets>)> {
         if !self.loaded.contains_key(&micro) {
             let (ids, targets) = t.batch_tensors(&(self.next)(micro)?)?;
-            self.loaded.insert(micro, (Some(ids), Some(targets)));
+            self.loaded.insert(micro, (Some(ids), targets));
         }
         Ok(self.loaded.get_mut(&micro).expect("inserted above"))
     }
@@ -369,8 +359,7 @@ fn train_batch_interleaved<T: Dtype>(
                     true => loader.get(t, w.micro)?.1.take(),
                     false => None,
                 };
-                let targets = targets_or_none(targets, &input)?;
-                let y = t.forward_layers(layers, input, targets)?;
+                let y = t.forward_layers(layers, input, Inputs::targets_only(targets))?;
                 match last {
                     true => loss += y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
                     false => drop(outputs.insert(key, y)),
@@ -452,7 +441,7 @@ pub(crate) fn eval_batch<T: Dtype>(
                 Instruction::LoadMicroBatch { buffer } => {
                     let (ids, targets) = t.batch_tensors(&next(loaded)?)?;
                     loaded += 1;
-                    slots[buffer].targets = Some(targets);
+                    slots[buffer].targets = targets;
                     if stage.is_first() {
                         slots[buffer].input = Some(ids);
                     }
@@ -463,8 +452,7 @@ pub(crate) fn eval_batch<T: Dtype>(
                 Instruction::ForwardPass { buffer } => {
                     let slot = &mut slots[buffer];
                     let input = slot.input.take().ok_or_else(|| missing("input", buffer))?;
-                    let targets = targets_or_none(slot.targets.take(), &input)?;
-                    let y = t.forward_stage(input, targets)?;
+                    let y = t.forward_stage(input, Inputs::targets_only(slot.targets.take()))?;
                     t.drop_saved();
                     match stage.is_last() {
                         true => loss[0] += y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
@@ -494,7 +482,7 @@ pub(crate) fn eval_batch<T: Dtype>(
 fn eval_round<T: Dtype>(t: &mut Trainer<T>, stage: &Stage, batch: &Batch) -> Result<f32> {
     let (ids, targets) = t.batch_tensors(batch)?;
     let (p, last_chunk) = (stage.stages, stage.chunks.len() - 1);
-    let (mut ids, mut targets) = (Some(ids), Some(targets));
+    let (mut ids, mut targets) = (Some(ids), targets);
     let mut loss = 0.0;
     for (c, layers) in stage.chunks.clone().into_iter().enumerate() {
         let first = stage.is_first() && c == 0;
@@ -504,10 +492,10 @@ fn eval_round<T: Dtype>(t: &mut Trainer<T>, stage: &Stage, batch: &Batch) -> Res
             false => recv(stage, (stage.stage + p - 1) % p, t.device())?,
         };
         let tg = match last {
-            true => targets.take().expect("the last chunk runs once"),
-            false => targets_or_none(None, &input)?,
+            true => targets.take(),
+            false => None,
         };
-        let y = t.forward_layers(layers, input, tg)?;
+        let y = t.forward_layers(layers, input, Inputs::targets_only(tg))?;
         t.drop_saved();
         match last {
             true => loss = y.to_dtype(DType::F32)?.to_scalar::<f32>()?,

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor, WithDType};
+use candle_core::{Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
 use ds_partition::{FlatIndex, InitFn, ParamSwap, Placement, Zero};
@@ -19,7 +19,7 @@ use super::update::{StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::model::{tensor_bytes, Context, Model, Tape};
-use crate::{Batch, Targets};
+use crate::{Batch, Inputs, Targets};
 use crate::{EngineError, Result};
 
 /// What forward keeps of a layer for its backward.
@@ -88,7 +88,7 @@ pub(crate) struct Trainer<T: Dtype> {
     saved: Vec<Saved>,
     /// The layers the micro-batch in `saved` ran forward through.
     running: Range<usize>,
-    targets: Option<Targets>,
+    inputs: Option<Inputs>,
     micro_steps: u64,
     timings: Timings,
     /// The I/O of this rank's swap files (NVMe offload), and its reading at the last
@@ -103,7 +103,7 @@ pub(crate) struct Trainer<T: Dtype> {
 pub(crate) struct Micro {
     saved: Vec<Saved>,
     running: Range<usize>,
-    targets: Option<Targets>,
+    inputs: Option<Inputs>,
 }
 
 /// What a trainer is built from, whatever its dtype.
@@ -216,7 +216,7 @@ impl<T: Dtype> Trainer<T> {
             takes_ids: first_stage,
             saved: Vec::new(),
             running: 0..0,
-            targets: None,
+            inputs: None,
             micro_steps: 0,
             timings: Timings::default(),
             swap_taken: swap_io.totals(),
@@ -242,11 +242,11 @@ impl<T: Dtype> Trainer<T> {
 
     /// Layer `i` forward on `x`: its output and what its backward needs.
     fn run_layer(&self, i: usize, params: LayerParams, x: Tensor) -> Result<(Tensor, Kept)> {
-        let targets = self
-            .targets
+        let inputs = self
+            .inputs
             .as_ref()
-            .expect("invariant: forward set the targets");
-        let cx = Context { targets };
+            .expect("invariant: forward set the inputs");
+        let cx = Context::new(inputs);
         let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
         if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
             let tape = taped.tape;
@@ -280,31 +280,25 @@ impl<T: Dtype> Trainer<T> {
         }
     }
 
-    /// Forward of one micro-batch; returns its loss.
-    pub fn forward(&mut self, batch: &Batch) -> Result<f32> {
-        let (ids, targets) = self.batch_tensors(batch)?;
-        let loss = self.forward_stage(ids, targets)?;
-        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
-    }
-
     /// A micro-batch's token ids and targets as tensors [batch, seq].
-    pub fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Targets)> {
-        let shape = (batch.batch, batch.seq);
-        Ok((
-            Tensor::from_slice(&batch.inputs, shape, &self.dev)?,
-            Targets {
-                ids: Tensor::from_slice(&batch.targets, shape, &self.dev)?,
-                weight: batch.loss_weight,
-                counted: counted_positions(&batch.targets, &self.dev)?,
-            },
-        ))
+    pub fn batch_tensors(&self, batch: &Batch) -> Result<(Tensor, Option<Targets>)> {
+        let inputs = batch.to_inputs(&self.dev)?;
+        let ids = inputs.first().expect("invariant: a batch has ids").clone();
+        Ok((ids, inputs.targets().cloned()))
     }
 
-    /// Forward of one micro-batch over this rank's layers from `x` (token ids on the first
-    /// stage, the previous stage's activations on the others); returns the last layer's
-    /// output (the loss on the last stage).
-    pub fn forward_stage(&mut self, x: Tensor, targets: Targets) -> Result<Tensor> {
-        self.forward_layers(0..self.model.layers().len(), x, targets)
+    /// Forward of one micro-batch over this rank's layers from `x` (the first named input on
+    /// the first stage, the previous stage's activations on the others), with the
+    /// micro-batch's `inputs` for every layer to read; returns the last layer's output (the
+    /// loss, for a model that ends in one).
+    pub fn forward_stage(&mut self, x: Tensor, inputs: Inputs) -> Result<Tensor> {
+        self.forward_layers(0..self.model.layers().len(), x, inputs)
+    }
+
+    /// The seed of backward: the loss scale over the accumulation steps (DeepSpeed's
+    /// `backward` scales the loss by both).
+    pub fn loss_seed(&self) -> f64 {
+        self.updater.loss_scale() / self.settings.grad_accum as f64
     }
 
     /// Forward of one micro-batch over this rank's layers `layers` (a model chunk of an
@@ -313,10 +307,10 @@ impl<T: Dtype> Trainer<T> {
         &mut self,
         layers: Range<usize>,
         mut x: Tensor,
-        targets: Targets,
+        inputs: Inputs,
     ) -> Result<Tensor> {
         let t0 = Instant::now();
-        self.targets = Some(targets);
+        self.inputs = Some(inputs);
         self.saved.clear();
         self.running = layers.clone();
         for i in layers.clone() {
@@ -343,11 +337,6 @@ impl<T: Dtype> Trainer<T> {
         (self.micro_steps + 1).is_multiple_of(self.settings.grad_accum as u64)
     }
 
-    /// Backward of the last forward, layer by layer from the loss.
-    pub fn backward(&mut self) -> Result<()> {
-        self.backward_stage(None).map(|_| ())
-    }
-
     /// Backward of the last forward over this rank's layers, from `dy`, the gradient of the
     /// stage's output (None on the last stage: the loss seed); returns the gradient of the
     /// stage's input (None on the first stage: token ids have none).
@@ -370,7 +359,7 @@ impl<T: Dtype> Trainer<T> {
             ));
         }
         let t0 = Instant::now();
-        let seed = self.updater.loss_scale() / self.settings.grad_accum as f64;
+        let seed = self.loss_seed();
         let mut dy = dy;
         let mut dx_input = None;
         for k in (0..self.saved.len()).rev() {
@@ -429,7 +418,7 @@ impl<T: Dtype> Trainer<T> {
         Micro {
             saved: std::mem::take(&mut self.saved),
             running: std::mem::take(&mut self.running),
-            targets: self.targets.take(),
+            inputs: self.inputs.take(),
         }
     }
 
@@ -437,7 +426,7 @@ impl<T: Dtype> Trainer<T> {
     pub fn put_micro(&mut self, m: Micro) {
         self.saved = m.saved;
         self.running = m.running;
-        self.targets = m.targets;
+        self.inputs = m.inputs;
     }
 
     /// Note [checkpoint segments]: with a checkpoint interval k, forward keeps the input of
@@ -692,16 +681,4 @@ fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
         v.resize(i + 1, std::time::Duration::ZERO);
     }
     v[i] += d;
-}
-
-/// The positions of the targets that count, when some do not (None: all count).
-fn counted_positions(targets: &[u32], dev: &Device) -> Result<Option<Tensor>> {
-    if !targets.contains(&crate::IGNORE) {
-        return Ok(None);
-    }
-    let at: Vec<u32> = (0..targets.len() as u32)
-        .filter(|&i| targets[i as usize] != crate::IGNORE)
-        .collect();
-    let n = at.len();
-    Ok(Some(Tensor::from_vec(at, n, dev)?))
 }

@@ -1,11 +1,14 @@
-//! Differentiable building blocks candle-nn lacks on CPU: candle-nn's fused LayerNorm and
-//! last-dim softmax have no backward, so training through them fails. These run the fused
-//! kernels, with their backward, on CPU and the primitive compositions (`primitive`, home of
-//! the softmax) elsewhere.
+//! Differentiable building blocks candle-nn lacks on CPU: candle-nn's fused LayerNorm,
+//! RMSNorm and last-dim softmax have no backward, so training through them fails (or, for
+//! its LayerNorm module, silently stops the gradient: candle issue #2168). These run the
+//! fused kernels, with their backward, on CPU and the primitive compositions elsewhere. The
+//! modules are built as candle-nn's (same constructors, names and initialisers) and are
+//! candle `Module`s, so a user's model swaps them in for candle-nn's.
 
-use candle_core::{DType, Result, Tensor};
-use candle_nn::VarBuilder;
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Init, VarBuilder};
 
+pub use super::autograd::{rms_norm, rope, softmax_last_dim};
 use super::fused_norm_loss;
 use super::grad::linear;
 use super::primitive::layer_norm_primitive;
@@ -18,16 +21,41 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
+    /// Weight 1 and bias 0, as `candle_nn::layer_norm`.
     pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
         Ok(LayerNorm {
-            weight: vb.get(dim, "weight")?,
-            bias: vb.get(dim, "bias")?,
+            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(dim, "bias", Init::Const(0.0))?,
             eps,
         })
     }
+}
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// RMSNorm over the last dimension with a weight (Llama's), differentiable.
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Weight 1, as `candle_nn::rms_norm`.
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.weight, self.eps)
     }
 }
 
@@ -47,21 +75,31 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Initialised as `candle_nn::linear` (PyTorch's: Kaiming weights, a uniform bias).
     pub fn new(inp: usize, out: usize, vb: VarBuilder) -> Result<Linear> {
+        let bound = 1.0 / (inp as f64).sqrt();
+        let bias = Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let weight = Linear::no_bias(inp, out, vb.clone())?.weight;
         Ok(Linear {
-            weight: vb.get((out, inp), "weight")?,
-            bias: Some(vb.get(out, "bias")?),
+            weight,
+            bias: Some(vb.get_with_hints(out, "bias", bias)?),
         })
     }
 
     pub fn no_bias(inp: usize, out: usize, vb: VarBuilder) -> Result<Linear> {
+        let init = candle_nn::init::DEFAULT_KAIMING_NORMAL;
         Ok(Linear {
-            weight: vb.get((out, inp), "weight")?,
+            weight: vb.get_with_hints((out, inp), "weight", init)?,
             bias: None,
         })
     }
+}
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(&x.contiguous()?, &self.weight, self.bias.as_ref())
     }
 }

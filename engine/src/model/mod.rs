@@ -6,6 +6,7 @@
 //! each layer without hooks into the layer's code.
 
 mod init;
+mod module;
 pub mod weights;
 
 use candle_core::Tensor;
@@ -105,11 +106,53 @@ impl ParamSpec {
     }
 }
 
-/// What a layer sees of the current micro-batch besides its input.
+/// What a layer sees of the current micro-batch besides its input: the micro-batch's named
+/// tensors, and the next-token targets of a model whose last layer is the loss.
+#[derive(Clone, Copy)]
 pub struct Context<'a> {
+    inputs: &'a crate::Inputs,
+    targets: Option<&'a crate::Targets>,
+}
+
+/// The inputs of a context made from targets alone.
+static NO_INPUTS: crate::Inputs = crate::Inputs::new();
+
+impl<'a> Context<'a> {
+    pub fn new(inputs: &'a crate::Inputs) -> Context<'a> {
+        Context {
+            inputs,
+            targets: inputs.targets(),
+        }
+    }
+
+    /// A context that holds only `targets` (a pipeline's last stage, a test of a loss layer).
+    pub fn of_targets(targets: &'a crate::Targets) -> Context<'a> {
+        Context {
+            inputs: &NO_INPUTS,
+            targets: Some(targets),
+        }
+    }
+
     /// Target token ids [batch, seq] (u32; `crate::IGNORE` where a target does not count)
     /// and the micro-batch's loss weight, for the loss layer.
-    pub targets: &'a crate::Targets,
+    pub fn targets(&self) -> candle_core::Result<&'a crate::Targets> {
+        self.targets.ok_or_else(|| {
+            candle_core::Error::Msg(
+                "a loss layer needs next-token targets: train on a Batch (or Inputs::with_targets)"
+                    .into(),
+            )
+        })
+    }
+
+    /// The micro-batch's tensor `name` (an attention mask, labels, positions).
+    pub fn input(&self, name: &str) -> candle_core::Result<&'a Tensor> {
+        self.inputs.get(name).ok_or_else(|| {
+            let have: Vec<&str> = self.inputs.iter().map(|(n, _)| n).collect();
+            candle_core::Error::Msg(format!(
+                "the batch has no tensor named {name:?} (it has {have:?})"
+            ))
+        })
+    }
 }
 
 /// One layer: an ordinary candle computation over parameters the engine provides.
