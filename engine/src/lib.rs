@@ -40,5 +40,6 @@ pub mod schedule;
 pub use ds_partition::swap::IoTotals;
 pub use engine::{
     check_optimizer, pipeline_layout, program_optimizer_line, DecayGroups, Dtype, Engine,
-    EngineOptions, MemoryReport, PipeLayout, Precision, Settings, StepOutcome, Timings, STEP_PIECE,
+    EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision, Settings, StepOutcome, Timings,
+    STEP_PIECE,
 };

@@ -12,7 +12,7 @@
 use candle_core::{Device, Tensor};
 use ds_comm::Element;
 use ds_engine::device::{gpu_placement, stage_grads, tensor_from_buffer};
-use ds_engine::optim::{Adam, AdamParams, Optimizer, TypedGrads, WeightDecay};
+use ds_engine::optim::{Adam, AdamParams, Group, Optimizer, TypedGrads};
 use ds_partition::{vector, FlatBuf, Placement};
 use half::{bf16, f16};
 
@@ -153,10 +153,10 @@ fn adam_steps<T: Element>(name: &str) {
             let lr = 1e-3 * (step + 1) as f64;
             let g32: Vec<f32> = g.iter().map(|x| x.to_f32() * k).collect();
             host.begin(lr);
-            host.update(0, &mut p_host, &g32, WeightDecay::Apply);
+            host.update(0, &mut p_host, &g32, Group::DEFAULT);
             dev.begin(lr);
             let ran = dev
-                .update_on_gpu(0, &mut p_dev, TypedGrads::of(&g_dev), k, WeightDecay::Apply)
+                .update_on_gpu(0, &mut p_dev, TypedGrads::of(&g_dev), k, Group::DEFAULT)
                 .unwrap();
             assert!(ran, "{name}: Adam did not run on the GPU");
             assert_eq!(

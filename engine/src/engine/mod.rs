@@ -3,7 +3,7 @@
 //! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
 
 mod autotuning;
-mod decay;
+mod groups;
 mod initial;
 mod layers;
 mod memory;
@@ -32,8 +32,8 @@ use crate::model::{weights, Model, ParamSpec};
 use crate::parallel::PartitionConfig;
 use crate::{Batch, Inputs};
 use crate::{EngineError, Result};
-pub use decay::DecayGroups;
-use decay::DecayPlan;
+pub use groups::{DecayGroups, ParamGroup};
+use groups::{GroupPlan, GroupRules};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
@@ -54,6 +54,10 @@ pub struct EngineOptions {
     /// `activation_checkpointing` section; ZeRO-3 recomputes the layers it releases, see
     /// Note [ZeRO-3 reuse]).
     pub activation_checkpointing: bool,
+    /// Parameter groups with their own weight decay and learning-rate scale (torch's
+    /// `param_groups`); the first that names a parameter takes it. `ParamGroup::hf_no_decay()`
+    /// is HF's Trainer's second group.
+    pub param_groups: Vec<ParamGroup>,
 }
 
 impl Default for EngineOptions {
@@ -63,6 +67,7 @@ impl Default for EngineOptions {
             init: None,
             device: Device::Cpu,
             activation_checkpointing: false,
+            param_groups: Vec::new(),
         }
     }
 }
@@ -218,11 +223,17 @@ impl Engine {
         };
         let program = program::optimizer_and_schedule(config)?;
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
-        let (specs_ref, index_ref) = (&specs, &index);
+        let rules = GroupRules {
+            decay: program.groups,
+            named: &opts.param_groups,
+        };
+        rules.check(&all_specs)?;
+        let (specs_ref, index_ref, rules_ref) = (&specs, &index, &rules);
         let updater = move |owned: Range<usize>, len: usize, place: &Placement| {
-            let opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
-            let decay = DecayPlan::new(program.groups, specs_ref, index_ref, &owned);
-            Ok(update::Updater::new(opt, program.schedule, scaler, decay))
+            let mut opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
+            opt.set_groups(rules_ref.hypers());
+            let plan = GroupPlan::new(rules_ref, specs_ref, index_ref, &owned);
+            Ok(update::Updater::new(opt, program.schedule, scaler, plan))
         };
         let init = initial::InitialValues::new(&specs, &index, source);
         let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);

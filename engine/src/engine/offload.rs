@@ -16,7 +16,7 @@ use ds_comm::Element;
 
 use crate::{EngineError, Result};
 
-use super::decay::DecayPlan;
+use super::groups::GroupPlan;
 /// Elements streamed per chunk: the step's piece (4 MiB of fp32 per file).
 use super::update::STEP_PIECE as CHUNK;
 
@@ -69,7 +69,7 @@ impl OffloadedStates {
         optimizer: &mut dyn Optimizer,
         zero: &mut Zero<T>,
         k: f32,
-        decay: &DecayPlan,
+        groups: &GroupPlan,
     ) -> Result<()> {
         let mut files = vec![&self.master];
         files.extend(self.states.iter().map(|(_, f)| f));
@@ -85,9 +85,9 @@ impl OffloadedStates {
             for (dst, src) in optimizer.state_mut().into_iter().zip(states.iter()) {
                 dst[..n].copy_from_slice(src);
             }
-            for (r, d) in decay.segments(at..at + n) {
+            for (r, g) in groups.segments(at..at + n) {
                 let part = r.start - at..r.end - at;
-                optimizer.update(part.start, &mut master[part.clone()], &fp32[part], d);
+                optimizer.update(part.start, &mut master[part.clone()], &fp32[part], g);
             }
             for (src, dst) in optimizer.state_mut().into_iter().zip(states.iter_mut()) {
                 dst.copy_from_slice(&src[..n]);

@@ -10,7 +10,7 @@ use crate::optim::{Optimizer, OptimizerState, TypedGrads};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 
-use super::decay::DecayPlan;
+use super::groups::GroupPlan;
 use super::offload::OffloadedStates;
 
 /// What one optimizer step did.
@@ -39,8 +39,8 @@ pub struct Updater {
     /// The master copy and the optimizer's states on NVMe (the optimizer then holds one
     /// chunk's state).
     offload: Option<OffloadedStates>,
-    /// The parts of the shard without weight decay.
-    decay: DecayPlan,
+    /// The parts of the shard in other parameter groups than the optimizer's own.
+    groups: GroupPlan,
 }
 
 /// Elements of the shard updated at a time (4 MiB of fp32 gradients).
@@ -51,7 +51,7 @@ impl Updater {
         optimizer: Box<dyn Optimizer>,
         schedule: LrSchedule,
         scaler: LossScaler,
-        decay: DecayPlan,
+        groups: GroupPlan,
     ) -> Updater {
         Updater {
             optimizer,
@@ -60,7 +60,7 @@ impl Updater {
             global_steps: 0,
             skipped_steps: 0,
             offload: None,
-            decay,
+            groups,
         }
     }
 
@@ -172,7 +172,7 @@ impl Updater {
         }
         self.optimizer.begin(lr);
         if let Some(o) = &self.offload {
-            o.step(self.optimizer.as_mut(), zero, k, &self.decay)?;
+            o.step(self.optimizer.as_mut(), zero, k, &self.groups)?;
             return Ok(outcome);
         }
         let (master, grads) = zero.master_and_grads();
@@ -185,26 +185,31 @@ impl Updater {
         let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
         for at in (0..master.len()).step_by(STEP_PIECE) {
             let end = (at + STEP_PIECE).min(master.len());
-            for (r, decay) in self.decay.segments(at..end) {
+            for (r, group) in self.groups.segments(at..end) {
                 let fp32 = &mut scratch[..r.len()];
                 fp32.iter_mut()
                     .zip(&grads[r.clone()])
                     .for_each(|(d, g)| *d = g.to_f32() * k);
-                self.optimizer.update(r.start, &mut master[r], fp32, decay);
+                self.optimizer.update(r.start, &mut master[r], fp32, group);
             }
         }
         zero.publish()?;
         Ok(outcome)
     }
 
-    /// The step on the GPU, a kernel per part of the shard with its own weight decay; false
+    /// The step on the GPU, a kernel per part of the shard with its group's settings; false
     /// when the buffers are not all on one GPU (nothing was done).
     fn step_on_gpu<T: Element>(&mut self, master: &mut [f32], grads: &[T], k: f32) -> Result<bool> {
-        for (i, (r, decay)) in self.decay.segments(0..master.len()).into_iter().enumerate() {
+        for (i, (r, group)) in self
+            .groups
+            .segments(0..master.len())
+            .into_iter()
+            .enumerate()
+        {
             let grads = TypedGrads::of(&grads[r.clone()]);
             let done = self
                 .optimizer
-                .update_on_gpu(r.start, &mut master[r], grads, k, decay)?;
+                .update_on_gpu(r.start, &mut master[r], grads, k, group)?;
             // every part lies where the first does: one answer for the whole shard
             debug_assert!(
                 done || i == 0,

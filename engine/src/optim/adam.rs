@@ -6,7 +6,7 @@
 use ds_partition::{FlatBuf, Placement};
 use rayon::prelude::*;
 
-use super::{check_len, OptimError, Optimizer, OptimizerState, WeightDecay, BLOCK, LANES};
+use super::{check_len, Group, GroupHyper, OptimError, Optimizer, OptimizerState, BLOCK, LANES};
 
 /// Adam's hyper-parameters other than the learning rate (which comes with every step).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,9 +28,10 @@ pub struct Adam {
     step: u64,
     exp_avg: FlatBuf<f32>,
     exp_avg_sq: FlatBuf<f32>,
-    /// The scalars of the step begun last: with weight decay, and without (parameters in
-    /// a group without decay).
-    consts: Option<[Consts; 2]>,
+    /// The parameter groups' settings (`Optimizer::set_groups`; one group: Adam's own).
+    groups: Vec<GroupHyper>,
+    /// The scalars of the step begun last, one set per group.
+    consts: Vec<Consts>,
 }
 
 /// The per-step scalars, as DeepSpeed's Adam kernels (CPU and CUDA) have them: the betas are
@@ -97,29 +98,41 @@ impl Adam {
             step: 0,
             exp_avg: zeroed()?,
             exp_avg_sq: zeroed()?,
-            consts: None,
+            groups: vec![GroupHyper::DEFAULT],
+            consts: Vec::new(),
         })
     }
 }
 
 impl Optimizer for Adam {
+    fn set_groups(&mut self, groups: Vec<GroupHyper>) {
+        self.groups = groups;
+    }
+
     fn begin(&mut self, lr: f64) {
         self.step += 1;
         let (hp, step) = (&self.hp, self.step);
-        self.consts = Some([
-            Consts::new(hp, step, lr, hp.weight_decay),
-            Consts::new(hp, step, lr, 0.0),
-        ]);
+        self.consts = self
+            .groups
+            .iter()
+            .map(|g| {
+                let wd = g.weight_decay.unwrap_or(hp.weight_decay);
+                Consts::new(hp, step, lr * g.lr_scale, wd)
+            })
+            .collect();
     }
 
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay) {
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], group: Group) {
         let n = params.len();
         assert_eq!(
             grads.len(),
             n,
             "Adam::update: grads length != params length"
         );
-        let k = self.consts.expect("Adam::update: begin() first")[decay as usize];
+        let k = *self
+            .consts
+            .get(group.0)
+            .expect("Adam::update: begin() first, with the part's group");
         let m = &mut self.exp_avg[at..at + n];
         let v = &mut self.exp_avg_sq[at..at + n];
         if n <= BLOCK {
@@ -140,9 +153,12 @@ impl Optimizer for Adam {
         params: &mut [f32],
         grads: super::TypedGrads<'_>,
         k: f32,
-        decay: WeightDecay,
+        group: Group,
     ) -> Result<bool, OptimError> {
-        let consts = self.consts.expect("Adam::update_on_gpu: begin() first")[decay as usize];
+        let consts = *self
+            .consts
+            .get(group.0)
+            .expect("Adam::update_on_gpu: begin() first, with the part's group");
         let n = params.len();
         super::gpu::adam(
             params,

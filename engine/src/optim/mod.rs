@@ -53,21 +53,25 @@ pub trait Optimizer: Send {
             "step: params length != shard length"
         );
         self.begin(lr);
-        self.update(0, params, grads, WeightDecay::Apply);
+        self.update(0, params, grads, Group::DEFAULT);
     }
+
+    /// The parameter groups the shard's parts belong to (`Group(i)` is `groups[i]`); until
+    /// set, one group with the optimizer's own settings.
+    fn set_groups(&mut self, groups: Vec<GroupHyper>);
 
     /// Starts a step at learning rate `lr` (counts it); [`Optimizer::update`] then applies it
     /// to consecutive parts of the shard, so that the caller never needs the whole shard's
     /// gradients in fp32 at once. The result is the same however the shard is cut.
     fn begin(&mut self, lr: f64);
 
-    /// Applies the step begun last to the shard's elements `at..at + params.len()`, with
-    /// the configured weight decay or none (`decay`: the part's parameter group).
+    /// Applies the step begun last to the shard's elements `at..at + params.len()`, with the
+    /// settings of the part's parameter group.
     ///
     /// # Panics
     /// If the part is outside the shard, `grads` is not as long as `params`, or no step was
     /// begun: bugs in the caller.
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay);
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], group: Group);
 
     /// The step begun last over the shard's elements `at..at + params.len()` on the GPU, when
     /// `params` (of the master shard), `grads` (in the compute dtype, to be multiplied by `k`
@@ -80,9 +84,9 @@ pub trait Optimizer: Send {
         params: &mut [f32],
         grads: TypedGrads<'_>,
         k: f32,
-        decay: WeightDecay,
+        group: Group,
     ) -> Result<bool, OptimError> {
-        let _ = (at, params, grads, k, decay);
+        let _ = (at, params, grads, k, group);
         Ok(false)
     }
 
@@ -112,12 +116,36 @@ pub trait Optimizer: Send {
     fn set_momentum(&mut self, momentum: f64);
 }
 
-/// Whether a part of the shard takes the optimizer's weight decay: HF's and Megatron's
-/// parameter groups leave biases and norm weights without (torch's `weight_decay: 0.0` group).
+/// A parameter group's settings, as an entry of torch's `param_groups` overrides the
+/// optimizer's: its weight decay (None: the optimizer's) and its learning rate as a multiple
+/// of the scheduled one (HF's and Megatron's groups leave biases and norm weights without
+/// decay; a group may also train slower or faster).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupHyper {
+    pub weight_decay: Option<f64>,
+    pub lr_scale: f64,
+}
+
+impl GroupHyper {
+    /// The optimizer's own settings.
+    pub const DEFAULT: GroupHyper = GroupHyper {
+        weight_decay: None,
+        lr_scale: 1.0,
+    };
+    /// No weight decay, the scheduled learning rate.
+    pub const NO_DECAY: GroupHyper = GroupHyper {
+        weight_decay: Some(0.0),
+        lr_scale: 1.0,
+    };
+}
+
+/// The parameter group of a part of the shard: an index into the optimizer's groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightDecay {
-    Apply = 0,
-    Skip = 1,
+pub struct Group(pub usize);
+
+impl Group {
+    /// The first group: the optimizer's own settings unless told otherwise.
+    pub const DEFAULT: Group = Group(0);
 }
 
 /// A view of an optimizer's state: steps taken and named fp32 buffers of the shard's length.

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::{
-    check_len, OptimError, Optimizer, OptimizerState, SgdParams, WeightDecay, BLOCK, LANES,
+    check_len, Group, GroupHyper, OptimError, Optimizer, OptimizerState, SgdParams, BLOCK, LANES,
 };
 
 /// SGD over one shard. As in torch, the momentum buffer is set to the first gradient (not
@@ -20,9 +20,11 @@ pub struct Sgd {
     /// first step), else on the first step with momentum != 0 (OneCycle may raise it from 0).
     buf: Vec<f32>,
     live: bool,
-    /// The constants of the step begun (with weight decay, and without), and whether it is
-    /// the first with a live buffer.
-    begun: Option<([Consts; 2], bool)>,
+    /// The parameter groups' settings (`Optimizer::set_groups`; one group: SGD's own).
+    groups: Vec<GroupHyper>,
+    /// The constants of the step begun (one set per group), and whether it is the first
+    /// with a live buffer.
+    begun: Option<(Vec<Consts>, bool)>,
 }
 
 /// The per-step scalars in f32, computed once.
@@ -43,6 +45,7 @@ impl Sgd {
             step: 0,
             buf: vec![0.0; len],
             live: false,
+            groups: vec![GroupHyper::DEFAULT],
             begun: None,
         }
     }
@@ -58,6 +61,10 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
+    fn set_groups(&mut self, groups: Vec<GroupHyper>) {
+        self.groups = groups;
+    }
+
     fn begin(&mut self, lr: f64) {
         self.step += 1;
         let first = !self.live;
@@ -65,19 +72,22 @@ impl Optimizer for Sgd {
             self.buf.resize(self.shard_len, 0.0);
             self.live = true;
         }
-        let consts = [self.consts(lr, self.hp.weight_decay), self.consts(lr, 0.0)];
-        self.begun = Some((consts, first));
+        let consts = self.groups.iter().map(|g| {
+            let wd = g.weight_decay.unwrap_or(self.hp.weight_decay);
+            self.consts(lr * g.lr_scale, wd)
+        });
+        self.begun = Some((consts.collect(), first));
     }
 
-    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], decay: WeightDecay) {
+    fn update(&mut self, at: usize, params: &mut [f32], grads: &[f32], group: Group) {
         let n = params.len();
         assert_eq!(grads.len(), n, "Sgd::update: grads length != params length");
         assert!(
             at + n <= self.shard_len,
             "Sgd::update: part beyond the shard"
         );
-        let (k, first) = self.begun.expect("Sgd::update: begin() first");
-        let k = k[decay as usize];
+        let (k, first) = self.begun.as_ref().expect("Sgd::update: begin() first");
+        let (k, first) = (k[group.0], *first);
         if self.hp.momentum == 0.0 {
             return for_blocks(params, grads, &mut [], |p, g, _| plain(&k, p, g));
         }

@@ -6,7 +6,7 @@ mod fixture;
 mod reference;
 mod state;
 
-use super::{Adam, AdamParams, Optimizer, Sgd, SgdParams, WeightDecay};
+use super::{Adam, AdamParams, Group, GroupHyper, Optimizer, Sgd, SgdParams};
 use reference::{AdamRef, SgdRef, Trajectory};
 
 /// Lengths around the chunk (16) and block (65536) sizes, none a multiple of either.
@@ -222,7 +222,7 @@ fn a_step_in_parts_equals_the_whole_step() {
             a.step(&mut whole, g, 1e-3);
             b.begin(1e-3);
             for (at, end) in [(0, 1), (1, 999), (999, 70_000), (70_000, n)] {
-                b.update(at, &mut parts[at..end], &g[at..end], WeightDecay::Apply);
+                b.update(at, &mut parts[at..end], &g[at..end], Group::DEFAULT);
             }
         }
         let same = whole
@@ -243,9 +243,10 @@ fn bench_runs_and_reports() {
 
 /// `bias_correction: false` (FusedAdam's and DeepSpeedCPUAdam's switch): the first step is
 /// `lr * m / (sqrt(v) + eps)` with the raw moments, against float64; and a part without
-/// weight decay (`WeightDecay::Skip`) takes no decay while the rest does.
+/// weight decay (`GroupHyper::NO_DECAY`) takes no decay, and one of another group takes that
+/// group's decay at its learning rate, while the rest takes the optimizer's.
 #[test]
-fn bias_correction_off_and_parts_without_decay() {
+fn bias_correction_off_and_parts_in_other_groups() {
     let (lr, b1, b2, eps, wd) = (1e-2f64, 0.9f64, 0.99f64, 1e-8f64, 0.5f64);
     let hp = AdamParams {
         betas: (b1, b2),
@@ -257,15 +258,25 @@ fn bias_correction_off_and_parts_without_decay() {
     let p0 = [1.0f32, -2.0, 0.5, 3.0];
     let g = [0.3f32, -0.1, 0.2, 0.05];
     let mut adam = Adam::new(hp, 4);
+    let slow = GroupHyper {
+        weight_decay: Some(0.1),
+        lr_scale: 0.25,
+    };
+    adam.set_groups(vec![GroupHyper::DEFAULT, GroupHyper::NO_DECAY, slow]);
     let mut p = p0;
     adam.begin(lr);
-    adam.update(0, &mut p[..2], &g[..2], WeightDecay::Apply);
-    adam.update(2, &mut p[2..], &g[2..], WeightDecay::Skip);
+    adam.update(0, &mut p[..2], &g[..2], Group::DEFAULT);
+    adam.update(2, &mut p[2..3], &g[2..3], Group(1));
+    adam.update(3, &mut p[3..], &g[3..], Group(2));
     for i in 0..4 {
         let (x, gi) = (f64::from(p0[i]), f64::from(g[i]));
         let (m, v) = ((1.0 - b1) * gi, (1.0 - b2) * gi * gi);
-        let decay = if i < 2 { 1.0 - lr * wd } else { 1.0 };
-        let want = x * decay - lr * m / (v.sqrt() + eps);
+        let (lr, wd) = match i {
+            0 | 1 => (lr, wd),
+            2 => (lr, 0.0),
+            _ => (lr * 0.25, 0.1),
+        };
+        let want = x * (1.0 - lr * wd) - lr * m / (v.sqrt() + eps);
         // f32 arithmetic of a handful of operations on values near 1
         assert!(
             (f64::from(p[i]) - want).abs() < 1e-6,
