@@ -13,6 +13,7 @@
 mod buffer;
 mod error;
 mod flat;
+mod frozen;
 mod grads;
 mod layout;
 mod memory;
@@ -27,6 +28,7 @@ pub use buffer::gpu;
 pub use buffer::{FlatBuf, Placement};
 pub use error::{PartitionError, Result};
 pub use flat::{FlatEntry, FlatIndex, ParamId};
+pub use frozen::Frozen;
 pub use grads::{GradStore, ReduceConfig};
 pub use layout::ShardLayout;
 pub use memory::StateBytes;

@@ -408,7 +408,7 @@ impl<T: Element> Zero<T> {
 
 /// The initial values of `range` (padded coordinates) in the compute dtype, generated in
 /// pieces of at most `INIT_PIECE` elements so the f32 staging stays small; padding is zero.
-fn initial<T: Element, E: From<PartitionError>>(
+pub(crate) fn initial<T: Element, E: From<PartitionError>>(
     layout: ShardLayout,
     range: Range<usize>,
     init: &mut InitFn<'_, E>,

@@ -665,15 +665,30 @@ pub fn write_weights(
     out: &Path,
     dtype: crate::model::weights::SaveDtype,
 ) -> Result<Manifest> {
+    write_weights_with(dir, out, dtype, &[])
+}
+
+/// As `write_weights`, with `extra` tensors (name, shape, values) after the checkpoint's: a
+/// model's frozen parameters, which checkpoints do not hold.
+pub fn write_weights_with(
+    dir: &Path,
+    out: &Path,
+    dtype: crate::model::weights::SaveDtype,
+    extra: &[(String, Vec<usize>, Vec<f32>)],
+) -> Result<Manifest> {
     let m = Manifest::read(dir)?;
     let tensors: Vec<(String, Vec<usize>)> = m
         .params
         .iter()
         .map(|p| (p.name.clone(), p.shape.clone()))
+        .chain(extra.iter().map(|(n, s, _)| (n.clone(), s.clone())))
         .collect();
     let mut w =
         crate::model::weights::StreamingWriter::create(out, &tensors, dtype, &[("format", "pt")])?;
     each_tensor(dir, |_, values| w.put(values))?;
+    for (_, _, values) in extra {
+        w.put(values)?;
+    }
     w.finish()?;
     Ok(m)
 }

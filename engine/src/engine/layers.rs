@@ -30,11 +30,17 @@ impl<T: Element + WithDType> Dtype for T {}
 /// Note [one copy per layer]: a gathered range (ZeRO-3) becomes the flat tensor as it is,
 /// with no copy; a borrowed one (stages 0-2) is copied once. Autograd needs variables of its
 /// own, so a layer without a tape gets them made from the views (a copy) on first use.
+///
+/// The first `trainable` tensors train; the rest are frozen (Model::freeze), read by the layer
+/// as plain tensors, so autograd computes no gradient for them.
 pub struct LayerParams {
     tensors: Vec<Tensor>,
     names: Vec<String>,
     /// Each parameter's whole shape, which a module may ask for in place of its slice.
     logical: Vec<Vec<usize>>,
+    trainable: usize,
+    /// In the layer's declaration order (`Layer::params`): which parameters are frozen.
+    declared_frozen: Vec<bool>,
     vars: OnceLock<Vec<Var>>,
 }
 
@@ -65,11 +71,24 @@ impl LayerParams {
             logical.push(e.logical_shape.clone());
         }
         Ok(LayerParams {
+            trainable: tensors.len(),
+            declared_frozen: vec![false; tensors.len()],
             tensors,
             names,
             logical,
             vars: OnceLock::new(),
         })
+    }
+
+    /// These (trainable) parameters and the layer's `frozen` ones; `declared_frozen` says
+    /// which of the layer's parameters, in declaration order, are frozen.
+    pub fn with_frozen(mut self, frozen: LayerParams, declared_frozen: &[bool]) -> LayerParams {
+        self.trainable = self.tensors.len();
+        self.tensors.extend(frozen.tensors);
+        self.names.extend(frozen.names);
+        self.logical.extend(frozen.logical);
+        self.declared_frozen = declared_frozen.to_vec();
+        self
     }
 
     /// Bytes of the materialised parameters (and of autograd's copies, when made).
@@ -86,11 +105,10 @@ impl LayerParams {
             .sum::<usize>()
     }
 
-    /// The variables autograd differentiates, made on first use.
+    /// The variables autograd differentiates (the trainable parameters), made on first use.
     fn vars(&self) -> Result<&[Var]> {
         if self.vars.get().is_none() {
-            let vars = self
-                .tensors
+            let vars = self.tensors[..self.trainable]
                 .iter()
                 .map(|t| Ok(Var::from_tensor(t)?))
                 .collect::<Result<Vec<_>>>()?;
@@ -109,7 +127,11 @@ impl LayerParams {
         tracked: bool,
     ) -> Result<VarBuilder<'static>> {
         let tensors: Vec<Tensor> = match tracked {
-            true => self.vars()?.iter().map(|v| v.as_tensor().clone()).collect(),
+            true => {
+                let vars = self.vars()?.iter().map(|v| v.as_tensor().clone());
+                vars.chain(self.tensors[self.trainable..].iter().cloned())
+                    .collect()
+            }
             false => self.tensors.clone(),
         };
         let held = tensors.into_iter().zip(self.logical.iter().cloned());
@@ -132,16 +154,22 @@ impl LayerParams {
         LayerGrads::new(tensors.collect::<Result<Vec<_>>>()?)
     }
 
-    /// A taped layer's gradients (one per parameter, in order), checked against the
-    /// parameters' shapes.
+    /// A taped layer's gradients (one per parameter, in declaration order), checked against
+    /// the parameters' shapes; those of frozen parameters are dropped.
     pub fn taped_grads<T: Dtype>(&self, layer: &str, grads: Vec<Tensor>) -> Result<LayerGrads<T>> {
-        if grads.len() != self.tensors.len() {
+        if grads.len() != self.declared_frozen.len() {
             return Err(EngineError::Invalid(format!(
                 "layer {layer}'s backward returned {} gradients for {} parameters",
                 grads.len(),
-                self.tensors.len()
+                self.declared_frozen.len()
             )));
         }
+        let grads: Vec<Tensor> = grads
+            .into_iter()
+            .zip(&self.declared_frozen)
+            .filter(|(_, frozen)| !**frozen)
+            .map(|(g, _)| g)
+            .collect();
         for ((g, v), name) in grads.iter().zip(&self.tensors).zip(&self.names) {
             if g.dims() != v.dims() {
                 return Err(EngineError::Invalid(format!(

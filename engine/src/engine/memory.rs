@@ -7,8 +7,11 @@ use ds_partition::StateBytes;
 /// step has held so far (0 before the first forward).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MemoryReport {
-    /// Parameters in the compute dtype (whole at stages 0-2, the shard at stage 3).
+    /// Trainable parameters in the compute dtype (whole at stages 0-2, the shard at stage 3).
     pub params: usize,
+    /// Frozen parameters (`Model::freeze`), in the compute dtype, stored as the trainable
+    /// ones are; they have no gradients and no optimizer states.
+    pub frozen_params: usize,
     /// Gradients in the compute dtype (whole at stages 0-1, the shard at stages 2-3).
     pub grads: usize,
     /// The fp32 master copy of the owned range and the optimizer's moments.
@@ -37,6 +40,7 @@ impl MemoryReport {
     /// `step_on_gpu`: the layers compute on a GPU, so the step's working memory is there.
     pub(crate) fn new(
         states: StateBytes,
+        frozen_params: usize,
         step: StepPeak,
         offloaded: usize,
         step_on_gpu: bool,
@@ -44,6 +48,7 @@ impl MemoryReport {
         let step_bytes = step.activations + step.layer_params + step.layer_grads;
         MemoryReport {
             params: states.params,
+            frozen_params,
             grads: states.grads,
             optimizer_states: states.optimizer_states,
             activations: step.activations,
@@ -57,7 +62,7 @@ impl MemoryReport {
 
     /// Parameters, gradients and optimizer states: what the ZeRO formulas count.
     pub fn model_states(&self) -> usize {
-        self.params + self.grads + self.optimizer_states
+        self.params + self.frozen_params + self.grads + self.optimizer_states
     }
 
     /// Everything accounted: the model states plus the step's peaks (an upper bound of what

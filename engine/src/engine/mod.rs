@@ -198,29 +198,38 @@ impl Engine {
             }
         };
         let my_stage = stage.as_ref().map_or(0, |s| s.stage);
-        let all_params = logical_entries(&all_specs, &stage_of);
-        let specs: Vec<ParamSpec> = all_specs
+        check_frozen(&all_specs, stage.is_some())?;
+        // this stage's parameters, trainable and frozen apart
+        let (frozen_specs, specs): (Vec<ParamSpec>, Vec<ParamSpec>) = all_specs
             .iter()
             .zip(&stage_of)
             .filter(|(_, s)| **s == my_stage)
             .map(|(p, _)| p.clone())
-            .collect();
+            .partition(|p| p.frozen);
+        let model_specs = all_specs.clone();
+        // checkpoints, ties and the optimizer know the trainable parameters only
+        let (all_specs, stage_of): (Vec<ParamSpec>, Vec<usize>) = all_specs
+            .into_iter()
+            .zip(stage_of)
+            .filter(|(p, _)| !p.frozen)
+            .unzip();
+        let all_params = logical_entries(&all_specs, &stage_of);
         let tp = TpRank {
             rank: groups.tp().rank(),
             size: groups.tp().size(),
         };
-        let mut index = FlatIndex::sliced(tp);
-        for s in &specs {
-            index.push_split(&s.name, &s.shape, s.split)?;
-        }
+        let (index, frozen_index) = (flat_index(&specs, tp)?, flat_index(&frozen_specs, tp)?);
         let rank_of = |s: usize| stage.as_ref().map_or(0, |st| st.rank_of(s));
         let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
-        let source = match &opts.init {
-            Some(path) => {
-                initial::Source::File(weights::WeightsFile::open(path, &specs, &all_specs)?)
-            }
-            None => initial::Source::Seed(opts.seed),
+        let source = |specs: &[ParamSpec]| -> Result<initial::Source> {
+            Ok(match &opts.init {
+                Some(path) => {
+                    initial::Source::File(weights::WeightsFile::open(path, specs, &model_specs)?)
+                }
+                None => initial::Source::Seed(opts.seed),
+            })
         };
+        let (frozen_source, source) = (source(&frozen_specs)?, source(&specs)?);
         let program = program::optimizer_and_schedule(config)?;
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
         let rules = GroupRules {
@@ -237,9 +246,12 @@ impl Engine {
         };
         let init = initial::InitialValues::new(&specs, &index, source);
         let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
+        let frozen_init = initial::InitialValues::new(&frozen_specs, &frozen_index, frozen_source);
+        let mut frozen_fill = |range, dst: &mut [f32]| frozen_init.fill(range, dst);
         let parts = trainer::Parts {
             model,
             index: index.clone(),
+            frozen_index: frozen_index.clone(),
             settings: settings.clone(),
             dp: groups.dp().clone(),
             tp: groups.tp().clone(),
@@ -248,10 +260,11 @@ impl Engine {
             ties,
             dev: opts.device.clone(),
         };
+        let (fill, frozen_fill) = (&mut fill, &mut frozen_fill);
         let core = match settings.precision {
-            Precision::F32 => Core::F32(Trainer::new(parts, &mut fill, updater)?),
-            Precision::BF16 => Core::Bf16(Trainer::new(parts, &mut fill, updater)?),
-            Precision::F16 => Core::F16(Trainer::new(parts, &mut fill, updater)?),
+            Precision::F32 => Core::F32(Trainer::new(parts, fill, frozen_fill, updater)?),
+            Precision::BF16 => Core::Bf16(Trainer::new(parts, fill, frozen_fill, updater)?),
+            Precision::F16 => Core::F16(Trainer::new(parts, fill, frozen_fill, updater)?),
         };
         let samples = settings.micro_batch * settings.grad_accum * config.dims.dp();
         let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
@@ -516,9 +529,11 @@ impl Engine {
         staging.push(".ds-rs-staging");
         let staging = PathBuf::from(staging);
         let saved = self.save_checkpoint(&staging, "weights", serde_json::json!({}))?;
+        let frozen = self.gather_frozen()?;
         let mut result = Ok(());
         if self.groups.world().rank() == 0 {
-            result = checkpoint::write_weights(&saved, path, weights::SaveDtype::F32).map(|_| ());
+            let f32 = weights::SaveDtype::F32;
+            result = checkpoint::write_weights_with(&saved, path, f32, &frozen).map(|_| ());
             std::fs::remove_dir_all(&staging).map_err(|e| EngineError::file(&staging, e))?;
         }
         // no rank returns before the file is there
@@ -656,11 +671,29 @@ impl Engine {
             .collect())
     }
 
-    /// This stage's parameters, whole: the logical tensors assembled from every
-    /// tensor-parallel rank's slices.
+    /// The frozen parameters, whole, with their shapes (a collective; none without): what a
+    /// weights file holds beside a checkpoint's trainable parameters.
+    fn gather_frozen(&self) -> Result<Vec<WholeTensor>> {
+        let Some((values, index)) = each!(&self.core, t => t.gather_frozen())? else {
+            return Ok(Vec::new());
+        };
+        let shapes = index.entries().iter().map(|e| e.logical_shape.clone());
+        let tensors = self.assemble(values, index)?.into_iter().zip(shapes);
+        Ok(tensors.map(|((n, v), s)| (n, s, v)).collect())
+    }
+
+    /// This stage's parameters, whole (the frozen ones after the trainable ones): the logical
+    /// tensors assembled from every tensor-parallel rank's slices.
     fn gather_stage_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let local = each!(&self.core, t => t.gather_master())?;
-        let index = each!(&self.core, t => t.index());
+        let mut all = self.assemble(local, each!(&self.core, t => t.index()))?;
+        all.extend(self.gather_frozen()?.into_iter().map(|(n, _, v)| (n, v)));
+        Ok(all)
+    }
+
+    /// Whole logical tensors from this rank's flat values `local` of `index` and the other
+    /// tensor-parallel ranks' (a collective over the tensor-parallel group).
+    fn assemble(&self, local: Vec<f32>, index: &FlatIndex) -> Result<Vec<(String, Vec<f32>)>> {
         let tp = self.groups.tp();
         let n = local.len();
         let all = match tp.size() {
@@ -712,6 +745,49 @@ fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) 
             "{name} differs between tensor-parallel ranks 0 and {r}: a replicated parameter must stay identical"
         ))),
     }
+}
+
+/// A parameter's name, logical shape and values.
+type WholeTensor = (String, Vec<usize>, Vec<f32>);
+
+/// The flat layout of `specs` on this tensor-parallel rank.
+fn flat_index(specs: &[ParamSpec], tp: TpRank) -> Result<FlatIndex> {
+    let mut index = FlatIndex::sliced(tp);
+    for s in specs {
+        index.push_split(&s.name, &s.shape, s.split)?;
+    }
+    Ok(index)
+}
+
+/// What freezing parameters (`Model::freeze`) cannot do: freeze everything, a tied pair, or
+/// (for now) run under pipeline parallelism.
+fn check_frozen(specs: &[ParamSpec], pipelined: bool) -> Result<()> {
+    if !specs.iter().any(|p| p.frozen) {
+        return Ok(());
+    }
+    if specs.iter().all(|p| p.frozen) {
+        return Err(EngineError::Invalid(
+            "every parameter of the model is frozen: nothing would train".into(),
+        ));
+    }
+    let frozen = |name: &str| specs.iter().any(|o| o.name == name && o.frozen);
+    let tied = specs.iter().filter(|p| p.tied.is_some());
+    if let Some(p) = tied
+        .into_iter()
+        .find(|p| p.frozen || frozen(p.value_name()))
+    {
+        return Err(EngineError::Invalid(format!(
+            "{} is tied to {}: tied parameters cannot be frozen yet",
+            p.name,
+            p.value_name()
+        )));
+    }
+    if pipelined {
+        return Err(EngineError::Invalid(
+            "frozen parameters under pipeline parallelism are not supported yet".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The logical parameters as a checkpoint records them: logical shapes, offsets in the

@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
-use ds_partition::{FlatIndex, InitFn, ParamSwap, Placement, Zero};
+use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
 
 use super::layers::{self, Dtype, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
@@ -71,6 +71,10 @@ impl Kept {
 pub(crate) struct Trainer<T: Dtype> {
     model: Model,
     index: FlatIndex,
+    /// The frozen parameters (Model::freeze), when there are.
+    frozen: Option<FrozenParams<T>>,
+    /// Per layer, in its declaration order: which of its parameters are frozen.
+    layer_frozen: Vec<Vec<bool>>,
     /// Per layer: its parameters' ids and their flat range.
     layer_ids: Vec<Range<usize>>,
     layer_flat: Vec<Range<usize>>,
@@ -98,6 +102,14 @@ pub(crate) struct Trainer<T: Dtype> {
     peak: StepPeak,
 }
 
+/// The frozen parameters' store, their flat layout and each layer's ids and range in it.
+struct FrozenParams<T: Dtype> {
+    store: Frozen<T>,
+    index: FlatIndex,
+    layer_ids: Vec<Range<usize>>,
+    layer_flat: Vec<Range<usize>>,
+}
+
 /// One micro-batch's state between its forward and its backward.
 #[derive(Default)]
 pub(crate) struct Micro {
@@ -109,7 +121,10 @@ pub(crate) struct Micro {
 /// What a trainer is built from, whatever its dtype.
 pub(crate) struct Parts {
     pub model: Model,
+    /// The trainable parameters' flat layout ...
     pub index: FlatIndex,
+    /// ... and the frozen ones'.
+    pub frozen_index: FlatIndex,
     pub settings: Settings,
     pub dp: Group,
     /// The tensor-parallel group whose other ranks hold the other slices.
@@ -130,11 +145,13 @@ impl<T: Dtype> Trainer<T> {
     pub fn new(
         parts: Parts,
         init: &mut InitFn<'_, EngineError>,
+        frozen_init: &mut InitFn<'_, EngineError>,
         updater: impl FnOnce(Range<usize>, usize, &Placement) -> Result<Updater>,
     ) -> Result<Trainer<T>> {
         let Parts {
             model,
             index,
+            frozen_index,
             settings,
             dp,
             tp,
@@ -143,12 +160,17 @@ impl<T: Dtype> Trainer<T> {
             ties,
             dev,
         } = parts;
-        let mut layer_ids = Vec::new();
-        let mut next = 0;
+        let (mut layer_ids, mut frozen_ids, mut layer_frozen) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut next, mut next_frozen) = (0, 0);
         for l in model.layers() {
-            let n = l.params().len();
-            layer_ids.push(next..next + n);
-            next += n;
+            let flags: Vec<bool> = l.params().iter().map(|p| p.frozen).collect();
+            let n_frozen = flags.iter().filter(|f| **f).count();
+            layer_ids.push(next..next + flags.len() - n_frozen);
+            frozen_ids.push(next_frozen..next_frozen + n_frozen);
+            next += flags.len() - n_frozen;
+            next_frozen += n_frozen;
+            layer_frozen.push(flags);
         }
         let layer_flat: Vec<Range<usize>> =
             layer_ids.iter().map(|r| index.span(r.clone())).collect();
@@ -199,10 +221,24 @@ impl<T: Dtype> Trainer<T> {
                 u
             }
         };
+        let frozen = match frozen_index.numel() {
+            0 => None,
+            n => Some(FrozenParams {
+                store: Frozen::new(n, settings.zero, dp.clone(), frozen_init, &places.params)?,
+                layer_flat: frozen_ids
+                    .iter()
+                    .map(|r| frozen_index.span(r.clone()))
+                    .collect(),
+                layer_ids: frozen_ids,
+                index: frozen_index,
+            }),
+        };
         let keep_graph = keep_graph(&settings, &index, &layer_ids);
         Ok(Trainer {
             model,
             index,
+            frozen,
+            layer_frozen,
             layer_ids,
             layer_flat,
             zero,
@@ -237,7 +273,19 @@ impl<T: Dtype> Trainer<T> {
         if let Some(n) = next {
             self.zero.prefetch(self.layer_flat[n].clone())?;
         }
-        Ok(params)
+        let Some(f) = &mut self.frozen else {
+            return Ok(params);
+        };
+        let (range, ids) = (f.layer_flat[i].clone(), f.layer_ids[i].clone());
+        if ids.is_empty() {
+            return Ok(params);
+        }
+        let values = f.store.params(range.clone())?;
+        let frozen = LayerParams::new::<T>(&f.index, ids, range.start, values, &self.dev)?;
+        if let Some(n) = next.filter(|&n| !f.layer_ids[n].is_empty()) {
+            f.store.prefetch(f.layer_flat[n].clone())?;
+        }
+        Ok(params.with_frozen(frozen, &self.layer_frozen[i]))
     }
 
     /// Layer `i` forward on `x`: its output and what its backward needs.
@@ -515,12 +563,13 @@ impl<T: Dtype> Trainer<T> {
     pub fn memory_report(&self) -> MemoryReport {
         let offloaded =
             self.updater.offloaded().map_or(0, |o| o.bytes()) + self.zero.offloaded_param_bytes();
-        MemoryReport::new(
-            self.zero.memory(self.updater.state_bytes()),
-            self.peak,
-            offloaded,
-            !self.dev.is_cpu(),
-        )
+        let mut states = self.zero.memory(self.updater.state_bytes());
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.store.bytes());
+        if let Some(f) = &self.frozen {
+            states.comm_buffers += f.store.peak_gathered_bytes();
+            states.gpu += if f.store.on_host() { 0 } else { frozen };
+        }
+        MemoryReport::new(states, frozen, self.peak, offloaded, !self.dev.is_cpu())
     }
 
     /// Records the activations and layer parameters alive now: what forward keeps for
@@ -636,6 +685,15 @@ impl<T: Dtype> Trainer<T> {
 
     pub fn index(&self) -> &FlatIndex {
         &self.index
+    }
+
+    /// The frozen parameters' values, whole, in their flat order, with their layout (a
+    /// collective at ZeRO-3); None without frozen parameters.
+    pub fn gather_frozen(&self) -> Result<Option<(Vec<f32>, &FlatIndex)>> {
+        match &self.frozen {
+            None => Ok(None),
+            Some(f) => Ok(Some((f.store.gather()?, &f.index))),
+        }
     }
 }
 

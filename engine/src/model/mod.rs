@@ -49,6 +49,9 @@ pub struct ParamSpec {
     /// Weights files hold this matrix transposed, [in, out] (Hugging Face GPT-2's `Conv1D`):
     /// read (and exported) through the transpose.
     pub stored_transposed: bool,
+    /// The parameter does not train (`Model::freeze`): no gradient, no optimizer state, never
+    /// communicated as a gradient; stored as the ZeRO stage stores parameters.
+    pub frozen: bool,
 }
 
 impl ParamSpec {
@@ -62,6 +65,7 @@ impl ParamSpec {
             tied: None,
             norm: false,
             stored_transposed: false,
+            frozen: false,
         }
     }
 
@@ -225,6 +229,8 @@ pub struct Grads {
 pub struct NamedLayer {
     pub prefix: String,
     pub layer: Box<dyn Layer>,
+    /// Full names matching one of these do not train (`Model::freeze`).
+    frozen: Vec<regex::Regex>,
 }
 
 impl NamedLayer {
@@ -248,7 +254,7 @@ impl NamedLayer {
         }
     }
 
-    /// The layer's parameters with their full names.
+    /// The layer's parameters with their full names, the frozen ones marked.
     pub fn params(&self) -> Vec<ParamSpec> {
         self.layer
             .params()
@@ -257,6 +263,7 @@ impl NamedLayer {
                 if !self.prefix.is_empty() {
                     p.name = format!("{}.{}", self.prefix, p.name);
                 }
+                p.frozen |= self.frozen.iter().any(|f| f.is_match(&p.name));
                 p
             })
             .collect()
@@ -279,8 +286,28 @@ impl Model {
         self.layers.push(NamedLayer {
             prefix: prefix.to_string(),
             layer: Box::new(layer),
+            frozen: Vec::new(),
         });
         self
+    }
+
+    /// Freezes the parameters whose full names match `pattern` (a regular expression searched
+    /// in the name; `"^model\\.embed"`, `".*"`): they keep their initial values, hold no
+    /// gradient or optimizer state and are never communicated as gradients. A pattern that
+    /// matches no parameter is an error.
+    pub fn freeze(mut self, pattern: &str) -> crate::Result<Model> {
+        let re = regex::Regex::new(pattern)
+            .map_err(|e| crate::EngineError::Invalid(format!("freeze pattern {pattern:?}: {e}")))?;
+        if !self.params().iter().any(|p| re.is_match(&p.name)) {
+            let some: Vec<String> = self.params().into_iter().take(4).map(|p| p.name).collect();
+            return Err(crate::EngineError::Invalid(format!(
+                "freeze pattern {pattern:?} matches no parameter of the model (its names look like {some:?})"
+            )));
+        }
+        for l in &mut self.layers {
+            l.frozen.push(re.clone());
+        }
+        Ok(self)
     }
 
     pub fn layers(&self) -> &[NamedLayer] {
