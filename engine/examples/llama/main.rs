@@ -12,8 +12,9 @@
 //! ```
 //!
 //! `tp2.json` is the built-in config with `"tensor_parallel": {"autotp_size": 2,
-//! "partition_config": ...}` (the rules below). Options: `--steps N` (default 50) and
-//! `--save DIR` (a checkpoint at the end).
+//! "partition_config": ...}` (the rules below). Options: `--steps N` (default 50), `--save
+//! DIR` (a checkpoint at the end) and `--save-weights FILE` (the model as one safetensors
+//! file, which the lora example adapts).
 
 mod model;
 
@@ -38,7 +39,7 @@ const DS_CONFIG: &str = r#"{
 const SEQ: usize = 32;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (steps, save) = parse_args()?;
+    let args = parse_args()?;
     let c = Config::tiny();
     let job = Job::init(DS_CONFIG)?;
     let mut engine = job.initialize(build(c, job.tp())?, &EngineOptions::default())?;
@@ -54,7 +55,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let samples = Windows::new(Arc::new(tokens), SEQ)?.shuffled(1);
     let loader = DataLoader::new(Arc::new(samples), order, c.vocab)?;
 
-    for step in 0..steps {
+    for step in 0..args.steps {
         let mut total = 0.0;
         for k in 0..accum {
             let b = loader.micro_batch(step, k)?;
@@ -70,27 +71,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {:>4}  loss {total:.4}  (floor {floor:.4})", step + 1);
         }
     }
-    if let Some(dir) = save {
+    if let Some(dir) = args.save {
         engine.save_checkpoint(&dir, "final", serde_json::json!({}))?;
+    }
+    if let Some(file) = args.save_weights {
+        engine.save_weights(&file)?;
     }
     Ok(())
 }
 
-/// `--steps N`, `--save DIR`.
-fn parse_args() -> Result<(u64, Option<std::path::PathBuf>), String> {
-    let (mut steps, mut save) = (50, None);
+struct Args {
+    steps: u64,
+    save: Option<std::path::PathBuf>,
+    save_weights: Option<std::path::PathBuf>,
+}
+
+/// `--steps N`, `--save DIR`, `--save-weights FILE`.
+fn parse_args() -> Result<Args, String> {
+    let mut out = Args {
+        steps: 50,
+        save: None,
+        save_weights: None,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
-            "--steps" => steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
-            "--save" => save = Some(value()?.into()),
+            "--steps" => out.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
+            "--save" => out.save = Some(value()?.into()),
+            "--save-weights" => out.save_weights = Some(value()?.into()),
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (--steps N, --save DIR)"
+                    "unknown argument {other:?} (--steps N, --save DIR, --save-weights FILE)"
                 ))
             }
         }
     }
-    Ok((steps, save))
+    Ok(out)
 }

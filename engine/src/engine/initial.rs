@@ -13,8 +13,9 @@ use crate::Result;
 pub(crate) enum Source {
     /// Drawn from (run seed, parameter name) on the logical tensor.
     Seed(u64),
-    /// Read from a safetensors file under the parameter names (`--init`).
-    File(WeightsFile),
+    /// Read from a safetensors file under the parameter names (`--init`); adapters the file
+    /// does not hold (a base model's file) are drawn from the seed.
+    File(WeightsFile, u64),
 }
 
 /// Initial values of any flat range of a model (this rank's tensor-parallel slices).
@@ -61,7 +62,10 @@ impl InitialValues<'_> {
                 let out = &mut out[r.local..r.local + r.len];
                 match &self.source {
                     Source::Seed(seed) => fill_values(&self.specs[i], *seed, r.logical, out),
-                    Source::File(file) => {
+                    Source::File(file, seed) if !file.holds(i) => {
+                        fill_values(&self.specs[i], *seed, r.logical, out)
+                    }
+                    Source::File(file, _) => {
                         if failed.is_ok() {
                             failed = file.read(i, r.logical, out);
                         }

@@ -223,9 +223,10 @@ impl Engine {
         let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
         let source = |specs: &[ParamSpec]| -> Result<initial::Source> {
             Ok(match &opts.init {
-                Some(path) => {
-                    initial::Source::File(weights::WeightsFile::open(path, specs, &model_specs)?)
-                }
+                Some(path) => initial::Source::File(
+                    weights::WeightsFile::open(path, specs, &model_specs)?,
+                    opts.seed,
+                ),
                 None => initial::Source::Seed(opts.seed),
             })
         };

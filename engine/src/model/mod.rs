@@ -6,6 +6,7 @@
 //! each layer without hooks into the layer's code.
 
 mod init;
+mod lora;
 mod module;
 pub mod weights;
 
@@ -14,6 +15,7 @@ use candle_nn::VarBuilder;
 
 pub use ds_partition::Split;
 pub use init::{fill_values, init_values};
+pub use lora::LoraConfig;
 
 /// How a parameter's initial value is drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -52,6 +54,9 @@ pub struct ParamSpec {
     /// The parameter does not train (`Model::freeze`): no gradient, no optimizer state, never
     /// communicated as a gradient; stored as the ZeRO stage stores parameters.
     pub frozen: bool,
+    /// An adapter added to a model (LoRA's A and B): a weights file of the base model does
+    /// not hold it, so it starts from its initialiser when the run starts from one.
+    pub adapter: bool,
 }
 
 impl ParamSpec {
@@ -66,7 +71,14 @@ impl ParamSpec {
             norm: false,
             stored_transposed: false,
             frozen: false,
+            adapter: false,
         }
+    }
+
+    /// An adapter added to a model (see `adapter`).
+    pub fn adapter(mut self) -> ParamSpec {
+        self.adapter = true;
+        self
     }
 
     /// Weights files hold this matrix transposed (see `stored_transposed`).

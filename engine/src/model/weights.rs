@@ -54,7 +54,8 @@ pub struct WeightsFile {
     /// Each file and its map.
     files: Vec<(PathBuf, Mmap)>,
     /// Per spec, in the specs' order: where its values are.
-    params: Vec<Located>,
+    /// Per spec: where its values are; None for an adapter the file does not hold.
+    params: Vec<Option<Located>>,
 }
 
 /// Where a parameter's values are: its file, dtype and data's first byte in the file, and
@@ -159,6 +160,10 @@ impl WeightsFile {
         let params = specs
             .iter()
             .map(|s| {
+                let held = found.contains_key(&s.name) || found.contains_key(s.value_name());
+                if s.adapter && !held {
+                    return Ok(None);
+                }
                 let (f, t) = found
                     .get(&s.name)
                     .or_else(|| found.get(s.value_name()))
@@ -186,25 +191,35 @@ impl WeightsFile {
                     .map_err(|e| EngineError::file(file, format!("'{}': {e}", s.name)))?;
                 let transposed =
                     (s.stored_transposed && s.shape.len() == 2).then(|| (s.shape[0], s.shape[1]));
-                Ok(Located {
+                Ok(Some(Located {
                     file: *f,
                     dtype: t.dtype,
                     at: t.at,
                     transposed,
-                })
+                }))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(WeightsFile { files, params })
     }
 
+    /// Whether the file holds the `i`-th spec (an adapter may be missing).
+    pub fn holds(&self, i: usize) -> bool {
+        self.params[i].is_some()
+    }
+
     /// Elements `start..start + dst.len()` of the `i`-th spec's values, as f32.
     pub fn read(&self, i: usize, start: usize, dst: &mut [f32]) -> Result<()> {
-        let Located {
+        let Some(Located {
             file,
             dtype,
             at,
             transposed,
-        } = self.params[i];
+        }) = self.params[i]
+        else {
+            return Err(EngineError::Invalid(format!(
+                "parameter {i} is not in the weights file (an adapter): start it from its initialiser"
+            )));
+        };
         let (path, map) = &self.files[file];
         let width = float_width(dtype).map_err(|e| EngineError::file(path, e))?;
         if let Some((rows, cols)) = transposed {

@@ -1,0 +1,218 @@
+//! LoRA fine-tuning of a saved model (`Model::lora`): the Llama example's candle-nn model,
+//! its weights saved by a first run, adapted on the query and value projections. The base
+//! keeps its bits, only the adapters hold optimizer state (the memory report against the
+//! formula), ZeRO-3 shards the frozen base, the loss falls, dp2 ZeRO-3 equals one process, and
+//! the same adapters on ds-models' Llama (whose layers differentiate themselves, so the
+//! adapters' gradients come by the chain rule) give the same losses as on the candle-nn one
+//! (autograd through `W + s B A`).
+
+#[path = "../examples/llama/model.rs"]
+mod model;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use ds_comm::testkit::run_ranks;
+use ds_comm::ReduceOp;
+use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
+use ds_engine::model::LoraConfig;
+use ds_engine::nn::cross_entropy;
+use ds_engine::{Engine, EngineOptions, Inputs, Job, MemoryReport};
+use ds_models::llama::{Family, LlamaConfig, Rope, Scaling};
+
+const STEPS: u64 = 16;
+const SEQ: usize = 16;
+
+fn lora() -> LoraConfig {
+    LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        target_modules: "(q|v)_proj$".into(),
+    }
+}
+
+fn config(stage: u8) -> String {
+    format!(
+        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.05}}}},
+            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+    )
+}
+
+/// The fine-tuning data: a token stream the base never saw.
+fn loader(engine: &Engine, vocab: usize) -> DataLoader {
+    let s = engine.settings();
+    let dp = engine.groups().dp();
+    let order = SampleOrder::new(SEQ, s.micro_batch, s.grad_accum, dp.rank(), dp.size()).unwrap();
+    let tokens = MarkovTokens::new(vocab, 2, 1 << 14, 11).unwrap();
+    let samples = Windows::new(Arc::new(tokens), SEQ).unwrap().shuffled(1);
+    DataLoader::new(Arc::new(samples), order, vocab).unwrap()
+}
+
+struct Run {
+    losses: Vec<f32>,
+    params: HashMap<String, Vec<f32>>,
+    memory: MemoryReport,
+}
+
+/// Fine-tunes the candle-nn model (or ds-models' Llama with `taped`) from `base`.
+fn finetune(world: usize, stage: u8, base: Arc<PathBuf>, taped: bool) -> Vec<Run> {
+    run_ranks(world, Duration::from_secs(120), move |comm| {
+        let c = model::Config::tiny();
+        let job = Job::join(&comm, &config(stage))?;
+        let m = match taped {
+            false => model::build(c, job.tp())?,
+            true => ds_models::llama::build(&ds_models_config(&c), &job.tp())
+                .map_err(ds_engine::EngineError::Invalid)?,
+        };
+        let opts = EngineOptions {
+            init: Some(base.to_path_buf()),
+            ..EngineOptions::default()
+        };
+        let mut engine = job.initialize(m.lora(&lora())?, &opts)?;
+        let data = loader(&engine, c.vocab);
+        let accum = engine.settings().grad_accum;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let mut total = 0.0;
+            for k in 0..accum {
+                let b = data
+                    .micro_batch(step, k)
+                    .map_err(|e| ds_engine::EngineError::Invalid(e.to_string()))?;
+                let loss = match taped {
+                    // ds-models' Llama ends in its loss layer
+                    true => engine.forward(&b.to_inputs(&Device::Cpu)?)?,
+                    false => {
+                        let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
+                        let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
+                        let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
+                        cross_entropy(&logits.flatten_to(1)?, &labels)?
+                    }
+                };
+                engine.backward(&loss)?;
+                engine.step()?;
+                total += loss.to_scalar::<f32>()? / accum as f32;
+            }
+            let mut mean = [total];
+            job.groups().dp().all_reduce(&mut mean, ReduceOp::Avg)?;
+            losses.push(mean[0]);
+        }
+        let params = engine.gather_params()?.into_iter().collect();
+        Ok::<_, ds_engine::EngineError>(Run {
+            losses,
+            params,
+            memory: engine.memory_report(),
+        })
+    })
+    .unwrap()
+}
+
+fn ds_models_config(c: &model::Config) -> LlamaConfig {
+    LlamaConfig {
+        family: Family::Llama,
+        vocab_size: c.vocab,
+        hidden_size: c.hidden,
+        intermediate_size: c.intermediate,
+        num_hidden_layers: c.layers,
+        num_attention_heads: c.heads,
+        num_key_value_heads: c.kv_heads,
+        head_dim: c.head_dim(),
+        max_position_embeddings: c.max_seq,
+        rms_norm_eps: c.eps,
+        rope: Rope {
+            theta: c.rope_theta,
+            scaling: Scaling::Default,
+        },
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        tie_word_embeddings: false,
+        windows: vec![None; c.layers],
+        initializer_range: 0.02,
+    }
+}
+
+/// The base model: the candle-nn model's seeded weights, saved as a user's earlier run would.
+fn save_base(path: &Path) {
+    let path = path.to_path_buf();
+    run_ranks(1, Duration::from_secs(60), move |comm| {
+        let job = Job::join(&comm, &config(0))?;
+        let engine = job.initialize(
+            model::build(model::Config::tiny(), job.tp())?,
+            &EngineOptions::default(),
+        )?;
+        engine.save_weights(&path)
+    })
+    .unwrap();
+}
+
+fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.")
+}
+
+#[test]
+fn lora_trains_the_adapters_only_in_every_layout_and_on_taped_layers() {
+    let dir = std::env::temp_dir().join(format!("ds-rs-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base_path = Arc::new(dir.join("base.safetensors"));
+    save_base(&base_path);
+    let base = candle_core::safetensors::load(base_path.as_path(), &Device::Cpu).unwrap();
+
+    let one = finetune(1, 0, base_path.clone(), false).remove(0);
+    let mean = |l: &[f32]| l.iter().sum::<f32>() / l.len() as f32;
+    let (first, last) = (
+        mean(&one.losses[..4]),
+        mean(&one.losses[STEPS as usize - 4..]),
+    );
+    eprintln!("fine-tuning loss: first 4 steps {first:.4}, last 4 {last:.4}");
+    assert!(
+        last < first - 0.3,
+        "the loss does not fall: {:?}",
+        one.losses
+    );
+    let taped = finetune(1, 0, base_path.clone(), true).remove(0);
+    let dp2 = finetune(2, 3, base_path.clone(), false);
+    let runs = [("ds-models' taped Llama", 1, &taped)]
+        .into_iter()
+        .chain(dp2.iter().map(|r| ("dp2 ZeRO-3", 2, r)));
+    for (what, _, run) in runs {
+        for (step, (a, b)) in run.losses.iter().zip(&one.losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{what}: step {step}: loss {a} against {b} on one rank"
+            );
+        }
+    }
+    for (what, world, run) in [("one rank", 1, &one)]
+        .into_iter()
+        .chain(dp2.iter().map(|r| ("dp2 ZeRO-3", 2, r)))
+    {
+        let (mut adapters, mut frozen) = (0, 0);
+        for (name, values) in &run.params {
+            if is_adapter(name) {
+                adapters += values.len();
+                continue;
+            }
+            frozen += values.len();
+            let want = base[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let same = want
+                .iter()
+                .zip(values)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: the frozen {name} changed");
+        }
+        // q: A [4, 64] + B [64, 4]; v: A [4, 64] + B [32, 4]; two layers
+        assert_eq!(adapters, 2 * (256 + 256 + 256 + 128), "{what}");
+        // Adam: fp32 master and two moments, 12 bytes an adapter parameter; the frozen base
+        // in fp32, 4 bytes a parameter; ZeRO-3 shards both over dp (padded to a multiple)
+        let share = |n: usize| n.div_ceil(world);
+        let m = &run.memory;
+        assert_eq!(m.optimizer_states, 12 * share(adapters), "{what}: {m:?}");
+        assert_eq!(m.grads, 4 * share(adapters), "{what}: {m:?}");
+        assert_eq!(m.frozen_params, 4 * share(frozen), "{what}: {m:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
