@@ -2,7 +2,8 @@
 //! engine's library API: forward to logits, the program's own loss, `backward(&loss)`. One
 //! logical model, many layouts: the losses at dp2 ZeRO-3 and tp2 x dp2 equal one process's,
 //! and one process's equal those of the same Llama built from ds-rs's own layers (ds-models),
-//! from the same initial weights.
+//! from the same initial weights. Under tensor parallelism the head is split by vocabulary
+//! and the program's loss is `vocab_parallel_cross_entropy`.
 
 #[path = "../examples/llama/model.rs"]
 mod model;
@@ -15,7 +16,7 @@ use candle_core::{Device, Tensor};
 use ds_comm::testkit::run_ranks;
 use ds_comm::{Communicator, ReduceOp};
 use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
-use ds_engine::nn::cross_entropy;
+use ds_engine::parallel::vocab_parallel_cross_entropy;
 use ds_engine::{Engine, EngineOptions, Inputs, Job};
 use ds_models::llama::{Family, LlamaConfig, Rope, Scaling};
 
@@ -27,7 +28,7 @@ const STEPS: u64 = 10;
 /// The same global batch (8 samples: micro-batch 4 x accumulation x dp) in every layout.
 fn config(stage: u8, tp: usize) -> String {
     let split = r#", "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
-        {"patterns": [".*(q|k|v|gate|up)_proj\\.weight$"], "partition_type": "column"},
+        {"patterns": [".*((q|k|v|gate|up)_proj|lm_head)\\.weight$"], "partition_type": "column"},
         {"patterns": [".*(o|down)_proj\\.weight$"], "partition_type": "row"}]}}"#;
     format!(
         r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
@@ -94,7 +95,7 @@ fn candle_nn_losses(comm: Communicator, cfg: &str, init: &Path) -> R<Vec<f32>> {
             let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
             let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
             let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
-            let loss = cross_entropy(&logits.flatten_to(1)?, &labels)?;
+            let loss = vocab_parallel_cross_entropy(&job.tp(), &logits.flatten_to(1)?, &labels)?;
             engine.backward(&loss)?;
             engine.step()?;
             total += loss.to_scalar::<f32>()? / accum as f32;

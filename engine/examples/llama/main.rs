@@ -22,12 +22,15 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
-use ds_engine::nn::cross_entropy;
+use ds_engine::parallel::vocab_parallel_cross_entropy;
 use ds_engine::{EngineOptions, Inputs, Job};
 use model::{build, Config};
 
-/// ZeRO-3 with Adam. With tensor parallelism, its partition rules split the attention and the
-/// MLP as Megatron does: q, k, v, gate and up by output rows, o and down by input columns.
+/// ZeRO-3 with Adam. With tensor parallelism (`ds-rs launch --config tp2.json`), add
+/// `"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns":
+/// [".*((q|k|v|gate|up)_proj|lm_head)\\.weight$"], "partition_type": "column"}, {"patterns":
+/// [".*(o|down)_proj\\.weight$"], "partition_type": "row"}]}}`: the attention and the MLP split
+/// as Megatron splits them, the head by vocabulary.
 const DS_CONFIG: &str = r#"{
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 2,
@@ -62,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
             let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
             let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
-            let loss = cross_entropy(&logits.flatten_to(1)?, &labels)?;
+            let loss = vocab_parallel_cross_entropy(&job.tp(), &logits.flatten_to(1)?, &labels)?;
             engine.backward(&loss)?;
             engine.step()?;
             total += loss.to_scalar::<f32>()? / accum as f32;

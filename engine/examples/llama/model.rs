@@ -170,24 +170,29 @@ fn causal_mask(t: usize, like: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(mask, (t, t), like.device())?.to_dtype(like.dtype())
 }
 
-/// The final norm and the output projection: hidden states to logits.
+/// The final norm and the output projection: hidden states to logits. Under tensor
+/// parallelism with `lm_head` split by rows, each rank computes its columns of the logits
+/// (the loss is then `vocab_parallel_cross_entropy`).
 pub struct Head {
     norm: RmsNorm,
     lm_head: Linear,
+    tp: Tp,
 }
 
 impl Head {
-    pub fn new(c: &Config, vb: VarBuilder) -> Result<Head> {
+    pub fn new(c: &Config, tp: Tp, vb: VarBuilder) -> Result<Head> {
         Ok(Head {
             norm: RmsNorm::new(c.hidden, c.eps, vb.pp("model.norm"))?,
             lm_head: Linear::no_bias(c.hidden, c.vocab, vb.pp("lm_head"))?,
+            tp,
         })
     }
 }
 
 impl Module for Head {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(&self.norm.forward(x)?)
+        let h = self.tp.copy_to_region(&self.norm.forward(x)?)?;
+        self.lm_head.forward(&h)
     }
 }
 
@@ -207,5 +212,5 @@ pub fn build(c: Config, tp: Tp) -> ds_engine::Result<Model> {
             Block::new(&c, rotary.clone(), tp.clone(), vb)
         })?;
     }
-    m.module("", move |vb| Head::new(&c, vb))
+    m.module("", move |vb| Head::new(&c, tp.clone(), vb))
 }

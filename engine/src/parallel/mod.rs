@@ -16,6 +16,7 @@ pub mod vocab;
 pub use ds_partition::{local_shape, Split, TpRank};
 pub use mappings::Tp;
 pub use partition_config::PartitionConfig;
+pub use vocab::vocab_parallel_cross_entropy;
 
 use candle_core::{Result, Tensor};
 

@@ -117,6 +117,28 @@ pub fn cross_entropy(
     Ok((loss, tape))
 }
 
+/// The same mean cross-entropy for a model differentiated by candle's autograd (a user's
+/// candle-nn head whose output columns are split): made of candle's ops and
+/// `Tp::reduce_from_region`, so the gradient reaches this rank's logits [N, V/tp] only, and
+/// the identity at tp = 1. `targets` [N] are the global ids (u32).
+pub fn vocab_parallel_cross_entropy(tp: &Tp, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let x = logits.to_dtype(DType::F32)?;
+    let range = VocabRange::new(tp, x.dim(1)? * tp.size());
+    let (local, mask) = range.localise(targets, DType::F32)?;
+    let (local, mask) = (
+        local.to_device(x.device())?.unsqueeze(1)?,
+        mask.to_device(x.device())?,
+    );
+    // the rows' maximum only keeps exp() in range: it cancels from the loss and its gradient
+    let max = tp.max(&x.detach().max_keepdim(D::Minus1)?)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let picked = x.gather(&local, 1)?.broadcast_mul(&mask)?;
+    let parts = Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?;
+    let sums = tp.reduce_from_region(&parts)?;
+    let (norm, target) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
+    ((norm.log()? + &max)? - target)?.mean_all()
+}
+
 /// The gradient of this rank's logits: (softmax - one-hot) x `scale` (the loss seed over the
 /// rows), f32 [N, V/tp].
 pub fn cross_entropy_backward(tape: &CrossEntropyTape, scale: f64) -> Result<Tensor> {
