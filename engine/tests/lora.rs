@@ -216,3 +216,72 @@ fn lora_trains_the_adapters_only_in_every_layout_and_on_taped_layers() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Optimizer steps `steps` of the candle-nn model on the fine-tuning data; this rank's losses.
+fn train_steps(engine: &mut Engine, steps: std::ops::Range<u64>) -> ds_engine::Result<Vec<f32>> {
+    let data = loader(engine, model::Config::tiny().vocab);
+    let accum = engine.settings().grad_accum;
+    let mut losses = Vec::new();
+    for step in steps {
+        for k in 0..accum {
+            let b = data
+                .micro_batch(step, k)
+                .map_err(|e| ds_engine::EngineError::Invalid(e.to_string()))?;
+            let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
+            let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
+            let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
+            let loss = cross_entropy(&logits.flatten_to(1)?, &labels)?;
+            engine.backward(&loss)?;
+            engine.step()?;
+            losses.push(loss.to_scalar::<f32>()?);
+        }
+    }
+    Ok(losses)
+}
+
+#[test]
+fn a_lora_run_resumes_exactly_from_its_adapter_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("ds-rs-lora-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = dir.join("base.safetensors");
+    save_base(&base);
+    let ckpt = dir.join("ckpt");
+    let (b, c) = (base.clone(), ckpt.clone());
+    let ranks = run_ranks(2, Duration::from_secs(120), move |comm| {
+        let job = Job::join(&comm, &config(3))?;
+        let opts = EngineOptions {
+            init: Some(b.clone()),
+            ..EngineOptions::default()
+        };
+        let engine = || -> ds_engine::Result<Engine> {
+            let m = model::build(model::Config::tiny(), job.tp())?.lora(&lora())?;
+            job.initialize(m, &opts)
+        };
+        let straight = train_steps(&mut engine()?, 0..8)?;
+        let mut first = engine()?;
+        let mut resumed = train_steps(&mut first, 0..4)?;
+        let saved = first.save_checkpoint(&c, "step4", serde_json::json!({}))?;
+        drop(first);
+        let mut second = engine()?;
+        second.load_checkpoint(&c, None)?;
+        assert_eq!(second.global_steps(), 4);
+        resumed.extend(train_steps(&mut second, 4..8)?);
+        Ok::<_, ds_engine::EngineError>((straight, resumed, saved))
+    })
+    .unwrap();
+    for (rank, (straight, resumed, saved)) in ranks.iter().enumerate() {
+        let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(straight),
+            bits(resumed),
+            "rank {rank}: {straight:?}\n{resumed:?}"
+        );
+        // the checkpoint holds the adapters only: the base stays in its file
+        let manifest = std::fs::read_to_string(saved.join("manifest.json")).unwrap();
+        assert!(
+            manifest.contains("lora_A") && !manifest.contains("mlp.up_proj"),
+            "{manifest}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
