@@ -5,20 +5,16 @@
 //! from the same initial weights. Under tensor parallelism the head is split by vocabulary
 //! and the program's loss is `vocab_parallel_cross_entropy`.
 
-#[path = "../examples/llama/model.rs"]
-mod model;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
 use ds_comm::testkit::run_ranks;
 use ds_comm::{Communicator, ReduceOp};
-use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
-use ds_engine::parallel::vocab_parallel_cross_entropy;
-use ds_engine::{Engine, EngineOptions, Inputs, Job};
-use ds_models::llama::{Family, LlamaConfig, Rope, Scaling};
+use ds_engine::{EngineOptions, Job};
+use support::{ds_models_config, lm_micro_step, markov_loader, model};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -38,41 +34,6 @@ fn config(stage: u8, tp: usize) -> String {
     )
 }
 
-/// ds-models' Llama with the example's sizes (plain rope, no biases, untied).
-fn ds_models_config(c: &model::Config) -> LlamaConfig {
-    LlamaConfig {
-        family: Family::Llama,
-        vocab_size: c.vocab,
-        hidden_size: c.hidden,
-        intermediate_size: c.intermediate,
-        num_hidden_layers: c.layers,
-        num_attention_heads: c.heads,
-        num_key_value_heads: c.kv_heads,
-        head_dim: c.head_dim(),
-        max_position_embeddings: c.max_seq,
-        rms_norm_eps: c.eps,
-        rope: Rope {
-            theta: c.rope_theta,
-            scaling: Scaling::Default,
-        },
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        tie_word_embeddings: false,
-        windows: vec![None; c.layers],
-        initializer_range: 0.02,
-    }
-}
-
-fn loader(engine: &Engine, vocab: usize) -> DataLoader {
-    let s = engine.settings();
-    let dp = engine.groups().dp();
-    let order = SampleOrder::new(SEQ, s.micro_batch, s.grad_accum, dp.rank(), dp.size()).unwrap();
-    let tokens = MarkovTokens::new(vocab, 4, 1 << 14, 3).unwrap();
-    let samples = Windows::new(Arc::new(tokens), SEQ).unwrap().shuffled(1);
-    DataLoader::new(Arc::new(samples), order, vocab).unwrap()
-}
-
 fn opts(init: &Path) -> EngineOptions {
     EngineOptions {
         init: Some(init.to_path_buf()),
@@ -85,20 +46,14 @@ fn candle_nn_losses(comm: Communicator, cfg: &str, init: &Path) -> R<Vec<f32>> {
     let c = model::Config::tiny();
     let job = Job::join(&comm, cfg)?;
     let mut engine = job.initialize(model::build(c, job.tp())?, &opts(init))?;
-    let data = loader(&engine, c.vocab);
+    let data = markov_loader(&engine, SEQ, 4, 3);
     let accum = engine.settings().grad_accum;
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let mut total = 0.0;
         for k in 0..accum {
-            let b = data.micro_batch(step, k)?;
-            let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
-            let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
-            let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
-            let loss = vocab_parallel_cross_entropy(&job.tp(), &logits.flatten_to(1)?, &labels)?;
-            engine.backward(&loss)?;
-            engine.step()?;
-            total += loss.to_scalar::<f32>()? / accum as f32;
+            total +=
+                lm_micro_step(&mut engine, &job.tp(), data.micro_batch(step, k)?)? / accum as f32;
         }
         let mut mean = [total];
         engine.groups().dp().all_reduce(&mut mean, ReduceOp::Avg)?;
@@ -118,11 +73,8 @@ fn ds_models_losses(comm: Communicator, init: &Path, write_init: bool) -> R<Vec<
         seeded.save_weights(init)?;
     }
     let mut engine = job.initialize(build()?, &opts(init))?;
-    let data = loader(&engine, c.vocab);
-    let batch = |step, k| {
-        let b = data.micro_batch(step, k);
-        b.map_err(|e| ds_engine::EngineError::Invalid(e.to_string()))
-    };
+    let data = markov_loader(&engine, SEQ, 4, 3);
+    let batch = |step, k| data.micro_batch(step, k).map_err(support::data_err);
     let mut losses = Vec::new();
     for step in 0..STEPS {
         losses.push(engine.train_batch(|k| batch(step, k))?.0);

@@ -4,8 +4,7 @@
 //! ZeRO-3, and training gives the same losses as the same parameters left trainable at a
 //! learning rate of 0 without weight decay (an optimizer group that cannot move them).
 
-#[path = "../examples/llama/model.rs"]
-mod model;
+mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -15,6 +14,7 @@ use ds_comm::testkit::run_ranks;
 use ds_comm::ReduceOp;
 use ds_engine::nn::cross_entropy;
 use ds_engine::{EngineOptions, Inputs, Job, MemoryReport, ParamGroup};
+use support::model;
 
 const FROZEN: &str = r"^model\.(embed_tokens|layers\.0)\.";
 const STEPS: usize = 6;

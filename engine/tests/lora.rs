@@ -6,22 +6,19 @@
 //! adapters' gradients come by the chain rule) give the same losses as on the candle-nn one
 //! (autograd through `W + s B A`).
 
-#[path = "../examples/llama/model.rs"]
-mod model;
+mod support;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use ds_comm::testkit::run_ranks;
 use ds_comm::ReduceOp;
-use ds_data::{DataLoader, MarkovTokens, SampleOrder, Windows};
 use ds_engine::model::LoraConfig;
-use ds_engine::nn::cross_entropy;
-use ds_engine::{Engine, EngineOptions, Inputs, Job, MemoryReport};
-use ds_models::llama::{Family, LlamaConfig, Rope, Scaling};
+use ds_engine::{Engine, EngineOptions, Job, MemoryReport};
+use support::{data_err, ds_models_config, lm_micro_step, markov_loader, model};
 
 const STEPS: u64 = 16;
 const SEQ: usize = 16;
@@ -43,13 +40,8 @@ fn config(stage: u8) -> String {
 }
 
 /// The fine-tuning data: a token stream the base never saw.
-fn loader(engine: &Engine, vocab: usize) -> DataLoader {
-    let s = engine.settings();
-    let dp = engine.groups().dp();
-    let order = SampleOrder::new(SEQ, s.micro_batch, s.grad_accum, dp.rank(), dp.size()).unwrap();
-    let tokens = MarkovTokens::new(vocab, 2, 1 << 14, 11).unwrap();
-    let samples = Windows::new(Arc::new(tokens), SEQ).unwrap().shuffled(1);
-    DataLoader::new(Arc::new(samples), order, vocab).unwrap()
+fn finetune_data(engine: &Engine) -> ds_data::DataLoader {
+    markov_loader(engine, SEQ, 2, 11)
 }
 
 struct Run {
@@ -73,28 +65,24 @@ fn finetune(world: usize, stage: u8, base: Arc<PathBuf>, taped: bool) -> Vec<Run
             ..EngineOptions::default()
         };
         let mut engine = job.initialize(m.lora(&lora())?, &opts)?;
-        let data = loader(&engine, c.vocab);
+        let data = finetune_data(&engine);
         let accum = engine.settings().grad_accum;
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let mut total = 0.0;
             for k in 0..accum {
-                let b = data
-                    .micro_batch(step, k)
-                    .map_err(|e| ds_engine::EngineError::Invalid(e.to_string()))?;
+                let b = data.micro_batch(step, k).map_err(data_err)?;
                 let loss = match taped {
                     // ds-models' Llama ends in its loss layer
-                    true => engine.forward(&b.to_inputs(&Device::Cpu)?)?,
-                    false => {
-                        let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
-                        let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
-                        let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
-                        cross_entropy(&logits.flatten_to(1)?, &labels)?
+                    true => {
+                        let loss = engine.forward(&b.to_inputs(&Device::Cpu)?)?;
+                        engine.backward(&loss)?;
+                        engine.step()?;
+                        loss.to_scalar::<f32>()?
                     }
+                    false => lm_micro_step(&mut engine, &job.tp(), b)?,
                 };
-                engine.backward(&loss)?;
-                engine.step()?;
-                total += loss.to_scalar::<f32>()? / accum as f32;
+                total += loss / accum as f32;
             }
             let mut mean = [total];
             job.groups().dp().all_reduce(&mut mean, ReduceOp::Avg)?;
@@ -108,31 +96,6 @@ fn finetune(world: usize, stage: u8, base: Arc<PathBuf>, taped: bool) -> Vec<Run
         })
     })
     .unwrap()
-}
-
-fn ds_models_config(c: &model::Config) -> LlamaConfig {
-    LlamaConfig {
-        family: Family::Llama,
-        vocab_size: c.vocab,
-        hidden_size: c.hidden,
-        intermediate_size: c.intermediate,
-        num_hidden_layers: c.layers,
-        num_attention_heads: c.heads,
-        num_key_value_heads: c.kv_heads,
-        head_dim: c.head_dim(),
-        max_position_embeddings: c.max_seq,
-        rms_norm_eps: c.eps,
-        rope: Rope {
-            theta: c.rope_theta,
-            scaling: Scaling::Default,
-        },
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        tie_word_embeddings: false,
-        windows: vec![None; c.layers],
-        initializer_range: 0.02,
-    }
 }
 
 /// The base model: the candle-nn model's seeded weights, saved as a user's earlier run would.
@@ -219,21 +182,14 @@ fn lora_trains_the_adapters_only_in_every_layout_and_on_taped_layers() {
 
 /// Optimizer steps `steps` of the candle-nn model on the fine-tuning data; this rank's losses.
 fn train_steps(engine: &mut Engine, steps: std::ops::Range<u64>) -> ds_engine::Result<Vec<f32>> {
-    let data = loader(engine, model::Config::tiny().vocab);
+    let data = finetune_data(engine);
     let accum = engine.settings().grad_accum;
     let mut losses = Vec::new();
+    let tp = ds_engine::parallel::Tp::none();
     for step in steps {
         for k in 0..accum {
-            let b = data
-                .micro_batch(step, k)
-                .map_err(|e| ds_engine::EngineError::Invalid(e.to_string()))?;
-            let ids = Tensor::from_vec(b.inputs, (b.batch, b.seq), &Device::Cpu)?;
-            let labels = Tensor::from_vec(b.targets, b.batch * b.seq, &Device::Cpu)?;
-            let logits = engine.forward(&Inputs::new().with("input_ids", ids))?;
-            let loss = cross_entropy(&logits.flatten_to(1)?, &labels)?;
-            engine.backward(&loss)?;
-            engine.step()?;
-            losses.push(loss.to_scalar::<f32>()?);
+            let b = data.micro_batch(step, k).map_err(data_err)?;
+            losses.push(lm_micro_step(engine, &tp, b)?);
         }
     }
     Ok(losses)

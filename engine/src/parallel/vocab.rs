@@ -95,26 +95,13 @@ pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
 ) -> Result<(Tensor, CrossEntropyTape)> {
-    let x = logits.to_dtype(DType::F32)?;
-    let range = VocabRange::new(tp, x.dim(1)? * tp.size());
-    let (local, mask) = range.localise(targets, DType::F32)?;
-    let (local, mask) = (
-        local.to_device(x.device())?.unsqueeze(1)?,
-        mask.to_device(x.device())?,
-    );
-    let max = tp.max(&x.max_keepdim(D::Minus1)?)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    let picked = (x.gather(&local, 1)? * &mask)?;
-    let sums = tp.sum(&Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?)?;
-    let (norm, target) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
-    let loss = ((norm.log()? + &max)? - target)?.mean_all()?;
-    let probs = e.broadcast_div(&norm)?;
+    let p = pieces(tp, logits, targets, |t| tp.sum(t))?;
     let tape = CrossEntropyTape {
-        probs,
-        targets: local,
-        mask,
+        probs: p.exp.broadcast_div(&p.norm)?,
+        targets: p.local,
+        mask: p.mask,
     };
-    Ok((loss, tape))
+    Ok((p.loss, tape))
 }
 
 /// The same mean cross-entropy for a model differentiated by candle's autograd (a user's
@@ -122,6 +109,28 @@ pub fn cross_entropy(
 /// `Tp::reduce_from_region`, so the gradient reaches this rank's logits [N, V/tp] only, and
 /// the identity at tp = 1. `targets` [N] are the global ids (u32).
 pub fn vocab_parallel_cross_entropy(tp: &Tp, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(pieces(tp, logits, targets, |t| tp.reduce_from_region(t))?.loss)
+}
+
+/// The loss and what its backward reads.
+struct Pieces {
+    loss: Tensor,
+    /// exp(logits - the rows' maximum), this rank's columns, and the rows' sums over all.
+    exp: Tensor,
+    norm: Tensor,
+    /// The local target column (clamped) [N, 1] and 1 where this rank owns it [N, 1].
+    local: Tensor,
+    mask: Tensor,
+}
+
+/// The cross-entropy of this rank's columns `logits`, `sum` adding each row's partial
+/// normaliser and target logit over the group.
+fn pieces(
+    tp: &Tp,
+    logits: &Tensor,
+    targets: &Tensor,
+    sum: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Pieces> {
     let x = logits.to_dtype(DType::F32)?;
     let range = VocabRange::new(tp, x.dim(1)? * tp.size());
     let (local, mask) = range.localise(targets, DType::F32)?;
@@ -131,12 +140,18 @@ pub fn vocab_parallel_cross_entropy(tp: &Tp, logits: &Tensor, targets: &Tensor) 
     );
     // the rows' maximum only keeps exp() in range: it cancels from the loss and its gradient
     let max = tp.max(&x.detach().max_keepdim(D::Minus1)?)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
+    let exp = x.broadcast_sub(&max)?.exp()?;
     let picked = x.gather(&local, 1)?.broadcast_mul(&mask)?;
-    let parts = Tensor::cat(&[&e.sum_keepdim(D::Minus1)?, &picked], 1)?;
-    let sums = tp.reduce_from_region(&parts)?;
+    let sums = sum(&Tensor::cat(&[&exp.sum_keepdim(D::Minus1)?, &picked], 1)?)?;
     let (norm, target) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
-    ((norm.log()? + &max)? - target)?.mean_all()
+    let loss = ((norm.log()? + &max)? - target)?.mean_all()?;
+    Ok(Pieces {
+        loss,
+        exp,
+        norm,
+        local,
+        mask,
+    })
 }
 
 /// The gradient of this rank's logits: (softmax - one-hot) x `scale` (the loss seed over the
