@@ -90,6 +90,15 @@ fn scratch(name: &str) -> PathBuf {
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, f32::max);
+    eprintln!(
+        "{what}: the losses differ by {worst:e} at most over {} steps",
+        got.len()
+    );
     for (step, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
             (g - w).abs() <= 1e-5,

@@ -67,7 +67,7 @@ impl Tp {
     pub fn copy_to_region(&self, t: &Tensor) -> Result<Tensor> {
         match self.group {
             None => Ok(t.clone()),
-            Some(_) => t.contiguous()?.apply_op1(CopyToRegion(self.clone())),
+            Some(_) => on_host(t, |h| h.contiguous()?.apply_op1(CopyToRegion(self.clone()))),
         }
     }
 
@@ -77,7 +77,9 @@ impl Tp {
     pub fn reduce_from_region(&self, t: &Tensor) -> Result<Tensor> {
         match self.group {
             None => Ok(t.clone()),
-            Some(_) => t.contiguous()?.apply_op1(ReduceFromRegion(self.clone())),
+            Some(_) => on_host(t, |h| {
+                h.contiguous()?.apply_op1(ReduceFromRegion(self.clone()))
+            }),
         }
     }
 
@@ -155,6 +157,16 @@ impl Tp {
             DType::F16 => all_reduce_as::<half::f16>(group, t, op),
             d => candle_core::bail!("tensor-parallel all-reduce of {d:?} tensors"),
         }
+    }
+}
+
+/// `f(t)` computed on the host: a tensor on a GPU goes there and back (two moves candle's
+/// autograd differentiates), so the region ops, whose collectives run on host buffers, serve
+/// every device.
+fn on_host(t: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    match t.device() {
+        candle_core::Device::Cpu => f(t),
+        dev => f(&t.to_device(&candle_core::Device::Cpu)?)?.to_device(dev),
     }
 }
 
