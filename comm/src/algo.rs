@@ -325,6 +325,48 @@ fn all_gather_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], counts: &[usize]) 
     cx.xchg(&mut sends, &mut recvs)
 }
 
+/// All-to-all with parts of any sizes: `input[ranges(send)[j]]` goes to group index j, and what
+/// index i sends lands in `output[ranges(recv)[i]]`. Every send and receive progresses in one
+/// exchange (each pair's bytes keep their order on its link), this rank's own part is copied.
+/// As MPI's `Alltoallv`, each rank's `send[j]` must equal rank j's `recv[i]`.
+pub(crate) fn all_to_all_v<T: Element>(
+    cx: &mut Ctx,
+    input: &[T],
+    send: &[usize],
+    output: &mut [T],
+    recv: &[usize],
+) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    check_counts(input.len(), send, n)?;
+    check_counts(output.len(), recv, n)?;
+    if send[me] != recv[me] {
+        return Err(CommError::Invalid(format!(
+            "all_to_all: this rank sends itself {} elements and expects {}",
+            send[me], recv[me]
+        )));
+    }
+    let (to, from) = (ranges(send), ranges(recv));
+    output[from[me].clone()].copy_from_slice(&input[to[me].clone()]);
+    let mut sends: Vec<SendOp> = (0..n)
+        .filter(|&j| j != me && send[j] > 0)
+        .map(|j| SendOp::new(cx.ranks[j], bytes(&input[to[j].clone()])))
+        .collect();
+    let mut parts: Vec<&mut [T]> = Vec::with_capacity(n);
+    let mut rest = output;
+    for c in recv {
+        let (head, tail) = rest.split_at_mut(*c);
+        parts.push(head);
+        rest = tail;
+    }
+    let mut recvs: Vec<RecvOp> = parts
+        .into_iter()
+        .enumerate()
+        .filter(|(i, p)| *i != me && !p.is_empty())
+        .map(|(i, p)| RecvOp::to(cx.ranks[i], bytemuck::cast_slice_mut(p)))
+        .collect();
+    cx.xchg(&mut sends, &mut recvs)
+}
+
 fn check_counts(len: usize, counts: &[usize], n: usize) -> Result<()> {
     if counts.len() != n || counts.iter().sum::<usize>() != len {
         return Err(CommError::Invalid(format!(

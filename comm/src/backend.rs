@@ -163,6 +163,27 @@ impl Exec<'_, '_> {
         }
     }
 
+    /// Note [all-to-all under nccl]: `--dist_backend nccl` runs all-to-all over the links for
+    /// host and GPU buffers alike (managed memory, which the host reads), not through NCCL's
+    /// grouped sends and receives: those are not measured on a GPU yet, and the experts' token
+    /// exchange they would carry is not built yet (issue 37).
+    pub fn all_to_all_v<T: Element>(
+        &mut self,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()> {
+        match self {
+            Exec::Links(cx) => algo::all_to_all_v(cx, input, send, output, recv),
+            #[cfg(feature = "mpi")]
+            Exec::Mpi(g) => g.all_to_all_v(input, send, output, recv),
+            // Note [all-to-all under nccl]
+            #[cfg(feature = "nccl")]
+            Exec::Nccl(cx, _) => algo::all_to_all_v(cx, input, send, output, recv),
+        }
+    }
+
     /// `root` is the root's index in the group.
     pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
         match self {

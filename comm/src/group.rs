@@ -324,6 +324,62 @@ impl Group {
         self.run(OpKind::AllGather, bytes, |ex| ex.all_gather_v(buf, counts))
     }
 
+    /// All-to-all of equal parts (`all_to_all_single` with even splits): `input` holds one
+    /// part per rank, part j goes to the group's j-th rank, and the j-th rank's part for this
+    /// rank lands in part j of `output` (as long as `input`).
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let n = self.size();
+        if input.len() != output.len() || !input.len().is_multiple_of(n) {
+            return Err(CommError::Invalid(format!(
+                "all_to_all: input of {} and output of {} elements, expected one length divisible by the group size {n}",
+                input.len(),
+                output.len()
+            )));
+        }
+        let counts = vec![input.len() / n; n];
+        self.all_to_all_v(input, &counts, output, &counts)
+    }
+
+    /// All-to-all with parts of any sizes (`all_to_all_single` with split sizes, MPI's
+    /// `Alltoallv`): `input`'s j-th part (`send_counts[j]` elements) goes to the group's j-th
+    /// rank, and the i-th rank's part for this rank lands in `output`'s i-th part
+    /// (`recv_counts[i]` elements). Each rank's `send_counts[j]` must equal rank j's
+    /// `recv_counts[i]`, as in MPI.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(input) as u64;
+        self.run(OpKind::AllToAllSingle, bytes, |ex| {
+            ex.all_to_all_v(input, send_counts, output, recv_counts)
+        })
+    }
+
+    /// `all_to_all` on the worker thread; returns the output.
+    pub fn all_to_all_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        self.spawn(move |g| {
+            let mut output = vec![T::default(); input.len()];
+            g.all_to_all(&input, &mut output).map(|_| output)
+        })
+    }
+
+    /// `all_to_all_v` on the worker thread; returns the output.
+    pub fn all_to_all_v_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Work<Vec<T>> {
+        self.spawn(move |g| {
+            let mut output = vec![T::default(); recv_counts.iter().sum()];
+            g.all_to_all_v(&input, &send_counts, &mut output, &recv_counts)
+                .map(|_| output)
+        })
+    }
+
     /// Copies `buf` of global rank `root` into `buf` of every member.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let root = self.index_of(root)?;

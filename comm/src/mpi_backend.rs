@@ -369,6 +369,42 @@ impl MpiGroup<'_> {
         check("all_gather_v", rc)
     }
 
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()> {
+        self.check_counts("all_to_all_v", input.len(), send)?;
+        self.check_counts("all_to_all_v", output.len(), recv)?;
+        count("all_to_all_v", input.len().max(output.len()))?;
+        let ints = |c: &[usize]| c.iter().map(|&c| c as c_int).collect::<Vec<c_int>>();
+        let displs = |c: &[usize]| {
+            ranges(c)
+                .iter()
+                .map(|r| r.start as c_int)
+                .collect::<Vec<_>>()
+        };
+        let (send_counts, send_displs) = (ints(send), displs(send));
+        let (recv_counts, recv_displs) = (ints(recv), displs(recv));
+        // SAFETY: `input` holds every send part at its offset, `output` every receive part.
+        let rc = unsafe {
+            ffi::MPI_Alltoallv(
+                input.as_ptr().cast(),
+                send_counts.as_ptr(),
+                send_displs.as_ptr(),
+                raw_type::<T>(),
+                output.as_mut_ptr().cast(),
+                recv_counts.as_ptr(),
+                recv_displs.as_ptr(),
+                raw_type::<T>(),
+                self.raw(),
+            )
+        };
+        check("all_to_all_v", rc)
+    }
+
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let len = count("broadcast", buf.len())?;
         // SAFETY: `buf` holds `len` T on every rank.

@@ -39,12 +39,18 @@ pub struct CommArgs {
     backend: crate::cli::BackendArg,
 }
 
+/// The op, by nccl-tests' spelling or DeepSpeed's (`all_to_all`).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq)]
 enum Op {
+    #[value(alias = "all_reduce")]
     AllReduce,
+    #[value(alias = "reduce_scatter")]
     ReduceScatter,
+    #[value(alias = "all_gather")]
     AllGather,
     Broadcast,
+    #[value(alias = "all_to_all")]
+    AllToAll,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq)]
@@ -208,7 +214,7 @@ impl<T: Element> OpState<T> {
     fn new(op: Op, g: &Group, count: usize) -> Self {
         let out_len = match op {
             Op::ReduceScatter => count / g.size(),
-            Op::AllGather => count,
+            Op::AllGather | Op::AllToAll => count,
             _ => 0,
         };
         let in_len = if op == Op::AllGather {
@@ -246,6 +252,7 @@ impl<T: Element> OpState<T> {
             Op::ReduceScatter => g.reduce_scatter(&self.buf, &mut self.out, ReduceOp::Sum),
             Op::AllGather => g.all_gather(&self.buf, &mut self.out),
             Op::Broadcast => g.broadcast(&mut self.buf, g.global_ranks()[0]),
+            Op::AllToAll => g.all_to_all(&self.buf, &mut self.out),
         }
     }
 
@@ -264,6 +271,11 @@ impl<T: Element> OpState<T> {
             Op::ReduceScatter => check(&self.out, &|i| sum(me * self.out.len() + i)),
             Op::AllGather => check(&self.out, &|i| value(i / self.buf.len(), i)),
             Op::Broadcast => check(&self.buf, &|i| value(0, i)),
+            // part i of the output is rank i's part for this rank
+            Op::AllToAll => {
+                let part = (self.out.len() / n).max(1);
+                check(&self.out, &|i| value(i / part, me * part + i % part))
+            }
         }
     }
 }
@@ -274,6 +286,7 @@ fn op_name(op: Op) -> &'static str {
         Op::ReduceScatter => "reduce_scatter",
         Op::AllGather => "all_gather",
         Op::Broadcast => "broadcast",
+        Op::AllToAll => "all_to_all",
     }
 }
 
@@ -282,7 +295,7 @@ fn bus_factor(op: Op, n: usize) -> f64 {
     let n = n as f64;
     match op {
         Op::AllReduce => 2.0 * (n - 1.0) / n,
-        Op::ReduceScatter | Op::AllGather => (n - 1.0) / n,
+        Op::ReduceScatter | Op::AllGather | Op::AllToAll => (n - 1.0) / n,
         Op::Broadcast => 1.0,
     }
 }
@@ -321,7 +334,7 @@ fn print_row(args: &CommArgs, n: usize, row: &Row) {
     }
     let (redop, root) = match args.op {
         Op::Broadcast => ("none", "0"),
-        Op::AllGather => ("none", "-1"),
+        Op::AllGather | Op::AllToAll => ("none", "-1"),
         _ => ("sum", "-1"),
     };
     println!(

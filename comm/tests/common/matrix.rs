@@ -339,6 +339,67 @@ fn groups_and_async_case(r: &impl Ranks) {
     });
 }
 
+/// How many elements rank `from` sends rank `to` in the uneven all-to-all: some pairs none,
+/// the rest of different sizes around `base`.
+fn a2a_count(from: usize, to: usize, base: usize) -> usize {
+    match (from + 2 * to) % 4 {
+        0 if base > 0 => 0,
+        k => base + k * (base / 3 + 1),
+    }
+}
+
+fn all_to_all_case<T: Element>(r: &impl Ranks) {
+    let world = r.world();
+    r.run(move |comm| {
+        let (g, me) = (comm.world(), comm.rank());
+        // what rank `from` holds at flat index x of its input
+        let sent = |from: usize, x: usize| T::from_f32(value(from, x)).to_f32();
+        for part in [0, 1, 13, 40_009, 150_001] {
+            let data = input::<T>(me, part * world);
+            let mut out = vec![T::default(); part * world];
+            g.all_to_all(&data, &mut out).unwrap();
+            for (k, v) in out.iter().enumerate() {
+                let (from, at) = (k / part.max(1), k % part.max(1));
+                assert_eq!(
+                    v.to_f32(),
+                    sent(from, me * part + at),
+                    "all_to_all {:?} ws{world} part {part} element {k}",
+                    T::DTYPE
+                );
+            }
+            let out = g.all_to_all_async(data).wait().unwrap();
+            let again: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
+            let want: Vec<f32> = (0..part * world)
+                .map(|k| sent(k / part.max(1), me * part + k % part.max(1)))
+                .collect();
+            assert_eq!(again, want, "all_to_all_async ws{world} part {part}");
+        }
+        for base in [0, 5, 1009, 60_013] {
+            let send: Vec<usize> = (0..world).map(|j| a2a_count(me, j, base)).collect();
+            let recv: Vec<usize> = (0..world).map(|i| a2a_count(i, me, base)).collect();
+            let data = input::<T>(me, send.iter().sum());
+            let out = g
+                .all_to_all_v_async(data, send.clone(), recv.clone())
+                .wait()
+                .unwrap();
+            let mut k = 0;
+            for (from, &n) in recv.iter().enumerate() {
+                // where rank `from`'s part for this rank starts in its input
+                let start: usize = (0..me).map(|j| a2a_count(from, j, base)).sum();
+                for at in 0..n {
+                    assert_eq!(
+                        out[k].to_f32(),
+                        sent(from, start + at),
+                        "all_to_all_v {:?} ws{world} base {base} from {from} element {at}",
+                        T::DTYPE
+                    );
+                    k += 1;
+                }
+            }
+        }
+    });
+}
+
 /// Where rank q's part of an even split of `len` over `n` ends (the first parts one longer).
 fn comm_part_end(len: usize, n: usize, q: usize) -> usize {
     (0..=q).map(|i| len / n + usize::from(i < len % n)).sum()
@@ -355,4 +416,7 @@ pub fn every_op(r: &impl Ranks) {
     reduce_scatter_and_all_gather_case::<f16>(r);
     broadcast_send_recv_barrier_case::<f32>(r);
     broadcast_send_recv_barrier_case::<bf16>(r);
+    all_to_all_case::<f32>(r);
+    all_to_all_case::<bf16>(r);
+    all_to_all_case::<f16>(r);
 }
