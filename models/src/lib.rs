@@ -9,6 +9,7 @@ pub mod gpt2;
 pub mod hf_export;
 pub mod llama;
 pub mod loss;
+pub mod moe;
 #[cfg(test)]
 mod taped_check;
 
