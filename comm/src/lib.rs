@@ -37,7 +37,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::{Communicator, Group, Work, DEFAULT_TIMEOUT};
 pub use mesh::Transport;
-pub use parallel::Groups;
+pub use parallel::{ExpertGroups, Groups};
 
 use backend::Net;
 use ds_config::monitor::CommsLoggerConfig;

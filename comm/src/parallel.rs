@@ -74,6 +74,34 @@ impl Groups {
     pub fn pp(&self) -> &Group {
         &self.pp
     }
+
+    /// This rank's DeepSpeed-MoE groups for expert-parallel size `ep` (DeepSpeed's E + D
+    /// order): the ranks its tokens travel between, and the replicas of its experts.
+    pub fn experts(&self, comm: &Communicator, ep: usize) -> Result<ExpertGroups> {
+        let d = self.dims;
+        let ranks = crate::topology::expert_parallel_ranks(d.world_size, d.tp, d.pp, ep, false)
+            .map_err(|e| CommError::Invalid(e.to_string()))?;
+        let me = comm.rank();
+        let mine = |groups: &[Vec<usize>]| -> Result<Group> {
+            let g = groups.iter().find(|g| g.contains(&me));
+            comm.group(g.expect("invariant: the groups cover every rank"))
+        };
+        Ok(ExpertGroups {
+            ep: mine(&ranks.expert_parallel)?,
+            expert_dp: mine(&ranks.expert_data_parallel)?,
+        })
+    }
+}
+
+/// A rank's groups for a mixture of experts.
+#[derive(Clone)]
+pub struct ExpertGroups {
+    /// The ranks among which the experts are split: tokens go to their expert's rank and back
+    /// by all-to-all.
+    pub ep: Group,
+    /// The ranks holding the same experts: their gradients are averaged there (and ZeRO
+    /// shards them there).
+    pub expert_dp: Group,
 }
 
 #[cfg(test)]
@@ -95,5 +123,26 @@ mod tests {
         .unwrap();
         assert_eq!(got[5], (vec![5, 7], vec![4, 5], vec![1, 5]));
         assert_eq!(got[2], (vec![0, 2], vec![2, 3], vec![2, 6]));
+    }
+
+    #[test]
+    fn expert_groups_are_deepspeeds_and_carry_an_all_to_all() {
+        // world 8 = dp 4 x tp 2, ep 2: DeepSpeed's docstring example at half the size
+        let got = testkit::run_ranks(8, std::time::Duration::from_secs(30), |comm| {
+            let g = Groups::new(&comm, ParallelDims::new(8, 2, 1).unwrap())?;
+            let e = g.experts(&comm, 2)?;
+            // each rank sends its rank to both members of its expert-parallel group
+            let mut got = [0f32; 2];
+            e.ep.all_to_all(&[comm.rank() as f32; 2], &mut got)?;
+            Ok::<_, CommError>((
+                e.ep.global_ranks().to_vec(),
+                e.expert_dp.global_ranks().to_vec(),
+                got,
+            ))
+        })
+        .unwrap();
+        // dp groups [0, 2, 4, 6] and [1, 3, 5, 7]
+        assert_eq!(got[2], (vec![0, 2], vec![2, 6], [0.0, 2.0]));
+        assert_eq!(got[7], (vec![5, 7], vec![3, 7], [5.0, 7.0]));
     }
 }

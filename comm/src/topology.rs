@@ -87,6 +87,8 @@ pub enum TopologyError {
     WorldSizeMismatch { topology: usize, world: usize },
     /// A process rank outside the world.
     RankOutOfRange { rank: usize, world_size: usize },
+    /// The expert-parallel degree does not divide the data-parallel ranks.
+    ExpertDegree { ep: usize, dp: usize },
 }
 
 impl fmt::Display for TopologyError {
@@ -102,6 +104,10 @@ impl fmt::Display for TopologyError {
             TopologyError::WorldSizeMismatch { topology, world } => write!(
                 f,
                 "topology has {topology} ranks but the world has {world} processes"
+            ),
+            TopologyError::ExpertDegree { ep, dp } => write!(
+                f,
+                "expert parallel size {ep} does not divide the {dp} data-parallel ranks"
             ),
             TopologyError::RankOutOfRange { rank, world_size } => {
                 write!(
@@ -687,4 +693,70 @@ mod tests {
             }
         }
     }
+}
+
+/// DeepSpeed-MoE's expert groups (deepspeed/utils/groups.py, `_get_expert_parallel_ranks`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertRanks {
+    /// Groups of `ep` data-parallel ranks that share one set of experts between them (each
+    /// holds experts / ep of them; tokens travel between them by all-to-all).
+    pub expert_parallel: Vec<Vec<usize>>,
+    /// The ranks at one position of every expert-parallel group of a data-parallel group: the
+    /// replicas of the same experts, which average their gradients.
+    pub expert_data_parallel: Vec<Vec<usize>>,
+}
+
+/// The expert groups of a `pipe_model_data` layout of `world` ranks with `tp` and `pp`: each
+/// data-parallel group (in DeepSpeed's order: stages outermost, then tensor-parallel index) is
+/// cut into expert-parallel groups of `ep` consecutive members. With `data_before_expert`
+/// (DeepSpeed's `use_data_before_expert_parallel_`) each data-parallel group is first
+/// reordered to stride through the world in steps of `dp / ep` members, so that an
+/// expert-parallel group spreads over the data-parallel ranks instead of taking neighbours.
+pub fn expert_parallel_ranks(
+    world: usize,
+    tp: usize,
+    pp: usize,
+    ep: usize,
+    data_before_expert: bool,
+) -> Result<ExpertRanks, TopologyError> {
+    for (axis, degree) in [(Axis::Model, tp), (Axis::Pipe, pp)] {
+        if degree == 0 {
+            return Err(TopologyError::ZeroDegree { axis });
+        }
+    }
+    if world == 0 || !world.is_multiple_of(tp * pp) {
+        return Err(TopologyError::WorldSizeMismatch {
+            topology: tp * pp,
+            world,
+        });
+    }
+    let dp = world / (tp * pp);
+    if ep == 0 || !dp.is_multiple_of(ep) {
+        return Err(TopologyError::ExpertDegree { ep, dp });
+    }
+    let stage = world / pp;
+    let mut out = ExpertRanks {
+        expert_parallel: Vec::new(),
+        expert_data_parallel: Vec::new(),
+    };
+    for start in (0..world).step_by(stage) {
+        for i in 0..tp {
+            let data: Vec<usize> = match data_before_expert {
+                false => (start + i..start + stage).step_by(tp).collect(),
+                true => {
+                    let stride = dp / ep;
+                    (0..stride)
+                        .flat_map(|d| (start + i + d * tp..start + stage).step_by(stride * tp))
+                        .collect()
+                }
+            };
+            let parts: Vec<Vec<usize>> = data.chunks(ep).map(<[usize]>::to_vec).collect();
+            for j in 0..ep {
+                out.expert_data_parallel
+                    .push(parts.iter().map(|p| p[j]).collect());
+            }
+            out.expert_parallel.extend(parts);
+        }
+    }
+    Ok(out)
 }
