@@ -327,12 +327,35 @@ pub fn forward_taped(
 
 /// The backward of one layer from its output `y`: `dy` is the upstream gradient, or `None`
 /// for the loss layer, which is seeded with `loss_seed` (loss scale / accumulation steps).
-pub fn backward(y: &Tensor, dy: Option<&Tensor>, loss_seed: f64) -> Result<GradStore> {
-    let seed = match dy {
+/// The losses the layer added (`added`) are part of the model's: seeded with `loss_seed` too.
+pub fn backward(
+    y: &Tensor,
+    dy: Option<&Tensor>,
+    loss_seed: f64,
+    added: Option<&Tensor>,
+) -> Result<GradStore> {
+    let mut seed = match dy {
         Some(dy) => (y * dy)?.sum_all()?,
         None => y.affine(loss_seed, 0.0)?,
     };
+    if let Some(added) = added {
+        let added = added.affine(loss_seed, 0.0)?.to_dtype(seed.dtype())?;
+        seed = (seed + added)?;
+    }
     Ok(seed.backward()?)
+}
+
+/// The losses a layer added, summed into one scalar (in f32); None when it added none.
+pub fn sum_losses(losses: Vec<Tensor>) -> Result<Option<Tensor>> {
+    let mut sum: Option<Tensor> = None;
+    for l in losses {
+        let l = l.to_dtype(candle_core::DType::F32)?.sum_all()?;
+        sum = Some(match sum {
+            None => l,
+            Some(s) => (s + l)?,
+        });
+    }
+    Ok(sum)
 }
 
 /// A fresh leaf `Var` holding `x`'s values: the next layer's input.

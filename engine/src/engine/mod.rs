@@ -487,6 +487,13 @@ impl Engine {
         Ok(buf[0])
     }
 
+    /// The losses the model's layers added to its loss in the last `forward` (an MoE router's
+    /// load-balancing loss, `Context::add_loss`): part of what `backward` differentiates,
+    /// though not of the output `forward` returned.
+    pub fn added_loss(&self) -> f32 {
+        each!(&self.core, t => t.added_loss())
+    }
+
     /// The learning rate the next optimizer step will use.
     pub fn get_lr(&self) -> f64 {
         each!(&self.core, t => t.updater().lr())

@@ -47,6 +47,8 @@ enum Kept {
         input: Tensor,
         params: LayerParams,
         output: Tensor,
+        /// The losses the layer added (`Context::add_loss`), summed.
+        added: Option<Tensor>,
     },
 }
 
@@ -63,6 +65,7 @@ impl Kept {
                 input,
                 params,
                 output,
+                ..
             } => (tensor_bytes(input) + tensor_bytes(output), params.bytes()),
         }
     }
@@ -100,6 +103,8 @@ pub(crate) struct Trainer<T: Dtype> {
     swap_io: Arc<SwapIo>,
     swap_taken: IoTotals,
     peak: StepPeak,
+    /// The value of the losses the layers added in the last forward (`Context::add_loss`).
+    added_loss: f32,
 }
 
 /// The frozen parameters' store, their flat layout and each layer's ids and range in it.
@@ -258,6 +263,7 @@ impl<T: Dtype> Trainer<T> {
             swap_taken: swap_io.totals(),
             swap_io,
             peak: StepPeak::default(),
+            added_loss: 0.0,
         })
     }
 
@@ -305,7 +311,9 @@ impl<T: Dtype> Trainer<T> {
             (0, true) => x,
             _ => layers::leaf(&x)?.into_inner(),
         };
-        let y = layers::forward(layer, &params, &input, &cx, dtype)?;
+        let added = std::cell::RefCell::new(Vec::new());
+        let y = layers::forward(layer, &params, &input, &cx.adding_into(&added), dtype)?;
+        let added = layers::sum_losses(added.into_inner())?;
         let output = y.clone();
         Ok((
             y,
@@ -313,6 +321,7 @@ impl<T: Dtype> Trainer<T> {
                 input,
                 params,
                 output,
+                added,
             },
         ))
     }
@@ -359,12 +368,16 @@ impl<T: Dtype> Trainer<T> {
     ) -> Result<Tensor> {
         let t0 = Instant::now();
         self.inputs = Some(inputs);
+        self.added_loss = 0.0;
         self.saved.clear();
         self.running = layers.clone();
         for i in layers.clone() {
             let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < layers.end).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
+            if let Kept::Graph { added: Some(a), .. } = &kept {
+                self.added_loss += a.to_scalar::<f32>()?;
+            }
             // the chunk's first layer always keeps its input (Note [checkpoint segments])
             let checkpoint = (i - layers.start).is_multiple_of(self.settings.checkpoint_interval);
             self.saved.push(match (self.keep_graph[i], checkpoint) {
@@ -531,8 +544,9 @@ impl<T: Dtype> Trainer<T> {
                 input,
                 params,
                 output,
+                added,
             } => {
-                let grads = layers::backward(&output, dy, seed)?;
+                let grads = layers::backward(&output, dy, seed, added.as_ref())?;
                 let g = params.graph_grads::<T>(&grads)?;
                 Ok((grads.get(&input).cloned(), g))
             }
@@ -585,6 +599,11 @@ impl<T: Dtype> Trainer<T> {
             .fold((0, 0), |(a, p), (x, y)| (a + x, p + y));
         self.peak.activations = self.peak.activations.max(activations);
         self.peak.layer_params = self.peak.layer_params.max(layer_params);
+    }
+
+    /// The value of the losses the layers added in the last forward.
+    pub fn added_loss(&self) -> f32 {
+        self.added_loss
     }
 
     pub fn updater(&self) -> &Updater {

@@ -128,6 +128,8 @@ impl ParamSpec {
 pub struct Context<'a> {
     inputs: &'a crate::Inputs,
     targets: Option<&'a crate::Targets>,
+    /// Losses the layer adds to the model's (`add_loss`), when the engine takes them.
+    added: Option<&'a std::cell::RefCell<Vec<Tensor>>>,
 }
 
 /// The inputs of a context made from targets alone.
@@ -138,6 +140,29 @@ impl<'a> Context<'a> {
         Context {
             inputs,
             targets: inputs.targets(),
+            added: None,
+        }
+    }
+
+    /// This context, collecting the losses a layer adds into `added`.
+    pub fn adding_into(mut self, added: &'a std::cell::RefCell<Vec<Tensor>>) -> Context<'a> {
+        self.added = Some(added);
+        self
+    }
+
+    /// Adds `loss`, a scalar computed from this layer's parameters or input (an MoE router's
+    /// load-balancing loss), to the model's loss: its gradient joins the layer's in backward
+    /// at the same scale as the model's loss (Megatron's `MoEAuxLossAutoScaler`), and
+    /// `Engine::added_loss` reports its value. Layers differentiated by candle's autograd only.
+    pub fn add_loss(&self, loss: Tensor) -> candle_core::Result<()> {
+        match self.added {
+            Some(added) => {
+                added.borrow_mut().push(loss);
+                Ok(())
+            }
+            None => Err(candle_core::Error::Msg(
+                "add_loss: this layer runs where no loss can be added (a taped forward or a test context)".into(),
+            )),
         }
     }
 
@@ -146,6 +171,7 @@ impl<'a> Context<'a> {
         Context {
             inputs: &NO_INPUTS,
             targets: Some(targets),
+            added: None,
         }
     }
 

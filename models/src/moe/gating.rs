@@ -48,8 +48,13 @@ pub struct Route {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routing {
     pub capacity: usize,
-    /// The auxiliary load-balancing loss.
+    /// The auxiliary load-balancing loss: `aux_scale` x the sum over experts of the mean gate
+    /// times `choice_fraction`.
     pub l_aux: f32,
+    /// Per expert: the share of the tokens that chose it (top-2: as first choice), the
+    /// constant factor of `l_aux`.
+    pub choice_fraction: Vec<f32>,
+    pub aux_scale: f32,
     /// Per expert: the routes asked of it, dropped ones included.
     pub exp_counts: Vec<usize>,
     /// Per token: its kept routes.
@@ -106,16 +111,21 @@ fn argmax(row: &[f32]) -> usize {
     best
 }
 
-/// mean over tokens of `gates` times mean over tokens of `chosen` (a 0/1 mask), per expert,
-/// summed: the core of every `l_aux`.
-fn balance(gates: &[Vec<f32>], chosen: &[Vec<bool>], experts: usize) -> f32 {
+/// Per expert, the share of tokens `chosen` (a 0/1 mask) routes to it.
+fn fractions(chosen: &[Vec<bool>], experts: usize) -> Vec<f32> {
+    let n = chosen.len() as f32;
+    counts(chosen, experts)
+        .iter()
+        .map(|&c| c as f32 / n)
+        .collect()
+}
+
+/// The sum over experts of the mean gate times `ce`: the core of every `l_aux`.
+fn balance(gates: &[Vec<f32>], ce: &[f32]) -> f32 {
     let n = gates.len() as f32;
-    (0..experts)
-        .map(|e| {
-            let me = gates.iter().map(|g| g[e]).sum::<f32>() / n;
-            let ce = chosen.iter().filter(|c| c[e]).count() as f32 / n;
-            me * ce
-        })
+    ce.iter()
+        .enumerate()
+        .map(|(e, ce)| gates.iter().map(|g| g[e]).sum::<f32>() / n * ce)
         .sum()
 }
 
@@ -141,7 +151,9 @@ fn top1(gates: &[Vec<f32>], experts: usize, cfg: &GateConfig) -> Routing {
         true => capacity(tokens, experts, cfg.capacity_factor, cfg.min_capacity),
         false => busiest(&exp_counts).min(tokens),
     };
-    let l_aux = balance(gates, &chosen, experts) * experts as f32;
+    let choice_fraction = fractions(&chosen, experts);
+    let aux_scale = experts as f32;
+    let l_aux = balance(gates, &choice_fraction) * aux_scale;
     let mut used = vec![0usize; experts];
     let routes = first
         .iter()
@@ -161,6 +173,8 @@ fn top1(gates: &[Vec<f32>], experts: usize, cfg: &GateConfig) -> Routing {
     Routing {
         capacity,
         l_aux,
+        choice_fraction,
+        aux_scale,
         exp_counts,
         routes,
     }
@@ -183,7 +197,10 @@ fn top2(gates: &[Vec<f32>], experts: usize, cfg: &GateConfig) -> Routing {
         .collect();
     let chosen1: Vec<Vec<bool>> = first.iter().map(|&e| one_hot(e, experts)).collect();
     let chosen2: Vec<Vec<bool>> = second.iter().map(|&e| one_hot(e, experts)).collect();
-    let l_aux = balance(gates, &chosen1, experts) / experts as f32 * (experts * experts) as f32;
+    // DeepSpeed: mean over experts of me x ce, times experts squared
+    let choice_fraction = fractions(&chosen1, experts);
+    let aux_scale = experts as f32;
+    let l_aux = balance(gates, &choice_fraction) / experts as f32 * (experts * experts) as f32;
     let c1 = counts(&chosen1, experts);
     let exp_counts: Vec<usize> = c1
         .iter()
@@ -228,6 +245,8 @@ fn top2(gates: &[Vec<f32>], experts: usize, cfg: &GateConfig) -> Routing {
     Routing {
         capacity,
         l_aux,
+        choice_fraction,
+        aux_scale,
         exp_counts,
         routes,
     }
@@ -251,8 +270,10 @@ fn topk(gates: &[Vec<f32>], experts: usize, tokens: usize, cfg: &GateConfig) -> 
         })
         .collect();
     let exp_counts = counts(&chosen, experts);
+    let choice_fraction = fractions(&chosen, experts);
+    let aux_scale = experts as f32 / k as f32;
     let l_aux =
-        balance(gates, &chosen, experts) / experts as f32 * (experts * experts) as f32 / k as f32;
+        balance(gates, &choice_fraction) / experts as f32 * (experts * experts) as f32 / k as f32;
     let capacity = match cfg.drop_tokens {
         true => capacity(
             tokens,
@@ -294,6 +315,8 @@ fn topk(gates: &[Vec<f32>], experts: usize, tokens: usize, cfg: &GateConfig) -> 
     Routing {
         capacity,
         l_aux,
+        choice_fraction,
+        aux_scale,
         exp_counts,
         routes,
     }

@@ -1,3 +1,6 @@
-//! Mixture of experts (issue 37): DeepSpeed-MoE's gating so far.
+//! Mixture of experts (issue 37): DeepSpeed-MoE's gating and its layer at ep_size 1.
 
 pub mod gating;
+mod layer;
+
+pub use layer::MoeLayer;

@@ -1,0 +1,147 @@
+//! ds-rs's MoE layer against DeepSpeed 0.19.8's (`deepspeed.moe.layer.MoE`, ep_size 1, run on
+//! the CPU by fixtures/moe_layer/gen_moe_layer.py): on the same weights and tokens, top-1, 2
+//! and 3 with and without dropping, the output, `l_aux`, and the gradients of
+//! `(output * R).sum() + 0.01 * l_aux` for the router, every expert weight and the input. The
+//! layer adds `0.01 * l_aux` itself (`Context::add_loss`), as the engine then differentiates.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor, Var};
+use candle_nn::VarBuilder;
+use ds_engine::model::{Context, Layer};
+use ds_engine::Inputs;
+use ds_models::moe::gating::{DropPolicy, GateConfig};
+use ds_models::moe::MoeLayer;
+use serde_json::Value;
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn shape(v: &Value) -> Vec<usize> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect()
+}
+
+/// The largest difference relative to the largest reference value.
+fn rel(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    max_abs(got, want) / scale
+}
+
+fn max_abs(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+}
+
+/// A gradient's bar: 1e-4 of its largest value, but not below 2e-6. The router's gradient
+/// is a sum over 20 tokens of terms of order 1 (hidden state x the output's gradient through
+/// the softmax) that nearly cancel, to ~1e-4: f32 rounding of those terms (~20 x 3 x 6e-8)
+/// alone is a few 1e-6 of it in absolute terms, however right the arithmetic.
+fn grad_ok(got: &[f32], want: &[f32]) -> bool {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    max_abs(got, want) <= (1e-4 * scale).max(2e-6)
+}
+
+#[test]
+fn moe_layer_equals_deepspeeds() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/moe_layer/moe_layer.json"
+    );
+    let f: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let n = |k: &str| f[k].as_u64().unwrap() as usize;
+    let (d, tokens) = (n("d"), n("tokens"));
+    let dev = Device::Cpu;
+    for c in f["cases"].as_array().unwrap() {
+        let layer = MoeLayer {
+            hidden: d,
+            ffn: n("ffn"),
+            experts: n("experts"),
+            gate: GateConfig {
+                k: c["k"].as_u64().unwrap() as usize,
+                capacity_factor: c["capacity_factor"].as_f64().unwrap(),
+                min_capacity: n("min_capacity"),
+                drop_tokens: c["drop_tokens"].as_bool().unwrap(),
+                drop_policy: DropPolicy::Probs,
+            },
+            aux_coef: f["coef"].as_f64().unwrap(),
+        };
+        let name = format!("k {} drop {}", layer.gate.k, layer.gate.drop_tokens);
+        // the parameters as autograd variables, under the layer's names
+        let mut vars: HashMap<String, Var> = HashMap::new();
+        for spec in layer.params() {
+            assert_eq!(
+                shape(&c["shapes"][&spec.name]),
+                spec.shape,
+                "{name}: {}",
+                spec.name
+            );
+            let t = Tensor::from_vec(
+                floats(&c["params"][&spec.name]),
+                spec.shape.as_slice(),
+                &dev,
+            )
+            .unwrap();
+            vars.insert(spec.name.clone(), Var::from_tensor(&t).unwrap());
+        }
+        let map = vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        let vb = VarBuilder::from_tensors(map, candle_core::DType::F32, &dev);
+        let x =
+            Var::from_tensor(&Tensor::from_vec(floats(&c["x"]), (2, tokens / 2, d), &dev).unwrap())
+                .unwrap();
+        let r = Tensor::from_vec(floats(&c["r"]), (2, tokens / 2, d), &dev).unwrap();
+
+        let (inputs, added) = (Inputs::new(), RefCell::new(Vec::new()));
+        let cx = Context::new(&inputs).adding_into(&added);
+        let out = layer.forward(&vb, x.as_tensor(), &cx).unwrap();
+        let added = added.into_inner();
+        assert_eq!(added.len(), 1, "{name}: the layer adds its l_aux");
+        let coef_l_aux = added[0].to_scalar::<f32>().unwrap();
+        let want_l_aux = c["l_aux"].as_f64().unwrap() as f32 * f["coef"].as_f64().unwrap() as f32;
+        assert!(
+            (coef_l_aux - want_l_aux).abs() <= 1e-7,
+            "{name}: coef x l_aux {coef_l_aux} against {want_l_aux}"
+        );
+        let got_out = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // f32 sums in another order: a few ulps of the largest value
+        let e = rel(&got_out, &floats(&c["output"]));
+        assert!(e <= 1e-5, "{name}: output {e:e} off");
+
+        let loss = ((out * &r).unwrap().sum_all().unwrap() + &added[0]).unwrap();
+        let grads = loss.backward().unwrap();
+        for (pname, var) in &vars {
+            let g = grads
+                .get(var.as_tensor())
+                .map(|g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let want = floats(&c["grads"][pname]);
+            let g = g.unwrap_or_else(|| vec![0.0; want.len()]);
+            let e = max_abs(&g, &want);
+            assert!(grad_ok(&g, &want), "{name}: gradient of {pname} {e:e} off");
+        }
+        let gx = grads
+            .get(x.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let e = max_abs(&gx, &floats(&c["grad_x"]));
+        assert!(
+            grad_ok(&gx, &floats(&c["grad_x"])),
+            "{name}: gradient of the input {e:e} off"
+        );
+    }
+}
