@@ -145,3 +145,91 @@ fn moe_layer_equals_deepspeeds() {
         );
     }
 }
+
+/// One SGD step (learning rate 1, no clipping) of the MoE layer through the engine: the
+/// parameters move by DeepSpeed's gradients, the router's load-balancing loss included (the
+/// engine seeds the loss the layer added with the model's), and `added_loss` reports
+/// DeepSpeed's `0.01 * l_aux`.
+#[test]
+fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
+    use ds_engine::model::Model;
+    use ds_engine::{EngineOptions, Job};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/moe_layer/moe_layer.json"
+    );
+    let f: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let n = |k: &str| f[k].as_u64().unwrap() as usize;
+    let (d, tokens) = (n("d"), n("tokens"));
+    // top-2 with dropping
+    let cases = f["cases"].as_array().unwrap();
+    let c = cases
+        .iter()
+        .find(|c| c["k"] == 2 && c["drop_tokens"] == true)
+        .unwrap()
+        .clone();
+    let layer = MoeLayer {
+        hidden: d,
+        ffn: n("ffn"),
+        experts: n("experts"),
+        gate: GateConfig {
+            k: 2,
+            capacity_factor: c["capacity_factor"].as_f64().unwrap(),
+            min_capacity: n("min_capacity"),
+            drop_tokens: true,
+            drop_policy: DropPolicy::Probs,
+        },
+        aux_coef: f["coef"].as_f64().unwrap(),
+    };
+    let dir = std::env::temp_dir().join(format!("ds-rs-moe-step-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let init = dir.join("init.safetensors");
+    let value = |name: &str, shape: &[usize]| {
+        Tensor::from_vec(floats(&c["params"][name]), shape, &Device::Cpu).unwrap()
+    };
+    let tensors: HashMap<String, Tensor> = layer
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), value(&p.name, &p.shape)))
+        .collect();
+    candle_core::safetensors::save(&tensors, &init).unwrap();
+    let config = r#"{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}"#;
+    let (x, r) = (floats(&c["x"]), floats(&c["r"]));
+    let model_layer = layer.clone();
+    let opts = EngineOptions {
+        init: Some(init),
+        ..EngineOptions::default()
+    };
+    let mut ranks =
+        ds_comm::testkit::run_ranks(1, std::time::Duration::from_secs(60), move |comm| {
+            let job = Job::join(&comm, config)?;
+            let mut engine = job.initialize(Model::new().layer("", model_layer.clone()), &opts)?;
+            let shape = (2, tokens / 2, d);
+            let x = Tensor::from_vec(x.clone(), shape, &Device::Cpu)?;
+            let r = Tensor::from_vec(r.clone(), shape, &Device::Cpu)?;
+            let out = engine.forward(&Inputs::new().with("x", x))?;
+            let added = engine.added_loss();
+            engine.backward(&(out * r)?.sum_all()?)?;
+            engine.step()?;
+            Ok::<_, ds_engine::EngineError>((added, engine.gather_params()?))
+        })
+        .unwrap();
+    let (added, after) = ranks.remove(0);
+    let want = c["l_aux"].as_f64().unwrap() as f32 * f["coef"].as_f64().unwrap() as f32;
+    assert!(
+        (added - want).abs() <= 1e-7,
+        "added loss {added} against {want}"
+    );
+    for (name, after) in &after {
+        let before = floats(&c["params"][name]);
+        let moved: Vec<f32> = before.iter().zip(after).map(|(b, a)| b - a).collect();
+        let want = floats(&c["grads"][name]);
+        let e = max_abs(&moved, &want);
+        assert!(
+            grad_ok(&moved, &want),
+            "{name} moved by {e:e} off DeepSpeed's gradient"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
