@@ -233,3 +233,24 @@ fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_top_k_above_the_expert_count_is_an_error() {
+    let gate = GateConfig {
+        k: 5,
+        capacity_factor: 1.0,
+        min_capacity: 4,
+        drop_tokens: true,
+        drop_policy: DropPolicy::Probs,
+    };
+    let e = MoeLayer::new(8, 16, 4, gate, 0.01).unwrap_err();
+    assert!(e.contains("top-k 5") && e.contains("4"), "{e}");
+    let gate = GateConfig {
+        k: 2,
+        capacity_factor: 0.0,
+        ..gate
+    };
+    assert!(MoeLayer::new(8, 16, 4, gate, 0.01)
+        .unwrap_err()
+        .contains("capacity_factor"));
+}

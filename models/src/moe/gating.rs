@@ -77,7 +77,13 @@ impl Routing {
 }
 
 /// Routes the tokens whose router logits are `logits` [tokens, experts] (row-major, f32).
+/// `cfg.k` lies between 1 and `experts` (`MoeLayer::new` checks it).
 pub fn route(logits: &[f32], experts: usize, cfg: &GateConfig) -> Routing {
+    assert!(
+        (1..=experts).contains(&cfg.k),
+        "invariant: top-k {} within 1..={experts}",
+        cfg.k
+    );
     let tokens = logits.len() / experts;
     let gates: Vec<Vec<f32>> = logits.chunks(experts).map(softmax).collect();
     match cfg.k {

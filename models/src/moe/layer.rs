@@ -24,6 +24,41 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
+    /// The layer, its settings checked: at least one expert, `k` between 1 and the expert
+    /// count, a positive capacity factor.
+    pub fn new(
+        hidden: usize,
+        ffn: usize,
+        experts: usize,
+        gate: GateConfig,
+        aux_coef: f64,
+    ) -> std::result::Result<MoeLayer, String> {
+        if experts == 0 || hidden == 0 || ffn == 0 {
+            return Err(format!(
+                "moe: experts ({experts}), hidden ({hidden}) and ffn ({ffn}) must be at least 1"
+            ));
+        }
+        if gate.k == 0 || gate.k > experts {
+            return Err(format!(
+                "moe: top-k {} must lie between 1 and the number of experts, {experts}",
+                gate.k
+            ));
+        }
+        if !(gate.capacity_factor.is_finite() && gate.capacity_factor > 0.0) {
+            return Err(format!(
+                "moe: capacity_factor {} must be a positive number",
+                gate.capacity_factor
+            ));
+        }
+        Ok(MoeLayer {
+            hidden,
+            ffn,
+            experts,
+            gate,
+            aux_coef,
+        })
+    }
+
     fn expert(&self, vb: &VarBuilder, e: usize) -> Result<[Linear; 2]> {
         let (d, f) = (self.hidden, self.ffn);
         let linear = |name: &str, out: usize, inp: usize| -> Result<Linear> {
