@@ -309,20 +309,31 @@ fn all_gather_direct<T: Element>(cx: &mut Ctx, buf: &mut [T], counts: &[usize]) 
         .iter()
         .map(|&p| SendOp::new(p, bytes(&mine)))
         .collect();
-    let mut parts: Vec<&mut [T]> = Vec::with_capacity(n);
+    let mut recvs = recv_parts(cx.ranks, me, buf, counts);
+    cx.xchg(&mut sends, &mut recvs)
+}
+
+/// A receive from every other group member (`ranks`, this rank at `me`) into its part of
+/// `buf`, cut by `counts`.
+fn recv_parts<'a, T: Element>(
+    ranks: &[usize],
+    me: usize,
+    buf: &'a mut [T],
+    counts: &[usize],
+) -> Vec<RecvOp<'a>> {
+    let mut parts: Vec<&mut [T]> = Vec::with_capacity(counts.len());
     let mut rest = buf;
     for c in counts {
         let (head, tail) = rest.split_at_mut(*c);
         parts.push(head);
         rest = tail;
     }
-    let mut recvs: Vec<RecvOp> = parts
+    parts
         .into_iter()
         .enumerate()
         .filter(|(i, _)| *i != me)
-        .map(|(i, p)| RecvOp::to(cx.ranks[i], bytemuck::cast_slice_mut(p)))
-        .collect();
-    cx.xchg(&mut sends, &mut recvs)
+        .map(|(i, p)| RecvOp::to(ranks[i], bytemuck::cast_slice_mut(p)))
+        .collect()
 }
 
 /// All-to-all with parts of any sizes: `input[ranges(send)[j]]` goes to group index j, and what
@@ -348,22 +359,10 @@ pub(crate) fn all_to_all_v<T: Element>(
     let (to, from) = (ranges(send), ranges(recv));
     output[from[me].clone()].copy_from_slice(&input[to[me].clone()]);
     let mut sends: Vec<SendOp> = (0..n)
-        .filter(|&j| j != me && send[j] > 0)
+        .filter(|&j| j != me)
         .map(|j| SendOp::new(cx.ranks[j], bytes(&input[to[j].clone()])))
         .collect();
-    let mut parts: Vec<&mut [T]> = Vec::with_capacity(n);
-    let mut rest = output;
-    for c in recv {
-        let (head, tail) = rest.split_at_mut(*c);
-        parts.push(head);
-        rest = tail;
-    }
-    let mut recvs: Vec<RecvOp> = parts
-        .into_iter()
-        .enumerate()
-        .filter(|(i, p)| *i != me && !p.is_empty())
-        .map(|(i, p)| RecvOp::to(cx.ranks[i], bytemuck::cast_slice_mut(p)))
-        .collect();
+    let mut recvs = recv_parts(cx.ranks, me, output, recv);
     cx.xchg(&mut sends, &mut recvs)
 }
 

@@ -52,30 +52,36 @@ fn grad_ok(got: &[f32], want: &[f32]) -> bool {
     max_abs(got, want) <= (1e-4 * scale).max(2e-6)
 }
 
-#[test]
-fn moe_layer_equals_deepspeeds() {
+fn fixture() -> Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/moe_layer/moe_layer.json"
     );
-    let f: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The layer of fixture case `c`.
+fn layer_of(f: &Value, c: &Value) -> MoeLayer {
+    let n = |k: &str| f[k].as_u64().unwrap() as usize;
+    let gate = GateConfig {
+        k: c["k"].as_u64().unwrap() as usize,
+        capacity_factor: c["capacity_factor"].as_f64().unwrap(),
+        min_capacity: n("min_capacity"),
+        drop_tokens: c["drop_tokens"].as_bool().unwrap(),
+        drop_policy: DropPolicy::Probs,
+    };
+    let coef = f["coef"].as_f64().unwrap();
+    MoeLayer::new(n("d"), n("ffn"), n("experts"), gate, coef).unwrap()
+}
+
+#[test]
+fn moe_layer_equals_deepspeeds() {
+    let f = fixture();
     let n = |k: &str| f[k].as_u64().unwrap() as usize;
     let (d, tokens) = (n("d"), n("tokens"));
     let dev = Device::Cpu;
     for c in f["cases"].as_array().unwrap() {
-        let layer = MoeLayer {
-            hidden: d,
-            ffn: n("ffn"),
-            experts: n("experts"),
-            gate: GateConfig {
-                k: c["k"].as_u64().unwrap() as usize,
-                capacity_factor: c["capacity_factor"].as_f64().unwrap(),
-                min_capacity: n("min_capacity"),
-                drop_tokens: c["drop_tokens"].as_bool().unwrap(),
-                drop_policy: DropPolicy::Probs,
-            },
-            aux_coef: f["coef"].as_f64().unwrap(),
-        };
+        let layer = layer_of(&f, c);
         let name = format!("k {} drop {}", layer.gate.k, layer.gate.drop_tokens);
         // the parameters as autograd variables, under the layer's names
         let mut vars: HashMap<String, Var> = HashMap::new();
@@ -154,11 +160,7 @@ fn moe_layer_equals_deepspeeds() {
 fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
     use ds_engine::model::Model;
     use ds_engine::{EngineOptions, Job};
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/moe_layer/moe_layer.json"
-    );
-    let f: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let f = fixture();
     let n = |k: &str| f[k].as_u64().unwrap() as usize;
     let (d, tokens) = (n("d"), n("tokens"));
     // top-2 with dropping
@@ -168,19 +170,7 @@ fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
         .find(|c| c["k"] == 2 && c["drop_tokens"] == true)
         .unwrap()
         .clone();
-    let layer = MoeLayer {
-        hidden: d,
-        ffn: n("ffn"),
-        experts: n("experts"),
-        gate: GateConfig {
-            k: 2,
-            capacity_factor: c["capacity_factor"].as_f64().unwrap(),
-            min_capacity: n("min_capacity"),
-            drop_tokens: true,
-            drop_policy: DropPolicy::Probs,
-        },
-        aux_coef: f["coef"].as_f64().unwrap(),
-    };
+    let layer = layer_of(&f, &c);
     let dir = std::env::temp_dir().join(format!("ds-rs-moe-step-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let init = dir.join("init.safetensors");
