@@ -222,6 +222,18 @@ fn a_lora_run_resumes_exactly_from_its_adapter_checkpoint() {
         second.load_checkpoint(&c, None)?;
         assert_eq!(second.global_steps(), 4);
         resumed.extend(train_steps(&mut second, 4..8)?);
+        // the adapters of another base (here: the seeded one) are refused, naming both
+        let m = model::build(model::Config::tiny(), job.tp())?.lora(&lora())?;
+        let mut other = job.initialize(m, &EngineOptions::default())?;
+        let refused = other
+            .load_checkpoint(&c, None)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("weights file base.safetensors") && refused.contains("seed 0"),
+            "{refused}"
+        );
         Ok::<_, ds_engine::EngineError>((straight, resumed, saved))
     })
     .unwrap();
@@ -232,11 +244,20 @@ fn a_lora_run_resumes_exactly_from_its_adapter_checkpoint() {
             bits(resumed),
             "rank {rank}: {straight:?}\n{resumed:?}"
         );
-        // the checkpoint holds the adapters only: the base stays in its file
+        // the checkpoint holds the adapters only: the base stays in its file, which it names
         let manifest = std::fs::read_to_string(saved.join("manifest.json")).unwrap();
+        let m: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+        let params = m["params"].as_array().unwrap();
         assert!(
-            manifest.contains("lora_A") && !manifest.contains("mlp.up_proj"),
+            params
+                .iter()
+                .all(|p| p["name"].as_str().unwrap().contains(".lora_")),
             "{manifest}"
+        );
+        let source = m["frozen"]["source"].as_str().unwrap();
+        assert!(
+            source.starts_with("weights file base.safetensors"),
+            "{source}"
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -37,6 +37,20 @@ pub struct Manifest {
     pub client_state: serde_json::Value,
     /// The resolved ds_config the run used.
     pub config: serde_json::Value,
+    /// The frozen parameters the checkpoint does not hold (absent without).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen: Option<FrozenPart>,
+}
+
+/// The frozen parameters of a run (`Model::freeze`, LoRA's base): checkpoints hold only the
+/// trainable ones, so this records what the frozen ones are and where their values came from,
+/// and a resume that would start them otherwise is refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrozenPart {
+    /// Their names and logical shapes, in flat order.
+    pub params: Vec<(String, Vec<usize>)>,
+    /// `seed N`, or `weights file NAME (BYTES bytes)`.
+    pub source: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

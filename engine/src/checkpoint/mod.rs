@@ -22,7 +22,7 @@ use ds_partition::{runs, runs_within, FlatIndex, ParamId, TpRank};
 
 pub use files::sync_dir;
 use files::{write_atomic, ShardFile};
-pub use manifest::{Layout, Manifest, ParamEntry, ShardEntry, MANIFEST};
+pub use manifest::{FrozenPart, Layout, Manifest, ParamEntry, ShardEntry, MANIFEST};
 
 use crate::loss_scale::LossScaleState;
 use crate::{crash_point, EngineError, Result};
@@ -59,6 +59,7 @@ pub struct Description {
     pub counters: Counters,
     pub client_state: serde_json::Value,
     pub config: serde_json::Value,
+    pub frozen: Option<manifest::FrozenPart>,
 }
 
 /// Writes this rank's part of checkpoint `dir/tag` (a collective over `group`, every rank of
@@ -264,6 +265,7 @@ fn commit(
         shards,
         client_state: d.client_state,
         config: d.config,
+        frozen: d.frozen,
     };
     let text = serde_json::to_string_pretty(&manifest).expect("invariant: plain JSON");
     write_atomic(&partial.join(MANIFEST), text.as_bytes())?;

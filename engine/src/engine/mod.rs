@@ -143,6 +143,9 @@ pub struct Engine {
     probe: Option<autotuning::TrialProbe>,
     /// The output `forward` returned, until `backward` differentiates the loss made from it.
     output: Option<candle_core::Var>,
+    /// The frozen parameters and their source, which checkpoints record (they hold only the
+    /// trainable ones).
+    frozen: Option<checkpoint::FrozenPart>,
 }
 
 impl Engine {
@@ -207,6 +210,7 @@ impl Engine {
             .map(|(p, _)| p.clone())
             .partition(|p| p.frozen);
         let model_specs = all_specs.clone();
+        let frozen = frozen_part(&model_specs, opts);
         // checkpoints, ties and the optimizer know the trainable parameters only
         let (all_specs, stage_of): (Vec<ParamSpec>, Vec<usize>) = all_specs
             .into_iter()
@@ -279,6 +283,7 @@ impl Engine {
             all_params,
             probe,
             output: None,
+            frozen,
         })
     }
 
@@ -568,6 +573,7 @@ impl Engine {
             counters: each!(&self.core, t => t.updater().counters()),
             client_state,
             config: serde_json::to_value(&self.config).unwrap_or_default(),
+            frozen: self.frozen.clone(),
         };
         let state = each!(&self.core, t => t.rank_state())?;
         // Stage 0 keeps the whole range on every data-parallel rank: one copy is enough.
@@ -607,6 +613,7 @@ impl Engine {
         let loaded = checkpoint::load(&tag_dir, &expect);
         // Every rank must succeed before any changes its state.
         let (manifest, state) = checkpoint::agree(self.groups.world(), loaded)?;
+        check_frozen_source(&tag_dir, manifest.frozen.as_ref(), self.frozen.as_ref())?;
         let counters = checkpoint::Counters {
             global_steps: manifest.global_steps,
             skipped_steps: manifest.skipped_steps,
@@ -757,6 +764,55 @@ fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) 
 
 /// A parameter's name, logical shape and values.
 type WholeTensor = (String, Vec<usize>, Vec<f32>);
+
+/// The model's frozen parameters and where their values come from, when it has any.
+fn frozen_part(specs: &[ParamSpec], opts: &EngineOptions) -> Option<checkpoint::FrozenPart> {
+    let params: Vec<(String, Vec<usize>)> = specs
+        .iter()
+        .filter(|p| p.frozen)
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    if params.is_empty() {
+        return None;
+    }
+    let source = match &opts.init {
+        None => format!("seed {}", opts.seed),
+        Some(path) => {
+            let name = path.file_name().map_or(path.display().to_string(), |n| {
+                n.to_string_lossy().into_owned()
+            });
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => format!("weights file {name} ({} bytes)", m.len()),
+                _ => format!("weights directory {name}"),
+            }
+        }
+    };
+    Some(checkpoint::FrozenPart { params, source })
+}
+
+/// A checkpoint holds only the trainable parameters: resuming it where the frozen ones are
+/// other ones, or start from another source, would train the adapters of another model.
+fn check_frozen_source(
+    dir: &Path,
+    saved: Option<&checkpoint::FrozenPart>,
+    now: Option<&checkpoint::FrozenPart>,
+) -> Result<()> {
+    let describe = |f: Option<&checkpoint::FrozenPart>| match f {
+        None => "no frozen parameters".to_string(),
+        Some(f) => format!("{} frozen parameters from {}", f.params.len(), f.source),
+    };
+    if saved == now {
+        return Ok(());
+    }
+    Err(EngineError::file(
+        dir,
+        format!(
+            "the checkpoint was trained with {}, this run has {}: start the frozen part as the checkpoint's run did (the same --init or seed)",
+            describe(saved),
+            describe(now)
+        ),
+    ))
+}
 
 /// The flat layout of `specs` on this tensor-parallel rank.
 fn flat_index(specs: &[ParamSpec], tp: TpRank) -> Result<FlatIndex> {
