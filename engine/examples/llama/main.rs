@@ -14,7 +14,8 @@
 //! `tp2.json` is the built-in config with `"tensor_parallel": {"autotp_size": 2,
 //! "partition_config": ...}` (the rules below). Options: `--steps N` (default 50), `--save
 //! DIR` (a checkpoint at the end) and `--save-weights FILE` (the model as one safetensors
-//! file, which the lora example adapts).
+//! file, which the lora example adapts) and `--hidden N` (the width, a multiple of 32;
+//! default 64).
 
 mod model;
 
@@ -43,7 +44,7 @@ const SEQ: usize = 32;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
-    let c = Config::tiny();
+    let c = Config::tiny().with_hidden(args.hidden);
     let job = Job::init(DS_CONFIG)?;
     let mut engine = job.initialize(build(c, job.tp())?, &EngineOptions::default())?;
 
@@ -74,6 +75,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {:>4}  loss {total:.4}  (floor {floor:.4})", step + 1);
         }
     }
+    if job.rank() == 0 {
+        println!("{}", model::memory_line(&engine.memory_report()));
+    }
     if let Some(dir) = args.save {
         engine.save_checkpoint(&dir, "final", serde_json::json!({}))?;
     }
@@ -85,6 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 struct Args {
     steps: u64,
+    hidden: usize,
     save: Option<std::path::PathBuf>,
     save_weights: Option<std::path::PathBuf>,
 }
@@ -93,6 +98,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut out = Args {
         steps: 50,
+        hidden: 64,
         save: None,
         save_weights: None,
     };
@@ -103,12 +109,21 @@ fn parse_args() -> Result<Args, String> {
             "--steps" => out.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--save" => out.save = Some(value()?.into()),
             "--save-weights" => out.save_weights = Some(value()?.into()),
+            "--hidden" => out.hidden = hidden(&value()?)?,
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (--steps N, --save DIR, --save-weights FILE)"
+                    "unknown argument {other:?} (--steps N, --save DIR, --save-weights FILE, --hidden N)"
                 ))
             }
         }
     }
     Ok(out)
+}
+
+/// `--hidden`: a positive multiple of 32 (heads of 16, an even number of them).
+fn hidden(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(h) if h > 0 && h.is_multiple_of(32) => Ok(h),
+        _ => Err(format!("--hidden {v}: expected a positive multiple of 32")),
+    }
 }

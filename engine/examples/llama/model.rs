@@ -41,6 +41,17 @@ impl Config {
         }
     }
 
+    /// The same model at width `hidden` (a multiple of 32): heads of 16, half as many
+    /// key-value heads, SwiGLU's 8/3 inner ratio. For measuring memory at a size where the
+    /// model's states outweigh the program.
+    pub fn with_hidden(mut self, hidden: usize) -> Config {
+        self.hidden = hidden;
+        self.heads = hidden / 16;
+        self.kv_heads = self.heads / 2;
+        self.intermediate = (hidden * 8 / 3).div_ceil(4) * 4;
+        self
+    }
+
     pub fn head_dim(&self) -> usize {
         self.hidden / self.heads
     }
@@ -213,4 +224,22 @@ pub fn build(c: Config, tp: Tp) -> ds_engine::Result<Model> {
         })?;
     }
     m.module("", move |vb| Head::new(&c, tp.clone(), vb))
+}
+
+/// This rank's memory report in one line, MiB: the model states (trainable parameters, their
+/// gradients, optimizer states; frozen parameters) and the step's peaks (activations, the
+/// layers' materialised parameters and gradients, communication buffers).
+pub fn memory_line(m: &ds_engine::MemoryReport) -> String {
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    format!(
+        "memory (MiB): parameters {:.1}, gradients {:.1}, optimizer states {:.1}, frozen {:.1}; peaks: activations {:.1}, layer parameters {:.1}, layer gradients {:.1}, buffers {:.1}",
+        mib(m.params),
+        mib(m.grads),
+        mib(m.optimizer_states),
+        mib(m.frozen_params),
+        mib(m.activations),
+        mib(m.layer_params),
+        mib(m.layer_grads),
+        mib(m.comm_buffers)
+    )
 }

@@ -10,8 +10,9 @@
 //! ds-rs launch --nproc_per_node 2 target/release/examples/lora --base base.safetensors
 //! ```
 //!
-//! Options: `--base FILE` (the model to adapt, required), `--steps N` (default 60) and
-//! `--save DIR` (a checkpoint of the adapters at the end: the frozen base stays in FILE).
+//! Options: `--base FILE` (the model to adapt, required), `--steps N` (default 60), `--save
+//! DIR` (a checkpoint of the adapters at the end: the frozen base stays in FILE) and `--hidden
+//! N` (the base's width, as the llama example was given it; default 64).
 
 #[path = "../llama/model.rs"]
 mod model;
@@ -36,8 +37,8 @@ const DS_CONFIG: &str = r#"{
 const SEQ: usize = 32;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (base, steps, save) = parse_args()?;
-    let c = Config::tiny();
+    let (base, steps, save, hidden) = parse_args()?;
+    let c = Config::tiny().with_hidden(hidden);
     let job = Job::init(DS_CONFIG)?;
     let lora = LoraConfig {
         r: 8,
@@ -50,13 +51,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..EngineOptions::default()
     };
     let mut engine = job.initialize(model, &opts)?;
-    if job.rank() == 0 {
-        let m = engine.memory_report();
-        println!(
-            "trainable (adapters): {} bytes of parameters, {} of optimizer states; frozen base: {} bytes on this rank",
-            m.params, m.optimizer_states, m.frozen_params
-        );
-    }
 
     // the new data: a stream with another transition table than the base's
     let s = engine.settings();
@@ -84,15 +78,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {:>4}  loss {total:.4}  (floor {floor:.4})", step + 1);
         }
     }
+    if job.rank() == 0 {
+        println!("{}", model::memory_line(&engine.memory_report()));
+    }
     if let Some(dir) = save {
         engine.save_checkpoint(&dir, "adapters", serde_json::json!({}))?;
     }
     Ok(())
 }
 
-/// `--base FILE`, `--steps N`, `--save DIR`.
-fn parse_args() -> Result<(PathBuf, u64, Option<PathBuf>), String> {
-    let (mut base, mut steps, mut save) = (None, 60, None);
+/// `--base FILE`, `--steps N`, `--save DIR`, `--hidden N`.
+fn parse_args() -> Result<(PathBuf, u64, Option<PathBuf>, usize), String> {
+    let (mut base, mut steps, mut save, mut hidden) = (None, 60, None, 64);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -100,14 +97,22 @@ fn parse_args() -> Result<(PathBuf, u64, Option<PathBuf>), String> {
             "--base" => base = Some(PathBuf::from(value()?)),
             "--steps" => steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--save" => save = Some(value()?.into()),
+            "--hidden" => {
+                let v = value()?;
+                hidden = v
+                    .parse()
+                    .ok()
+                    .filter(|h: &usize| *h > 0 && h.is_multiple_of(32))
+                    .ok_or(format!("--hidden {v}: expected a positive multiple of 32"))?;
+            }
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (--base FILE, --steps N, --save DIR)"
+                    "unknown argument {other:?} (--base FILE, --steps N, --save DIR, --hidden N)"
                 ))
             }
         }
     }
     let base =
         base.ok_or("--base FILE: the weights to adapt (the llama example's --save-weights)")?;
-    Ok((base, steps, save))
+    Ok((base, steps, save, hidden))
 }
