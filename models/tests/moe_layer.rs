@@ -199,7 +199,7 @@ fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
             let x = Tensor::from_vec(x.clone(), shape, &Device::Cpu)?;
             let r = Tensor::from_vec(r.clone(), shape, &Device::Cpu)?;
             let out = engine.forward(&Inputs::new().with("x", x))?;
-            let added = engine.added_loss();
+            let added = engine.added_loss()?;
             engine.backward(&(out * r)?.sum_all()?)?;
             engine.step()?;
             Ok::<_, ds_engine::EngineError>((added, engine.gather_params()?))

@@ -495,7 +495,7 @@ impl Engine {
     /// The losses the model's layers added to its loss in the last `forward` (an MoE router's
     /// load-balancing loss, `Context::add_loss`): part of what `backward` differentiates,
     /// though not of the output `forward` returned.
-    pub fn added_loss(&self) -> f32 {
+    pub fn added_loss(&self) -> Result<f32> {
         each!(&self.core, t => t.added_loss())
     }
 

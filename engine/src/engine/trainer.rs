@@ -103,8 +103,8 @@ pub(crate) struct Trainer<T: Dtype> {
     swap_io: Arc<SwapIo>,
     swap_taken: IoTotals,
     peak: StepPeak,
-    /// The value of the losses the layers added in the last forward (`Context::add_loss`).
-    added_loss: f32,
+    /// The losses the layers added in the last forward (`Context::add_loss`), detached.
+    added_losses: Vec<Tensor>,
 }
 
 /// The frozen parameters' store, their flat layout and each layer's ids and range in it.
@@ -263,7 +263,7 @@ impl<T: Dtype> Trainer<T> {
             swap_taken: swap_io.totals(),
             swap_io,
             peak: StepPeak::default(),
-            added_loss: 0.0,
+            added_losses: Vec::new(),
         })
     }
 
@@ -368,7 +368,7 @@ impl<T: Dtype> Trainer<T> {
     ) -> Result<Tensor> {
         let t0 = Instant::now();
         self.inputs = Some(inputs);
-        self.added_loss = 0.0;
+        self.added_losses.clear();
         self.saved.clear();
         self.running = layers.clone();
         for i in layers.clone() {
@@ -376,7 +376,8 @@ impl<T: Dtype> Trainer<T> {
             let params = self.materialise(i, (i + 1 < layers.end).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
             if let Kept::Graph { added: Some(a), .. } = &kept {
-                self.added_loss += a.to_scalar::<f32>()?;
+                // read only when asked (`added_loss`): no device round trip per layer
+                self.added_losses.push(a.detach());
             }
             // the chunk's first layer always keeps its input (Note [checkpoint segments])
             let checkpoint = (i - layers.start).is_multiple_of(self.settings.checkpoint_interval);
@@ -602,8 +603,12 @@ impl<T: Dtype> Trainer<T> {
     }
 
     /// The value of the losses the layers added in the last forward.
-    pub fn added_loss(&self) -> f32 {
-        self.added_loss
+    pub fn added_loss(&self) -> Result<f32> {
+        let mut sum = 0.0;
+        for l in &self.added_losses {
+            sum += l.to_scalar::<f32>()?;
+        }
+        Ok(sum)
     }
 
     pub fn updater(&self) -> &Updater {
