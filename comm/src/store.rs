@@ -515,12 +515,41 @@ mod tests {
         assert_eq!(ok.get("k").unwrap(), b"v");
     }
 
+    /// A loopback port bound by a socket that does not listen, held until it drops:
+    /// connecting is refused, and no other socket can take the port meanwhile (a listener
+    /// bound and closed left it free, and another test's store took it once, answering).
+    struct RefusingPort(libc::c_int, u16);
+
+    impl RefusingPort {
+        fn new() -> RefusingPort {
+            // SAFETY: plain socket calls on a fresh descriptor and a local sockaddr_in.
+            unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+                assert!(fd >= 0, "socket");
+                let mut a: libc::sockaddr_in = std::mem::zeroed();
+                a.sin_family = libc::AF_INET as libc::sa_family_t;
+                a.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+                let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                let sa = &mut a as *mut libc::sockaddr_in as *mut libc::sockaddr;
+                assert_eq!(libc::bind(fd, sa, len), 0, "bind");
+                let mut got = len;
+                assert_eq!(libc::getsockname(fd, sa, &mut got), 0, "getsockname");
+                RefusingPort(fd, u16::from_be(a.sin_port))
+            }
+        }
+    }
+
+    impl Drop for RefusingPort {
+        fn drop(&mut self) {
+            // SAFETY: the descriptor is ours and closed once.
+            unsafe { libc::close(self.0) };
+        }
+    }
+
     #[test]
     fn an_absent_store_is_an_error_within_the_timeout() {
-        let addr = {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().to_string()
-        };
+        let port = RefusingPort::new();
+        let addr = format!("127.0.0.1:{}", port.1);
         let start = Instant::now();
         let err = StoreClient::connect(&addr, None, Duration::from_millis(300))
             .err()
