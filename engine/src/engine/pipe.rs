@@ -604,18 +604,25 @@ impl Wire {
 /// names their stages too, whatever collective it happened in (a transfer, the loss broadcast,
 /// the gradient norm, tied gradients): "pipeline stage 1: recv: timed out ... rank 1".
 pub(crate) fn name_stages(e: EngineError, stage: &Stage) -> EngineError {
-    let EngineError::Comm(c) = e else {
-        return e;
+    name_stages_among(e, stage.group.global_ranks())
+}
+
+/// `name_stages` for the pipeline whose stage `s` is global rank `pipeline[s]`.
+fn name_stages_among(e: EngineError, pipeline: &[usize]) -> EngineError {
+    // The gradient norm's all-reduce over the stages fails inside ds-partition, so its
+    // communication error arrives wrapped as a partition error.
+    let c = match e {
+        EngineError::Comm(c) | EngineError::Partition(ds_partition::PartitionError::Comm(c)) => c,
+        other => return other,
     };
     let ranks = match &c {
         ds_comm::CommError::Timeout { missing, .. } => missing.clone(),
         ds_comm::CommError::PeerLost { peer, .. } => vec![*peer],
         _ => Vec::new(),
     };
-    let group = stage.group.global_ranks();
     let stages: Vec<String> = ranks
         .iter()
-        .filter_map(|r| group.iter().position(|g| g == r))
+        .filter_map(|r| pipeline.iter().position(|g| g == r))
         .map(|s| s.to_string())
         .collect();
     match stages.is_empty() {
@@ -710,4 +717,40 @@ fn exchange(
         .send_recv(&data_out, &mut data_in)
         .map_err(fail)?;
     wires.into_iter().map(|w| w.into_tensor(dev)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn timeout(what: &str, missing: Vec<usize>) -> ds_comm::CommError {
+        ds_comm::CommError::Timeout {
+            what: what.into(),
+            missing,
+            after: Duration::from_secs(4),
+        }
+    }
+
+    /// Whichever layer the timed-out collective ran in, the silent rank's stage is named:
+    /// a transfer's error arrives as a communication error, the gradient norm's all-reduce
+    /// over the stages as ds-partition's.
+    #[test]
+    fn a_timeout_names_the_silent_stage_however_it_arrives() {
+        let pipeline = [4, 6];
+        let direct = EngineError::Comm(timeout("recv", vec![6]));
+        let wrapped = EngineError::Partition(timeout("all_reduce", vec![6]).into());
+        for e in [direct, wrapped] {
+            let said = name_stages_among(e, &pipeline).to_string();
+            assert!(said.starts_with("pipeline stage 1: "), "{said}");
+            assert!(said.contains("waiting for rank 6"), "{said}");
+        }
+    }
+
+    /// A rank outside this pipeline is no stage of it: the error stays as it was.
+    #[test]
+    fn a_rank_outside_the_pipeline_names_no_stage() {
+        let said = name_stages_among(EngineError::Comm(timeout("recv", vec![5])), &[4, 6]);
+        assert!(!said.to_string().contains("pipeline stage"), "{said}");
+    }
 }
