@@ -36,6 +36,8 @@ pub fn ds_models_config(c: &model::Config) -> LlamaConfig {
         tie_word_embeddings: false,
         windows: vec![None; c.layers],
         initializer_range: 0.02,
+        qk_norm: false,
+        moe: None,
     }
 }
 

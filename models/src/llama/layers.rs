@@ -18,12 +18,13 @@ use ds_engine::model::{
 };
 use ds_engine::parallel::{vocab, Tp};
 
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, SparseMlp};
 use super::ops::{
     repeat_heads, rms_norm, rms_norm_backward, sum_repeated_heads, swiglu, swiglu_backward,
     window_softmax,
 };
 use super::rope;
+use super::sparse;
 
 /// The embedding's name, which a tied LM head reads.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -37,6 +38,7 @@ pub fn build(c: &LlamaConfig, tp: &Tp) -> std::result::Result<Model, String> {
             c: c.clone(),
             tp: tp.clone(),
             window: c.windows[i],
+            sparse: c.sparse_layer(i).cloned(),
         };
         m = m.layer(&format!("model.layers.{i}"), layer);
     }
@@ -47,7 +49,7 @@ pub fn build(c: &LlamaConfig, tp: &Tp) -> std::result::Result<Model, String> {
     })
 }
 
-fn weight_init(c: &LlamaConfig) -> Init {
+pub(super) fn weight_init(c: &LlamaConfig) -> Init {
     Init::normal(c.initializer_range)
 }
 
@@ -128,11 +130,13 @@ impl Tape for EmbeddingTape {
     }
 }
 
-/// One decoder layer: `x + attn(norm(x))`, then `+ mlp(norm(.))`.
+/// One decoder layer: `x + attn(norm(x))`, then `+ mlp(norm(.))`, the MLP dense or a
+/// mixture of experts.
 struct DecoderLayer {
     c: LlamaConfig,
     tp: Tp,
     window: Option<usize>,
+    sparse: Option<SparseMlp>,
 }
 
 /// A linear's weight and optional bias.
@@ -160,24 +164,30 @@ impl Lin {
     }
 }
 
-/// A decoder layer's parameters, this rank's slices.
+/// A decoder layer's parameters but the MLP's, this rank's slices.
 struct LayerParams {
     input_norm: Tensor,
     q: Lin,
     k: Lin,
     v: Lin,
     o: Lin,
+    /// Qwen3's RMSNorm weights over each query and key head [head_dim].
+    qk_norm: Option<(Tensor, Tensor)>,
     post_norm: Tensor,
+}
+
+/// The dense MLP's parameters, this rank's slices.
+struct MlpParams {
     gate: Lin,
     up: Lin,
     down: Lin,
 }
 
 impl DecoderLayer {
-    /// (name, local shape, init, split, has bias) of each linear, in declaration order.
-    fn linears(&self) -> [(&'static str, [usize; 2], Split, bool); 7] {
+    /// (name, whole shape, split, has bias) of attention's linears, in declaration order.
+    fn attention_linears(&self) -> [Linear; 4] {
         let c = &self.c;
-        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let d = c.hidden_size;
         let (q, kv) = (c.q_width(), c.kv_width());
         let column = Split::dim(0);
         let row = Split::dim(1);
@@ -186,42 +196,82 @@ impl DecoderLayer {
             ("self_attn.k_proj", [kv, d], column, c.qkv_bias),
             ("self_attn.v_proj", [kv, d], column, c.qkv_bias),
             ("self_attn.o_proj", [d, q], row, c.o_bias),
-            ("mlp.gate_proj", [f, d], column, c.mlp_bias),
-            ("mlp.up_proj", [f, d], column, c.mlp_bias),
-            ("mlp.down_proj", [d, f], row, c.mlp_bias),
         ]
     }
 
+    /// The dense MLP's linears, as `attention_linears`.
+    fn mlp_linears(&self) -> [Linear; 3] {
+        let c = &self.c;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        [
+            ("mlp.gate_proj", [f, d], Split::dim(0), c.mlp_bias),
+            ("mlp.up_proj", [f, d], Split::dim(0), c.mlp_bias),
+            ("mlp.down_proj", [d, f], Split::dim(1), c.mlp_bias),
+        ]
+    }
+
+    /// This rank's slice of a linear.
+    fn load_linear(&self, vb: &VarBuilder, (name, [out, inp], split, bias): Linear) -> Result<Lin> {
+        let tp = self.tp.size();
+        let (out, inp) = match split {
+            Split::Dim { dim: 0, .. } => (out / tp, inp),
+            _ => (out, inp / tp),
+        };
+        Ok(Lin {
+            w: vb.get((out, inp), &format!("{name}.weight"))?,
+            b: match bias {
+                true => Some(vb.get(out, &format!("{name}.bias"))?),
+                false => None,
+            },
+        })
+    }
+
     fn load(&self, vb: &VarBuilder) -> Result<LayerParams> {
-        let (c, tp) = (&self.c, self.tp.size());
+        let c = &self.c;
         let d = c.hidden_size;
-        let lins = self
-            .linears()
-            .map(|(name, [out, inp], split, bias)| -> Result<Lin> {
-                let (out, inp) = match split {
-                    Split::Dim { dim: 0, .. } => (out / tp, inp),
-                    _ => (out, inp / tp),
-                };
-                Ok(Lin {
-                    w: vb.get((out, inp), &format!("{name}.weight"))?,
-                    b: match bias {
-                        true => Some(vb.get(out, &format!("{name}.bias"))?),
-                        false => None,
-                    },
-                })
-            });
-        let [q, k, v, o, gate, up, down] = lins;
+        let [q, k, v, o] = self.attention_linears().map(|l| self.load_linear(vb, l));
+        let qk_norm = match c.qk_norm {
+            true => Some((
+                vb.get(c.head_dim, "self_attn.q_norm.weight")?,
+                vb.get(c.head_dim, "self_attn.k_norm.weight")?,
+            )),
+            false => None,
+        };
         Ok(LayerParams {
             input_norm: vb.get(d, "input_layernorm.weight")?,
             q: q?,
             k: k?,
             v: v?,
             o: o?,
+            qk_norm,
             post_norm: vb.get(d, "post_attention_layernorm.weight")?,
+        })
+    }
+
+    fn load_mlp(&self, vb: &VarBuilder) -> Result<MlpParams> {
+        let [gate, up, down] = self.mlp_linears().map(|l| self.load_linear(vb, l));
+        Ok(MlpParams {
             gate: gate?,
             up: up?,
             down: down?,
         })
+    }
+
+    /// Whether candle's autograd differentiates the layer: the backward written out here
+    /// covers neither the experts nor Qwen3's per-head norms yet.
+    fn autograd_only(&self) -> bool {
+        self.sparse.is_some() || self.c.qk_norm
+    }
+
+    /// A layer with a mixture of experts, differentiated by autograd (tp 1: `check_tp`).
+    fn forward_sparse(&self, m: &SparseMlp, vb: &VarBuilder, x: &Tensor) -> Result<Tensor> {
+        let (c, tp) = (&self.c, &self.tp);
+        let p = self.load(vb)?;
+        let (h1, _) = rms_norm(x, &p.input_norm, c.rms_norm_eps)?;
+        let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
+        let x2 = (x + p.o.forward_rows(tp, &attn.out)?)?;
+        let (h2, _) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
+        x2 + sparse::forward(m, c.family, vb, &h2)?
     }
 
     fn scale(&self) -> f64 {
@@ -231,21 +281,23 @@ impl DecoderLayer {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
         let (c, tp) = (&self.c, &self.tp);
         let p = self.load(vb)?;
+        let mlp = self.load_mlp(vb)?;
         let x = x.contiguous()?;
         let (h1, r1) = rms_norm(&x, &p.input_norm, c.rms_norm_eps)?;
         let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
         let x2 = (&x + p.o.forward_rows(tp, &attn.out)?)?;
         let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
         let h2g = tp.gather(&h2)?;
-        let gate = p.gate.forward(&h2g)?;
-        let up = p.up.forward(&h2g)?;
+        let gate = mlp.gate.forward(&h2g)?;
+        let up = mlp.up.forward(&h2g)?;
         let act = swiglu(&gate, &up)?;
-        let output = (&x2 + p.down.forward_rows(tp, &act)?)?;
+        let output = (&x2 + mlp.down.forward_rows(tp, &act)?)?;
         let tape = LayerTape {
             layer: DecoderLayer {
                 c: c.clone(),
                 tp: tp.clone(),
                 window: self.window,
+                sparse: None,
             },
             x,
             r1,
@@ -270,44 +322,74 @@ impl Layer for DecoderLayer {
         let c = &self.c;
         let d = c.hidden_size;
         let mut specs = vec![ParamSpec::new("input_layernorm.weight", &[d], Init::Ones).norm()];
-        for (i, (name, shape, split, bias)) in self.linears().into_iter().enumerate() {
-            if i == 4 {
-                specs.push(
-                    ParamSpec::new("post_attention_layernorm.weight", &[d], Init::Ones).norm(),
-                );
+        for l in self.attention_linears() {
+            specs.extend(linear_specs(c, l));
+        }
+        if c.qk_norm {
+            for name in ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] {
+                specs.push(ParamSpec::new(name, &[c.head_dim], Init::Ones).norm());
             }
-            specs.push(
-                ParamSpec::new(&format!("{name}.weight"), &shape, weight_init(c)).split(split),
-            );
-            if bias {
-                // a column-parallel bias is split with its rows; a row-parallel one replicated
-                let b = ParamSpec::new(&format!("{name}.bias"), &[shape[0]], Init::Zeros);
-                specs.push(match split == Split::dim(0) {
-                    true => b.split(split),
-                    false => b,
-                });
+        }
+        specs.push(ParamSpec::new("post_attention_layernorm.weight", &[d], Init::Ones).norm());
+        match &self.sparse {
+            Some(m) => specs.extend(sparse::params(m, c)),
+            None => {
+                for l in self.mlp_linears() {
+                    specs.extend(linear_specs(c, l));
+                }
             }
         }
         specs
     }
 
     fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x)?.output)
+        match &self.sparse {
+            Some(m) => self.forward_sparse(m, vb, &x.contiguous()?),
+            None => Ok(self.taped(vb, x)?.output),
+        }
     }
 
     fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x).map(Some)
+        match self.autograd_only() {
+            true => Ok(None),
+            false => self.taped(vb, x).map(Some),
+        }
     }
 
-    /// The products (q, k, v, o, gate, up, down) and attention's scores and weighted sums.
+    /// The products (q, k, v, o; gate, up, down of the dense MLP or of each token's experts
+    /// and the router) and attention's scores and weighted sums.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         let c = &self.c;
         let seq = *shape.get(1)? as u64;
-        let (d, f) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let d = c.hidden_size as u64;
         let (q, kv) = (c.q_width() as u64, c.kv_width() as u64);
-        let per_token = 2 * d * q + 2 * d * kv + 3 * d * f + 2 * seq * q;
+        let mlp = match &self.sparse {
+            Some(m) => (m.top_k * 3 * m.expert_size + m.num_experts) as u64 * d,
+            None => 3 * d * c.intermediate_size as u64,
+        };
+        let per_token = 2 * d * q + 2 * d * kv + mlp + 2 * seq * q;
         Some(2 * rows(shape) as u64 * per_token / self.tp.size() as u64)
     }
+}
+
+/// A linear's name, whole shape [out, in], split and whether it has a bias.
+type Linear = (&'static str, [usize; 2], Split, bool);
+
+/// A linear's weight and bias specs.
+fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): Linear) -> Vec<ParamSpec> {
+    let w = ParamSpec::new(&format!("{name}.weight"), &shape, weight_init(c)).split(split);
+    if !bias {
+        return vec![w];
+    }
+    // a column-parallel bias is split with its rows; a row-parallel one replicated
+    let b = ParamSpec::new(&format!("{name}.bias"), &[shape[0]], Init::Zeros);
+    vec![
+        w,
+        match split == Split::dim(0) {
+            true => b.split(split),
+            false => b,
+        },
+    ]
 }
 
 /// Grouped-query causal attention's forward values, kept for its backward.
@@ -336,8 +418,16 @@ impl Attention {
             y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
         };
         let (cos, sin) = c.rope.tables(hd, 0, t, x.dtype(), x.device())?;
-        let q = rope::apply(&heads(p.q.forward(x)?, h)?, &cos, &sin)?;
-        let k = rope::apply(&heads(p.k.forward(x)?, g)?, &cos, &sin)?;
+        let (q, k) = (heads(p.q.forward(x)?, h)?, heads(p.k.forward(x)?, g)?);
+        let (q, k) = match &p.qk_norm {
+            Some((wq, wk)) => (
+                rms_norm(&q, wq, c.rms_norm_eps)?.0,
+                rms_norm(&k, wk, c.rms_norm_eps)?.0,
+            ),
+            None => (q, k),
+        };
+        let q = rope::apply(&q, &cos, &sin)?;
+        let k = rope::apply(&k, &cos, &sin)?;
         let v = heads(p.v.forward(x)?, g)?;
         let scores = q.matmul(&repeat_heads(&k, h / g)?.t()?)?;
         let probs = match layer.window {
@@ -406,19 +496,20 @@ impl Tape for LayerTape {
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let p = self.layer.load(vb)?;
+        let mlp = self.layer.load_mlp(vb)?;
         let tp = &self.layer.tp;
         let mut named: Vec<(&str, Tensor)> = Vec::new();
         // the MLP branch: y = x2 + down(swiglu(gate(h2), up(h2)))
         let dyg = tp.gather(dy)?;
-        let down = linear_backward(&self.act, &p.down.w, &dyg)?;
+        let down = linear_backward(&self.act, &mlp.down.w, &dyg)?;
         named.push(("mlp.down_proj.weight", down.dw));
         let (dgate, dup) = swiglu_backward(&self.gate, &self.up, &down.dx)?;
         let h2g = tp.gather(&self.h2)?;
-        let gate = linear_backward(&h2g, &p.gate.w, &dgate)?;
-        let up = linear_backward(&h2g, &p.up.w, &dup)?;
+        let gate = linear_backward(&h2g, &mlp.gate.w, &dgate)?;
+        let up = linear_backward(&h2g, &mlp.up.w, &dup)?;
         named.push(("mlp.gate_proj.weight", gate.dw));
         named.push(("mlp.up_proj.weight", up.dw));
-        if let (Some(bg), Some(bu)) = (&p.gate.b, &p.up.b) {
+        if let (Some(bg), Some(bu)) = (&mlp.gate.b, &mlp.up.b) {
             named.push(("mlp.gate_proj.bias", bias_backward(&dgate, bg)?));
             named.push(("mlp.up_proj.bias", bias_backward(&dup, bu)?));
         }
@@ -454,7 +545,7 @@ impl Tape for LayerTape {
         if let Some(b) = &p.o.b {
             replicated.push(("self_attn.o_proj.bias", bias_backward(&dx2, b)?));
         }
-        if let Some(b) = &p.down.b {
+        if let Some(b) = &mlp.down.b {
             replicated.push(("mlp.down_proj.bias", bias_backward(dy, b)?));
         }
         let (names, grads): (Vec<&str>, Vec<Tensor>) = replicated.into_iter().unzip();

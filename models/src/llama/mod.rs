@@ -1,18 +1,21 @@
 //! Llama-family decoders (transformers' `LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`): RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+//! `Qwen2ForCausalLM`, and the mixtures of experts `MixtralForCausalLM` and
+//! `Qwen3MoeForCausalLM`): RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 
 mod config;
 mod layers;
 pub mod ops;
 pub mod rope;
+mod sparse;
 
 #[cfg(test)]
 mod tests;
 
 pub use crate::fields::ConfigProblem;
-pub use config::{Family, LlamaConfig};
+pub use config::{Family, LlamaConfig, SparseMlp};
 pub use layers::{build, EMBED};
 pub use rope::{Rope, Scaling};
+pub use sparse::top_k;
 
 /// A preset: its name, the config, and the sequence length it trains at by default.
 pub struct Preset {
@@ -46,7 +49,25 @@ fn sized(
         tie_word_embeddings: tied,
         windows: vec![None; l],
         initializer_range: 0.02,
+        qk_norm: false,
+        moe: None,
     }
+}
+
+/// A tiny mixture-of-experts model of `family`: 8 experts of width 344, 2 per token (the
+/// tiny dense model's MLP parameters per token), Qwen3's per-head norms for Qwen3-MoE.
+fn sparse_tiny(family: Family) -> LlamaConfig {
+    let mut c = sized(family, [4096, 256, 688, 4, 4, 2], 128, PLAIN_ROPE, false);
+    c.qk_norm = family == Family::Qwen3Moe;
+    c.rms_norm_eps = 1e-6;
+    c.moe = Some(SparseMlp {
+        num_experts: 8,
+        top_k: 2,
+        expert_size: 344,
+        norm_topk_prob: true,
+        sparse_layers: vec![true; 4],
+    });
+    c
 }
 
 const LLAMA3_ROPE: Rope = Rope {
@@ -106,6 +127,16 @@ pub fn presets() -> Vec<Preset> {
         Preset {
             name: "mistral-tiny",
             config: mistral_tiny,
+            seq_len: 128,
+        },
+        Preset {
+            name: "mixtral-tiny",
+            config: sparse_tiny(Family::Mixtral),
+            seq_len: 128,
+        },
+        Preset {
+            name: "qwen3-moe-tiny",
+            config: sparse_tiny(Family::Qwen3Moe),
             seq_len: 128,
         },
         Preset {

@@ -34,8 +34,12 @@ impl Rope {
 
     /// From config.json in either spelling: transformers 5's `rope_parameters` or transformers
     /// 4's top-level `rope_theta` with `rope_scaling` (whose type key was `type`, then
-    /// `rope_type`).
-    pub fn from_hf(o: &Map<String, Value>, max_position_embeddings: usize) -> Result2<Rope> {
+    /// `rope_type`). `default_theta` is the family's base where neither gives one.
+    pub fn from_hf(
+        o: &Map<String, Value>,
+        max_position_embeddings: usize,
+        default_theta: f64,
+    ) -> Result2<Rope> {
         let params = ["rope_parameters", "rope_scaling"]
             .iter()
             .find_map(|k| o.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)));
@@ -63,7 +67,7 @@ impl Rope {
         let need = |key: &str| -> Result2<f64> {
             num(key)?.ok_or_else(|| format!("`{section}.{key}` is required by this rope type"))
         };
-        let theta = num("rope_theta")?.unwrap_or(Rope::DEFAULT_THETA);
+        let theta = num("rope_theta")?.unwrap_or(default_theta);
         // transformers reads it beside the RoPE parameters or at the top level
         let partial = match p
             .get("partial_rotary_factor")
