@@ -224,3 +224,42 @@ fn gpt2_exports_in_transformers_layout() {
     assert!(f.status.success(), "{again}\n{}", f.stderr);
     assert!(f.stdout.contains("from its weights"), "{}", f.stdout);
 }
+
+/// A mixture of experts goes out as the hub has it: Mixtral's router and every expert under
+/// their per-expert names (`block_sparse_moe.experts.{e}.w1`), the tensors and shapes of
+/// transformers' own file, written from ZeRO-3 shards; the directory trains on.
+#[test]
+fn mixtral_exports_in_transformers_layout() {
+    let s = Scratch::new("hf-mixtral");
+    let mixtral =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf/mixtral");
+    let out = s.path("out");
+    let cfg = s.write(
+        "cfg.json",
+        r#"{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}}"#,
+    );
+    let cmd = format!(
+        "launch --nproc_per_node 2 --config {} train --model {} --seq-len 16 --steps 2 \
+         --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-hf {}",
+        cfg.display(),
+        mixtral.display(),
+        s.path("m").display(),
+        out.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}\n{}", f.stderr);
+    assert_eq!(
+        header(&out.join("model.safetensors")),
+        header(&mixtral.join("model.safetensors"))
+    );
+    let again = format!(
+        "train --model {} --seq-len 16 --steps 1 --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+        out.display(),
+        s.path("m2").display()
+    );
+    let f = run(&again, LIMIT);
+    assert!(f.status.success(), "{again}\n{}", f.stderr);
+    assert!(f.stdout.contains("from its weights"), "{}", f.stdout);
+}

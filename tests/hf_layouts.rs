@@ -5,8 +5,9 @@
 //! and without activation checkpointing, gives every step's loss of one process; so do the
 //! tied Qwen2 fixture at dp 2 ZeRO-2, dp 4 ZeRO-3 and tp 2 x dp 2 ZeRO-1, and the tied GPT-2
 //! fixture (Conv1D weights read through the transpose) at tp 2 x dp 2 ZeRO-1 and ZeRO-3 and
-//! pp 2. Ranks are processes started by
-//! `ds-rs launch`.
+//! pp 2; and the mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, whose
+//! routing is token by token with no capacity, so no layout changes it) under ZeRO 2 and 3,
+//! pipelines and activation checkpointing. Ranks are processes started by `ds-rs launch`.
 //!
 //! Tolerance, 1e-5 relative (the issue's): every layout computes the same f32 function;
 //! tensor parallelism sums partial products and data parallelism averages gradients in
@@ -145,4 +146,13 @@ fn tied_qwen2_and_gpt2_equal_one_process() {
     check("gpt2", "tp=2 x dp=2 ZeRO-3", 4, 3, "--tp 2", "");
     check("qwen2", "dp=2 ZeRO-2", 2, 2, "", "");
     check("qwen2", "dp=4 ZeRO-3", 4, 3, "", "");
+}
+
+#[test]
+fn mixtures_of_experts_equal_one_process() {
+    check("mixtral", "dp=2 ZeRO-3", 2, 3, "", "");
+    check("mixtral", "pp=2", 2, 0, "--pp 2", "");
+    check("mixtral", "dp=2 ZeRO-2 +ac", 2, 2, "", CHECKPOINTING);
+    check("qwen3_moe", "dp=4 ZeRO-3", 4, 3, "", "");
+    check("qwen3_moe", "pp=2 x dp=2 ZeRO-1", 4, 1, "--pp 2", "");
 }

@@ -95,4 +95,39 @@ fn bad_model_directories_are_named() {
         &tp,
         &["num_key_value_heads = 2", "tensor-parallel degree 4"],
     );
+
+    // a mixture of experts: what ds-rs cannot train yet, or would train otherwise
+    let moe = |dir: &Path, edit: &dyn Fn(&mut serde_json::Value)| {
+        config_with(dir, |v| {
+            v["model_type"] = "mixtral".into();
+            v["num_local_experts"] = 4.into();
+            v["num_experts_per_tok"] = 2.into();
+            edit(v);
+        })
+    };
+    let aux = s.path("router-aux");
+    moe(&aux, &|v| v["output_router_logits"] = true.into());
+    refused(
+        &train(&aux),
+        &["router-aux/config.json", "`output_router_logits`"],
+    );
+    let k = s.path("top-k");
+    moe(&k, &|v| v["num_experts_per_tok"] = 5.into());
+    refused(
+        &train(&k),
+        &[
+            "top-k/config.json",
+            "`num_experts_per_tok` (5)",
+            "number of experts (4)",
+        ],
+    );
+    let mixtral_tp = s.path("mixtral-tp");
+    moe(&mixtral_tp, &|_| {});
+    refused(
+        &format!(
+            "launch --nproc_per_node 2 train --model {} --tp 2 --steps 1",
+            mixtral_tp.display()
+        ),
+        &["tensor parallelism of MixtralForCausalLM is not built yet"],
+    );
 }
