@@ -7,7 +7,8 @@
 //! fixture (Conv1D weights read through the transpose) at tp 2 x dp 2 ZeRO-1 and ZeRO-3 and
 //! pp 2; and the mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, whose
 //! routing is token by token with no capacity, so no layout changes it) under ZeRO 2 and 3,
-//! pipelines and activation checkpointing. Ranks are processes started by `ds-rs launch`.
+//! tensor parallelism (experts split as the dense MLP), pipelines and activation
+//! checkpointing. Ranks are processes started by `ds-rs launch`.
 //!
 //! Tolerance, 1e-5 relative (the issue's): every layout computes the same f32 function;
 //! tensor parallelism sums partial products and data parallelism averages gradients in
@@ -151,6 +152,8 @@ fn tied_qwen2_and_gpt2_equal_one_process() {
 #[test]
 fn mixtures_of_experts_equal_one_process() {
     check("mixtral", "dp=2 ZeRO-3", 2, 3, "", "");
+    check("mixtral", "tp=2 x dp=2 ZeRO-2", 4, 2, "--tp 2", "");
+    check("qwen3_moe", "tp=2", 2, 0, "--tp 2", "");
     check("mixtral", "pp=2", 2, 0, "--pp 2", "");
     check("mixtral", "dp=2 ZeRO-2 +ac", 2, 2, "", CHECKPOINTING);
     check("qwen3_moe", "dp=4 ZeRO-3", 4, 3, "", "");

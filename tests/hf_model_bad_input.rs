@@ -122,12 +122,15 @@ fn bad_model_directories_are_named() {
         ],
     );
     let mixtral_tp = s.path("mixtral-tp");
-    moe(&mixtral_tp, &|_| {});
+    moe(&mixtral_tp, &|v| v["intermediate_size"] = 47.into());
     refused(
         &format!(
             "launch --nproc_per_node 2 train --model {} --tp 2 --steps 1",
             mixtral_tp.display()
         ),
-        &["tensor parallelism of MixtralForCausalLM is not built yet"],
+        &[
+            "tensor-parallel degree 2",
+            "the experts' intermediate size = 47",
+        ],
     );
 }

@@ -414,21 +414,18 @@ impl LlamaConfig {
     /// Whether tensor parallelism of degree `tp` can split the model: whole query and key/value
     /// heads per rank, the MLP width and the vocabulary in equal parts.
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
-        if tp > 1 && (self.moe.is_some() || self.qk_norm) {
-            return Err(format!(
-                "tensor parallelism of {} is not built yet (its layers run under candle's autograd, without the tensor-parallel marks); train it with tp 1 under ZeRO or pipeline parallelism",
-                self.family.architecture()
-            ));
+        let mut sizes = vec![
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("vocab_size", self.vocab_size),
+        ];
+        if (0..self.num_hidden_layers).any(|i| self.sparse_layer(i).is_none()) {
+            sizes.push(("intermediate_size", self.intermediate_size));
         }
-        crate::check_tp_divides(
-            tp,
-            &[
-                ("num_attention_heads", self.num_attention_heads),
-                ("num_key_value_heads", self.num_key_value_heads),
-                ("intermediate_size", self.intermediate_size),
-                ("vocab_size", self.vocab_size),
-            ],
-        )
+        if let Some(m) = &self.moe {
+            sizes.push(("the experts' intermediate size", m.expert_size));
+        }
+        crate::check_tp_divides(tp, &sizes)
     }
 }
 

@@ -24,7 +24,7 @@ use super::ops::{
     window_softmax,
 };
 use super::rope;
-use super::sparse;
+use super::sparse::{self, Experts, SparseTape};
 
 /// The embedding's name, which a tied LM head reads.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -257,21 +257,48 @@ impl DecoderLayer {
         })
     }
 
-    /// Whether candle's autograd differentiates the layer: the backward written out here
-    /// covers neither the experts nor Qwen3's per-head norms yet.
-    fn autograd_only(&self) -> bool {
-        self.sparse.is_some() || self.c.qk_norm
+    /// The dense MLP's backward from the products its forward kept (`gate`, `up`, `act`),
+    /// its gathered input `h2g` and output gradient `dyg`: its weights' (and column biases')
+    /// gradients into `named`, and the gradient of its input, reduced over the group.
+    fn dense_mlp_backward(
+        &self,
+        vb: &VarBuilder,
+        [gate, up, act]: [&Tensor; 3],
+        h2g: &Tensor,
+        dyg: &Tensor,
+        named: &mut Vec<(String, Tensor)>,
+    ) -> Result<Tensor> {
+        let w = self.load_mlp(vb)?;
+        let down = linear_backward(act, &w.down.w, dyg)?;
+        named.push(("mlp.down_proj.weight".into(), down.dw));
+        let (dgate, dup) = swiglu_backward(gate, up, &down.dx)?;
+        let gate = linear_backward(h2g, &w.gate.w, &dgate)?;
+        let up = linear_backward(h2g, &w.up.w, &dup)?;
+        named.push(("mlp.gate_proj.weight".into(), gate.dw));
+        named.push(("mlp.up_proj.weight".into(), up.dw));
+        if let (Some(bg), Some(bu)) = (&w.gate.b, &w.up.b) {
+            named.push(("mlp.gate_proj.bias".into(), bias_backward(&dgate, bg)?));
+            named.push(("mlp.up_proj.bias".into(), bias_backward(&dup, bu)?));
+        }
+        self.tp.reduce(&(gate.dx + up.dx)?)
     }
 
-    /// A layer with a mixture of experts, differentiated by autograd (tp 1: `check_tp`).
-    fn forward_sparse(&self, m: &SparseMlp, vb: &VarBuilder, x: &Tensor) -> Result<Tensor> {
-        let (c, tp) = (&self.c, &self.tp);
-        let p = self.load(vb)?;
-        let (h1, _) = rms_norm(x, &p.input_norm, c.rms_norm_eps)?;
-        let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
-        let x2 = (x + p.o.forward_rows(tp, &attn.out)?)?;
-        let (h2, _) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
-        x2 + sparse::forward(m, c.family, vb, &h2)?
+    /// The dense MLP's replicated down bias, where it has one.
+    fn dense_down_bias(&self, vb: &VarBuilder) -> Result<Option<Tensor>> {
+        match self.sparse.is_none() && self.c.mlp_bias {
+            true => vb.get(self.c.hidden_size, "mlp.down_proj.bias").map(Some),
+            false => Ok(None),
+        }
+    }
+
+    /// This layer's mixture of experts, for a sparse layer.
+    fn experts<'a>(&'a self, m: &'a SparseMlp) -> Experts<'a> {
+        Experts {
+            m,
+            family: self.c.family,
+            tp: &self.tp,
+            hidden: self.c.hidden_size,
+        }
     }
 
     fn scale(&self) -> f64 {
@@ -281,23 +308,33 @@ impl DecoderLayer {
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
         let (c, tp) = (&self.c, &self.tp);
         let p = self.load(vb)?;
-        let mlp = self.load_mlp(vb)?;
         let x = x.contiguous()?;
         let (h1, r1) = rms_norm(&x, &p.input_norm, c.rms_norm_eps)?;
         let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
         let x2 = (&x + p.o.forward_rows(tp, &attn.out)?)?;
         let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
         let h2g = tp.gather(&h2)?;
-        let gate = mlp.gate.forward(&h2g)?;
-        let up = mlp.up.forward(&h2g)?;
-        let act = swiglu(&gate, &up)?;
-        let output = (&x2 + mlp.down.forward_rows(tp, &act)?)?;
+        let (y, mlp) = match &self.sparse {
+            None => {
+                let w = self.load_mlp(vb)?;
+                let gate = w.gate.forward(&h2g)?;
+                let up = w.up.forward(&h2g)?;
+                let act = swiglu(&gate, &up)?;
+                let y = w.down.forward_rows(tp, &act)?;
+                (y, MlpTape::Dense { gate, up, act })
+            }
+            Some(m) => {
+                let (partial, tape) = self.experts(m).forward(vb, &h2g)?;
+                (tp.reduce(&partial)?, MlpTape::Sparse(tape))
+            }
+        };
+        let output = (&x2 + y)?;
         let tape = LayerTape {
             layer: DecoderLayer {
                 c: c.clone(),
                 tp: tp.clone(),
                 window: self.window,
-                sparse: None,
+                sparse: self.sparse.clone(),
             },
             x,
             r1,
@@ -306,9 +343,7 @@ impl DecoderLayer {
             x2,
             r2,
             h2,
-            gate,
-            up,
-            act,
+            mlp,
         };
         Ok(Taped {
             output,
@@ -343,17 +378,11 @@ impl Layer for DecoderLayer {
     }
 
     fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        match &self.sparse {
-            Some(m) => self.forward_sparse(m, vb, &x.contiguous()?),
-            None => Ok(self.taped(vb, x)?.output),
-        }
+        Ok(self.taped(vb, x)?.output)
     }
 
     fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        match self.autograd_only() {
-            true => Ok(None),
-            false => self.taped(vb, x).map(Some),
-        }
+        self.taped(vb, x).map(Some)
     }
 
     /// The products (q, k, v, o; gate, up, down of the dense MLP or of each token's experts
@@ -400,6 +429,9 @@ struct Attention {
     v: Tensor,
     /// Probabilities [B, h, T, T].
     probs: Tensor,
+    /// Under Qwen3's per-head norms: the queries and keys before them, and their reciprocal
+    /// roots.
+    normed: Option<[Tensor; 4]>,
     /// The heads side by side [B, T, h hd], o_proj's input.
     out: Tensor,
 }
@@ -419,12 +451,13 @@ impl Attention {
         };
         let (cos, sin) = c.rope.tables(hd, 0, t, x.dtype(), x.device())?;
         let (q, k) = (heads(p.q.forward(x)?, h)?, heads(p.k.forward(x)?, g)?);
-        let (q, k) = match &p.qk_norm {
-            Some((wq, wk)) => (
-                rms_norm(&q, wq, c.rms_norm_eps)?.0,
-                rms_norm(&k, wk, c.rms_norm_eps)?.0,
-            ),
-            None => (q, k),
+        let (q, k, normed) = match &p.qk_norm {
+            Some((wq, wk)) => {
+                let (qn, rq) = rms_norm(&q, wq, c.rms_norm_eps)?;
+                let (kn, rk) = rms_norm(&k, wk, c.rms_norm_eps)?;
+                (qn, kn, Some([q, rq, k, rk]))
+            }
+            None => (q, k, None),
         };
         let q = rope::apply(&q, &cos, &sin)?;
         let k = rope::apply(&k, &cos, &sin)?;
@@ -443,12 +476,19 @@ impl Attention {
             k,
             v,
             probs,
+            normed,
             out,
         })
     }
 
-    /// The gradients of the q, k and v projections' outputs [B, T, width] from `dout`.
-    fn backward(&self, layer: &DecoderLayer, dout: &Tensor) -> Result<[Tensor; 3]> {
+    /// The gradients of the q, k and v projections' outputs [B, T, width] from `dout`, and
+    /// those of the per-head norms' weights (this rank's heads' part) where there are.
+    fn backward(
+        &self,
+        layer: &DecoderLayer,
+        p: &LayerParams,
+        dout: &Tensor,
+    ) -> Result<([Tensor; 3], Option<[Tensor; 2]>)> {
         let (b, h, t, hd) = self.q.dims4()?;
         let n = h / self.k.dim(1)?;
         let (cos, sin) = layer.c.rope.tables(hd, 0, t, dout.dtype(), dout.device())?;
@@ -460,11 +500,19 @@ impl Attention {
         let dq = rope::apply_backward(&dscores.matmul(&k)?, &cos, &sin)?;
         let dk = sum_repeated_heads(&dscores.t()?.matmul(&self.q)?, n)?;
         let dk = rope::apply_backward(&dk, &cos, &sin)?;
+        let (dq, dk, dnorms) = match (&self.normed, &p.qk_norm) {
+            (Some([q, rq, k, rk]), Some((wq, wk))) => {
+                let (dq, dwq) = rms_norm_backward(q, rq, wq, &dq)?;
+                let (dk, dwk) = rms_norm_backward(k, rk, wk, &dk)?;
+                (dq, dk, Some([dwq, dwk]))
+            }
+            _ => (dq, dk, None),
+        };
         let flat = |g: Tensor| -> Result<Tensor> {
             let heads = g.dim(1)?;
             g.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * hd))
         };
-        Ok([flat(dq)?, flat(dk)?, flat(dv)?])
+        Ok(([flat(dq)?, flat(dk)?, flat(dv)?], dnorms))
     }
 }
 
@@ -477,50 +525,75 @@ struct LayerTape {
     x2: Tensor,
     r2: Tensor,
     h2: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
+    mlp: MlpTape,
+}
+
+/// What the MLP's backward needs: the dense one's products, or the experts' tape.
+enum MlpTape {
+    Dense {
+        gate: Tensor,
+        up: Tensor,
+        act: Tensor,
+    },
+    Sparse(SparseTape),
 }
 
 impl Tape for LayerTape {
     fn activation_bytes(&self) -> usize {
         let a = &self.attn;
+        let normed = a.normed.iter().flatten().map(tensor_bytes).sum::<usize>();
+        let mlp = match &self.mlp {
+            MlpTape::Dense { gate, up, act } => [gate, up, act].map(tensor_bytes).iter().sum(),
+            MlpTape::Sparse(t) => t.activation_bytes(),
+        };
         [
             &self.x, &self.r1, &self.h1, &a.q, &a.k, &a.v, &a.probs, &a.out, &self.x2, &self.r2,
-            &self.h2, &self.gate, &self.up, &self.act,
+            &self.h2,
         ]
         .into_iter()
         .map(tensor_bytes)
-        .sum()
+        .sum::<usize>()
+            + normed
+            + mlp
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let p = self.layer.load(vb)?;
-        let mlp = self.layer.load_mlp(vb)?;
         let tp = &self.layer.tp;
-        let mut named: Vec<(&str, Tensor)> = Vec::new();
-        // the MLP branch: y = x2 + down(swiglu(gate(h2), up(h2)))
+        let mut named: Vec<(String, Tensor)> = Vec::new();
+        // the MLP branch: y = x2 + mlp(h2)
         let dyg = tp.gather(dy)?;
-        let down = linear_backward(&self.act, &mlp.down.w, &dyg)?;
-        named.push(("mlp.down_proj.weight", down.dw));
-        let (dgate, dup) = swiglu_backward(&self.gate, &self.up, &down.dx)?;
         let h2g = tp.gather(&self.h2)?;
-        let gate = linear_backward(&h2g, &mlp.gate.w, &dgate)?;
-        let up = linear_backward(&h2g, &mlp.up.w, &dup)?;
-        named.push(("mlp.gate_proj.weight", gate.dw));
-        named.push(("mlp.up_proj.weight", up.dw));
-        if let (Some(bg), Some(bu)) = (&mlp.gate.b, &mlp.up.b) {
-            named.push(("mlp.gate_proj.bias", bias_backward(&dgate, bg)?));
-            named.push(("mlp.up_proj.bias", bias_backward(&dup, bu)?));
-        }
-        let dh2 = tp.reduce(&(gate.dx + up.dx)?)?;
+        let dh2 = match self.mlp {
+            MlpTape::Dense { gate, up, act } => {
+                self.layer
+                    .dense_mlp_backward(vb, [&gate, &up, &act], &h2g, &dyg, &mut named)?
+            }
+            MlpTape::Sparse(t) => {
+                let m = self
+                    .layer
+                    .sparse
+                    .as_ref()
+                    .expect("invariant: a sparse layer's tape");
+                let g = self.layer.experts(m).backward(vb, t, &dyg)?;
+                named.extend(g.params);
+                // the router's share is whole on every rank: this rank's positions of it
+                let pos = tp.positions(g.dx_router.dim(1)?);
+                (tp.reduce(&g.dx_experts)? + g.dx_router.narrow(1, pos.start, pos.len())?)?
+            }
+        };
         let (dx2_n, dpost) = rms_norm_backward(&self.x2, &self.r2, &p.post_norm, &dh2)?;
         let dx2 = (dy + dx2_n)?;
         // the attention branch: x2 = x + o(attention(h1))
         let dx2g = tp.gather(&dx2)?;
         let o = linear_backward(&self.attn.out, &p.o.w, &dx2g)?;
-        named.push(("self_attn.o_proj.weight", o.dw));
-        let [dq, dk, dv] = self.attn.backward(&self.layer, &o.dx)?;
+        named.push(("self_attn.o_proj.weight".into(), o.dw));
+        let ([dq, dk, dv], dnorms) = self.attn.backward(&self.layer, &p, &o.dx)?;
+        if let Some([dwq, dwk]) = dnorms {
+            // replicated weights over this rank's heads: summed over the group
+            named.push(("self_attn.q_norm.weight".into(), tp.sum(&dwq)?));
+            named.push(("self_attn.k_norm.weight".into(), tp.sum(&dwk)?));
+        }
         let h1g = tp.gather(&self.h1)?;
         let mut dh1: Option<Tensor> = None;
         for (name, lin, d) in [("q", &p.q, dq), ("k", &p.k, dk), ("v", &p.v, dv)] {
@@ -529,9 +602,9 @@ impl Tape for LayerTape {
                 Some(acc) => (acc + g.dx)?,
                 None => g.dx,
             });
-            named.push((qkv_name(name, "weight"), g.dw));
+            named.push((qkv_name(name, "weight").into(), g.dw));
             if let Some(b) = &lin.b {
-                named.push((qkv_name(name, "bias"), bias_backward(&d, b)?));
+                named.push((qkv_name(name, "bias").into(), bias_backward(&d, b)?));
             }
         }
         let dh1 = tp.reduce(&dh1.expect("invariant: three projections"))?;
@@ -545,11 +618,12 @@ impl Tape for LayerTape {
         if let Some(b) = &p.o.b {
             replicated.push(("self_attn.o_proj.bias", bias_backward(&dx2, b)?));
         }
-        if let Some(b) = &mlp.down.b {
-            replicated.push(("mlp.down_proj.bias", bias_backward(dy, b)?));
+        if let Some(b) = self.layer.dense_down_bias(vb)? {
+            replicated.push(("mlp.down_proj.bias", bias_backward(dy, &b)?));
         }
         let (names, grads): (Vec<&str>, Vec<Tensor>) = replicated.into_iter().unzip();
-        named.extend(names.into_iter().zip(tp.sum_partial_grads(grads)?));
+        let summed = tp.sum_partial_grads(grads)?;
+        named.extend(names.into_iter().map(String::from).zip(summed));
         let params = self
             .layer
             .params()

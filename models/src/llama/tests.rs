@@ -33,6 +33,33 @@ fn taped_backward_matches_autograd() {
     }
 }
 
+/// The same for the mixtures of experts: Mixtral's renormalised top-2 of 4 experts, and
+/// Qwen3-MoE's top-3 without renormalising, its per-head q/k norms and a dense layer; 21
+/// tokens, so that every expert gets some and routes meet in an expert.
+#[test]
+fn taped_experts_match_autograd() {
+    let moe = |family: Family, extra: serde_json::Value| {
+        let mut v = json!({
+            "model_type": family.model_type(), "vocab_size": 24, "hidden_size": 16,
+            "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 8, "num_local_experts": 4,
+        });
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        LlamaConfig::from_hf_json(&v).unwrap()
+    };
+    let mixtral = moe(Family::Mixtral, json!({"num_experts_per_tok": 2}));
+    let qwen = moe(
+        Family::Qwen3Moe,
+        json!({"num_experts_per_tok": 3, "moe_intermediate_size": 10, "mlp_only_layers": [1],
+               "head_dim": 6, "norm_topk_prob": false}),
+    );
+    for c in [mixtral, qwen] {
+        check_layers(&c);
+    }
+}
+
 fn check_layers(c: &LlamaConfig) {
     let model = build(c, &Tp::none()).unwrap();
     let what = format!("{:?}", c.family);
