@@ -43,15 +43,9 @@ fn layout_config(stage: u8, extra: &str) -> String {
     )
 }
 
-/// Each step's loss of fixture `model` trained 10 steps on `nproc` ranks with `args`.
-fn losses_of(
-    model: &str,
-    name: &str,
-    nproc: usize,
-    stage: u8,
-    args: &str,
-    extra: &str,
-) -> Vec<f64> {
+/// Each step's loss and gradient norm of fixture `model` trained 10 steps on `nproc` ranks
+/// with `args`.
+fn losses_of(model: &str, name: &str, nproc: usize, stage: u8, args: &str, extra: &str) -> Run {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let s = Scratch::new(&format!("llama-{name}"));
     let cfg = s.write("cfg.json", &layout_config(stage, extra));
@@ -70,11 +64,25 @@ fn losses_of(
         "{name}: the run starts from the fixture's weights\n{}",
         f.stdout
     );
-    losses(&dir)
+    Run {
+        losses: losses(&dir),
+        grad_norms: steps(&dir)
+            .iter()
+            .map(|v| v["grad_norm"].as_f64().unwrap())
+            .collect(),
+    }
 }
 
-fn reference(model: &'static str) -> Vec<f64> {
-    type Cache = Mutex<Vec<(&'static str, Vec<f64>)>>;
+/// A run's losses and gradient norms (the norm clips, so a layout that computes it wrong moves
+/// the losses only in the last digits: compared on its own).
+#[derive(Clone)]
+struct Run {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+}
+
+fn reference(model: &'static str) -> Run {
+    type Cache = Mutex<Vec<(&'static str, Run)>>;
     static REFERENCES: OnceLock<Cache> = OnceLock::new();
     let cache = REFERENCES.get_or_init(Default::default);
     if let Some((_, l)) = cache.lock().unwrap().iter().find(|(m, _)| *m == model) {
@@ -97,13 +105,20 @@ fn check(model: &'static str, name: &str, nproc: usize, stage: u8, args: &str, e
         extra,
     );
     let want = reference(model);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(g, w)| (g - w).abs() / w.abs())
-        .fold(0f64, f64::max);
-    println!("{model} {name}: largest relative loss difference {worst:e}");
-    assert_same_losses(&got, &want, REL, &format!("{model} {name}"));
+    let worst = |got: &[f64], want: &[f64]| {
+        got.iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).abs() / w.abs())
+            .fold(0f64, f64::max)
+    };
+    println!(
+        "{model} {name}: largest relative loss difference {:e}, gradient norm {:e}",
+        worst(&got.losses, &want.losses),
+        worst(&got.grad_norms, &want.grad_norms)
+    );
+    assert_same_losses(&got.losses, &want.losses, REL, &format!("{model} {name}"));
+    let what = format!("{model} {name} gradient norms");
+    assert_same_losses(&got.grad_norms, &want.grad_norms, REL, &what);
 }
 
 #[test]
@@ -158,4 +173,19 @@ fn mixtures_of_experts_equal_one_process() {
     check("mixtral", "dp=2 ZeRO-2 +ac", 2, 2, "", CHECKPOINTING);
     check("qwen3_moe", "dp=4 ZeRO-3", 4, 3, "", "");
     check("qwen3_moe", "pp=2 x dp=2 ZeRO-1", 4, 1, "--pp 2", "");
+}
+
+/// Expert parallelism (DeepSpeed-MoE's ep_size): each rank holds experts / ep of Mixtral's 8
+/// experts, tokens travel to their experts' ranks and back by all-to-all, the experts'
+/// gradients are reduced and sharded over the expert-data-parallel group; with data, tensor
+/// and pipeline parallelism and every ZeRO stage, every step's loss is one process's.
+#[test]
+fn expert_parallel_layouts_equal_one_process() {
+    check("mixtral", "ep=2", 2, 0, "--ep 2", "");
+    check("mixtral", "ep=4", 4, 1, "--ep 4", "");
+    check("mixtral", "ep=2 x dp=2 ZeRO-2", 4, 2, "--ep 2", "");
+    check("mixtral", "ep=2 ZeRO-3", 2, 3, "--ep 2", "");
+    check("mixtral", "ep=2 x tp=2", 4, 0, "--ep 2 --tp 2", "");
+    check("mixtral", "ep=2 x pp=2", 4, 0, "--ep 2 --pp 2", "");
+    check("qwen3_moe", "ep=2 x dp=2 ZeRO-3", 4, 3, "--ep 2", "");
 }

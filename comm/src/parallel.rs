@@ -18,6 +18,7 @@ pub struct Groups {
     dp: Group,
     tp: Group,
     pp: Group,
+    experts: ExpertGroups,
 }
 
 impl Groups {
@@ -34,13 +35,22 @@ impl Groups {
             .map_err(|e| CommError::Invalid(e.to_string()))?;
         let grid = Grid::new(topo, comm.rank(), comm.world_size())
             .map_err(|e| CommError::Invalid(e.to_string()))?;
+        let dp = comm.group(&grid.data_parallel_group())?;
+        let experts = match dims.ep {
+            1 => ExpertGroups {
+                ep: comm.group(&[comm.rank()])?,
+                expert_dp: dp.clone(),
+            },
+            ep => expert_groups(comm, dims, ep)?,
+        };
         Ok(Groups {
             dims,
             world: comm.world(),
-            dp: comm.group(&grid.data_parallel_group())?,
+            dp,
             tp: comm.group(&grid.tensor_parallel_group())?,
             pp: comm.group(&grid.pipe_parallel_group())?,
             grid,
+            experts,
         })
     }
 
@@ -75,22 +85,26 @@ impl Groups {
         &self.pp
     }
 
-    /// This rank's DeepSpeed-MoE groups for expert-parallel size `ep` (DeepSpeed's E + D
-    /// order): the ranks its tokens travel between, and the replicas of its experts.
-    pub fn experts(&self, comm: &Communicator, ep: usize) -> Result<ExpertGroups> {
-        let d = self.dims;
-        let ranks = crate::topology::expert_parallel_ranks(d.world_size, d.tp, d.pp, ep, false)
-            .map_err(|e| CommError::Invalid(e.to_string()))?;
-        let me = comm.rank();
-        let mine = |groups: &[Vec<usize>]| -> Result<Group> {
-            let g = groups.iter().find(|g| g.contains(&me));
-            comm.group(g.expect("invariant: the groups cover every rank"))
-        };
-        Ok(ExpertGroups {
-            ep: mine(&ranks.expert_parallel)?,
-            expert_dp: mine(&ranks.expert_data_parallel)?,
-        })
+    /// This rank's DeepSpeed-MoE groups for the layout's expert-parallel size (DeepSpeed's
+    /// E + D order): the ranks its tokens travel between, and the replicas of its experts
+    /// (at ep 1: this rank alone, and the data-parallel group).
+    pub fn experts(&self) -> &ExpertGroups {
+        &self.experts
     }
+}
+
+fn expert_groups(comm: &Communicator, d: ParallelDims, ep: usize) -> Result<ExpertGroups> {
+    let ranks = crate::topology::expert_parallel_ranks(d.world_size, d.tp, d.pp, ep, false)
+        .map_err(|e| CommError::Invalid(e.to_string()))?;
+    let me = comm.rank();
+    let mine = |groups: &[Vec<usize>]| -> Result<Group> {
+        let g = groups.iter().find(|g| g.contains(&me));
+        comm.group(g.expect("invariant: the groups cover every rank"))
+    };
+    Ok(ExpertGroups {
+        ep: mine(&ranks.expert_parallel)?,
+        expert_dp: mine(&ranks.expert_data_parallel)?,
+    })
 }
 
 /// A rank's groups for a mixture of experts.
@@ -129,8 +143,9 @@ mod tests {
     fn expert_groups_are_deepspeeds_and_carry_an_all_to_all() {
         // world 8 = dp 4 x tp 2, ep 2: DeepSpeed's docstring example at half the size
         let got = testkit::run_ranks(8, std::time::Duration::from_secs(30), |comm| {
-            let g = Groups::new(&comm, ParallelDims::new(8, 2, 1).unwrap())?;
-            let e = g.experts(&comm, 2)?;
+            let dims = ParallelDims::new(8, 2, 1).unwrap().with_ep(2).unwrap();
+            let g = Groups::new(&comm, dims)?;
+            let e = g.experts();
             // each rank sends its rank to both members of its expert-parallel group
             let mut got = [0f32; 2];
             e.ep.all_to_all(&[comm.rank() as f32; 2], &mut got)?;

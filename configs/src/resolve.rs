@@ -25,6 +25,14 @@ pub struct ParallelDims {
     pub world_size: usize,
     pub tp: usize,
     pub pp: usize,
+    /// Expert parallelism (DeepSpeed-MoE's `ep_size`): the data-parallel ranks in groups of
+    /// `ep`, among which a mixture of experts' experts are split (1: none).
+    #[serde(skip_serializing_if = "is_one")]
+    pub ep: usize,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 impl ParallelDims {
@@ -41,18 +49,50 @@ impl ParallelDims {
                 format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {product}"),
             ));
         }
-        Ok(ParallelDims { world_size, tp, pp })
+        Ok(ParallelDims {
+            world_size,
+            tp,
+            pp,
+            ep: 1,
+        })
+    }
+
+    /// The same layout with expert-parallel size `ep`, which must divide the data-parallel
+    /// size (DeepSpeed's `_create_expert_and_data_parallel` asserts it).
+    pub fn with_ep(self, ep: usize) -> Result<ParallelDims> {
+        if ep == 0 || !self.dp().is_multiple_of(ep) {
+            return Err(ConfigError::conflict(
+                "expert_parallel",
+                format!(
+                    "expert-parallel size {ep} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
+                    self.dp(),
+                    self.world_size,
+                    self.tp,
+                    self.pp
+                ),
+            ));
+        }
+        Ok(ParallelDims { ep, ..self })
     }
 
     pub fn dp(&self) -> usize {
         self.world_size / (self.tp * self.pp)
     }
+
+    /// The ranks holding the same experts: the data-parallel size over `ep`.
+    pub fn expert_dp(&self) -> usize {
+        self.dp() / self.ep
+    }
 }
 
-/// `dp D x tp T x pp P`.
+/// `dp D x tp T x pp P`, with `(ep E)` under expert parallelism.
 impl std::fmt::Display for ParallelDims {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "dp {} x tp {} x pp {}", self.dp(), self.tp, self.pp)
+        write!(f, "dp {} x tp {} x pp {}", self.dp(), self.tp, self.pp)?;
+        if self.ep > 1 {
+            write!(f, " (ep {})", self.ep)?;
+        }
+        Ok(())
     }
 }
 

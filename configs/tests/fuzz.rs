@@ -112,6 +112,7 @@ fn dims() -> impl Strategy<Value = ParallelDims> {
         world_size: dp * tp * pp,
         tp,
         pp,
+        ep: 1,
     })
 }
 

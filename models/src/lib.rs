@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use crate::gpt::GptConfig;
 use ds_engine::model::weights;
 use ds_engine::model::Model;
-use ds_engine::parallel::Tp;
+use ds_engine::parallel::{Ep, Tp};
 
 pub use fields::ConfigProblem;
 pub use gpt2::Gpt2Config;
@@ -184,12 +184,30 @@ impl ModelSpec {
         }
     }
 
+    /// Whether expert parallelism of size `ep` splits the model's experts evenly.
+    pub fn check_ep(&self, ep: usize) -> Result<(), String> {
+        match &self.arch {
+            Arch::Llama(c) => c.check_ep(ep),
+            _ if ep > 1 => Err(format!(
+                "expert-parallel size {ep}: {} has no experts",
+                self.architecture()
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The model's layers, split over `tp`.
     pub fn build(&self, tp: &Tp) -> Result<Model, String> {
+        self.build_with(tp, &Ep::none())
+    }
+
+    /// The model's layers, split over `tp`, a mixture of experts' experts over `ep`.
+    pub fn build_with(&self, tp: &Tp, ep: &Ep) -> Result<Model, String> {
+        self.check_ep(ep.size())?;
         match &self.arch {
             Arch::Gpt(c) => c.build_parallel(tp),
             Arch::Gpt2(c) => c.gpt.build_variant(tp, &c.variant),
-            Arch::Llama(c) => llama::build(c, tp),
+            Arch::Llama(c) => llama::build(c, tp, ep),
         }
     }
 

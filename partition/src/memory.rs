@@ -23,4 +23,14 @@ impl StateBytes {
     pub fn model_states(&self) -> usize {
         self.params + self.grads + self.optimizer_states
     }
+
+    /// Adds another store's bytes (an expert-parallel rank's experts): its buffers live
+    /// beside these.
+    pub fn add(&mut self, other: &StateBytes) {
+        self.params += other.params;
+        self.grads += other.grads;
+        self.optimizer_states += other.optimizer_states;
+        self.comm_buffers += other.comm_buffers;
+        self.gpu += other.gpu;
+    }
 }

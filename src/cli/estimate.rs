@@ -69,7 +69,12 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
         hidden_size: model.hidden_size(),
         run_steps: None,
     };
-    let config = crate::train::read_config(Some(path), args.world_size, args.tp, args.pp, &fill)?;
+    let layout = crate::train::Layout {
+        tp: args.tp,
+        pp: args.pp,
+        ep: 1,
+    };
+    let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
     let ranks = estimate(&Run {
         config: &config,
         model: &model,

@@ -21,7 +21,7 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, Config};
 use ds_engine::monitor::Monitor;
-use ds_engine::parallel::Tp;
+use ds_engine::parallel::{Ep, Tp};
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
@@ -134,6 +134,11 @@ pub struct TrainArgs {
     /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
     #[arg(long)]
     pub(crate) pp: Option<usize>,
+    /// Expert-parallel size (DeepSpeed-MoE's ep_size): the data-parallel ranks in groups of
+    /// this many, among which a mixture of experts' experts are split; it divides the
+    /// data-parallel size and the number of experts.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) ep: usize,
     #[command(flatten)]
     pub(crate) training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -157,14 +162,26 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
             .steps
             .or(args.epochs.is_none().then_some(DEFAULT_STEPS)),
     };
-    let cfg = read_config(args.config.as_deref(), world, args.tp, args.pp, &fill)?;
+    let layout = Layout {
+        tp: args.tp,
+        pp: args.pp,
+        ep: args.ep,
+    };
+    let cfg = read_config(args.config.as_deref(), world, layout, &fill)?;
     let name = || config_name(args.config.as_deref());
     cfg.check_filled().with_context(name)?;
     cfg.check_implemented().with_context(name)?;
     ds_engine::check_optimizer(&cfg).with_context(name)?;
     model
         .check_tp(cfg.dims.tp)
+        .and_then(|_| model.check_ep(cfg.dims.ep))
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    if cfg.dims.ep > 1 && (args.save_dir.is_some() || args.save_hf.is_some() || args.resume) {
+        anyhow::bail!(
+            "--ep {}: checkpoints (--save-dir, --save-hf, --resume) under expert parallelism are not built yet",
+            cfg.dims.ep
+        );
+    }
     let layers = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
     if cfg.dims.pp > 1 {
         // stages that split the model's layers, a ZeRO stage that combines with them
@@ -190,7 +207,8 @@ pub(crate) fn start_engine(
 ) -> anyhow::Result<Engine> {
     opts.init = opts.init.or_else(|| model.weights.clone());
     let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let layers = model.build(&tp).map_err(anyhow::Error::msg)?;
+    let ep = Ep::new(groups.experts().ep.clone());
+    let layers = model.build_with(&tp, &ep).map_err(anyhow::Error::msg)?;
     Ok(Engine::initialize(layers, cfg, groups, &opts)?)
 }
 
@@ -478,13 +496,20 @@ pub(crate) struct Fill {
     pub run_steps: Option<u64>,
 }
 
+/// The parallel degrees the command line asks for (`--tp`, `--pp`, `--ep`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Layout {
+    pub tp: Option<usize>,
+    pub pp: Option<usize>,
+    pub ep: usize,
+}
+
 /// The config resolved for its layout (`--tp`, else the config's own degree), its "auto"
 /// values filled as Hugging Face's Trainer fills them.
 pub(crate) fn read_config(
     path: Option<&Path>,
     world: usize,
-    tp: Option<usize>,
-    pp: Option<usize>,
+    Layout { tp, pp, ep }: Layout,
     fill: &Fill,
 ) -> anyhow::Result<Config> {
     let doc = match path {
@@ -492,7 +517,9 @@ pub(crate) fn read_config(
         None => ds_config::hjson::parse(DEFAULT_CONFIG)
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
-    let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
+    let dims = parallel_dims(&doc, world, tp, pp)
+        .and_then(|d| d.with_ep(ep))
+        .with_context(|| config_name(path))?;
     let ctx = ds_config::FillContext {
         data_parallel: dims.dp() as i64,
         hidden_size: Some(fill.hidden_size as i64),

@@ -31,17 +31,27 @@ impl<T: Element + WithDType> Dtype for T {}
 /// with no copy; a borrowed one (stages 0-2) is copied once. Autograd needs variables of its
 /// own, so a layer without a tape gets them made from the views (a copy) on first use.
 ///
-/// The first `trainable` tensors train; the rest are frozen (Model::freeze), read by the layer
-/// as plain tensors, so autograd computes no gradient for them.
+/// The tensors are the dense parameters, then this rank's experts (expert parallelism), then
+/// the frozen ones (Model::freeze): the first `trainable` train, the rest the layer reads as
+/// plain tensors, so autograd computes no gradient for them.
 pub struct LayerParams {
     tensors: Vec<Tensor>,
     names: Vec<String>,
     /// Each parameter's whole shape, which a module may ask for in place of its slice.
     logical: Vec<Vec<usize>>,
     trainable: usize,
-    /// In the layer's declaration order (`Layer::params`): which parameters are frozen.
-    declared_frozen: Vec<bool>,
+    /// In the layer's declaration order (`Layer::params`): which store each parameter is in.
+    declared: Vec<Kind>,
     vars: OnceLock<Vec<Var>>,
+}
+
+/// Which store holds a parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Dense,
+    /// One of this expert-parallel rank's experts (`ParamSpec::expert`).
+    Expert,
+    Frozen,
 }
 
 impl LayerParams {
@@ -72,7 +82,7 @@ impl LayerParams {
         }
         Ok(LayerParams {
             trainable: tensors.len(),
-            declared_frozen: vec![false; tensors.len()],
+            declared: vec![Kind::Dense; tensors.len()],
             tensors,
             names,
             logical,
@@ -80,15 +90,32 @@ impl LayerParams {
         })
     }
 
-    /// These (trainable) parameters and the layer's `frozen` ones; `declared_frozen` says
-    /// which of the layer's parameters, in declaration order, are frozen.
-    pub fn with_frozen(mut self, frozen: LayerParams, declared_frozen: &[bool]) -> LayerParams {
-        self.trainable = self.tensors.len();
-        self.tensors.extend(frozen.tensors);
-        self.names.extend(frozen.names);
-        self.logical.extend(frozen.logical);
-        self.declared_frozen = declared_frozen.to_vec();
+    /// These (dense) parameters, then the layer's `experts` and `frozen` ones, when it has
+    /// them; `declared` says which store each of the layer's parameters, in declaration
+    /// order, is in.
+    pub fn with_others(
+        mut self,
+        experts: Option<LayerParams>,
+        frozen: Option<LayerParams>,
+        declared: &[Kind],
+    ) -> LayerParams {
+        for (part, trains) in [(experts, true), (frozen, false)] {
+            if let Some(p) = part {
+                self.tensors.extend(p.tensors);
+                self.names.extend(p.names);
+                self.logical.extend(p.logical);
+            }
+            if trains {
+                self.trainable = self.tensors.len();
+            }
+        }
+        self.declared = declared.to_vec();
         self
+    }
+
+    /// How many of the trainable tensors are dense (the experts follow).
+    pub fn dense(&self) -> usize {
+        self.declared.iter().filter(|k| **k == Kind::Dense).count()
     }
 
     /// Bytes of the materialised parameters (and of autograd's copies, when made).
@@ -155,21 +182,25 @@ impl LayerParams {
     }
 
     /// A taped layer's gradients (one per parameter, in declaration order), checked against
-    /// the parameters' shapes; those of frozen parameters are dropped.
+    /// the parameters' shapes, in the order of the tensors: the dense ones, then the
+    /// experts'; those of frozen parameters are dropped.
     pub fn taped_grads<T: Dtype>(&self, layer: &str, grads: Vec<Tensor>) -> Result<LayerGrads<T>> {
-        if grads.len() != self.declared_frozen.len() {
+        if grads.len() != self.declared.len() {
             return Err(EngineError::Invalid(format!(
                 "layer {layer}'s backward returned {} gradients for {} parameters",
                 grads.len(),
-                self.declared_frozen.len()
+                self.declared.len()
             )));
         }
-        let grads: Vec<Tensor> = grads
-            .into_iter()
-            .zip(&self.declared_frozen)
-            .filter(|(_, frozen)| !**frozen)
-            .map(|(g, _)| g)
-            .collect();
+        let (mut dense, mut experts) = (Vec::new(), Vec::new());
+        for (g, kind) in grads.into_iter().zip(&self.declared) {
+            match kind {
+                Kind::Dense => dense.push(g),
+                Kind::Expert => experts.push(g),
+                Kind::Frozen => {}
+            }
+        }
+        let grads: Vec<Tensor> = dense.into_iter().chain(experts).collect();
         for ((g, v), name) in grads.iter().zip(&self.tensors).zip(&self.names) {
             if g.dims() != v.dims() {
                 return Err(EngineError::Invalid(format!(
@@ -250,6 +281,22 @@ impl<T: Dtype> LayerGrads<T> {
 
     pub fn is_empty(&self) -> bool {
         self.tensors.is_empty()
+    }
+
+    /// The gradients from the `at`-th on (the experts'), left out of these.
+    pub fn split_off(&mut self, at: usize) -> LayerGrads<T> {
+        LayerGrads {
+            tensors: self.tensors.split_off(at),
+            dtype: std::marker::PhantomData,
+        }
+    }
+
+    /// The gradients times `k`.
+    pub fn scale(&mut self, k: f64) -> Result<()> {
+        for t in &mut self.tensors {
+            *t = t.affine(k, 0.0)?;
+        }
+        Ok(())
     }
 
     pub fn bytes(&self) -> usize {

@@ -210,6 +210,13 @@ impl Engine {
             .map(|(p, _)| p.clone())
             .partition(|p| p.frozen);
         let model_specs = all_specs.clone();
+        // what a weights file of the whole model may hold: other expert-parallel ranks'
+        // experts too
+        let known: Vec<ParamSpec> = model_specs
+            .iter()
+            .chain(model.elsewhere())
+            .cloned()
+            .collect();
         let frozen = frozen_part(&model_specs, opts);
         // checkpoints, ties and the optimizer know the trainable parameters only
         let (all_specs, stage_of): (Vec<ParamSpec>, Vec<usize>) = all_specs
@@ -222,18 +229,25 @@ impl Engine {
             rank: groups.tp().rank(),
             size: groups.tp().size(),
         };
+        // under expert parallelism this rank's experts live in a store of their own
+        let expert_parallel = groups.experts().ep.size() > 1;
+        check_experts(&frozen_specs, expert_parallel)?;
+        let (expert_specs, specs): (Vec<ParamSpec>, Vec<ParamSpec>) =
+            specs.into_iter().partition(|p| p.expert && expert_parallel);
         let (index, frozen_index) = (flat_index(&specs, tp)?, flat_index(&frozen_specs, tp)?);
+        let expert_index = flat_index(&expert_specs, tp)?;
         let rank_of = |s: usize| stage.as_ref().map_or(0, |st| st.rank_of(s));
         let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
         let source = |specs: &[ParamSpec]| -> Result<initial::Source> {
             Ok(match &opts.init {
                 Some(path) => initial::Source::File(
-                    weights::WeightsFile::open(path, specs, &model_specs)?,
+                    weights::WeightsFile::open(path, specs, &known)?,
                     opts.seed,
                 ),
                 None => initial::Source::Seed(opts.seed),
             })
         };
+        let expert_source = source(&expert_specs)?;
         let (frozen_source, source) = (source(&frozen_specs)?, source(&specs)?);
         let program = program::optimizer_and_schedule(config)?;
         let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
@@ -243,6 +257,14 @@ impl Engine {
         };
         rules.check(&all_specs)?;
         let (specs_ref, index_ref, rules_ref) = (&specs, &index, &rules);
+        let (expert_section, experts_ref) =
+            (program.optimizer.clone(), (&expert_specs, &expert_index));
+        let expert_optimizer = move |owned: Range<usize>, len: usize, place: &Placement| {
+            let mut optimizer = crate::optim::build_from_section(&expert_section, len, place)?;
+            optimizer.set_groups(rules_ref.hypers());
+            let groups = GroupPlan::new(rules_ref, experts_ref.0, experts_ref.1, &owned);
+            Ok(update::ShardOptimizer { optimizer, groups })
+        };
         let updater = move |owned: Range<usize>, len: usize, place: &Placement| {
             let mut opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
             opt.set_groups(rules_ref.hypers());
@@ -253,10 +275,17 @@ impl Engine {
         let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
         let frozen_init = initial::InitialValues::new(&frozen_specs, &frozen_index, frozen_source);
         let mut frozen_fill = |range, dst: &mut [f32]| frozen_init.fill(range, dst);
+        let expert_init = initial::InitialValues::new(&expert_specs, &expert_index, expert_source);
+        let mut expert_fill = |range, dst: &mut [f32]| expert_init.fill(range, dst);
         let parts = trainer::Parts {
             model,
             index: index.clone(),
             frozen_index: frozen_index.clone(),
+            experts: expert_parallel.then(|| trainer::ExpertPart {
+                index: expert_index.clone(),
+                expert_dp: groups.experts().expert_dp.clone(),
+                ep: groups.experts().ep.clone(),
+            }),
             settings: settings.clone(),
             dp: groups.dp().clone(),
             tp: groups.tp().clone(),
@@ -265,11 +294,15 @@ impl Engine {
             ties,
             dev: opts.device.clone(),
         };
-        let (fill, frozen_fill) = (&mut fill, &mut frozen_fill);
+        let inits = trainer::Inits {
+            dense: &mut fill,
+            frozen: &mut frozen_fill,
+            experts: &mut expert_fill,
+        };
         let core = match settings.precision {
-            Precision::F32 => Core::F32(Trainer::new(parts, fill, frozen_fill, updater)?),
-            Precision::BF16 => Core::Bf16(Trainer::new(parts, fill, frozen_fill, updater)?),
-            Precision::F16 => Core::F16(Trainer::new(parts, fill, frozen_fill, updater)?),
+            Precision::F32 => Core::F32(Trainer::new(parts, inits, updater, expert_optimizer)?),
+            Precision::BF16 => Core::Bf16(Trainer::new(parts, inits, updater, expert_optimizer)?),
+            Precision::F16 => Core::F16(Trainer::new(parts, inits, updater, expert_optimizer)?),
         };
         let samples = settings.micro_batch * settings.grad_accum * config.dims.dp();
         let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
@@ -563,6 +596,7 @@ impl Engine {
         tag: &str,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
+        self.no_expert_parallelism("saving a checkpoint (or weights)")?;
         let index = each!(&self.core, t => t.index());
         let desc = checkpoint::Description {
             layout: self.checkpoint_layout(),
@@ -596,6 +630,7 @@ impl Engine {
                 None => return Ok(None),
             },
         };
+        self.no_expert_parallelism("loading a checkpoint")?;
         let tag_dir = dir.join(&tag);
         let expect_params = self.all_params.clone();
         let buffers = each!(&self.core, t => t.buffer_names());
@@ -621,6 +656,17 @@ impl Engine {
         };
         each!(&mut self.core, t => t.restore(state, counters))?;
         Ok(Some(manifest))
+    }
+
+    /// Checkpoints hold one whole model's flat layout; an expert-parallel rank holds only
+    /// its experts, in a store of their own, which they do not record yet.
+    fn no_expert_parallelism(&self, what: &str) -> Result<()> {
+        match self.config.dims.ep {
+            1 => Ok(()),
+            ep => Err(EngineError::Invalid(format!(
+                "{what} under expert parallelism (ep {ep}) is not built yet: train at ep 1 to save or resume"
+            ))),
+        }
     }
 
     /// This rank's position in the data-parallel group.
@@ -821,6 +867,18 @@ fn flat_index(specs: &[ParamSpec], tp: TpRank) -> Result<FlatIndex> {
         index.push_split(&s.name, &s.shape, s.split)?;
     }
     Ok(index)
+}
+
+/// Expert parallelism holds trainable experts only: a frozen one would need a frozen store
+/// over the expert-data-parallel group.
+fn check_experts(frozen: &[ParamSpec], expert_parallel: bool) -> Result<()> {
+    match frozen.iter().find(|p| p.expert && expert_parallel) {
+        None => Ok(()),
+        Some(p) => Err(EngineError::Invalid(format!(
+            "{} is a frozen expert: freezing experts under expert parallelism is not built yet",
+            p.name
+        ))),
+    }
 }
 
 /// What freezing parameters (`Model::freeze`) cannot do: freeze everything, a tied pair, or

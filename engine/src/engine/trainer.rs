@@ -11,11 +11,11 @@ use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
 use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
 
-use super::layers::{self, Dtype, LayerGrads, LayerParams};
+use super::layers::{self, Dtype, Kind, LayerGrads, LayerParams};
 use super::memory::{MemoryReport, StepPeak};
 use super::offload::OffloadedStates;
 use super::tied::{self, Tie};
-use super::update::{StepOutcome, Updater, STEP_PIECE};
+use super::update::{ShardOptimizer, StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
 use crate::checkpoint::{Counters, RankState};
 use crate::model::{tensor_bytes, Context, Model, Tape};
@@ -76,8 +76,10 @@ pub(crate) struct Trainer<T: Dtype> {
     index: FlatIndex,
     /// The frozen parameters (Model::freeze), when there are.
     frozen: Option<FrozenParams<T>>,
-    /// Per layer, in its declaration order: which of its parameters are frozen.
-    layer_frozen: Vec<Vec<bool>>,
+    /// This rank's experts under expert parallelism, when there are.
+    experts: Option<ExpertParams<T>>,
+    /// Per layer, in its declaration order: which store holds each parameter.
+    layer_kinds: Vec<Vec<Kind>>,
     /// Per layer: its parameters' ids and their flat range.
     layer_ids: Vec<Range<usize>>,
     layer_flat: Vec<Range<usize>>,
@@ -115,12 +117,44 @@ struct FrozenParams<T: Dtype> {
     layer_flat: Vec<Range<usize>>,
 }
 
+/// This expert-parallel rank's experts: their store, over the expert-data-parallel group
+/// (the ranks holding the same experts), their flat layout and each layer's ids and range in
+/// it.
+///
+/// Note [expert gradients]: DeepSpeed averages an expert's gradient over the whole
+/// data-parallel world (`_reduce_expert_gradients` divides by its size), though only the
+/// expert-data-parallel group reduces it: the tokens of the other expert-parallel ranks reach
+/// this rank's experts through the all-to-all, so the sum over the group already covers every
+/// token. The store averages over its group; each gradient enters it divided by `ep` too.
+struct ExpertParams<T: Dtype> {
+    zero: Zero<T>,
+    index: FlatIndex,
+    layer_ids: Vec<Range<usize>>,
+    layer_flat: Vec<Range<usize>>,
+    /// The expert-parallel group: the experts' gradient norms add up over it.
+    ep: Group,
+}
+
+/// What the trainer builds this rank's experts' store from.
+pub(crate) struct ExpertPart {
+    pub index: FlatIndex,
+    pub expert_dp: Group,
+    pub ep: Group,
+}
+
 /// One micro-batch's state between its forward and its backward.
 #[derive(Default)]
 pub(crate) struct Micro {
     saved: Vec<Saved>,
     running: Range<usize>,
     inputs: Option<Inputs>,
+}
+
+/// The initial values of each store's flat ranges.
+pub(crate) struct Inits<'a, 'b> {
+    pub dense: &'a mut InitFn<'b, EngineError>,
+    pub frozen: &'a mut InitFn<'b, EngineError>,
+    pub experts: &'a mut InitFn<'b, EngineError>,
 }
 
 /// What a trainer is built from, whatever its dtype.
@@ -130,6 +164,8 @@ pub(crate) struct Parts {
     pub index: FlatIndex,
     /// ... and the frozen ones'.
     pub frozen_index: FlatIndex,
+    /// This rank's experts, under expert parallelism.
+    pub experts: Option<ExpertPart>,
     pub settings: Settings,
     pub dp: Group,
     /// The tensor-parallel group whose other ranks hold the other slices.
@@ -149,14 +185,15 @@ impl<T: Dtype> Trainer<T> {
     /// rank will own, its state for the length given at the placement given.
     pub fn new(
         parts: Parts,
-        init: &mut InitFn<'_, EngineError>,
-        frozen_init: &mut InitFn<'_, EngineError>,
+        inits: Inits<'_, '_>,
         updater: impl FnOnce(Range<usize>, usize, &Placement) -> Result<Updater>,
+        expert_optimizer: impl FnOnce(Range<usize>, usize, &Placement) -> Result<ShardOptimizer>,
     ) -> Result<Trainer<T>> {
         let Parts {
             model,
             index,
             frozen_index,
+            experts,
             settings,
             dp,
             tp,
@@ -165,18 +202,21 @@ impl<T: Dtype> Trainer<T> {
             ties,
             dev,
         } = parts;
-        let (mut layer_ids, mut frozen_ids, mut layer_frozen) =
-            (Vec::new(), Vec::new(), Vec::new());
-        let (mut next, mut next_frozen) = (0, 0);
-        for l in model.layers() {
-            let flags: Vec<bool> = l.params().iter().map(|p| p.frozen).collect();
-            let n_frozen = flags.iter().filter(|f| **f).count();
-            layer_ids.push(next..next + flags.len() - n_frozen);
-            frozen_ids.push(next_frozen..next_frozen + n_frozen);
-            next += flags.len() - n_frozen;
-            next_frozen += n_frozen;
-            layer_frozen.push(flags);
-        }
+        let layer_kinds: Vec<Vec<Kind>> = model
+            .layers()
+            .iter()
+            .map(|l| {
+                let kind =
+                    |p: &crate::model::ParamSpec| match (p.frozen, p.expert && experts.is_some()) {
+                        (true, _) => Kind::Frozen,
+                        (false, true) => Kind::Expert,
+                        (false, false) => Kind::Dense,
+                    };
+                l.params().iter().map(kind).collect()
+            })
+            .collect();
+        let [layer_ids, frozen_ids, expert_ids] =
+            [Kind::Dense, Kind::Frozen, Kind::Expert].map(|k| ids_of(&layer_kinds, k));
         let layer_flat: Vec<Range<usize>> =
             layer_ids.iter().map(|r| index.span(r.clone())).collect();
         let rank = dp.global_ranks()[dp.rank()];
@@ -197,7 +237,7 @@ impl<T: Dtype> Trainer<T> {
             index.numel(),
             settings.zero,
             dp.clone(),
-            init,
+            inits.dense,
             param_swap,
             &places,
         )?;
@@ -207,12 +247,12 @@ impl<T: Dtype> Trainer<T> {
         let replicated = replicated
             .map(|e| e.range())
             .filter(|r| !copies.contains(r));
-        zero.set_tensor_parallel(tp, replicated.collect());
+        zero.set_tensor_parallel(tp.clone(), replicated.collect());
         zero.set_duplicates(copies);
         if let Some(pp) = &pp {
             zero.set_pipeline(pp.clone());
         }
-        let updater = match &settings.nvme_optimizer {
+        let mut updater = match &settings.nvme_optimizer {
             None => updater(zero.owned(), zero.owned().len(), &places.optimizer)?,
             Some((path, buffers)) => {
                 // the optimizer holds one streamed chunk's state; the rest lives on disk
@@ -226,10 +266,50 @@ impl<T: Dtype> Trainer<T> {
                 u
             }
         };
+        let experts = match experts {
+            None => None,
+            Some(part) => {
+                let layer_flat: Vec<Range<usize>> = expert_ids
+                    .iter()
+                    .map(|r| part.index.span(r.clone()))
+                    .collect();
+                let mut zero = Zero::new(
+                    part.index.numel(),
+                    settings.zero,
+                    part.expert_dp,
+                    inits.experts,
+                    None,
+                    &places,
+                )?;
+                zero.plan_buckets(&layer_flat);
+                let replicated = part
+                    .index
+                    .entries()
+                    .iter()
+                    .filter(|e| e.split.is_replicated());
+                zero.set_tensor_parallel(tp, replicated.map(|e| e.range()).collect());
+                if let Some(pp) = &pp {
+                    zero.set_pipeline(pp.clone());
+                }
+                let owned = zero.owned();
+                updater.set_experts(expert_optimizer(
+                    owned.clone(),
+                    owned.len(),
+                    &places.optimizer,
+                )?);
+                Some(ExpertParams {
+                    zero,
+                    index: part.index,
+                    layer_ids: expert_ids,
+                    layer_flat,
+                    ep: part.ep,
+                })
+            }
+        };
         let frozen = match frozen_index.numel() {
             0 => None,
             n => Some(FrozenParams {
-                store: Frozen::new(n, settings.zero, dp.clone(), frozen_init, &places.params)?,
+                store: Frozen::new(n, settings.zero, dp.clone(), inits.frozen, &places.params)?,
                 layer_flat: frozen_ids
                     .iter()
                     .map(|r| frozen_index.span(r.clone()))
@@ -243,7 +323,8 @@ impl<T: Dtype> Trainer<T> {
             model,
             index,
             frozen,
-            layer_frozen,
+            experts,
+            layer_kinds,
             layer_ids,
             layer_flat,
             zero,
@@ -279,19 +360,31 @@ impl<T: Dtype> Trainer<T> {
         if let Some(n) = next {
             self.zero.prefetch(self.layer_flat[n].clone())?;
         }
-        let Some(f) = &mut self.frozen else {
-            return Ok(params);
+        let experts = match &mut self.experts {
+            Some(e) if !e.layer_ids[i].is_empty() => {
+                let (range, ids) = (e.layer_flat[i].clone(), e.layer_ids[i].clone());
+                let values = e.zero.params(range.clone())?;
+                let p = LayerParams::new::<T>(&e.index, ids, range.start, values, &self.dev)?;
+                if let Some(n) = next.filter(|&n| !e.layer_ids[n].is_empty()) {
+                    e.zero.prefetch(e.layer_flat[n].clone())?;
+                }
+                Some(p)
+            }
+            _ => None,
         };
-        let (range, ids) = (f.layer_flat[i].clone(), f.layer_ids[i].clone());
-        if ids.is_empty() {
-            return Ok(params);
-        }
-        let values = f.store.params(range.clone())?;
-        let frozen = LayerParams::new::<T>(&f.index, ids, range.start, values, &self.dev)?;
-        if let Some(n) = next.filter(|&n| !f.layer_ids[n].is_empty()) {
-            f.store.prefetch(f.layer_flat[n].clone())?;
-        }
-        Ok(params.with_frozen(frozen, &self.layer_frozen[i]))
+        let frozen = match &mut self.frozen {
+            Some(f) if !f.layer_ids[i].is_empty() => {
+                let (range, ids) = (f.layer_flat[i].clone(), f.layer_ids[i].clone());
+                let values = f.store.params(range.clone())?;
+                let p = LayerParams::new::<T>(&f.index, ids, range.start, values, &self.dev)?;
+                if let Some(n) = next.filter(|&n| !f.layer_ids[n].is_empty()) {
+                    f.store.prefetch(f.layer_flat[n].clone())?;
+                }
+                Some(p)
+            }
+            _ => None,
+        };
+        Ok(params.with_others(experts, frozen, &self.layer_kinds[i]))
     }
 
     /// Layer `i` forward on `x`: its output and what its backward needs.
@@ -444,12 +537,16 @@ impl<T: Dtype> Trainer<T> {
                 Saved::Dropped => unreachable!("recompute_segment replaced it"),
             };
             self.note_peak(Some(&kept));
-            let (dx, g) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
+            let (dx, mut g, dense) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
             self.peak.layer_grads = self.peak.layer_grads.max(g.bytes());
+            let expert_grads = g.split_off(dense);
             if !g.is_empty() {
                 let range = self.layer_flat[i].clone();
                 let to_gpu = !self.zero.placements().grads.is_host();
                 g.with_parts(to_gpu, |parts| Ok(self.zero.add_grad(range, parts)?))?;
+            }
+            if let Some(e) = self.experts.as_mut().filter(|_| !expert_grads.is_empty()) {
+                add_expert_grads(e, i, expert_grads)?;
             }
             dy = match (k, dx) {
                 (0, dx) => {
@@ -468,6 +565,9 @@ impl<T: Dtype> Trainer<T> {
         if ends_micro {
             let boundary = self.is_boundary();
             self.zero.finish_backward(boundary)?;
+            if let Some(e) = &mut self.experts {
+                e.zero.finish_backward(boundary)?;
+            }
             self.micro_steps += 1;
         }
         self.timings.backward += t0.elapsed();
@@ -516,14 +616,15 @@ impl<T: Dtype> Trainer<T> {
     }
 
     /// One layer's backward from what its forward kept: the gradient of its input and those
-    /// of its parameters (the parameters themselves are dropped here).
+    /// of its parameters, the dense ones first, and how many those are (the parameters
+    /// themselves are dropped here).
     fn layer_backward(
         &self,
         i: usize,
         kept: Kept,
         dy: Option<&Tensor>,
         seed: f64,
-    ) -> Result<(Option<Tensor>, LayerGrads<T>)> {
+    ) -> Result<(Option<Tensor>, LayerGrads<T>, usize)> {
         match kept {
             Kept::Tape { tape, params } => {
                 let seed_tensor;
@@ -539,7 +640,7 @@ impl<T: Dtype> Trainer<T> {
                 let vb = params.var_builder(&layer.prefix, dtype, &self.dev, false)?;
                 let grads = tape.backward(dy, &vb)?;
                 let g = params.taped_grads::<T>(&layer.display_name(), grads.params)?;
-                Ok((grads.input, g))
+                Ok((grads.input, g, params.dense()))
             }
             Kept::Graph {
                 input,
@@ -549,7 +650,7 @@ impl<T: Dtype> Trainer<T> {
             } => {
                 let grads = layers::backward(&output, dy, seed, added.as_ref())?;
                 let g = params.graph_grads::<T>(&grads)?;
-                Ok((grads.get(&input).cloned(), g))
+                Ok((grads.get(&input).cloned(), g, params.dense()))
             }
         }
     }
@@ -570,7 +671,18 @@ impl<T: Dtype> Trainer<T> {
                 None => tied::reduce_tied_sharded(&self.ties, &mut self.zero)?,
             }
         }
-        let outcome = self.updater.step(&mut self.zero, self.settings.clip)?;
+        let experts = match &mut self.experts {
+            None => None,
+            Some(e) => {
+                // each expert-parallel rank's experts are others: their norms add up
+                let mut sq = [e.zero.grad_norm_sq()? as f32];
+                e.ep.all_reduce(&mut sq, ds_comm::ReduceOp::Sum)?;
+                Some((&mut e.zero, sq[0] as f64))
+            }
+        };
+        let outcome = self
+            .updater
+            .step(&mut self.zero, experts, self.settings.clip)?;
         self.timings.step += t0.elapsed();
         Ok(Some(outcome))
     }
@@ -579,6 +691,9 @@ impl<T: Dtype> Trainer<T> {
         let offloaded =
             self.updater.offloaded().map_or(0, |o| o.bytes()) + self.zero.offloaded_param_bytes();
         let mut states = self.zero.memory(self.updater.state_bytes());
+        if let Some(e) = &self.experts {
+            states.add(&e.zero.memory(self.updater.expert_state_bytes()));
+        }
         let frozen = self.frozen.as_ref().map_or(0, |f| f.store.bytes());
         if let Some(f) = &self.frozen {
             states.comm_buffers += f.store.peak_gathered_bytes();
@@ -763,4 +878,29 @@ fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
         v.resize(i + 1, std::time::Duration::ZERO);
     }
     v[i] += d;
+}
+
+/// Per layer: the ids of its parameters of `kind`, consecutive over the layers.
+fn ids_of(layer_kinds: &[Vec<Kind>], kind: Kind) -> Vec<Range<usize>> {
+    let mut next = 0;
+    layer_kinds
+        .iter()
+        .map(|kinds| {
+            let n = kinds.iter().filter(|k| **k == kind).count();
+            next += n;
+            next - n..next
+        })
+        .collect()
+}
+
+/// Layer `i`'s expert gradients into the experts' store (Note [expert gradients]).
+fn add_expert_grads<T: Dtype>(
+    e: &mut ExpertParams<T>,
+    i: usize,
+    mut grads: LayerGrads<T>,
+) -> Result<()> {
+    grads.scale(1.0 / e.ep.size() as f64)?;
+    let range = e.layer_flat[i].clone();
+    let to_gpu = !e.zero.placements().grads.is_host();
+    grads.with_parts(to_gpu, |parts| Ok(e.zero.add_grad(range, parts)?))
 }

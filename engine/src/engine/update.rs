@@ -41,6 +41,15 @@ pub struct Updater {
     offload: Option<OffloadedStates>,
     /// The parts of the shard in other parameter groups than the optimizer's own.
     groups: GroupPlan,
+    /// The optimizer of this expert-parallel rank's experts' shard, when it holds experts
+    /// (their own store): stepped with the same learning rate, loss scale and clipping.
+    experts: Option<ShardOptimizer>,
+}
+
+/// An optimizer over one store's owned shard, with that shard's parameter groups.
+pub struct ShardOptimizer {
+    pub optimizer: Box<dyn Optimizer>,
+    pub groups: GroupPlan,
 }
 
 /// Elements of the shard updated at a time (4 MiB of fp32 gradients).
@@ -61,7 +70,20 @@ impl Updater {
             skipped_steps: 0,
             offload: None,
             groups,
+            experts: None,
         }
+    }
+
+    /// The optimizer of the experts' store (expert parallelism).
+    pub fn set_experts(&mut self, experts: ShardOptimizer) {
+        self.experts = Some(experts);
+    }
+
+    /// Bytes of the experts' optimizer states (their moments).
+    pub fn expert_state_bytes(&self) -> usize {
+        self.experts
+            .as_ref()
+            .map_or(0, |e| e.optimizer.state_bytes())
     }
 
     /// From now on the master copy and the optimizer's states live in `offload`.
@@ -135,10 +157,19 @@ impl Updater {
         Ok(())
     }
 
-    pub fn step<T: Element>(&mut self, zero: &mut Zero<T>, clip: f64) -> Result<StepOutcome> {
+    /// The step on the dense store `zero` and, under expert parallelism, on the experts'
+    /// store with the sum of squares of every expert gradient of the job: one global norm for
+    /// overflow and clipping, as DeepSpeed computes over all of its parameter groups.
+    pub fn step<T: Element>(
+        &mut self,
+        zero: &mut Zero<T>,
+        mut experts: Option<(&mut Zero<T>, f64)>,
+        clip: f64,
+    ) -> Result<StepOutcome> {
         let scale = self.scaler.scale();
         let lr = self.lr();
-        let norm = zero.grad_norm_sq()?.sqrt() / scale;
+        let experts_sq = experts.as_ref().map_or(0.0, |(_, sq)| *sq);
+        let norm = (zero.grad_norm_sq()? + experts_sq).sqrt() / scale;
         let overflow = !norm.is_finite();
         self.global_steps += 1;
         let scaled = self
@@ -156,6 +187,9 @@ impl Updater {
         if scaled.skipped {
             self.skipped_steps += 1;
             zero.zero_grads()?;
+            if let Some((ez, _)) = experts.as_mut() {
+                ez.zero_grads()?;
+            }
             return Ok(outcome);
         }
         // torch's clip_grad_norm_ and DeepSpeed: scale by max / (norm + 1e-6) when above max.
@@ -164,61 +198,76 @@ impl Updater {
             false => 1.0,
         };
         let k = (clip_coef / scale) as f32;
-        if let Some(m) = self
+        let momentum = self
             .schedule
-            .momentum_at(self.global_steps - 1 - self.skipped_steps)
-        {
+            .momentum_at(self.global_steps - 1 - self.skipped_steps);
+        if let (Some(e), Some((ez, _))) = (self.experts.as_mut(), experts) {
+            if let Some(m) = momentum {
+                e.optimizer.set_momentum(m);
+            }
+            e.optimizer.begin(lr);
+            update_shard(e.optimizer.as_mut(), &e.groups, ez, k)?;
+        }
+        if let Some(m) = momentum {
             self.optimizer.set_momentum(m);
         }
         self.optimizer.begin(lr);
-        if let Some(o) = &self.offload {
-            o.step(self.optimizer.as_mut(), zero, k, &self.groups)?;
-            return Ok(outcome);
+        match &self.offload {
+            Some(o) => o.step(self.optimizer.as_mut(), zero, k, &self.groups)?,
+            None => update_shard(self.optimizer.as_mut(), &self.groups, zero, k)?,
         }
-        let (master, grads) = zero.master_and_grads();
-        if self.step_on_gpu(master, grads, k)? {
-            zero.publish()?;
-            return Ok(outcome);
-        }
-        // The owned range in pieces: the fp32 gradients of one piece at a time, never of the
-        // whole shard (a whole-model temporary at stage 0).
+        Ok(outcome)
+    }
+}
+
+/// The update of one store's owned shard with gradients times `k`, then the new values
+/// published: on the GPU where the buffers are, else on the host in pieces.
+fn update_shard<T: Element>(
+    optimizer: &mut dyn Optimizer,
+    groups: &GroupPlan,
+    zero: &mut Zero<T>,
+    k: f32,
+) -> Result<()> {
+    let (master, grads) = zero.master_and_grads();
+    if !step_on_gpu(optimizer, groups, master, grads, k)? {
+        // The owned range in pieces: the fp32 gradients of one piece at a time, never of
+        // the whole shard (a whole-model temporary at stage 0).
         let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
         for at in (0..master.len()).step_by(STEP_PIECE) {
             let end = (at + STEP_PIECE).min(master.len());
-            for (r, group) in self.groups.segments(at..end) {
+            for (r, group) in groups.segments(at..end) {
                 let fp32 = &mut scratch[..r.len()];
                 fp32.iter_mut()
                     .zip(&grads[r.clone()])
                     .for_each(|(d, g)| *d = g.to_f32() * k);
-                self.optimizer.update(r.start, &mut master[r], fp32, group);
+                optimizer.update(r.start, &mut master[r], fp32, group);
             }
         }
-        zero.publish()?;
-        Ok(outcome)
     }
+    zero.publish()?;
+    Ok(())
+}
 
-    /// The step on the GPU, a kernel per part of the shard with its group's settings; false
-    /// when the buffers are not all on one GPU (nothing was done).
-    fn step_on_gpu<T: Element>(&mut self, master: &mut [f32], grads: &[T], k: f32) -> Result<bool> {
-        for (i, (r, group)) in self
-            .groups
-            .segments(0..master.len())
-            .into_iter()
-            .enumerate()
-        {
-            let grads = TypedGrads::of(&grads[r.clone()]);
-            let done = self
-                .optimizer
-                .update_on_gpu(r.start, &mut master[r], grads, k, group)?;
-            // every part lies where the first does: one answer for the whole shard
-            debug_assert!(
-                done || i == 0,
-                "invariant: a shard's buffers share one placement"
-            );
-            if !done {
-                return Ok(false);
-            }
+/// The step on the GPU, a kernel per part of the shard with its group's settings; false when
+/// the buffers are not all on one GPU (nothing was done).
+fn step_on_gpu<T: Element>(
+    optimizer: &mut dyn Optimizer,
+    groups: &GroupPlan,
+    master: &mut [f32],
+    grads: &[T],
+    k: f32,
+) -> Result<bool> {
+    for (i, (r, group)) in groups.segments(0..master.len()).into_iter().enumerate() {
+        let grads = TypedGrads::of(&grads[r.clone()]);
+        let done = optimizer.update_on_gpu(r.start, &mut master[r], grads, k, group)?;
+        // every part lies where the first does: one answer for the whole shard
+        debug_assert!(
+            done || i == 0,
+            "invariant: a shard's buffers share one placement"
+        );
+        if !done {
+            return Ok(false);
         }
-        Ok(true)
     }
+    Ok(true)
 }

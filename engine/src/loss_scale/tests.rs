@@ -14,6 +14,7 @@ fn fp16(section: Json) -> Fp16Config {
         world_size: 1,
         tp: 1,
         pp: 1,
+        ep: 1,
     };
     ds_config::resolve(&doc, &dims).unwrap().fp16
 }

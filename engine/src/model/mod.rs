@@ -57,6 +57,10 @@ pub struct ParamSpec {
     /// An adapter added to a model (LoRA's A and B): a weights file of the base model does
     /// not hold it, so it starts from its initialiser when the run starts from one.
     pub adapter: bool,
+    /// One of the experts this expert-parallel rank holds (`Ep`): its gradient is averaged
+    /// over the whole data-parallel world but reduced, and ZeRO shards it, over the
+    /// expert-data-parallel group only (the ranks holding the same experts).
+    pub expert: bool,
 }
 
 impl ParamSpec {
@@ -72,7 +76,14 @@ impl ParamSpec {
             stored_transposed: false,
             frozen: false,
             adapter: false,
+            expert: false,
         }
+    }
+
+    /// One of this expert-parallel rank's experts (see `expert`).
+    pub fn expert(mut self) -> ParamSpec {
+        self.expert = true;
+        self
     }
 
     /// An adapter added to a model (see `adapter`).
@@ -312,6 +323,10 @@ impl NamedLayer {
 #[derive(Default)]
 pub struct Model {
     layers: Vec<NamedLayer>,
+    /// Parameters of the whole model that other ranks hold instead of this one (an
+    /// expert-parallel rank's layers declare its own experts only), full names: a weights
+    /// file of the whole model holds them too.
+    elsewhere: Vec<ParamSpec>,
 }
 
 impl Model {
@@ -357,6 +372,18 @@ impl Model {
         self.layers.iter().flat_map(|l| l.params()).collect()
     }
 
+    /// The model with `specs` (full names) declared as held by other ranks (see
+    /// `elsewhere`).
+    pub fn held_elsewhere(mut self, specs: Vec<ParamSpec>) -> Model {
+        self.elsewhere.extend(specs);
+        self
+    }
+
+    /// Parameters of the whole model other ranks hold instead of this one.
+    pub fn elsewhere(&self) -> &[ParamSpec] {
+        &self.elsewhere
+    }
+
     /// Only the layers in `ranges` (a pipeline stage's model chunks), in order.
     pub fn into_stage(self, ranges: &[std::ops::Range<usize>]) -> Model {
         Model {
@@ -367,6 +394,7 @@ impl Model {
                 .filter(|(i, _)| ranges.iter().any(|r| r.contains(i)))
                 .map(|(_, l)| l)
                 .collect(),
+            elsewhere: self.elsewhere,
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Tensor parallelism's building blocks (Megatron-LM's scheme), for the built-in GPT and for
-//! a user's own layers: the tensor-parallel group as layers see it (`Tp`), the collectives
+//! a user's own layers, and expert parallelism's (`Ep`, DeepSpeed-MoE's): the tensor-parallel group as layers see it (`Tp`), the collectives
 //! between regions (`mappings`), and the vocabulary-parallel embedding and cross-entropy
 //! (`vocab`). Column- and row-parallel linears need no type of their own: a column-parallel
 //! linear is an ordinary `linear` over the rank's rows whose input gradient goes through
@@ -9,11 +9,13 @@
 //! A layer declares how each logical tensor is split (`ParamSpec::split`); the engine gives it
 //! only its slice, in the local shape (`local_shape`), and never the whole tensor.
 
+mod experts;
 mod mappings;
 mod partition_config;
 pub mod vocab;
 
 pub use ds_partition::{local_shape, Split, TpRank};
+pub use experts::Ep;
 pub use mappings::Tp;
 pub use partition_config::PartitionConfig;
 pub use vocab::vocab_parallel_cross_entropy;

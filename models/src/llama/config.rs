@@ -411,6 +411,22 @@ impl LlamaConfig {
         6.0 * products as f64 + 12.0 * (self.num_hidden_layers * seq * self.q_width()) as f64
     }
 
+    /// Whether the experts split evenly over the expert-parallel ranks `ep`; a dense model
+    /// takes no expert parallelism.
+    pub fn check_ep(&self, ep: usize) -> Result<(), String> {
+        match &self.moe {
+            Some(m) if ep == 0 || !m.num_experts.is_multiple_of(ep) => Err(format!(
+                "{} experts do not split evenly over expert-parallel size {ep}",
+                m.num_experts
+            )),
+            None if ep > 1 => Err(format!(
+                "expert-parallel size {ep}: {} has no experts",
+                self.family.architecture()
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether tensor parallelism of degree `tp` can split the model: whole query and key/value
     /// heads per rank, the MLP width and the vocabulary in equal parts.
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {

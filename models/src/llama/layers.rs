@@ -16,7 +16,7 @@ use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{vocab, Tp};
+use ds_engine::parallel::{vocab, Ep, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
 use super::ops::{
@@ -29,19 +29,27 @@ use super::sparse::{self, Experts, SparseTape};
 /// The embedding's name, which a tied LM head reads.
 pub const EMBED: &str = "model.embed_tokens.weight";
 
-/// The model as layers, split over `tp`.
-pub fn build(c: &LlamaConfig, tp: &Tp) -> std::result::Result<Model, String> {
+/// The model as layers, split over `tp`, its experts over `ep`.
+pub fn build(c: &LlamaConfig, tp: &Tp, ep: &Ep) -> std::result::Result<Model, String> {
     c.check_tp(tp.size())?;
+    c.check_ep(ep.size())?;
     let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
+    let mut elsewhere = Vec::new();
     for i in 0..c.num_hidden_layers {
+        let prefix = format!("model.layers.{i}");
+        if let Some(s) = c.sparse_layer(i) {
+            elsewhere.extend(sparse::held_elsewhere(s, c, ep, &prefix));
+        }
         let layer = DecoderLayer {
             c: c.clone(),
             tp: tp.clone(),
             window: c.windows[i],
             sparse: c.sparse_layer(i).cloned(),
+            ep: ep.clone(),
         };
-        m = m.layer(&format!("model.layers.{i}"), layer);
+        m = m.layer(&prefix, layer);
     }
+    let m = m.held_elsewhere(elsewhere);
     let m = m.layer("", Head(c.clone(), tp.clone()));
     Ok(match tp.size() {
         1 => m.layer("", CrossEntropyLoss),
@@ -137,6 +145,8 @@ struct DecoderLayer {
     tp: Tp,
     window: Option<usize>,
     sparse: Option<SparseMlp>,
+    /// Where the experts are (a sparse layer's).
+    ep: Ep,
 }
 
 /// A linear's weight and optional bias.
@@ -297,6 +307,7 @@ impl DecoderLayer {
             m,
             family: self.c.family,
             tp: &self.tp,
+            ep: &self.ep,
             hidden: self.c.hidden_size,
         }
     }
@@ -335,6 +346,7 @@ impl DecoderLayer {
                 tp: tp.clone(),
                 window: self.window,
                 sparse: self.sparse.clone(),
+                ep: self.ep.clone(),
             },
             x,
             r1,
@@ -367,7 +379,7 @@ impl Layer for DecoderLayer {
         }
         specs.push(ParamSpec::new("post_attention_layernorm.weight", &[d], Init::Ones).norm());
         match &self.sparse {
-            Some(m) => specs.extend(sparse::params(m, c)),
+            Some(m) => specs.extend(sparse::params(m, c, &self.ep)),
             None => {
                 for l in self.mlp_linears() {
                     specs.extend(linear_specs(c, l));

@@ -21,7 +21,7 @@ use candle_nn::VarBuilder;
 use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::primitive::softmax_last_dim;
 use ds_engine::model::{tensor_bytes, ParamSpec, Split};
-use ds_engine::parallel::Tp;
+use ds_engine::parallel::{Ep, Tp};
 
 use super::config::{Family, LlamaConfig, SparseMlp};
 use super::layers::weight_init;
@@ -32,6 +32,7 @@ pub(super) struct Experts<'a> {
     pub m: &'a SparseMlp,
     pub family: Family,
     pub tp: &'a Tp,
+    pub ep: &'a Ep,
     pub hidden: usize,
 }
 
@@ -44,30 +45,44 @@ pub(super) struct SparseGrads {
 }
 
 /// What `forward` keeps for `backward`.
+///
+/// Note [routes to experts]: the routes (token i / k's (i % k)-th choice) are put in expert
+/// order, which is rank order under expert parallelism (each rank holds a block of
+/// consecutive experts); their tokens' rows travel to the ranks holding their experts in one
+/// exchange, each expert runs on the rows it received from every rank, and the outputs travel
+/// back in the same order. At ep 1 the exchanges are no-ops and the same code runs.
 pub(super) struct SparseTape {
     /// The block's input, whole tokens [N, d].
     x: Tensor,
     /// The router's probabilities [N, experts], f32.
     probs: Tensor,
-    /// Per route (token i / k's (i % k)-th choice): its expert.
+    /// Per route: its expert.
     chosen: Vec<usize>,
     /// The kept probabilities [N, k] (f32), and each route's weight [N k] (the compute dtype).
     kept: Tensor,
     weights: Tensor,
+    /// The routes in expert order and their tokens, [R] u32.
+    order: Tensor,
+    tokens: Tensor,
+    /// Rows sent to and received from each expert-parallel rank.
+    sent: Vec<usize>,
+    received: Vec<usize>,
+    /// The rows this rank's experts ran on [received, d].
+    rows: Tensor,
+    /// The experts' outputs per route in expert order, before the route weights [R, d] (a
+    /// partial sum under tensor parallelism).
+    outputs: Tensor,
     ran: Vec<ExpertRun>,
 }
 
-/// One expert's forward on the tokens routed to it.
+/// One of this rank's experts' forward on the rows routed to it.
 struct ExpertRun {
     expert: usize,
-    /// The tokens and the routes (indices into `chosen`), [n] u32.
-    tokens: Tensor,
-    routes: Tensor,
+    /// Its rows among the received ones, [n] u32.
+    rows: Tensor,
     gate: Tensor,
     up: Tensor,
     act: Tensor,
-    /// Its output before the route weights, a partial sum under tensor parallelism [n, d].
-    y: Tensor,
 }
 
 impl SparseTape {
@@ -76,35 +91,80 @@ impl SparseTape {
             .ran
             .iter()
             .map(|r| {
-                [&r.gate, &r.up, &r.act, &r.y]
+                [&r.gate, &r.up, &r.act]
                     .into_iter()
                     .map(tensor_bytes)
                     .sum::<usize>()
             })
             .sum();
-        [&self.x, &self.probs, &self.kept, &self.weights]
-            .into_iter()
-            .map(tensor_bytes)
-            .sum::<usize>()
+        [
+            &self.x,
+            &self.probs,
+            &self.kept,
+            &self.weights,
+            &self.rows,
+            &self.outputs,
+        ]
+        .into_iter()
+        .map(tensor_bytes)
+        .sum::<usize>()
             + runs
     }
 }
 
-/// The router's and every expert's parameter specs, under `c.family`'s names.
-pub(super) fn params(m: &SparseMlp, c: &LlamaConfig) -> Vec<ParamSpec> {
+/// The router's and this rank's experts' parameter specs, under `c.family`'s names (experts
+/// marked as an expert-parallel rank's under expert parallelism).
+pub(super) fn params(m: &SparseMlp, c: &LlamaConfig, ep: &Ep) -> Vec<ParamSpec> {
+    let (block, _) = c.family.expert_names();
+    let router = ParamSpec::new(
+        &format!("{block}.gate.weight"),
+        &[m.num_experts, c.hidden_size],
+        weight_init(c),
+    );
+    let mark = |p: ParamSpec| match ep.size() {
+        1 => p,
+        _ => p.expert(),
+    };
+    let experts = expert_specs(m, c, ep.local(m.num_experts)).map(mark);
+    std::iter::once(router).chain(experts).collect()
+}
+
+/// The other expert-parallel ranks' experts of the layer under `prefix`, full names.
+pub(super) fn held_elsewhere(
+    m: &SparseMlp,
+    c: &LlamaConfig,
+    ep: &Ep,
+    prefix: &str,
+) -> Vec<ParamSpec> {
+    let local = ep.local(m.num_experts);
+    let others = (0..m.num_experts).filter(|e| !local.contains(e));
+    others
+        .flat_map(|e| expert_specs(m, c, e..e + 1))
+        .map(|mut p| {
+            p.name = format!("{prefix}.{}", p.name);
+            p
+        })
+        .collect()
+}
+
+/// Experts `experts`' (gate, up, down) specs, each split by tensor parallelism as the dense
+/// MLP's.
+fn expert_specs(
+    m: &SparseMlp,
+    c: &LlamaConfig,
+    experts: std::ops::Range<usize>,
+) -> impl Iterator<Item = ParamSpec> {
     let (block, [gate, up, down]) = c.family.expert_names();
     let (d, f) = (c.hidden_size, m.expert_size);
     let init = weight_init(c);
-    let router = ParamSpec::new(&format!("{block}.gate.weight"), &[m.num_experts, d], init);
-    let experts = (0..m.num_experts).flat_map(|e| {
+    experts.flat_map(move |e| {
         let name = |proj: &str| format!("{block}.experts.{e}.{proj}.weight");
         [
             ParamSpec::new(&name(gate), &[f, d], init).split(Split::dim(0)),
             ParamSpec::new(&name(up), &[f, d], init).split(Split::dim(0)),
             ParamSpec::new(&name(down), &[d, f], init).split(Split::dim(1)),
         ]
-    });
-    std::iter::once(router).chain(experts).collect()
+    })
 }
 
 impl Experts<'_> {
@@ -132,6 +192,7 @@ impl Experts<'_> {
     pub fn forward(&self, vb: &VarBuilder, x: &Tensor) -> Result<(Tensor, SparseTape)> {
         let (d, e, k) = (self.hidden, self.m.num_experts, self.m.top_k);
         let dims = x.dims().to_vec();
+        let dev = x.device();
         let xs = x.reshape(((), d))?;
         let router = vb.get((e, d), &self.router_name())?;
         let probs = softmax_last_dim(&linear(&xs, &router, None)?.to_dtype(DType::F32)?)?;
@@ -142,61 +203,111 @@ impl Experts<'_> {
             false => kept.clone(),
         };
         let weights = weights.flatten_all()?.to_dtype(x.dtype())?;
-        let mut out = xs.zeros_like()?;
+        // Note [routes to experts]
+        let mut order: Vec<usize> = (0..chosen.len()).collect();
+        order.sort_by_key(|&r| chosen[r]);
+        let per_expert = counts(&chosen, e);
+        let sent = per_rank(&per_expert, self.ep.size());
+        let from = self.ep.exchange_counts(&per_expert, e / self.ep.size())?;
+        let received = per_rank(&from, self.ep.size());
+        let tokens: Vec<u32> = order.iter().map(|&r| (r / k) as u32).collect();
+        let (order, tokens) = (
+            index(order.iter().map(|&r| r as u32), dev)?,
+            index(tokens, dev)?,
+        );
+        let rows = self
+            .ep
+            .exchange(&xs.index_select(&tokens, 0)?, &sent, &received)?;
+        let mut out_rows = rows.zeros_like()?;
         let mut ran = Vec::new();
-        for (expert, tokens, routes) in routed(&chosen, e, k, x.device())? {
+        for (expert, at) in self.local_rows(&from, dev)? {
             let [wg, wu, wd] = self.weights(vb, expert)?;
-            let xe = xs.index_select(&tokens, 0)?;
+            let xe = rows.index_select(&at, 0)?;
             let (gate, up) = (linear(&xe, &wg, None)?, linear(&xe, &wu, None)?);
             let act = swiglu(&gate, &up)?;
-            let y = linear(&act, &wd, None)?;
-            let w = weights.index_select(&routes, 0)?.unsqueeze(1)?;
-            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+            out_rows = out_rows.index_add(&at, &linear(&act, &wd, None)?, 0)?;
             ran.push(ExpertRun {
                 expert,
-                tokens,
-                routes,
+                rows: at,
                 gate,
                 up,
                 act,
-                y,
             });
         }
+        let outputs = self.ep.exchange(&out_rows, &received, &sent)?;
+        let w = weights.index_select(&order, 0)?.unsqueeze(1)?;
+        let out = xs
+            .zeros_like()?
+            .index_add(&tokens, &outputs.broadcast_mul(&w)?, 0)?;
         let tape = SparseTape {
             x: xs,
             probs,
             chosen,
             kept,
             weights,
+            order,
+            tokens,
+            sent,
+            received,
+            rows,
+            outputs,
             ran,
         };
         Ok((out.reshape(dims)?, tape))
     }
 
+    /// Per local expert that received rows: its id and their positions among the received
+    /// rows, which come by sending rank, each rank's in expert order (`from` says how many
+    /// each rank sent each local expert).
+    fn local_rows(
+        &self,
+        from: &[usize],
+        dev: &candle_core::Device,
+    ) -> Result<Vec<(usize, Tensor)>> {
+        let local = self.ep.local(self.m.num_experts);
+        let mut at: Vec<Vec<u32>> = vec![Vec::new(); local.len()];
+        let mut next = 0u32;
+        for (i, n) in from.iter().enumerate() {
+            at[i % local.len()].extend(next..next + *n as u32);
+            next += *n as u32;
+        }
+        at.into_iter()
+            .zip(local)
+            .filter(|(rows, _)| !rows.is_empty())
+            .map(|(rows, e)| Ok((e, index(rows, dev)?)))
+            .collect()
+    }
+
     /// From the gradient `dy` [.., d] of the block's (reduced) output: the gradients of its
-    /// input, the router and every expert (zeros for those no token reached).
+    /// input, the router and this rank's experts (zeros for those no token reached).
     pub fn backward(&self, vb: &VarBuilder, t: SparseTape, dy: &Tensor) -> Result<SparseGrads> {
         let (d, e, k) = (self.hidden, self.m.num_experts, self.m.top_k);
         let dys = dy.reshape(((), d))?;
-        let mut dx = t.x.zeros_like()?;
-        // d loss / d weight of each route: the route's output against its gradient
-        let mut dweights = Tensor::zeros(t.chosen.len(), DType::F32, dy.device())?;
-        let mut grads: Vec<Option<[Tensor; 3]>> = (0..e).map(|_| None).collect();
+        let dout = dys.index_select(&t.tokens, 0)?;
+        // d loss / d weight of each route: the route's output against its gradient; the
+        // outputs are partial sums under tensor parallelism, and so are these
+        let dw = (&dout * &t.outputs)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
+        let dweights =
+            Tensor::zeros(t.chosen.len(), DType::F32, dy.device())?.index_add(&t.order, &dw, 0)?;
+        let w = t.weights.index_select(&t.order, 0)?.unsqueeze(1)?;
+        let drows = self
+            .ep
+            .exchange(&dout.broadcast_mul(&w)?, &t.sent, &t.received)?;
+        let mut dx_rows = t.rows.zeros_like()?;
+        let local = self.ep.local(e);
+        let mut grads: Vec<Option<[Tensor; 3]>> = local.clone().map(|_| None).collect();
         for run in t.ran {
             let [wg, wu, wd] = self.weights(vb, run.expert)?;
-            let dout = dys.index_select(&run.tokens, 0)?;
-            let dw = (&dout * &run.y)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
-            dweights = dweights.index_add(&run.routes, &dw, 0)?;
-            let w = t.weights.index_select(&run.routes, 0)?.unsqueeze(1)?;
-            let down = linear_backward(&run.act, &wd, &dout.broadcast_mul(&w)?)?;
+            let down = linear_backward(&run.act, &wd, &drows.index_select(&run.rows, 0)?)?;
             let (dgate, dup) = swiglu_backward(&run.gate, &run.up, &down.dx)?;
-            let xe = t.x.index_select(&run.tokens, 0)?;
+            let xe = t.rows.index_select(&run.rows, 0)?;
             let gate = linear_backward(&xe, &wg, &dgate)?;
             let up = linear_backward(&xe, &wu, &dup)?;
-            dx = dx.index_add(&run.tokens, &(gate.dx + up.dx)?, 0)?;
-            grads[run.expert] = Some([gate.dw, up.dw, down.dw]);
+            dx_rows = dx_rows.index_add(&run.rows, &(gate.dx + up.dx)?, 0)?;
+            grads[run.expert - local.start] = Some([gate.dw, up.dw, down.dw]);
         }
-        // each rank's routes' outputs are partial sums: so are their dot products
+        let dx_routes = self.ep.exchange(&dx_rows, &t.received, &t.sent)?;
+        let dx = t.x.zeros_like()?.index_add(&t.tokens, &dx_routes, 0)?;
         let dweights = self.tp.sum(&dweights)?.reshape(((), k))?;
         let dkept = match self.m.norm_topk_prob {
             // w = kept / sum(kept): dkept_j = (dw_j - sum_i dw_i w_i) / sum(kept)
@@ -213,7 +324,7 @@ impl Experts<'_> {
         let dlogits = (t.probs * dprobs.broadcast_sub(&dot)?)?.to_dtype(t.x.dtype())?;
         let router = linear_backward(&t.x, &vb.get((e, d), &self.router_name())?, &dlogits)?;
         let mut named = vec![(self.router_name(), router.dw)];
-        for (expert, g) in grads.into_iter().enumerate() {
+        for (expert, g) in local.zip(grads) {
             let g = match g {
                 Some(g) => g,
                 None => {
@@ -234,31 +345,28 @@ impl Experts<'_> {
     }
 }
 
-/// Per expert reached: its id, the tokens routed to it and the routes (indices into
-/// `chosen`), as u32 index tensors.
-fn routed(
-    chosen: &[usize],
-    experts: usize,
-    k: usize,
-    dev: &candle_core::Device,
-) -> Result<Vec<(usize, Tensor, Tensor)>> {
-    let mut per: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
-    for (i, e) in chosen.iter().enumerate() {
-        per[*e].0.push((i / k) as u32);
-        per[*e].1.push(i as u32);
+/// How many routes chose each of `experts`.
+fn counts(chosen: &[usize], experts: usize) -> Vec<usize> {
+    let mut n = vec![0; experts];
+    for e in chosen {
+        n[*e] += 1;
     }
-    per.into_iter()
-        .enumerate()
-        .filter(|(_, (tokens, _))| !tokens.is_empty())
-        .map(|(e, (tokens, routes))| {
-            let n = tokens.len();
-            Ok((
-                e,
-                Tensor::from_vec(tokens, n, dev)?,
-                Tensor::from_vec(routes, n, dev)?,
-            ))
-        })
+    n
+}
+
+/// Per-expert counts summed into each of `ranks` ranks' block of consecutive experts.
+fn per_rank(per_expert: &[usize], ranks: usize) -> Vec<usize> {
+    per_expert
+        .chunks(per_expert.len() / ranks)
+        .map(|c| c.iter().sum())
         .collect()
+}
+
+/// A u32 index tensor.
+fn index(ids: impl IntoIterator<Item = u32>, dev: &candle_core::Device) -> Result<Tensor> {
+    let ids: Vec<u32> = ids.into_iter().collect();
+    let n = ids.len();
+    Tensor::from_vec(ids, n, dev)
 }
 
 /// The cells of [tokens, experts] that `chosen` names, flattened.

@@ -1,4 +1,4 @@
-use ds_engine::parallel::Tp;
+use ds_engine::parallel::{Ep, Tp};
 use serde_json::json;
 
 use super::*;
@@ -61,7 +61,7 @@ fn taped_experts_match_autograd() {
 }
 
 fn check_layers(c: &LlamaConfig) {
-    let model = build(c, &Tp::none()).unwrap();
+    let model = build(c, &Tp::none(), &Ep::none()).unwrap();
     let what = format!("{:?}", c.family);
     crate::taped_check::check_layers(&model, (3, 7), c.hidden_size, c.vocab_size, &what);
 }
@@ -69,7 +69,7 @@ fn check_layers(c: &LlamaConfig) {
 #[test]
 fn parameter_counts_follow_the_declared_tensors() {
     for p in presets() {
-        let declared: usize = build(&p.config, &Tp::none())
+        let declared: usize = build(&p.config, &Tp::none(), &Ep::none())
             .unwrap()
             .params()
             .iter()
