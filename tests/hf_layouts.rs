@@ -189,3 +189,68 @@ fn expert_parallel_layouts_equal_one_process() {
     check("mixtral", "ep=2 x pp=2", 4, 0, "--ep 2 --pp 2", "");
     check("qwen3_moe", "ep=2 x dp=2 ZeRO-3", 4, 3, "--ep 2", "");
 }
+
+/// Each rank's experts' bytes (memory report, summary.json) are the formula's: Mixtral's 2
+/// layers x 8 experts x (gate, up, down: 3 x 32 x 48) split over ep (and tp), in fp32: 4 bytes
+/// of parameters and of gradients and 12 of optimizer states (the master copy, Adam's two
+/// moments) per element, those ZeRO partitions divided over the expert-data-parallel group
+/// (shards padded to equal lengths). Peak RSS is printed beside.
+#[test]
+fn expert_bytes_follow_the_formula() {
+    // (name, ranks, ZeRO stage, args, ep, tp)
+    let layouts = [
+        ("ep=2", 2, 0, "--ep 2", 2, 1),
+        ("ep=2 x dp=2 ZeRO-1", 4, 1, "--ep 2", 2, 1),
+        ("ep=2 x dp=2 ZeRO-2", 4, 2, "--ep 2", 2, 1),
+        ("ep=2 x dp=2 ZeRO-3", 4, 3, "--ep 2", 2, 1),
+        ("ep=4 ZeRO-3", 4, 3, "--ep 4", 4, 1),
+        ("ep=2 x tp=2 ZeRO-2", 4, 2, "--ep 2 --tp 2", 2, 2),
+    ];
+    for (name, nproc, stage, args, ep, tp) in layouts {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let s = Scratch::new("expert-bytes");
+        // no parameter kept whole at stage 3: every one is sharded
+        let cfg = format!(
+            r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+        );
+        let cfg = s.write("cfg.json", &cfg);
+        let dir = s.path("metrics");
+        let cmd = format!(
+            "launch --nproc_per_node {nproc} --config {} train --model {} --seq-len 16 --steps 1 \
+             {args} --eval-interval 0 --eval-batches 1 --metrics-dir {}",
+            cfg.display(),
+            fixture("mixtral").display(),
+            dir.display()
+        );
+        let f = run(&cmd, LIMIT);
+        assert!(f.status.success(), "{name}: {cmd}\n{}", f.stderr);
+        let text = std::fs::read_to_string(dir.join("summary.json")).unwrap();
+        let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let n: usize = 2 * (8 / ep) * 3 * 32 * 48 / tp;
+        let edp = nproc / tp / ep;
+        let shard = n.div_ceil(edp);
+        let (params, grads, optimizer) = match stage {
+            0 => (n, n, n),
+            1 => (n, n, shard),
+            2 => (n, shard, shard),
+            _ => (shard, shard, shard),
+        };
+        let want = [4 * params, 4 * grads, 12 * optimizer];
+        for r in summary["ranks"].as_array().unwrap() {
+            let got = ["params", "grads", "optimizer_states"]
+                .map(|k| r[format!("expert_{k}_bytes")].as_u64().unwrap() as usize);
+            println!(
+                "{name} rank {}: experts' parameters, gradients, optimizer states {got:?} bytes \
+                 (formula {want:?}); all model states {} bytes; peak RSS {:.1} MiB",
+                r["rank"],
+                r["params_bytes"].as_u64().unwrap()
+                    + r["grads_bytes"].as_u64().unwrap()
+                    + r["optimizer_states_bytes"].as_u64().unwrap(),
+                r["peak_rss_mib"].as_f64().unwrap()
+            );
+            assert_eq!(got, want, "{name} rank {}", r["rank"]);
+        }
+    }
+}

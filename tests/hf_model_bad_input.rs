@@ -134,3 +134,32 @@ fn bad_model_directories_are_named() {
         ],
     );
 }
+
+/// Expert parallelism that cannot be laid out is one error before any rank starts: an `--ep`
+/// that does not divide the data-parallel ranks, experts that do not split evenly, a model
+/// with no experts, and checkpoints, which expert-parallel runs do not write yet.
+#[test]
+fn bad_expert_parallel_layouts_are_refused_before_any_rank_starts() {
+    let launch = |n: usize, args: &str| {
+        format!("launch --nproc_per_node {n} train --model mixtral-tiny --steps 1 {args}")
+    };
+    refused(
+        &launch(2, "--ep 2 --tp 2"),
+        &["--ep 2", "does not divide the data-parallel size 1"],
+    );
+    refused(
+        &launch(6, "--ep 3"),
+        &[
+            "--model mixtral-tiny",
+            "8 experts do not split evenly over expert-parallel size 3",
+        ],
+    );
+    refused(
+        &launch(2, "--ep 2").replace("mixtral-tiny", "llama-tiny"),
+        &["LlamaForCausalLM has no experts"],
+    );
+    refused(
+        &launch(2, "--ep 2 --save-dir /nonexistent/ckpt"),
+        &["--ep 2", "not built yet"],
+    );
+}

@@ -58,18 +58,16 @@ impl ParallelDims {
     }
 
     /// The same layout with expert-parallel size `ep`, which must divide the data-parallel
-    /// size (DeepSpeed's `_create_expert_and_data_parallel` asserts it).
-    pub fn with_ep(self, ep: usize) -> Result<ParallelDims> {
+    /// size (DeepSpeed's `_create_expert_and_data_parallel` asserts it); the error says
+    /// which sizes, for the caller to name where `ep` came from.
+    pub fn with_ep(self, ep: usize) -> std::result::Result<ParallelDims, String> {
         if ep == 0 || !self.dp().is_multiple_of(ep) {
-            return Err(ConfigError::conflict(
-                "expert_parallel",
-                format!(
-                    "expert-parallel size {ep} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
-                    self.dp(),
-                    self.world_size,
-                    self.tp,
-                    self.pp
-                ),
+            return Err(format!(
+                "expert-parallel size {ep} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
+                self.dp(),
+                self.world_size,
+                self.tp,
+                self.pp
             ));
         }
         Ok(ParallelDims { ep, ..self })

@@ -130,6 +130,11 @@ pub struct RankMemory {
     pub offloaded_bytes: u64,
     /// Of `accounted_bytes`, those in GPU memory (the rest are in host memory).
     pub gpu_bytes: u64,
+    /// Of the parameters, gradients and optimizer states, this rank's experts' (expert
+    /// parallelism).
+    pub expert_params_bytes: u64,
+    pub expert_grads_bytes: u64,
+    pub expert_optimizer_states_bytes: u64,
 }
 
 impl RankMemory {
@@ -196,6 +201,9 @@ pub fn gather_memory(
         report.total() as u64,
         report.offloaded as u64,
         report.gpu as u64,
+        report.experts.params as u64,
+        report.experts.grads as u64,
+        report.experts.optimizer_states as u64,
     ];
     let all = g.all_gather_u64(&mine)?;
     Ok(all
@@ -214,6 +222,9 @@ pub fn gather_memory(
             accounted_bytes: v[8],
             offloaded_bytes: v[9],
             gpu_bytes: v[10],
+            expert_params_bytes: v[11],
+            expert_grads_bytes: v[12],
+            expert_optimizer_states_bytes: v[13],
         })
         .collect())
 }
@@ -313,6 +324,9 @@ mod tests {
             accounted_bytes: 90 * MIB,
             offloaded_bytes: 0,
             gpu_bytes,
+            expert_params_bytes: 0,
+            expert_grads_bytes: 0,
+            expert_optimizer_states_bytes: 0,
         }
     }
 

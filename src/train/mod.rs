@@ -517,9 +517,10 @@ pub(crate) fn read_config(
         None => ds_config::hjson::parse(DEFAULT_CONFIG)
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
-    let dims = parallel_dims(&doc, world, tp, pp)
-        .and_then(|d| d.with_ep(ep))
-        .with_context(|| config_name(path))?;
+    let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
+    let dims = dims
+        .with_ep(ep)
+        .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
     let ctx = ds_config::FillContext {
         data_parallel: dims.dp() as i64,
         hidden_size: Some(fill.hidden_size as i64),

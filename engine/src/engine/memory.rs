@@ -16,6 +16,9 @@ pub struct MemoryReport {
     pub grads: usize,
     /// The fp32 master copy of the owned range and the optimizer's moments.
     pub optimizer_states: usize,
+    /// Of the three above, this rank's experts' share under expert parallelism (their own
+    /// store: experts / ep of them, sharded over the expert-data-parallel group).
+    pub experts: ExpertBytes,
     /// Activations kept for backward at the end of forward, where they peak.
     pub activations: usize,
     /// Layers' parameters materialised as tensors at once, at most: the layer being computed,
@@ -36,10 +39,30 @@ pub struct MemoryReport {
     pub gpu: usize,
 }
 
+/// An expert-parallel rank's experts' parameters, gradients and optimizer states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertBytes {
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer_states: usize,
+}
+
+impl ExpertBytes {
+    pub(crate) fn of(states: &StateBytes) -> ExpertBytes {
+        ExpertBytes {
+            params: states.params,
+            grads: states.grads,
+            optimizer_states: states.optimizer_states,
+        }
+    }
+}
+
 impl MemoryReport {
     /// `step_on_gpu`: the layers compute on a GPU, so the step's working memory is there.
+    /// `states` include the experts' (`experts`).
     pub(crate) fn new(
         states: StateBytes,
+        experts: ExpertBytes,
         frozen_params: usize,
         step: StepPeak,
         offloaded: usize,
@@ -51,6 +74,7 @@ impl MemoryReport {
             frozen_params,
             grads: states.grads,
             optimizer_states: states.optimizer_states,
+            experts,
             activations: step.activations,
             layer_params: step.layer_params,
             layer_grads: step.layer_grads,

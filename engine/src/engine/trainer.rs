@@ -12,7 +12,7 @@ use ds_partition::swap::{IoTotals, SwapIo};
 use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
 
 use super::layers::{self, Dtype, Kind, LayerGrads, LayerParams};
-use super::memory::{MemoryReport, StepPeak};
+use super::memory::{ExpertBytes, MemoryReport, StepPeak};
 use super::offload::OffloadedStates;
 use super::tied::{self, Tie};
 use super::update::{ShardOptimizer, StepOutcome, Updater, STEP_PIECE};
@@ -691,15 +691,27 @@ impl<T: Dtype> Trainer<T> {
         let offloaded =
             self.updater.offloaded().map_or(0, |o| o.bytes()) + self.zero.offloaded_param_bytes();
         let mut states = self.zero.memory(self.updater.state_bytes());
-        if let Some(e) = &self.experts {
-            states.add(&e.zero.memory(self.updater.expert_state_bytes()));
+        let experts = self
+            .experts
+            .as_ref()
+            .map(|e| e.zero.memory(self.updater.expert_state_bytes()));
+        if let Some(e) = &experts {
+            states.add(e);
         }
         let frozen = self.frozen.as_ref().map_or(0, |f| f.store.bytes());
         if let Some(f) = &self.frozen {
             states.comm_buffers += f.store.peak_gathered_bytes();
             states.gpu += if f.store.on_host() { 0 } else { frozen };
         }
-        MemoryReport::new(states, frozen, self.peak, offloaded, !self.dev.is_cpu())
+        let experts = experts.as_ref().map(ExpertBytes::of).unwrap_or_default();
+        MemoryReport::new(
+            states,
+            experts,
+            frozen,
+            self.peak,
+            offloaded,
+            !self.dev.is_cpu(),
+        )
     }
 
     /// Records the activations and layer parameters alive now: what forward keeps for
