@@ -64,7 +64,10 @@ fn losses_of(model: &str, name: &str, nproc: usize, stage: u8, args: &str, extra
         "{name}: the run starts from the fixture's weights\n{}",
         f.stdout
     );
+    let summary = std::fs::read_to_string(dir.join("summary.json")).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
     Run {
+        ep: summary["layout"]["ep"].as_u64().unwrap(),
         losses: losses(&dir),
         grad_norms: steps(&dir)
             .iter()
@@ -77,6 +80,8 @@ fn losses_of(model: &str, name: &str, nproc: usize, stage: u8, args: &str, extra
 /// the losses only in the last digits: compared on its own).
 #[derive(Clone)]
 struct Run {
+    /// The expert-parallel size the run took.
+    ep: u64,
     losses: Vec<f64>,
     grad_norms: Vec<f64>,
 }
@@ -95,7 +100,7 @@ fn reference(model: &'static str) -> Run {
 
 const CHECKPOINTING: &str = r#", "activation_checkpointing": {"partition_activations": false}"#;
 
-fn check(model: &'static str, name: &str, nproc: usize, stage: u8, args: &str, extra: &str) {
+fn check(model: &'static str, name: &str, nproc: usize, stage: u8, args: &str, extra: &str) -> Run {
     let got = losses_of(
         model,
         &name.replace([' ', '='], ""),
@@ -119,6 +124,7 @@ fn check(model: &'static str, name: &str, nproc: usize, stage: u8, args: &str, e
     assert_same_losses(&got.losses, &want.losses, REL, &format!("{model} {name}"));
     let what = format!("{model} {name} gradient norms");
     assert_same_losses(&got.grad_norms, &want.grad_norms, REL, &what);
+    got
 }
 
 #[test]
@@ -188,6 +194,14 @@ fn expert_parallel_layouts_equal_one_process() {
     check("mixtral", "ep=2 x tp=2", 4, 0, "--ep 2 --tp 2", "");
     check("mixtral", "ep=2 x pp=2", 4, 0, "--ep 2 --pp 2", "");
     check("qwen3_moe", "ep=2 x dp=2 ZeRO-3", 4, 3, "--ep 2", "");
+    // DeepSpeed's AutoEP section asks for the same layout
+    let autoep =
+        r#", "expert_parallel": {"enabled": true, "autoep_size": 2, "preset_model": "mixtral"}"#;
+    let run = check("mixtral", "AutoEP autoep_size=2 x dp=2", 4, 1, "", autoep);
+    assert_eq!(
+        run.ep, 2,
+        "the config's expert_parallel section sets the layout"
+    );
 }
 
 /// Each rank's experts' bytes (memory report, summary.json) are the formula's: Mixtral's 2

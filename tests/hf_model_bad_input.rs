@@ -162,4 +162,49 @@ fn bad_expert_parallel_layouts_are_refused_before_any_rank_starts() {
         &launch(2, "--ep 2 --save-dir /nonexistent/ckpt"),
         &["--ep 2", "not built yet"],
     );
+    // DeepSpeed's AutoEP section: a preset ds-rs does not train (the known ones listed), one
+    // that is not the model's, a size that disagrees with --ep, folding over tensor lanes
+    let s = Scratch::new("autoep-bad");
+    let with = |name: &str, section: &str| {
+        let cfg = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}},
+            "expert_parallel": {{"enabled": true, {section}}}}}"#
+        );
+        let path = s.write(name, &cfg);
+        format!(
+            "launch --nproc_per_node 2 --config {} train --model mixtral-tiny --steps 1",
+            path.display()
+        )
+    };
+    refused(
+        &with(
+            "deepseek.json",
+            r#""autoep_size": 2, "preset_model": "deepseek_v3""#,
+        ),
+        &[
+            "expert_parallel.preset_model",
+            "deepseek_v3",
+            "mixtral, qwen3_moe",
+        ],
+    );
+    refused(
+        &with(
+            "qwen.json",
+            r#""autoep_size": 2, "preset_model": "qwen3_moe""#,
+        ),
+        &["\"qwen3_moe\" is not this model's family, \"mixtral\""],
+    );
+    refused(
+        &(with("size.json", r#""autoep_size": 2"#) + " --ep 1"),
+        &["--ep 1", "expert_parallel.autoep_size 2 disagree"],
+    );
+    refused(
+        &(with("tp.json", r#""autoep_size": 2"#)
+            .replace("--nproc_per_node 2", "--nproc_per_node 4")
+            + " --tp 2"),
+        &[
+            "expert_parallel.autoep_size",
+            "folded over the tensor-parallel lanes",
+        ],
+    );
 }

@@ -1,6 +1,6 @@
 //! Typed sections ds-rs checks exactly as DeepSpeed does but does not act on yet:
 //! `hybrid_engine`, `compile`, `tensor_parallel`, `weight_quantization`, `timers`,
-//! `torch_autocast`, `data_efficiency`, `expert_parallel`.
+//! `torch_autocast`, `data_efficiency`.
 //!
 //! Checking them keeps the verdict on a file identical to DeepSpeed's; `resolve` adds a
 //! warning when one of them asks for a feature ds-rs does not have.
@@ -266,14 +266,4 @@ pub fn data_efficiency(root: &Dict) -> Result<bool> {
         }
     }
     Ok(d.get("enabled").is_some_and(Value::truthy))
-}
-
-/// `expert_parallel` (MoE expert parallelism, not implemented by ds-rs).
-pub fn expert_parallel(root: &Dict) -> Result<bool> {
-    match root.get("expert_parallel") {
-        None => Ok(false),
-        Some(v) if !v.truthy() => Ok(false),
-        Some(Value::Dict(d)) => Ok(d.get("enabled").is_some_and(Value::truthy)),
-        Some(other) => Err(ConfigError::invalid("expert_parallel", other, "an object")),
-    }
 }

@@ -13,6 +13,7 @@ pub mod auto;
 pub mod batch;
 mod coerce;
 pub mod error;
+pub mod expert_parallel;
 mod extras;
 pub mod hjson;
 mod lenient;

@@ -176,6 +176,9 @@ pub struct Config {
     /// `tensor_parallel.sequence_parallel` (a ds-rs extension): activations between the
     /// tensor-parallel products split along the sequence.
     pub sequence_parallel: bool,
+    /// `expert_parallel` (DeepSpeed's AutoEP): the expert-parallel size it asks for and the
+    /// model preset it names.
+    pub expert_parallel: crate::expert_parallel::ExpertParallel,
     /// `tensor_parallel.partition_config` (AutoTP's layer specs), as written.
     pub tp_partition_config: Option<Json>,
     pub checkpoint: CheckpointConfig,
@@ -301,6 +304,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
     let autotuning = AutotuningConfig::read(root, &mut notes.warnings)?;
     let (pipeline, checkpoint, data_types, aio) = read_runtime(root, &mut notes)?;
     let (deepcompile, tensor_parallel) = read_extras(root, &mut notes)?;
+    let expert_parallel = crate::expert_parallel::read(root, &mut notes.warnings)?;
     let triad = batch::resolve(root, dp)?;
     let config = Config {
         dims: *dims,
@@ -323,6 +327,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
         autotp_size: tensor_parallel.autotp_size,
         sequence_parallel: tensor_parallel.sequence_parallel,
         tp_partition_config: tensor_parallel.partition_config,
+        expert_parallel,
         checkpoint,
         data_types,
         autotuning,
@@ -483,7 +488,6 @@ fn read_extras(root: &Dict, notes: &mut Notes) -> Result<(bool, extras::TensorPa
             extras::SEQUENCE_PARALLEL
         ));
     }
-    extras::expert_parallel(root)?;
     Ok((deepcompile, tensor_parallel))
 }
 

@@ -285,7 +285,6 @@ pub fn unsupported_feature_warnings(root: &Dict, c: &Config) -> Vec<String> {
             "activation_checkpointing.partition_activations at tensor-parallel size 1 (nothing to partition)",
         ),
         (root.contains_key("data_efficiency"), "data_efficiency"),
-        (root.contains_key("expert_parallel"), "expert_parallel"),
         (root.contains_key("hybrid_engine"), "hybrid_engine"),
         (root.contains_key("torch_autocast"), "torch_autocast"),
         (

@@ -47,9 +47,13 @@ impl fmt::Display for NotImplemented {
 
 impl Config {
     /// The settings of this config that ds-rs cannot carry out yet: partitioned activation
-    /// checkpoints under tensor parallelism.
+    /// checkpoints under tensor parallelism, AutoEP's expert parallelism folded over
+    /// tensor-parallel lanes.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
-        self.partition_activations().into_iter().collect()
+        [self.partition_activations(), self.autoep_folding()]
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Err naming every setting of `not_implemented`, on one line.
@@ -59,6 +63,21 @@ impl Config {
             true => Ok(()),
             false => Err(ConfigError::NotImplemented(found)),
         }
+    }
+
+    /// `expert_parallel` with tensor parallelism: DeepSpeed's AutoEP lays expert-parallel
+    /// groups across the tensor-parallel lanes with whole experts; ds-rs carves them out of
+    /// the data-parallel ranks (DeepSpeed-MoE's layout, `--ep`) and splits each expert over
+    /// the tensor-parallel group.
+    fn autoep_folding(&self) -> Option<NotImplemented> {
+        let size = self.expert_parallel.size();
+        (size > 1 && self.dims.tp > 1).then(|| NotImplemented {
+            path: "expert_parallel.autoep_size",
+            value: size.to_string(),
+            feature: "AutoEP's expert parallelism folded over the tensor-parallel lanes (`--ep`, DeepSpeed-MoE's layout, combines with tensor parallelism)",
+            issue: 37,
+            off: "1",
+        })
     }
 
     /// `activation_checkpointing.partition_activations` under tensor parallelism: DeepSpeed

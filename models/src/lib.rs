@@ -196,6 +196,39 @@ impl ModelSpec {
         }
     }
 
+    /// Whether the ds_config's AutoEP section (`expert_parallel`) describes this model: its
+    /// `preset_model` is the model's family, its `top_k` the model's.
+    pub fn check_expert_parallel(
+        &self,
+        preset_model: Option<&str>,
+        top_k: Option<usize>,
+    ) -> Result<(), String> {
+        let moe = match &self.arch {
+            Arch::Llama(c) => c.moe.as_ref().map(|m| (c.family.model_type(), m.top_k)),
+            _ => None,
+        };
+        match (preset_model, moe) {
+            (Some(preset), Some((family, _))) if preset != family => {
+                return Err(format!(
+                    "expert_parallel.preset_model \"{preset}\" is not this model's family, \"{family}\""
+                ))
+            }
+            (Some(preset), None) => {
+                return Err(format!(
+                    "expert_parallel.preset_model \"{preset}\": {} has no experts",
+                    self.architecture()
+                ))
+            }
+            _ => {}
+        }
+        match (top_k, moe) {
+            (Some(k), Some((_, own))) if k != own => Err(format!(
+                "expert_parallel.top_k {k}: the model routes each token to {own} experts (num_experts_per_tok)"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The model's layers, split over `tp`.
     pub fn build(&self, tp: &Tp) -> Result<Model, String> {
         self.build_with(tp, &Ep::none())

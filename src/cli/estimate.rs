@@ -72,7 +72,7 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
     let layout = crate::train::Layout {
         tp: args.tp,
         pp: args.pp,
-        ep: 1,
+        ep: None,
     };
     let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
     let ranks = estimate(&Run {

@@ -134,11 +134,12 @@ pub struct TrainArgs {
     /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
     #[arg(long)]
     pub(crate) pp: Option<usize>,
-    /// Expert-parallel size (DeepSpeed-MoE's ep_size): the data-parallel ranks in groups of
+    /// Expert-parallel size (DeepSpeed-MoE's ep_size; default: the config's
+    /// expert_parallel.autoep_size when enabled, else 1): the data-parallel ranks in groups of
     /// this many, among which a mixture of experts' experts are split; it divides the
     /// data-parallel size and the number of experts.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) ep: usize,
+    #[arg(long)]
+    pub(crate) ep: Option<usize>,
     #[command(flatten)]
     pub(crate) training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -175,6 +176,12 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
     model
         .check_tp(cfg.dims.tp)
         .and_then(|_| model.check_ep(cfg.dims.ep))
+        .and_then(|_| {
+            // DeepSpeed reads the section only when it is enabled
+            let ep = Some(&cfg.expert_parallel).filter(|e| e.enabled);
+            let preset = ep.and_then(|e| e.preset_model.as_deref());
+            model.check_expert_parallel(preset, ep.and_then(|e| e.top_k))
+        })
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     if cfg.dims.ep > 1 && (args.save_dir.is_some() || args.save_hf.is_some() || args.resume) {
         anyhow::bail!(
@@ -501,7 +508,7 @@ pub(crate) struct Fill {
 pub(crate) struct Layout {
     pub tp: Option<usize>,
     pub pp: Option<usize>,
-    pub ep: usize,
+    pub ep: Option<usize>,
 }
 
 /// The config resolved for its layout (`--tp`, else the config's own degree), its "auto"
@@ -518,15 +525,31 @@ pub(crate) fn read_config(
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
     let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
-    let dims = dims
-        .with_ep(ep)
-        .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
     let ctx = ds_config::FillContext {
         data_parallel: dims.dp() as i64,
         hidden_size: Some(fill.hidden_size as i64),
         run_steps: fill.run_steps.map(|n| n as i64),
     };
-    ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx).with_context(|| config_name(path))
+    let mut cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
+        .with_context(|| config_name(path))?;
+    // --ep, else the config's AutoEP size
+    let from_config = cfg.expert_parallel.size();
+    let (ep, from) = match ep {
+        Some(ep) if from_config > 1 && ep != from_config => anyhow::bail!(
+            "--ep {ep} and {}'s expert_parallel.autoep_size {from_config} disagree",
+            config_name(path)
+        ),
+        Some(ep) => (ep, format!("--ep {ep}")),
+        None => (
+            from_config,
+            format!("{}: expert_parallel.autoep_size", config_name(path)),
+        ),
+    };
+    cfg.dims = cfg
+        .dims
+        .with_ep(ep)
+        .map_err(|e| anyhow::anyhow!("{from}: {e}"))?;
+    Ok(cfg)
 }
 
 /// ds_config.resolved.json beside the metrics: the config as this run resolved it, itself a

@@ -109,7 +109,7 @@ impl Run<'_> {
                      "epochs": records.last().map(|r| data.train.epochs(r.step + 1)),
                      "samples_per_epoch": data.train.samples().len(),
                      "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
-            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp,
+            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp, "ep": s.dims.ep,
                        "zero_stage": s.zero_stage() as u8,
                        "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
                        "gradient_accumulation_steps": s.gradient_accumulation_steps.to_string(),

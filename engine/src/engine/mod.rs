@@ -231,7 +231,7 @@ impl Engine {
         };
         // under expert parallelism this rank's experts live in a store of their own
         let expert_parallel = groups.experts().ep.size() > 1;
-        check_experts(&frozen_specs, expert_parallel)?;
+        check_experts(&frozen_specs, &settings, expert_parallel)?;
         let (expert_specs, specs): (Vec<ParamSpec>, Vec<ParamSpec>) =
             specs.into_iter().partition(|p| p.expert && expert_parallel);
         let (index, frozen_index) = (flat_index(&specs, tp)?, flat_index(&frozen_specs, tp)?);
@@ -281,7 +281,7 @@ impl Engine {
             model,
             index: index.clone(),
             frozen_index: frozen_index.clone(),
-            experts: expert_parallel.then(|| trainer::ExpertPart {
+            experts: (expert_index.numel() > 0).then(|| trainer::ExpertPart {
                 index: expert_index.clone(),
                 expert_dp: groups.experts().expert_dp.clone(),
                 ep: groups.experts().ep.clone(),
@@ -869,16 +869,24 @@ fn flat_index(specs: &[ParamSpec], tp: TpRank) -> Result<FlatIndex> {
     Ok(index)
 }
 
-/// Expert parallelism holds trainable experts only: a frozen one would need a frozen store
-/// over the expert-data-parallel group.
-fn check_experts(frozen: &[ParamSpec], expert_parallel: bool) -> Result<()> {
-    match frozen.iter().find(|p| p.expert && expert_parallel) {
-        None => Ok(()),
-        Some(p) => Err(EngineError::Invalid(format!(
+/// What the experts' store of expert parallelism does not do yet: hold frozen experts (a
+/// frozen store over the expert-data-parallel group) or reach NVMe.
+fn check_experts(frozen: &[ParamSpec], settings: &Settings, expert_parallel: bool) -> Result<()> {
+    if !expert_parallel {
+        return Ok(());
+    }
+    if let Some(p) = frozen.iter().find(|p| p.expert) {
+        return Err(EngineError::Invalid(format!(
             "{} is a frozen expert: freezing experts under expert parallelism is not built yet",
             p.name
-        ))),
+        )));
     }
+    if settings.nvme_optimizer.is_some() || settings.nvme_params.is_some() {
+        return Err(EngineError::Invalid(
+            "zero_optimization.offload_optimizer/offload_param to nvme under expert parallelism is not built yet (the experts' store stays in memory): offload to cpu, or train at ep 1".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// What freezing parameters (`Model::freeze`) cannot do: freeze everything, a tied pair, or
