@@ -199,30 +199,7 @@ fn save_hf_refusals() {
 /// out, as in transformers' own file; the directory trains on from where it stopped.
 #[test]
 fn gpt2_exports_in_transformers_layout() {
-    let s = Scratch::new("hf-gpt2");
-    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf/gpt2");
-    let out = s.path("out");
-    let cmd = format!(
-        "launch --nproc_per_node 2 train --model {} --seq-len 16 --steps 2 --tp 2 \
-         --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-hf {}",
-        gpt2.display(),
-        s.path("m").display(),
-        out.display()
-    );
-    let f = run(&cmd, LIMIT);
-    assert!(f.status.success(), "{cmd}\n{}", f.stderr);
-    assert_eq!(
-        header(&out.join("model.safetensors")),
-        header(&gpt2.join("model.safetensors"))
-    );
-    let again = format!(
-        "train --model {} --seq-len 16 --steps 1 --eval-interval 0 --eval-batches 1 --metrics-dir {}",
-        out.display(),
-        s.path("m2").display()
-    );
-    let f = run(&again, LIMIT);
-    assert!(f.status.success(), "{again}\n{}", f.stderr);
-    assert!(f.stdout.contains("from its weights"), "{}", f.stdout);
+    exports_as_transformers_saves("gpt2", None, "--tp 2");
 }
 
 /// A mixture of experts goes out as the hub has it: Mixtral's router and every expert under
@@ -230,21 +207,29 @@ fn gpt2_exports_in_transformers_layout() {
 /// transformers' own file, written from ZeRO-3 shards; the directory trains on.
 #[test]
 fn mixtral_exports_in_transformers_layout() {
-    let s = Scratch::new("hf-mixtral");
-    let mixtral =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf/mixtral");
-    let out = s.path("out");
-    let cfg = s.write(
-        "cfg.json",
-        r#"{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+    let cfg = r#"{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}}"#,
-    );
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}}"#;
+    exports_as_transformers_saves("mixtral", Some(cfg), "");
+}
+
+/// Fixture `name` trained 2 steps on 2 ranks (`config` text, else the built-in one; `args`)
+/// and written with --save-hf: the same tensors, dtypes and shapes as transformers' own file,
+/// and a directory that trains on from its weights.
+fn exports_as_transformers_saves(name: &str, config: Option<&str>, args: &str) {
+    let s = Scratch::new(&format!("hf-{name}"));
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models/tests/fixtures/hf")
+        .join(name);
+    let out = s.path("out");
+    let config = match config {
+        Some(text) => format!("--config {}", s.write("cfg.json", text).display()),
+        None => String::new(),
+    };
     let cmd = format!(
-        "launch --nproc_per_node 2 --config {} train --model {} --seq-len 16 --steps 2 \
+        "launch --nproc_per_node 2 {config} train --model {} --seq-len 16 --steps 2 {args} \
          --eval-interval 0 --eval-batches 1 --metrics-dir {} --save-hf {}",
-        cfg.display(),
-        mixtral.display(),
+        fixture.display(),
         s.path("m").display(),
         out.display()
     );
@@ -252,7 +237,7 @@ fn mixtral_exports_in_transformers_layout() {
     assert!(f.status.success(), "{cmd}\n{}", f.stderr);
     assert_eq!(
         header(&out.join("model.safetensors")),
-        header(&mixtral.join("model.safetensors"))
+        header(&fixture.join("model.safetensors"))
     );
     let again = format!(
         "train --model {} --seq-len 16 --steps 1 --eval-interval 0 --eval-batches 1 --metrics-dir {}",

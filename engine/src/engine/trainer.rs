@@ -360,29 +360,30 @@ impl<T: Dtype> Trainer<T> {
         if let Some(n) = next {
             self.zero.prefetch(self.layer_flat[n].clone())?;
         }
+        let dev = &self.dev;
         let experts = match &mut self.experts {
-            Some(e) if !e.layer_ids[i].is_empty() => {
-                let (range, ids) = (e.layer_flat[i].clone(), e.layer_ids[i].clone());
-                let values = e.zero.params(range.clone())?;
-                let p = LayerParams::new::<T>(&e.index, ids, range.start, values, &self.dev)?;
-                if let Some(n) = next.filter(|&n| !e.layer_ids[n].is_empty()) {
-                    e.zero.prefetch(e.layer_flat[n].clone())?;
-                }
-                Some(p)
-            }
-            _ => None,
+            Some(e) => side_params(
+                &mut e.zero,
+                &e.index,
+                &e.layer_ids,
+                &e.layer_flat,
+                i,
+                next,
+                dev,
+            )?,
+            None => None,
         };
         let frozen = match &mut self.frozen {
-            Some(f) if !f.layer_ids[i].is_empty() => {
-                let (range, ids) = (f.layer_flat[i].clone(), f.layer_ids[i].clone());
-                let values = f.store.params(range.clone())?;
-                let p = LayerParams::new::<T>(&f.index, ids, range.start, values, &self.dev)?;
-                if let Some(n) = next.filter(|&n| !f.layer_ids[n].is_empty()) {
-                    f.store.prefetch(f.layer_flat[n].clone())?;
-                }
-                Some(p)
-            }
-            _ => None,
+            Some(f) => side_params(
+                &mut f.store,
+                &f.index,
+                &f.layer_ids,
+                &f.layer_flat,
+                i,
+                next,
+                dev,
+            )?,
+            None => None,
         };
         Ok(params.with_others(experts, frozen, &self.layer_kinds[i]))
     }
@@ -915,4 +916,51 @@ fn add_expert_grads<T: Dtype>(
     let range = e.layer_flat[i].clone();
     let to_gpu = !e.zero.placements().grads.is_host();
     grads.with_parts(to_gpu, |parts| Ok(e.zero.add_grad(range, parts)?))
+}
+
+/// A store beside the dense one that layers take parameters from: the experts', the frozen
+/// ones'.
+trait SideStore<T: Clone> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>>;
+    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()>;
+}
+
+impl<T: Dtype> SideStore<T> for Zero<T> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
+        self.params(range)
+    }
+    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {
+        Zero::prefetch(self, range)
+    }
+}
+
+impl<T: Dtype> SideStore<T> for Frozen<T> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
+        self.params(range)
+    }
+    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {
+        Frozen::prefetch(self, range)
+    }
+}
+
+/// Layer `i`'s parameters in a side store (`index`, and per layer its `ids` and `flat`
+/// range), None when it has none there; starts gathering layer `next`'s.
+fn side_params<T: Dtype>(
+    store: &mut impl SideStore<T>,
+    index: &FlatIndex,
+    ids: &[Range<usize>],
+    flat: &[Range<usize>],
+    i: usize,
+    next: Option<usize>,
+    dev: &Device,
+) -> Result<Option<LayerParams>> {
+    if ids[i].is_empty() {
+        return Ok(None);
+    }
+    let values = store.get(flat[i].clone())?;
+    let p = LayerParams::new::<T>(index, ids[i].clone(), flat[i].start, values, dev)?;
+    if let Some(n) = next.filter(|&n| !ids[n].is_empty()) {
+        store.prefetch(flat[n].clone())?;
+    }
+    Ok(Some(p))
 }
