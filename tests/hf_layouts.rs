@@ -197,6 +197,24 @@ fn expert_parallel_layouts_equal_one_process() {
     // DeepSpeed's AutoEP section asks for the same layout
     let autoep =
         r#", "expert_parallel": {"enabled": true, "autoep_size": 2, "preset_model": "mixtral"}"#;
+    // the router's load-balancing loss (output_router_logits), each rank's over its tokens
+    // as under DeepSpeed: the layouts see the same micro-batches
+    check(
+        "mixtral_aux",
+        "ep=2 x tp=2 ZeRO-1",
+        4,
+        1,
+        "--ep 2 --tp 2",
+        "",
+    );
+    check(
+        "mixtral_aux",
+        "ep=2 ZeRO-3 +ac",
+        2,
+        3,
+        "--ep 2",
+        CHECKPOINTING,
+    );
     let run = check("mixtral", "AutoEP autoep_size=2 x dp=2", 4, 1, "", autoep);
     assert_eq!(
         run.ep, 2,

@@ -229,6 +229,25 @@ impl ModelSpec {
         }
     }
 
+    /// Whether pipeline parallelism of `pp` stages can cut the model: the router's
+    /// load-balancing loss of a mixture of experts (`output_router_logits`) needs every sparse
+    /// layer in the process that computes the loss.
+    pub fn check_pp(&self, pp: usize) -> Result<(), String> {
+        let aux = match &self.arch {
+            Arch::Llama(c) => c
+                .moe
+                .as_ref()
+                .is_some_and(|m| m.router_aux_loss_coef.is_some()),
+            _ => false,
+        };
+        match aux && pp > 1 {
+            true => Err(format!(
+                "output_router_logits (the router's load-balancing loss over all layers) with {pp} pipeline stages is not built yet"
+            )),
+            false => Ok(()),
+        }
+    }
+
     /// The model's layers, split over `tp`.
     pub fn build(&self, tp: &Tp) -> Result<Model, String> {
         self.build_with(tp, &Ep::none())

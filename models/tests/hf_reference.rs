@@ -23,7 +23,16 @@ use ds_engine::{Batch, Targets};
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
-const FAMILIES: [&str; 6] = ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "gpt2"];
+const FAMILIES: [&str; 8] = [
+    "llama",
+    "qwen2",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "mixtral_aux",
+    "qwen3_moe_aux",
+    "gpt2",
+];
 
 /// A directory under the temporary one, removed when dropped, a failing test included.
 struct Scratch(PathBuf);

@@ -176,6 +176,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
     model
         .check_tp(cfg.dims.tp)
         .and_then(|_| model.check_ep(cfg.dims.ep))
+        .and_then(|_| model.check_pp(cfg.dims.pp))
         .and_then(|_| {
             // DeepSpeed reads the section only when it is enabled
             let ep = Some(&cfg.expert_parallel).filter(|e| e.enabled);

@@ -81,6 +81,9 @@ pub struct SparseMlp {
     /// Per layer: a mixture of experts, or the dense MLP of width `intermediate_size`
     /// (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse_layers: Vec<bool>,
+    /// The router's load-balancing loss joins the loss with this coefficient
+    /// (`output_router_logits`, `router_aux_loss_coef`).
+    pub router_aux_loss_coef: Option<f64>,
 }
 
 /// The decoder's sizes and options, as transformers computes with them.
@@ -267,7 +270,10 @@ impl LlamaConfig {
         if let Some(m) = &self.moe {
             v["num_local_experts"] = m.num_experts.into();
             v["num_experts_per_tok"] = m.top_k.into();
-            v["output_router_logits"] = false.into();
+            v["output_router_logits"] = m.router_aux_loss_coef.is_some().into();
+            if let Some(coef) = m.router_aux_loss_coef {
+                v["router_aux_loss_coef"] = coef.into();
+            }
             if self.family == Family::Qwen3Moe {
                 v["moe_intermediate_size"] = m.expert_size.into();
                 v["norm_topk_prob"] = m.norm_topk_prob.into();
@@ -497,11 +503,10 @@ fn sparse_mlp(
         }
         _ => return Ok(None),
     };
-    if f.bool("output_router_logits", false)? {
-        return Err(problem(
-            "`output_router_logits` true adds the router's load-balancing loss over all layers to the loss, which ds-rs does not compute yet; set it to false",
-        ));
-    }
+    let router_aux_loss_coef = match f.bool("output_router_logits", false)? {
+        true => Some(f.f64("router_aux_loss_coef", 0.001)?),
+        false => None,
+    };
     if experts == 0 || top_k == 0 || top_k > experts {
         return Err(problem(format!(
             "`num_experts_per_tok` ({top_k}) must lie between 1 and the number of experts ({experts})"
@@ -516,6 +521,7 @@ fn sparse_mlp(
         expert_size,
         norm_topk_prob: norm,
         sparse_layers,
+        router_aux_loss_coef,
     }))
 }
 

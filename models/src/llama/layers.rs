@@ -24,7 +24,7 @@ use super::ops::{
     window_softmax,
 };
 use super::rope;
-use super::sparse::{self, Experts, SparseTape};
+use super::sparse::{self, Experts, RouterLoss, SparseTape};
 
 /// The embedding's name, which a tied LM head reads.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -35,10 +35,23 @@ pub fn build(c: &LlamaConfig, tp: &Tp, ep: &Ep) -> std::result::Result<Model, St
     c.check_ep(ep.size())?;
     let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
     let mut elsewhere = Vec::new();
+    let sparse_layers = (0..c.num_hidden_layers).filter(|i| c.sparse_layer(*i).is_some());
+    let router_loss = c.moe.as_ref().and_then(|moe| {
+        let coef = moe.router_aux_loss_coef?;
+        Some(RouterLoss::new(
+            coef,
+            moe.num_experts,
+            sparse_layers.count(),
+        ))
+    });
+    let mut ordinal = 0;
     for i in 0..c.num_hidden_layers {
         let prefix = format!("model.layers.{i}");
+        let mut layer_loss = None;
         if let Some(s) = c.sparse_layer(i) {
             elsewhere.extend(sparse::held_elsewhere(s, c, ep, &prefix));
+            layer_loss = router_loss.clone().map(|l| (l, ordinal));
+            ordinal += 1;
         }
         let layer = DecoderLayer {
             c: c.clone(),
@@ -46,15 +59,67 @@ pub fn build(c: &LlamaConfig, tp: &Tp, ep: &Ep) -> std::result::Result<Model, St
             window: c.windows[i],
             sparse: c.sparse_layer(i).cloned(),
             ep: ep.clone(),
+            router_loss: layer_loss,
         };
         m = m.layer(&prefix, layer);
     }
     let m = m.held_elsewhere(elsewhere);
     let m = m.layer("", Head(c.clone(), tp.clone()));
-    Ok(match tp.size() {
-        1 => m.layer("", CrossEntropyLoss),
-        _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
+    Ok(match (tp.size(), router_loss) {
+        (1, None) => m.layer("", CrossEntropyLoss),
+        (_, None) => m.layer("", VocabParallelCrossEntropy(tp.clone())),
+        (1, Some(loss)) => m.layer("", WithRouterLoss(CrossEntropyLoss, loss)),
+        (_, Some(loss)) => m.layer(
+            "",
+            WithRouterLoss(VocabParallelCrossEntropy(tp.clone()), loss),
+        ),
     })
+}
+
+/// The loss with the router's load-balancing loss added (Note [router load-balancing
+/// loss] in sparse.rs).
+struct WithRouterLoss<L>(L, RouterLoss);
+
+impl<L: Layer> Layer for WithRouterLoss<L> {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.0.params()
+    }
+
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.0.forward(vb, x, cx)?.affine(1.0, self.1.value()?)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
+        let Some(t) = self.0.forward_taped(vb, x, cx)? else {
+            return Ok(None);
+        };
+        Ok(Some(Taped {
+            output: t.output.affine(1.0, self.1.value()?)?,
+            tape: Box::new(RouterLossTape(t.tape, self.1.clone())),
+        }))
+    }
+
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        self.0.forward_flops(shape)
+    }
+}
+
+/// The loss's tape, recording the seed its backward receives for the sparse layers'.
+struct RouterLossTape(Box<dyn Tape>, RouterLoss);
+
+impl Tape for RouterLossTape {
+    fn activation_bytes(&self) -> usize {
+        self.0.activation_bytes()
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let seed = dy
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .get(0)?;
+        self.1.set_seed(seed.to_scalar::<f32>()?);
+        self.0.backward(dy, vb)
+    }
 }
 
 pub(super) fn weight_init(c: &LlamaConfig) -> Init {
@@ -147,6 +212,8 @@ struct DecoderLayer {
     sparse: Option<SparseMlp>,
     /// Where the experts are (a sparse layer's).
     ep: Ep,
+    /// The router's load-balancing loss and this layer's place among the sparse ones.
+    router_loss: Option<(RouterLoss, usize)>,
 }
 
 /// A linear's weight and optional bias.
@@ -309,6 +376,7 @@ impl DecoderLayer {
             tp: &self.tp,
             ep: &self.ep,
             hidden: self.c.hidden_size,
+            router_loss: self.router_loss.as_ref().map(|(l, i)| (l, *i)),
         }
     }
 
@@ -347,6 +415,7 @@ impl DecoderLayer {
                 window: self.window,
                 sparse: self.sparse.clone(),
                 ep: self.ep.clone(),
+                router_loss: self.router_loss.clone(),
             },
             x,
             r1,

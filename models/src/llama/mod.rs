@@ -66,6 +66,7 @@ fn sparse_tiny(family: Family) -> LlamaConfig {
         expert_size: 344,
         norm_topk_prob: true,
         sparse_layers: vec![true; 4],
+        router_aux_loss_coef: None,
     });
     c
 }

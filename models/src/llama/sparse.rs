@@ -16,6 +16,8 @@
 //! routes the same whole tokens with the replicated router, and the experts' partial outputs
 //! are summed over the group once, after they are combined.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use ds_engine::kernels::grad::{linear, linear_backward};
@@ -34,6 +36,107 @@ pub(super) struct Experts<'a> {
     pub tp: &'a Tp,
     pub ep: &'a Ep,
     pub hidden: usize,
+    /// The router's load-balancing loss and this layer's place among the sparse ones.
+    pub router_loss: Option<(&'a RouterLoss, usize)>,
+}
+
+/// Note [router load-balancing loss]: transformers' `load_balancing_loss_func`
+/// (`output_router_logits`) is one loss over all sparse layers at once, not a sum of per-layer
+/// ones: with F_e the share of all layers' routes that chose expert e and P_e the mean of all
+/// layers' router probabilities for e (both over L layers x N tokens), `coef * E * sum_e F_e
+/// P_e` joins the loss. Its gradient reaches layer l's probabilities as `coef * E * F_e / (L
+/// N)` for every token, which needs every layer's counts: known once the whole forward ran.
+/// So the sparse layers record their counts and probability sums here in forward, the loss
+/// layer adds the value to the loss and records the seed its backward receives, and each
+/// sparse layer's backward, which runs after, adds the gradient. It needs every sparse layer
+/// in this process: pipeline parallelism is refused with it.
+#[derive(Clone)]
+pub struct RouterLoss(Arc<Mutex<RouterStats>>);
+
+struct RouterStats {
+    coef: f64,
+    experts: usize,
+    /// Per sparse layer, from its last forward.
+    layers: Vec<Option<LayerRouting>>,
+    /// The gradient of the model's loss the loss layer's backward received.
+    seed: f32,
+}
+
+/// One sparse layer's routing in its last forward.
+#[derive(Clone)]
+struct LayerRouting {
+    /// How many routes chose each expert.
+    counts: Vec<f32>,
+    /// The sum over tokens of each expert's probability.
+    probs: Vec<f32>,
+    tokens: usize,
+}
+
+impl RouterLoss {
+    pub(super) fn new(coef: f64, experts: usize, layers: usize) -> RouterLoss {
+        RouterLoss(Arc::new(Mutex::new(RouterStats {
+            coef,
+            experts,
+            layers: vec![None; layers],
+            seed: 0.0,
+        })))
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, RouterStats> {
+        // a poisoned lock only means another thread panicked holding it: the numbers stand
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, layer: usize, counts: &[usize], probs: &Tensor) -> Result<()> {
+        self.stats().layers[layer] = Some(LayerRouting {
+            counts: counts.iter().map(|&c| c as f32).collect(),
+            probs: probs.sum(0)?.to_vec1::<f32>()?,
+            tokens: probs.dim(0)?,
+        });
+        Ok(())
+    }
+
+    /// Per expert F_e and P_e, and L N (Note [router load-balancing loss]).
+    fn fractions(&self) -> Result<(Vec<f64>, Vec<f64>, f64)> {
+        let st = self.stats();
+        let (mut f, mut p, mut rows) = (vec![0f64; st.experts], vec![0f64; st.experts], 0);
+        for layer in &st.layers {
+            let Some(r) = layer else {
+                candle_core::bail!(
+                    "the router's load-balancing loss needs every sparse layer's forward in this process (pipeline parallelism splits them)"
+                )
+            };
+            for e in 0..st.experts {
+                f[e] += r.counts[e] as f64;
+                p[e] += r.probs[e] as f64;
+            }
+            rows += r.tokens;
+        }
+        let rows = rows as f64;
+        let share = |v: Vec<f64>| v.into_iter().map(|x| x / rows).collect();
+        Ok((share(f), share(p), rows))
+    }
+
+    /// `coef * E * sum_e F_e P_e`, to add to the loss.
+    pub(super) fn value(&self) -> Result<f64> {
+        let (f, p, _) = self.fractions()?;
+        let st = self.stats();
+        let dot: f64 = f.iter().zip(&p).map(|(f, p)| f * p).sum();
+        Ok(st.coef * st.experts as f64 * dot)
+    }
+
+    pub(super) fn set_seed(&self, seed: f32) {
+        self.stats().seed = seed;
+    }
+
+    /// The gradient of the seeded loss with respect to each of a sparse layer's router
+    /// probabilities, the same for every token: `seed * coef * E * F_e / (L N)`.
+    fn probs_grad(&self) -> Result<Vec<f32>> {
+        let (f, _, rows) = self.fractions()?;
+        let st = self.stats();
+        let k = st.seed as f64 * st.coef * st.experts as f64 / rows;
+        Ok(f.iter().map(|f| (k * f) as f32).collect())
+    }
 }
 
 /// `backward`'s results: the input's gradient through the experts (a partial sum under
@@ -207,6 +310,9 @@ impl Experts<'_> {
         let mut order: Vec<usize> = (0..chosen.len()).collect();
         order.sort_by_key(|&r| chosen[r]);
         let per_expert = counts(&chosen, e);
+        if let Some((loss, layer)) = self.router_loss {
+            loss.record(layer, &per_expert, &probs)?;
+        }
         let sent = per_rank(&per_expert, self.ep.size());
         let from = self.ep.exchange_counts(&per_expert, e / self.ep.size())?;
         let received = per_rank(&from, self.ep.size());
@@ -319,7 +425,11 @@ impl Experts<'_> {
             }
             false => dweights,
         };
-        let dprobs = scatter_kept(&dkept, &t.chosen, e, k)?;
+        let mut dprobs = scatter_kept(&dkept, &t.chosen, e, k)?;
+        if let Some((loss, _)) = self.router_loss {
+            let g = Tensor::new(loss.probs_grad()?, dy.device())?;
+            dprobs = dprobs.broadcast_add(&g)?;
+        }
         let dot = (&dprobs * &t.probs)?.sum_keepdim(1)?;
         let dlogits = (t.probs * dprobs.broadcast_sub(&dot)?)?.to_dtype(t.x.dtype())?;
         let router = linear_backward(&t.x, &vb.get((e, d), &self.router_name())?, &dlogits)?;
