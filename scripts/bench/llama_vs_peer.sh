@@ -2,7 +2,7 @@
 # issue 33's speed figure, in one run: a small Llama (the llama-small preset: V 8192, d 512,
 # 6 layers, 8 heads over 4 kv heads, SwiGLU 1376, 256 positions) trained on 2 ranks by ds-rs
 # (`bench train --model DIR`) and by DeepSpeed 0.19.8 training transformers' LlamaForCausalLM from
-# the same directory (llama_peer.py), at ZeRO 1 and 3, fp32, micro-batch MB, the programs
+# the same directory (hf_peer.py), at ZeRO 1 and 3, fp32, micro-batch MB, the programs
 # interleaved REPS times (this machine drifts within minutes: only figures of one repetition
 # compare). Prints one JSON line per run and the ratio of each pair.
 #
@@ -38,7 +38,7 @@ for rep in $(seq "$reps"); do
  "zero_optimization": {"stage": $stage}}
 JSON
         ds=$("$peer" -m torch.distributed.run --standalone --nproc_per_node 2 \
-            "$root/scripts/bench/llama_peer.py" --model "$work/model" --seq-len 256 \
+            "$root/scripts/bench/hf_peer.py" --model "$work/model" --seq-len 256 \
             --ds-config "$cfg" --tokens "$tokens" --steps $steps 2>/dev/null | grep '^{')
         rs=$("$dsrs" bench train --model "$work/model" --seq-len 256 --config "$cfg" --nproc 2 \
             --warmup 2 --steps $steps --json | grep '^{' | python3 -c "import json, sys; s = json.load(sys.stdin); print(json.dumps(dict(impl='ds-rs', zero_stage=$stage, tokens_per_s=s['tokens_per_s'], step_ms_median=s['step_ms_median'], peak_rss_mib_per_rank=s['peak_rss_mib'])))")

@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ds_comm::{init, options_for, Groups};
-use ds_config::{load, parallel_dims, resolve_with_args, FillContext};
 use ds_data::{SampleOrder, SyntheticTokens, Windows};
 use ds_engine::parallel::Tp;
 use ds_engine::Batch;
@@ -50,6 +49,10 @@ pub struct TrainBenchArgs {
     /// gradient_accumulation_steps are the micro-batches of a pipeline step.
     #[arg(long)]
     pp: Option<usize>,
+    /// Expert-parallel size (default: the config's expert_parallel.autoep_size when
+    /// enabled, else 1).
+    #[arg(long)]
+    ep: Option<usize>,
     #[command(flatten)]
     training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -69,20 +72,24 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let model = ModelSpec::resolve(&args.model, args.seq_len)?;
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
-    let doc = load(&args.config)?;
     let name = || format!("{}", args.config.display());
-    let dims = parallel_dims(&doc, env.world_size, args.tp, args.pp).with_context(name)?;
     // "auto" values and a missing optimizer as `train` fills them
-    let ctx = FillContext {
-        data_parallel: dims.dp() as i64,
-        hidden_size: Some(model.hidden_size() as i64),
-        run_steps: Some((args.warmup + args.steps) as i64),
+    let fill = crate::train::Fill {
+        args: args.training.to_args()?,
+        hidden_size: model.hidden_size(),
+        run_steps: Some((args.warmup + args.steps) as u64),
     };
-    let training = args.training.to_args()?;
-    let cfg = resolve_with_args(&doc, &dims, &training, &ctx).with_context(name)?;
+    let layout = crate::train::Layout {
+        tp: args.tp,
+        pp: args.pp,
+        ep: args.ep,
+    };
+    let cfg = crate::train::read_config(Some(&args.config), env.world_size, layout, &fill)?;
     cfg.check_filled().with_context(name)?;
+    let dims = cfg.dims;
     model
         .check_tp(dims.tp)
+        .and_then(|_| model.check_ep(dims.ep))
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let comm = init(&env).context("joining the job")?;
     let groups = Groups::new(&comm, dims)?;

@@ -323,6 +323,12 @@ impl LlamaConfig {
             ));
         }
         if let Some(m) = &self.moe {
+            if self.family == Family::Mixtral && m.expert_size != self.intermediate_size {
+                return Err(format!(
+                    "Mixtral's experts are `intermediate_size` ({}) wide, not {}",
+                    self.intermediate_size, m.expert_size
+                ));
+            }
             if m.sparse_layers.len() != self.num_hidden_layers {
                 return Err(format!(
                     "{} layers are marked sparse or dense for {} layers",

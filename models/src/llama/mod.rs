@@ -60,6 +60,10 @@ fn sparse_tiny(family: Family) -> LlamaConfig {
     let mut c = sized(family, [4096, 256, 688, 4, 4, 2], 128, PLAIN_ROPE, false);
     c.qk_norm = family == Family::Qwen3Moe;
     c.rms_norm_eps = 1e-6;
+    if family == Family::Mixtral {
+        // Mixtral's intermediate_size is its experts' width
+        c.intermediate_size = 344;
+    }
     c.moe = Some(SparseMlp {
         num_experts: 8,
         top_k: 2,

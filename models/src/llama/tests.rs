@@ -155,3 +155,15 @@ fn a_partial_rotary_factor_is_refused() {
     let e = LlamaConfig::from_hf_json(&c).unwrap_err().to_string();
     assert!(e.contains("partial_rotary_factor"), "{e}");
 }
+
+/// Every preset's config.json (what `--save-hf` writes) reads back to the same config:
+/// transformers builds the same model from it (a Mixtral preset whose experts were not
+/// `intermediate_size` wide once wrote a file transformers could not load).
+#[test]
+fn presets_round_trip_through_config_json() {
+    for p in presets() {
+        p.config.validate().unwrap();
+        let back = LlamaConfig::from_hf_json(&p.config.to_hf_json()).unwrap();
+        assert_eq!(back, p.config, "{}", p.name);
+    }
+}

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""The peer of `ds-rs train --model DIR`: DeepSpeed 0.19.8 training transformers'
-LlamaForCausalLM from the same Hugging Face directory, on CPU (fp32), with the same
-ds_config, on the peer benchmark's token stream (../shared/bench/make_tokens.py), windows of
-seq + 1 tokens taken in order and split over the ranks as ds-rs splits them.
+"""The peer of `ds-rs train --model DIR`: DeepSpeed 0.19.8 training transformers' model of
+the same Hugging Face directory (LlamaForCausalLM, MixtralForCausalLM, ...: AutoModelForCausalLM),
+on CPU (fp32), with the same ds_config, on the peer benchmark's token stream
+(../shared/bench/make_tokens.py), windows of seq + 1 tokens taken in order and split over the
+ranks as ds-rs splits them.
 
   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 \
-      scripts/bench/llama_peer.py --model DIR --seq-len 256 --ds-config cfg.json
+      scripts/bench/hf_peer.py --model DIR --seq-len 256 --ds-config cfg.json
 
 Prints one JSON line: median tokens/s over the timed steps, losses, peak RSS per rank.
 """
@@ -23,7 +24,7 @@ import deepspeed  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 def main():
@@ -43,7 +44,7 @@ def main():
     n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if n > 0:
         torch.set_num_threads(n)
-    model = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation=a.attn)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation=a.attn)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     mb = engine.train_micro_batch_size_per_gpu()
     t = a.seq_len
