@@ -5,6 +5,7 @@
 //! of forward or while backward differentiates a layer with the layers below it still saved.
 
 use ds_models::gpt::{GptConfig, GptVariant};
+use ds_models::llama::SparseMlp;
 use ds_models::{Arch, LlamaConfig, ModelSpec};
 
 /// Per layer of a stage: the bytes of its input and of its tape (what its backward needs).
@@ -44,7 +45,8 @@ fn loss_tape(tokens: u64, v: u64, m: MicroBatch) -> u64 {
 
 /// The Llama decoder's layers: the embedding, the decoder layers (their tapes: the input,
 /// two norms' outputs and f32 reciprocal roots, rotated q and k, v, the probabilities, the
-/// heads' outputs, the residual, gate, up and their product), the norm + head, the loss.
+/// heads' outputs, the residual, Qwen3's q and k before their norms with f32 roots; then
+/// gate, up and their product, or a mixture of experts' tape), the norm + head, the loss.
 fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
     let (b, t, d, v) = (
         m.rows,
@@ -58,18 +60,27 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
     let (q, kv) = (c.q_width() as u64 / tp, c.kv_width() as u64 / tp);
     let f = c.intermediate_size as u64 / tp;
     let probs = b * (c.num_attention_heads as u64 / tp) * t * t * e;
-    let layer = 4 * hidden // x, h1, x2, h2
+    let heads = (c.num_attention_heads + c.num_key_value_heads) as u64 / tp;
+    let qk_norm = match c.qk_norm {
+        true => tokens * (q + kv) * e + tokens * heads * 4,
+        false => 0,
+    };
+    let attention = 4 * hidden // x, h1, x2, h2
         + 2 * tokens * 4 // the reciprocal roots
         + tokens * (2 * q + 2 * kv) * e // q, k, v, the heads' outputs
         + probs
-        + 3 * tokens * f * e; // gate, up, their product
+        + qk_norm;
+    let dense = attention + 3 * tokens * f * e; // gate, up, their product
     let mut layers = vec![LayerActivations {
         input: tokens * 4,
         tape: tokens * 4,
     }];
-    layers.extend((0..c.num_hidden_layers).map(|_| LayerActivations {
+    layers.extend((0..c.num_hidden_layers).map(|i| LayerActivations {
         input: hidden,
-        tape: layer,
+        tape: match c.sparse_layer(i) {
+            Some(s) => attention + experts_tape(s, tokens, d, m),
+            None => dense,
+        },
     }));
     layers.push(LayerActivations {
         input: hidden,
@@ -80,6 +91,26 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
         tape: loss_tape(tokens, v, m),
     });
     layers
+}
+
+/// A mixture of experts' tape (llama/sparse.rs): the input, the router's probabilities (f32),
+/// the kept ones (f32) and the route weights, the rows the rank's experts ran on and their
+/// outputs back, and each expert's gate, up and product. The rows an expert-parallel rank
+/// receives depend on the routing: counted here as balanced, `top_k` per token (exact at ep
+/// 1).
+fn experts_tape(s: &SparseMlp, tokens: u64, d: u64, m: MicroBatch) -> u64 {
+    let (k, experts, f) = (
+        s.top_k as u64,
+        s.num_experts as u64,
+        s.expert_size as u64 / m.tp,
+    );
+    let routes = tokens * k;
+    tokens * d * m.dtype
+        + tokens * experts * 4
+        + routes * 4
+        + routes * m.dtype
+        + 2 * routes * d * m.dtype
+        + 3 * routes * f * m.dtype
 }
 
 /// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.

@@ -122,9 +122,34 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             size: tp,
         };
         let mine = &chunks[pp_stage];
-        let numel = layer_numels(&model, mine, slice)?;
-        let layout = ShardLayout::new(numel.iter().flatten().sum(), dp);
+        // per layer: its dense elements and its experts' (all of them: this rank holds 1/ep)
+        let split = layer_numels(&model, mine, slice)?;
+        let ep = dims.ep;
+        let apart = ep > 1;
+        let numel: Vec<Vec<usize>> = split
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .map(|(dense, experts)| dense + experts / ep)
+                    .collect()
+            })
+            .collect();
+        let total =
+            |f: &dyn Fn(&(usize, usize)) -> usize| -> usize { split.iter().flatten().map(f).sum() };
+        let (dense_numel, expert_numel) = match apart {
+            true => (total(&|n| n.0), total(&|n| n.1) / ep),
+            false => (total(&|n| n.0 + n.1), 0),
+        };
+        let layout = ShardLayout::new(dense_numel, dp);
         let (padded, shard) = (layout.padded() as u64, layout.shard_len() as u64);
+        // an expert-parallel rank's experts: their own store over the expert-data-parallel
+        // group
+        let experts = ShardLayout::new(expert_numel, dims.expert_dp());
+        let (e_padded, e_shard) = (experts.padded() as u64, experts.shard_len() as u64);
+        let (e_padded, e_shard) = match apart {
+            true => (e_padded, e_shard),
+            false => (0, 0),
+        };
         // ZeRO-3 keeps a layer at most stage3_param_persistence_threshold long whole once
         // gathered, until the step (forward gathers it again)
         let persistent: usize = numel
@@ -133,10 +158,14 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             .filter(|&&n| n <= z3.param_persistence_threshold)
             .sum();
         let (mut params, grads, owned) = match stage {
-            ZeroStage::Disabled => (padded, padded, padded),
-            ZeroStage::OptimizerStates => (padded, padded, shard),
-            ZeroStage::Gradients => (padded, shard, shard),
-            ZeroStage::Weights => (shard + persistent as u64, shard, shard),
+            ZeroStage::Disabled => (padded + e_padded, padded + e_padded, padded + e_padded),
+            ZeroStage::OptimizerStates => (padded + e_padded, padded + e_padded, shard + e_shard),
+            ZeroStage::Gradients => (padded + e_padded, shard + e_shard, shard + e_shard),
+            ZeroStage::Weights => (
+                shard + e_shard + persistent as u64,
+                shard + e_shard,
+                shard + e_shard,
+            ),
         };
         // the activations of one micro-batch through the stage's chunks, the largest
         let zero3 = (stage == ZeroStage::Weights)
@@ -268,24 +297,25 @@ fn comm_buffers(s: &Settings, numel: &[Vec<usize>], shard: usize, padded: usize)
     held + prefetch
 }
 
-/// Per chunk, per layer: the elements the layer's parameters take in tensor-parallel rank
-/// `tp`'s slices.
+/// Per chunk, per layer: the elements the layer's dense parameters and its experts (all of
+/// them, `ParamSpec::expert`) take in tensor-parallel rank `tp`'s slices.
 fn layer_numels(
     model: &Model,
     chunks: &[Range<usize>],
     tp: TpRank,
-) -> anyhow::Result<Vec<Vec<usize>>> {
+) -> anyhow::Result<Vec<Vec<(usize, usize)>>> {
     chunks
         .iter()
         .map(|r| {
             model.layers()[r.clone()]
                 .iter()
                 .map(|layer| {
-                    let mut index = FlatIndex::sliced(tp);
+                    let (mut dense, mut experts) = (FlatIndex::sliced(tp), FlatIndex::sliced(tp));
                     for p in layer.params() {
+                        let index = if p.expert { &mut experts } else { &mut dense };
                         index.push_split(&p.name, &p.shape, p.split)?;
                     }
-                    Ok(index.numel())
+                    Ok((dense.numel(), experts.numel()))
                 })
                 .collect()
         })

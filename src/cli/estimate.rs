@@ -35,6 +35,10 @@ pub struct EstimateArgs {
     /// With --config: the pipeline stages (default: the config's pipeline.stages).
     #[arg(long)]
     pp: Option<usize>,
+    /// With --config: the expert-parallel size (default: the config's
+    /// expert_parallel.autoep_size when enabled, else 1).
+    #[arg(long)]
+    ep: Option<usize>,
     /// With --config: rows per micro-batch (default: the config's
     /// train_micro_batch_size_per_gpu).
     #[arg(long)]
@@ -72,9 +76,12 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
     let layout = crate::train::Layout {
         tp: args.tp,
         pp: args.pp,
-        ep: None,
+        ep: args.ep,
     };
     let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
+    model
+        .check_ep(config.dims.ep)
+        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let ranks = estimate(&Run {
         config: &config,
         model: &model,

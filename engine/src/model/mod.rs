@@ -57,9 +57,10 @@ pub struct ParamSpec {
     /// An adapter added to a model (LoRA's A and B): a weights file of the base model does
     /// not hold it, so it starts from its initialiser when the run starts from one.
     pub adapter: bool,
-    /// One of the experts this expert-parallel rank holds (`Ep`): its gradient is averaged
-    /// over the whole data-parallel world but reduced, and ZeRO shards it, over the
-    /// expert-data-parallel group only (the ranks holding the same experts).
+    /// One of a mixture's experts (under expert parallelism, one this rank holds: `Ep`): at
+    /// ep > 1 its gradient is averaged over the whole data-parallel world but reduced, and
+    /// ZeRO shards it, over the expert-data-parallel group only (the ranks holding the same
+    /// experts); at ep 1 it is stored as any parameter.
     pub expert: bool,
 }
 

@@ -215,8 +215,9 @@ impl SparseTape {
     }
 }
 
-/// The router's and this rank's experts' parameter specs, under `c.family`'s names (experts
-/// marked as an expert-parallel rank's under expert parallelism).
+/// The router's and this rank's experts' parameter specs, under `c.family`'s names, the
+/// experts marked (`ParamSpec::expert`: the engine keeps them apart under expert
+/// parallelism, the estimate counts them).
 pub(super) fn params(m: &SparseMlp, c: &LlamaConfig, ep: &Ep) -> Vec<ParamSpec> {
     let (block, _) = c.family.expert_names();
     let router = ParamSpec::new(
@@ -224,11 +225,7 @@ pub(super) fn params(m: &SparseMlp, c: &LlamaConfig, ep: &Ep) -> Vec<ParamSpec> 
         &[m.num_experts, c.hidden_size],
         weight_init(c),
     );
-    let mark = |p: ParamSpec| match ep.size() {
-        1 => p,
-        _ => p.expert(),
-    };
-    let experts = expert_specs(m, c, ep.local(m.num_experts)).map(mark);
+    let experts = expert_specs(m, c, ep.local(m.num_experts));
     std::iter::once(router).chain(experts).collect()
 }
 
@@ -267,6 +264,7 @@ fn expert_specs(
             ParamSpec::new(&name(up), &[f, d], init).split(Split::dim(0)),
             ParamSpec::new(&name(down), &[d, f], init).split(Split::dim(1)),
         ]
+        .map(ParamSpec::expert)
     })
 }
 
