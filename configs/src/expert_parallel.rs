@@ -253,6 +253,26 @@ mod tests {
         }
     }
 
+    /// Resolving puts the section's size in the layout, for every caller (the training job,
+    /// a program's `Job`): checked against the data-parallel ranks.
+    #[test]
+    fn the_layout_takes_the_size() {
+        let text = |size: usize| {
+            format!(
+                r#"{{"train_micro_batch_size_per_gpu": 1,
+                "expert_parallel": {{"enabled": true, "autoep_size": {size}}}}}"#
+            )
+        };
+        let dims = crate::ParallelDims::new(4, 1, 1).unwrap();
+        let resolve = |size| crate::resolve(&hjson::parse(&text(size)).unwrap(), &dims);
+        assert_eq!(resolve(2).unwrap().dims.ep, 2);
+        let e = resolve(3).unwrap_err().to_string();
+        assert!(
+            e.contains("expert_parallel.autoep_size") && e.contains("does not divide"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn tuning_and_unknown_keys_are_warnings() {
         let (ep, w) = read_json(

@@ -183,8 +183,8 @@ fn run(args: &Args) -> Result<(), Error> {
     // the rest; the groups every collective of the engine runs on.
     let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None)
         .map_err(|e| format!("{source}: {e}"))?;
-    let groups = ds_comm::Groups::new(&comm, dims)?;
     let config = ds_config::resolve(&doc, &dims).map_err(|e| format!("{source}: {e}"))?;
+    let groups = ds_comm::Groups::new(&comm, config.dims)?;
     let steps_per_print = config
         .scalars
         .steps_per_print

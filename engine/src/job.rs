@@ -12,7 +12,7 @@ use ds_comm::{Communicator, Groups};
 use ds_config::Config;
 
 use crate::model::Model;
-use crate::parallel::Tp;
+use crate::parallel::{Ep, Tp};
 use crate::{Engine, EngineError, EngineOptions, Result};
 
 /// This process's place in the job (its groups: data, tensor and pipeline parallel) and the
@@ -39,8 +39,9 @@ impl Job {
         let (doc, source) = read_config(launched.as_deref().unwrap_or(config))?;
         let named = |e: ds_config::ConfigError| EngineError::Invalid(format!("{source}: {e}"));
         let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None).map_err(named)?;
-        let groups = Groups::new(comm, dims)?;
+        // the layout as resolved: the config's expert_parallel section adds its size
         let config = ds_config::resolve(&doc, &dims).map_err(named)?;
+        let groups = Groups::new(comm, config.dims)?;
         Ok(Job {
             groups,
             config,
@@ -67,6 +68,11 @@ impl Job {
         Tp::new(self.groups.tp().clone())
     }
 
+    /// The expert-parallel group, for a mixture of experts' layers (`parallel::Ep`).
+    pub fn ep(&self) -> Ep {
+        Ep::new(self.groups.experts().ep.clone())
+    }
+
     /// This process's rank in the whole job.
     pub fn rank(&self) -> usize {
         self.groups.world().rank()
@@ -84,4 +90,31 @@ fn read_config(config: &str) -> Result<(ds_config::Value, String)> {
     let path = Path::new(config);
     let doc = ds_config::load(path)?;
     Ok((doc, path.display().to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A program's job takes the config's AutoEP size into its layout and groups, so the
+    /// model it builds with `ep()` splits its experts as the engine stores them.
+    #[test]
+    fn the_config_sets_expert_parallelism() {
+        let config = r#"{"train_micro_batch_size_per_gpu": 1,
+            "expert_parallel": {"enabled": true, "autoep_size": 2}}"#;
+        let got = ds_comm::testkit::run_ranks(4, std::time::Duration::from_secs(30), |comm| {
+            let job = Job::join(&comm, config)?;
+            let e = job.groups().experts();
+            Ok::<_, EngineError>((
+                job.config().dims.ep,
+                job.ep().size(),
+                e.ep.global_ranks().to_vec(),
+                e.expert_dp.global_ranks().to_vec(),
+            ))
+        })
+        .unwrap();
+        // DeepSpeed's E + D order: expert-parallel groups of consecutive data-parallel ranks
+        assert_eq!(got[1], (2, 2, vec![0, 1], vec![1, 3]));
+        assert_eq!(got[2], (2, 2, vec![2, 3], vec![0, 2]));
+    }
 }

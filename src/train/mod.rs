@@ -533,23 +533,20 @@ pub(crate) fn read_config(
     };
     let mut cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
         .with_context(|| config_name(path))?;
-    // --ep, else the config's AutoEP size
-    let from_config = cfg.expert_parallel.size();
-    let (ep, from) = match ep {
-        Some(ep) if from_config > 1 && ep != from_config => anyhow::bail!(
-            "--ep {ep} and {}'s expert_parallel.autoep_size {from_config} disagree",
-            config_name(path)
-        ),
-        Some(ep) => (ep, format!("--ep {ep}")),
-        None => (
-            from_config,
-            format!("{}: expert_parallel.autoep_size", config_name(path)),
-        ),
-    };
-    cfg.dims = cfg
-        .dims
-        .with_ep(ep)
-        .map_err(|e| anyhow::anyhow!("{from}: {e}"))?;
+    // --ep, else the config's AutoEP size (which resolving put in the layout)
+    if let Some(ep) = ep {
+        let from_config = cfg.expert_parallel.size();
+        if from_config > 1 && ep != from_config {
+            anyhow::bail!(
+                "--ep {ep} and {}'s expert_parallel.autoep_size {from_config} disagree",
+                config_name(path)
+            );
+        }
+        cfg.dims = cfg
+            .dims
+            .with_ep(ep)
+            .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
+    }
     Ok(cfg)
 }
 
