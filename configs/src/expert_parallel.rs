@@ -35,6 +35,30 @@ impl ExpertParallel {
     }
 }
 
+impl crate::Config {
+    /// The config with the expert-parallel size its `expert_parallel` section asks for in
+    /// its layout (`dims.ep`), which must divide the data-parallel ranks. Not part of
+    /// `resolve`: DeepSpeed's config reader accepts any size, its engine checks the layout.
+    pub fn with_expert_parallel(mut self) -> Result<crate::Config> {
+        let path = "expert_parallel.autoep_size";
+        self.dims = match (self.expert_parallel.size(), self.dims.ep) {
+            (1, _) => self.dims,
+            (n, 1) => self
+                .dims
+                .with_ep(n)
+                .map_err(|e| ConfigError::conflict(path, e))?,
+            (n, ep) if n == ep => self.dims,
+            (n, ep) => {
+                return Err(ConfigError::conflict(
+                    path,
+                    format!("{n} disagrees with the layout's expert-parallel size {ep}"),
+                ))
+            }
+        };
+        Ok(self)
+    }
+}
+
 /// Keys that tune DeepSpeed's kernels or communication, with their defaults: the same
 /// function either way.
 const TUNING: [(&str, &str); 11] = [
@@ -253,8 +277,9 @@ mod tests {
         }
     }
 
-    /// Resolving puts the section's size in the layout, for every caller (the training job,
-    /// a program's `Job`): checked against the data-parallel ranks.
+    /// `with_expert_parallel` puts the section's size in the layout (the training job and a
+    /// program's `Job` call it), checked against the data-parallel ranks; `resolve` alone
+    /// accepts any size, as DeepSpeed's config reader does.
     #[test]
     fn the_layout_takes_the_size() {
         let text = |size: usize| {
@@ -264,7 +289,9 @@ mod tests {
             )
         };
         let dims = crate::ParallelDims::new(4, 1, 1).unwrap();
-        let resolve = |size| crate::resolve(&hjson::parse(&text(size)).unwrap(), &dims);
+        let resolve = |size| {
+            crate::resolve(&hjson::parse(&text(size)).unwrap(), &dims)?.with_expert_parallel()
+        };
         assert_eq!(resolve(2).unwrap().dims.ep, 2);
         let e = resolve(3).unwrap_err().to_string();
         assert!(

@@ -305,7 +305,6 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
     let (pipeline, checkpoint, data_types, aio) = read_runtime(root, &mut notes)?;
     let (deepcompile, tensor_parallel) = read_extras(root, &mut notes)?;
     let expert_parallel = crate::expert_parallel::read(root, &mut notes.warnings)?;
-    let dims = &with_autoep(*dims, expert_parallel.size())?;
     let triad = batch::resolve(root, dp)?;
     let config = Config {
         dims: *dims,
@@ -490,21 +489,6 @@ fn read_extras(root: &Dict, notes: &mut Notes) -> Result<(bool, extras::TensorPa
         ));
     }
     Ok((deepcompile, tensor_parallel))
-}
-
-/// The layout with the expert-parallel size `expert_parallel` asks for, which must divide the
-/// data-parallel ranks; a layout that already has another one is a conflict.
-fn with_autoep(dims: ParallelDims, size: usize) -> Result<ParallelDims> {
-    let path = "expert_parallel.autoep_size";
-    match (size, dims.ep) {
-        (1, _) => Ok(dims),
-        (n, 1) => dims.with_ep(n).map_err(|e| ConfigError::conflict(path, e)),
-        (n, ep) if n == ep => Ok(dims),
-        (n, ep) => Err(ConfigError::conflict(
-            path,
-            format!("{n} disagrees with the layout's expert-parallel size {ep}"),
-        )),
-    }
 }
 
 /// DeepSpeed's `_do_error_check`: rules across sections.

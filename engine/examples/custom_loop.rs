@@ -183,7 +183,9 @@ fn run(args: &Args) -> Result<(), Error> {
     // the rest; the groups every collective of the engine runs on.
     let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None)
         .map_err(|e| format!("{source}: {e}"))?;
-    let config = ds_config::resolve(&doc, &dims).map_err(|e| format!("{source}: {e}"))?;
+    let config = ds_config::resolve(&doc, &dims)
+        .and_then(ds_config::Config::with_expert_parallel)
+        .map_err(|e| format!("{source}: {e}"))?;
     let groups = ds_comm::Groups::new(&comm, config.dims)?;
     let steps_per_print = config
         .scalars

@@ -40,7 +40,9 @@ impl Job {
         let named = |e: ds_config::ConfigError| EngineError::Invalid(format!("{source}: {e}"));
         let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None).map_err(named)?;
         // the layout as resolved: the config's expert_parallel section adds its size
-        let config = ds_config::resolve(&doc, &dims).map_err(named)?;
+        let config = ds_config::resolve(&doc, &dims)
+            .and_then(Config::with_expert_parallel)
+            .map_err(named)?;
         let groups = Groups::new(comm, config.dims)?;
         Ok(Job {
             groups,

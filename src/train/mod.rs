@@ -532,8 +532,9 @@ pub(crate) fn read_config(
         run_steps: fill.run_steps.map(|n| n as i64),
     };
     let mut cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
+        .and_then(Config::with_expert_parallel)
         .with_context(|| config_name(path))?;
-    // --ep, else the config's AutoEP size (which resolving put in the layout)
+    // --ep, else the config's AutoEP size (which `with_expert_parallel` put in the layout)
     if let Some(ep) = ep {
         let from_config = cfg.expert_parallel.size();
         if from_config > 1 && ep != from_config {

@@ -168,6 +168,13 @@ impl Engine {
 
         // Settings the engine cannot carry out would otherwise be ignored.
         config.check_implemented()?;
+        let asked = config.expert_parallel.size();
+        if asked > 1 && config.dims.ep != asked {
+            return Err(EngineError::Invalid(format!(
+                "expert_parallel.autoep_size {asked} is not in the layout ({}): resolve the config with Config::with_expert_parallel, as Job::init does",
+                config.dims
+            )));
+        }
         let settings = Settings::from_config(config, opts.activation_checkpointing)?;
         // every parameter of the whole model, split as tensor parallelism asks, and the
         // pipeline stage that holds it (checkpoints record the whole model)
