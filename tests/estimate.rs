@@ -238,39 +238,12 @@ fn train_and_estimate(
 /// attention, SwiGLU) and the tied GPT-2 one (n_inner != 4d), in three layouts.
 #[test]
 fn hugging_face_models_states_and_activations_equal_memory_report() {
-    let s = Scratch::new("estimate-hf");
-    let fixtures =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf");
-    for family in ["llama", "gpt2"] {
-        let model = fixtures.join(family).display().to_string();
-        for (name, nproc, stage, args) in [
-            ("z0", 1, 0, "--seq-len 16"),
-            ("z3-dp2", 2, 3, "--seq-len 16"),
-            ("z1-tp2-dp2", 4, 1, "--seq-len 16 --tp 2"),
-        ] {
-            let tag = format!("{family}-{name}");
-            let cfg = s.write(
-                &format!("{tag}.json"),
-                &format!(
-                    r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
-                    "zero_optimization": {{"stage": {stage}}}}}"#
-                ),
-            );
-            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, nproc, 1, args);
-            for m in summary["ranks"].as_array().unwrap() {
-                let rank = m["rank"].as_u64().unwrap() as usize;
-                for key in [
-                    "params_bytes",
-                    "grads_bytes",
-                    "optimizer_states_bytes",
-                    "activations_bytes",
-                ] {
-                    assert_eq!(est["ranks"][rank][key], m[key], "{tag} rank {rank} {key}");
-                }
-            }
-        }
-    }
+    let layouts = [
+        ("z0", 1, 0, "--seq-len 16"),
+        ("z3-dp2", 2, 3, "--seq-len 16"),
+        ("z1-tp2-dp2", 4, 1, "--seq-len 16 --tp 2"),
+    ];
+    hf_estimates_equal_memory_report("estimate-hf", &["llama", "gpt2"], &layouts);
 }
 
 /// The same for mixtures of experts: Mixtral (top-2 of 8 experts) and Qwen3-MoE (per-head q/k
@@ -280,20 +253,32 @@ fn hugging_face_models_states_and_activations_equal_memory_report() {
 /// experts run on the rows the routing sends them, which the estimate counts as balanced).
 #[test]
 fn mixtures_of_experts_states_equal_memory_report() {
-    let s = Scratch::new("estimate-moe");
+    let layouts = [
+        ("z0", 1, 0, "--seq-len 16"),
+        ("z3-dp2", 2, 3, "--seq-len 16"),
+        ("z1-tp2-dp2", 4, 1, "--seq-len 16 --tp 2"),
+        ("z0-ep2", 2, 0, "--seq-len 16 --ep 2"),
+        ("z2-ep2-dp2", 4, 2, "--seq-len 16 --ep 2"),
+        ("z3-ep2-dp2", 4, 3, "--seq-len 16 --ep 2"),
+        ("z1-ep2-tp2", 4, 1, "--seq-len 16 --ep 2 --tp 2"),
+    ];
+    hf_estimates_equal_memory_report("estimate-moe", &["mixtral", "qwen3_moe"], &layouts);
+}
+
+/// Each fixture of `families` trained one step in each layout (name, ranks, ZeRO stage,
+/// arguments) and estimated: every rank's model states, and its activations but under expert
+/// parallelism, equal to its memory report.
+fn hf_estimates_equal_memory_report(
+    tag: &str,
+    families: &[&str],
+    layouts: &[(&str, usize, u8, &str)],
+) {
+    let s = Scratch::new(tag);
     let fixtures =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf");
-    for family in ["mixtral", "qwen3_moe"] {
+    for family in families {
         let model = fixtures.join(family).display().to_string();
-        for (name, nproc, stage, args) in [
-            ("z0", 1, 0, "--seq-len 16"),
-            ("z3-dp2", 2, 3, "--seq-len 16"),
-            ("z1-tp2-dp2", 4, 1, "--seq-len 16 --tp 2"),
-            ("z0-ep2", 2, 0, "--seq-len 16 --ep 2"),
-            ("z2-ep2-dp2", 4, 2, "--seq-len 16 --ep 2"),
-            ("z3-ep2-dp2", 4, 3, "--seq-len 16 --ep 2"),
-            ("z1-ep2-tp2", 4, 1, "--seq-len 16 --ep 2 --tp 2"),
-        ] {
+        for (name, nproc, stage, args) in layouts {
             let tag = format!("{family}-{name}");
             let cfg = s.write(
                 &format!("{tag}.json"),
@@ -303,7 +288,7 @@ fn mixtures_of_experts_states_equal_memory_report() {
                     "zero_optimization": {{"stage": {stage}}}}}"#
                 ),
             );
-            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, nproc, 1, args);
+            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, *nproc, 1, args);
             let keys: &[&str] = match args.contains("--ep") {
                 true => &["params_bytes", "grads_bytes", "optimizer_states_bytes"],
                 false => &[
