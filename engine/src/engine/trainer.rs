@@ -41,6 +41,9 @@ enum Kept {
     Tape {
         tape: Box<dyn Tape>,
         params: Option<LayerParams>,
+        /// The losses the layer added (`Context::add_loss`), summed: its tape differentiates
+        /// them.
+        added: Option<Tensor>,
     },
     /// The whole autograd graph: parameters and internals stay alive until backward.
     Graph {
@@ -57,7 +60,7 @@ impl Kept {
     /// than its two ends: a lower bound for layers differentiated by autograd.
     fn bytes(&self) -> (usize, usize) {
         match self {
-            Kept::Tape { tape, params } => (
+            Kept::Tape { tape, params, .. } => (
                 tape.activation_bytes(),
                 params.as_ref().map_or(0, LayerParams::bytes),
             ),
@@ -67,6 +70,13 @@ impl Kept {
                 output,
                 ..
             } => (tensor_bytes(input) + tensor_bytes(output), params.bytes()),
+        }
+    }
+
+    /// The losses the layer added in its forward, summed.
+    fn added(&self) -> Option<&Tensor> {
+        match self {
+            Kept::Tape { added, .. } | Kept::Graph { added, .. } => added.as_ref(),
         }
     }
 }
@@ -394,19 +404,26 @@ impl<T: Dtype> Trainer<T> {
             .inputs
             .as_ref()
             .expect("invariant: forward set the inputs");
-        let cx = Context::new(inputs);
+        let added = std::cell::RefCell::new(Vec::new());
+        let cx = Context::new(inputs).adding_into(&added);
         let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
         if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
-            let tape = taped.tape;
-            let params = Some(params);
-            return Ok((taped.output, Kept::Tape { tape, params }));
+            let (tape, params) = (taped.tape, Some(params));
+            let added = layers::sum_losses(added.into_inner())?.map(|a| a.detach());
+            return Ok((
+                taped.output,
+                Kept::Tape {
+                    tape,
+                    params,
+                    added,
+                },
+            ));
         }
         let input = match (i, self.takes_ids) {
             (0, true) => x,
             _ => layers::leaf(&x)?.into_inner(),
         };
-        let added = std::cell::RefCell::new(Vec::new());
-        let y = layers::forward(layer, &params, &input, &cx.adding_into(&added), dtype)?;
+        let y = layers::forward(layer, &params, &input, &cx, dtype)?;
         let added = layers::sum_losses(added.into_inner())?;
         let output = y.clone();
         Ok((
@@ -424,8 +441,12 @@ impl<T: Dtype> Trainer<T> {
     /// a tape's parameters are dropped until its backward, which copies them again.
     fn release_params(&self, kept: Kept) -> Kept {
         match kept {
-            Kept::Tape { tape, .. } if !self.settings.zero.stage.partitions_parameters() => {
-                Kept::Tape { tape, params: None }
+            Kept::Tape { tape, added, .. } if !self.settings.zero.stage.partitions_parameters() => {
+                Kept::Tape {
+                    tape,
+                    params: None,
+                    added,
+                }
             }
             kept => kept,
         }
@@ -469,7 +490,7 @@ impl<T: Dtype> Trainer<T> {
             let t_layer = Instant::now();
             let params = self.materialise(i, (i + 1 < layers.end).then_some(i + 1))?;
             let (y, kept) = self.run_layer(i, params, x.clone())?;
-            if let Kept::Graph { added: Some(a), .. } = &kept {
+            if let Some(a) = kept.added() {
                 // read only when asked (`added_loss`): no device round trip per layer
                 self.added_losses.push(a.detach());
             }
@@ -525,9 +546,17 @@ impl<T: Dtype> Trainer<T> {
                 self.recompute_segment(k)?;
             }
             let kept = match self.saved.pop().expect("invariant: one per layer") {
-                Saved::Kept(Kept::Tape { tape, params: None }) => {
+                Saved::Kept(Kept::Tape {
+                    tape,
+                    params: None,
+                    added,
+                }) => {
                     let params = Some(self.materialise(i, None)?);
-                    Kept::Tape { tape, params }
+                    Kept::Tape {
+                        tape,
+                        params,
+                        added,
+                    }
                 }
                 Saved::Kept(kept) => kept,
                 Saved::Input(x) => {
@@ -627,7 +656,9 @@ impl<T: Dtype> Trainer<T> {
         seed: f64,
     ) -> Result<(Option<Tensor>, LayerGrads<T>, usize)> {
         match kept {
-            Kept::Tape { tape, params } => {
+            Kept::Tape {
+                mut tape, params, ..
+            } => {
                 let seed_tensor;
                 let dy = match dy {
                     Some(dy) => dy,
@@ -639,6 +670,7 @@ impl<T: Dtype> Trainer<T> {
                 let params = params.expect("invariant: backward materialised them");
                 let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
                 let vb = params.var_builder(&layer.prefix, dtype, &self.dev, false)?;
+                tape.seed_added_loss(seed);
                 let grads = tape.backward(dy, &vb)?;
                 let g = params.taped_grads::<T>(&layer.display_name(), grads.params)?;
                 Ok((grads.input, g, params.dense()))

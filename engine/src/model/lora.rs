@@ -232,6 +232,10 @@ struct LoraTape {
 }
 
 impl Tape for LoraTape {
+    fn seed_added_loss(&mut self, seed: f64) {
+        self.inner.seed_added_loss(seed);
+    }
+
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> candle_core::Result<Grads> {
         let mut grads = self.inner.backward(dy, &adapted(vb, &self.adapters))?;
         for adapter in &self.adapters {

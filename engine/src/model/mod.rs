@@ -165,7 +165,9 @@ impl<'a> Context<'a> {
     /// Adds `loss`, a scalar computed from this layer's parameters or input (an MoE router's
     /// load-balancing loss), to the model's loss: its gradient joins the layer's in backward
     /// at the same scale as the model's loss (Megatron's `MoEAuxLossAutoScaler`), and
-    /// `Engine::added_loss` reports its value. Layers differentiated by candle's autograd only.
+    /// `Engine::added_loss` reports its value. candle's autograd differentiates the loss a
+    /// plain `forward` adds; a taped forward's tape differentiates its own, seeded by
+    /// `Tape::seed_added_loss`.
     pub fn add_loss(&self, loss: Tensor) -> candle_core::Result<()> {
         match self.added {
             Some(added) => {
@@ -173,7 +175,7 @@ impl<'a> Context<'a> {
                 Ok(())
             }
             None => Err(candle_core::Error::Msg(
-                "add_loss: this layer runs where no loss can be added (a taped forward or a test context)".into(),
+                "add_loss: this layer runs where no loss can be added (a test context)".into(),
             )),
         }
     }
@@ -252,6 +254,12 @@ pub trait Tape: Send {
     /// read. A tape does not keep the parameters itself: the engine may release them between
     /// forward and backward and materialise them again (Note [tapes hold no parameters]).
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> candle_core::Result<Grads>;
+    /// The seed of the model's loss (the loss scale over the accumulation steps), given
+    /// before `backward`: a forward that added a loss (`Context::add_loss`) differentiates it
+    /// in its own backward, times this seed.
+    fn seed_added_loss(&mut self, seed: f64) {
+        let _ = seed;
+    }
     /// Bytes of the activations the tape keeps (its tensors other than the layer's
     /// parameters, which the engine counts), for the memory report.
     fn activation_bytes(&self) -> usize;

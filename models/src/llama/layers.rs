@@ -108,6 +108,10 @@ impl<L: Layer> Layer for WithRouterLoss<L> {
 struct RouterLossTape(Box<dyn Tape>, RouterLoss);
 
 impl Tape for RouterLossTape {
+    fn seed_added_loss(&mut self, seed: f64) {
+        self.0.seed_added_loss(seed);
+    }
+
     fn activation_bytes(&self) -> usize {
         self.0.activation_bytes()
     }

@@ -18,7 +18,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::primitive::softmax_last_dim;
@@ -28,6 +28,10 @@ use ds_engine::parallel::{Ep, Tp};
 use super::config::{Family, LlamaConfig, SparseMlp};
 use super::layers::weight_init;
 use super::ops::{swiglu, swiglu_backward};
+use crate::moe::dispatch::{
+    counts, route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp,
+    Routes,
+};
 
 /// One layer's mixture of experts, this rank's slices of it.
 pub(super) struct Experts<'a> {
@@ -148,70 +152,100 @@ pub(super) struct SparseGrads {
 }
 
 /// What `forward` keeps for `backward`.
-///
-/// Note [routes to experts]: the routes (token i / k's (i % k)-th choice) are put in expert
-/// order, which is rank order under expert parallelism (each rank holds a block of
-/// consecutive experts); their tokens' rows travel to the ranks holding their experts in one
-/// exchange, each expert runs on the rows it received from every rank, and the outputs travel
-/// back in the same order. At ep 1 the exchanges are no-ops and the same code runs.
 pub(super) struct SparseTape {
     /// The block's input, whole tokens [N, d].
     x: Tensor,
     /// The router's probabilities [N, experts], f32.
     probs: Tensor,
-    /// Per route: its expert.
-    chosen: Vec<usize>,
-    /// The kept probabilities [N, k] (f32), and each route's weight [N k] (the compute dtype).
+    /// Route r is token r / k's (r % k)-th choice.
+    routes: Routes,
+    /// The kept probabilities [N, k] (f32).
     kept: Tensor,
-    weights: Tensor,
-    /// The routes in expert order and their tokens, [R] u32.
-    order: Tensor,
-    tokens: Tensor,
-    /// Rows sent to and received from each expert-parallel rank.
-    sent: Vec<usize>,
-    received: Vec<usize>,
-    /// The rows this rank's experts ran on [received, d].
-    rows: Tensor,
-    /// The experts' outputs per route in expert order, before the route weights [R, d] (a
-    /// partial sum under tensor parallelism).
-    outputs: Tensor,
-    ran: Vec<ExpertRun>,
+    dispatch: DispatchTape<SwigluRun>,
 }
 
-/// One of this rank's experts' forward on the rows routed to it.
-struct ExpertRun {
-    expert: usize,
-    /// Its rows among the received ones, [n] u32.
-    rows: Tensor,
+impl SparseTape {
+    pub fn activation_bytes(&self) -> usize {
+        let own: usize = [&self.x, &self.probs, &self.kept]
+            .into_iter()
+            .map(tensor_bytes)
+            .sum();
+        own + self.dispatch.activation_bytes(SwigluMlp::saved_bytes)
+    }
+}
+
+/// One expert's SwiGLU MLP (gate, up, down; no biases), this rank's slices: under tensor
+/// parallelism gate and up split by output, down by input.
+struct SwigluMlp {
+    family: Family,
+    hidden: usize,
+    /// The expert's width on this rank.
+    width: usize,
+}
+
+/// What an expert's backward reads.
+pub(super) struct SwigluRun {
     gate: Tensor,
     up: Tensor,
     act: Tensor,
 }
 
-impl SparseTape {
-    pub fn activation_bytes(&self) -> usize {
-        let runs: usize = self
-            .ran
-            .iter()
-            .map(|r| {
-                [&r.gate, &r.up, &r.act]
-                    .into_iter()
-                    .map(tensor_bytes)
-                    .sum::<usize>()
-            })
-            .sum();
-        [
-            &self.x,
-            &self.probs,
-            &self.kept,
-            &self.weights,
-            &self.rows,
-            &self.outputs,
-        ]
-        .into_iter()
-        .map(tensor_bytes)
-        .sum::<usize>()
-            + runs
+impl SwigluMlp {
+    fn name(&self, e: usize, which: usize) -> String {
+        let (block, names) = self.family.expert_names();
+        format!("{block}.experts.{e}.{}.weight", names[which])
+    }
+
+    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<[Tensor; 3]> {
+        let (d, f) = (self.hidden, self.width);
+        Ok([
+            vb.get((f, d), &self.name(e, 0))?,
+            vb.get((f, d), &self.name(e, 1))?,
+            vb.get((d, f), &self.name(e, 2))?,
+        ])
+    }
+}
+
+impl ExpertMlp for SwigluMlp {
+    type Saved = SwigluRun;
+
+    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, SwigluRun)> {
+        let [wg, wu, wd] = self.weights(vb, e)?;
+        let (gate, up) = (linear(x, &wg, None)?, linear(x, &wu, None)?);
+        let act = swiglu(&gate, &up)?;
+        let y = linear(&act, &wd, None)?;
+        Ok((y, SwigluRun { gate, up, act }))
+    }
+
+    fn backward(
+        &self,
+        vb: &VarBuilder,
+        e: usize,
+        x: &Tensor,
+        run: SwigluRun,
+        dy: &Tensor,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let [wg, wu, wd] = self.weights(vb, e)?;
+        let down = linear_backward(&run.act, &wd, dy)?;
+        let (dgate, dup) = swiglu_backward(&run.gate, &run.up, &down.dx)?;
+        let gate = linear_backward(x, &wg, &dgate)?;
+        let up = linear_backward(x, &wu, &dup)?;
+        Ok(((gate.dx + up.dx)?, vec![gate.dw, up.dw, down.dw]))
+    }
+
+    fn names(&self, e: usize) -> Vec<String> {
+        (0..3).map(|which| self.name(e, which)).collect()
+    }
+
+    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>> {
+        Ok(self.weights(vb, e)?.to_vec())
+    }
+
+    fn saved_bytes(run: &SwigluRun) -> usize {
+        [&run.gate, &run.up, &run.act]
+            .into_iter()
+            .map(tensor_bytes)
+            .sum()
     }
 }
 
@@ -273,19 +307,21 @@ impl Experts<'_> {
         format!("{}.gate.weight", self.family.expert_names().0)
     }
 
-    fn expert_name(&self, e: usize, which: usize) -> String {
-        let (block, names) = self.family.expert_names();
-        format!("{block}.experts.{e}.{}.weight", names[which])
+    fn mlp(&self) -> SwigluMlp {
+        SwigluMlp {
+            family: self.family,
+            hidden: self.hidden,
+            width: self.m.expert_size / self.tp.size(),
+        }
     }
 
-    /// Expert `e`'s (gate, up, down) weights, this rank's slices.
-    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<[Tensor; 3]> {
-        let (d, f) = (self.hidden, self.m.expert_size / self.tp.size());
-        Ok([
-            vb.get((f, d), &self.expert_name(e, 0))?,
-            vb.get((f, d), &self.expert_name(e, 1))?,
-            vb.get((d, f), &self.expert_name(e, 2))?,
-        ])
+    fn dispatch<'b>(&'b self, mlp: &'b SwigluMlp) -> Dispatch<'b, SwigluMlp> {
+        Dispatch {
+            mlp,
+            experts: self.m.num_experts,
+            tp: self.tp,
+            ep: self.ep,
+        }
     }
 
     /// The block on whole tokens `x` [.., d]: its output (a partial sum under tensor
@@ -293,93 +329,33 @@ impl Experts<'_> {
     pub fn forward(&self, vb: &VarBuilder, x: &Tensor) -> Result<(Tensor, SparseTape)> {
         let (d, e, k) = (self.hidden, self.m.num_experts, self.m.top_k);
         let dims = x.dims().to_vec();
-        let dev = x.device();
         let xs = x.reshape(((), d))?;
         let router = vb.get((e, d), &self.router_name())?;
         let probs = softmax_last_dim(&linear(&xs, &router, None)?.to_dtype(DType::F32)?)?;
         let chosen = top_k(&probs.flatten_all()?.to_vec1::<f32>()?, e, k);
-        let kept = kept_probs(&probs, &chosen, e, k)?;
+        if let Some((loss, layer)) = self.router_loss {
+            loss.record(layer, &counts(&chosen, e), &probs)?;
+        }
+        let routes = Routes {
+            tokens: (0..chosen.len()).map(|r| (r / k) as u32).collect(),
+            experts: chosen,
+        };
+        let kept = route_probs(&probs, &routes)?.reshape(((), k))?;
         let weights = match self.m.norm_topk_prob {
             true => kept.broadcast_div(&kept.sum_keepdim(1)?)?,
             false => kept.clone(),
         };
         let weights = weights.flatten_all()?.to_dtype(x.dtype())?;
-        // Note [routes to experts]
-        let mut order: Vec<usize> = (0..chosen.len()).collect();
-        order.sort_by_key(|&r| chosen[r]);
-        let per_expert = counts(&chosen, e);
-        if let Some((loss, layer)) = self.router_loss {
-            loss.record(layer, &per_expert, &probs)?;
-        }
-        let sent = per_rank(&per_expert, self.ep.size());
-        let from = self.ep.exchange_counts(&per_expert, e / self.ep.size())?;
-        let received = per_rank(&from, self.ep.size());
-        let tokens: Vec<u32> = order.iter().map(|&r| (r / k) as u32).collect();
-        let (order, tokens) = (
-            index(order.iter().map(|&r| r as u32), dev)?,
-            index(tokens, dev)?,
-        );
-        let rows = self
-            .ep
-            .exchange(&xs.index_select(&tokens, 0)?, &sent, &received)?;
-        let mut out_rows = rows.zeros_like()?;
-        let mut ran = Vec::new();
-        for (expert, at) in self.local_rows(&from, dev)? {
-            let [wg, wu, wd] = self.weights(vb, expert)?;
-            let xe = rows.index_select(&at, 0)?;
-            let (gate, up) = (linear(&xe, &wg, None)?, linear(&xe, &wu, None)?);
-            let act = swiglu(&gate, &up)?;
-            out_rows = out_rows.index_add(&at, &linear(&act, &wd, None)?, 0)?;
-            ran.push(ExpertRun {
-                expert,
-                rows: at,
-                gate,
-                up,
-                act,
-            });
-        }
-        let outputs = self.ep.exchange(&out_rows, &received, &sent)?;
-        let w = weights.index_select(&order, 0)?.unsqueeze(1)?;
-        let out = xs
-            .zeros_like()?
-            .index_add(&tokens, &outputs.broadcast_mul(&w)?, 0)?;
+        let mlp = self.mlp();
+        let (out, dispatch) = self.dispatch(&mlp).forward(vb, &xs, &routes, weights)?;
         let tape = SparseTape {
             x: xs,
             probs,
-            chosen,
+            routes,
             kept,
-            weights,
-            order,
-            tokens,
-            sent,
-            received,
-            rows,
-            outputs,
-            ran,
+            dispatch,
         };
         Ok((out.reshape(dims)?, tape))
-    }
-
-    /// Per local expert that received rows: its id and their positions among the received
-    /// rows, which come by sending rank, each rank's in expert order (`from` says how many
-    /// each rank sent each local expert).
-    fn local_rows(
-        &self,
-        from: &[usize],
-        dev: &candle_core::Device,
-    ) -> Result<Vec<(usize, Tensor)>> {
-        let local = self.ep.local(self.m.num_experts);
-        let mut at: Vec<Vec<u32>> = vec![Vec::new(); local.len()];
-        let mut next = 0u32;
-        for (i, n) in from.iter().enumerate() {
-            at[i % local.len()].extend(next..next + *n as u32);
-            next += *n as u32;
-        }
-        at.into_iter()
-            .zip(local)
-            .filter(|(rows, _)| !rows.is_empty())
-            .map(|(rows, e)| Ok((e, index(rows, dev)?)))
-            .collect()
     }
 
     /// From the gradient `dy` [.., d] of the block's (reduced) output: the gradients of its
@@ -387,32 +363,9 @@ impl Experts<'_> {
     pub fn backward(&self, vb: &VarBuilder, t: SparseTape, dy: &Tensor) -> Result<SparseGrads> {
         let (d, e, k) = (self.hidden, self.m.num_experts, self.m.top_k);
         let dys = dy.reshape(((), d))?;
-        let dout = dys.index_select(&t.tokens, 0)?;
-        // d loss / d weight of each route: the route's output against its gradient; the
-        // outputs are partial sums under tensor parallelism, and so are these
-        let dw = (&dout * &t.outputs)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
-        let dweights =
-            Tensor::zeros(t.chosen.len(), DType::F32, dy.device())?.index_add(&t.order, &dw, 0)?;
-        let w = t.weights.index_select(&t.order, 0)?.unsqueeze(1)?;
-        let drows = self
-            .ep
-            .exchange(&dout.broadcast_mul(&w)?, &t.sent, &t.received)?;
-        let mut dx_rows = t.rows.zeros_like()?;
-        let local = self.ep.local(e);
-        let mut grads: Vec<Option<[Tensor; 3]>> = local.clone().map(|_| None).collect();
-        for run in t.ran {
-            let [wg, wu, wd] = self.weights(vb, run.expert)?;
-            let down = linear_backward(&run.act, &wd, &drows.index_select(&run.rows, 0)?)?;
-            let (dgate, dup) = swiglu_backward(&run.gate, &run.up, &down.dx)?;
-            let xe = t.rows.index_select(&run.rows, 0)?;
-            let gate = linear_backward(&xe, &wg, &dgate)?;
-            let up = linear_backward(&xe, &wu, &dup)?;
-            dx_rows = dx_rows.index_add(&run.rows, &(gate.dx + up.dx)?, 0)?;
-            grads[run.expert - local.start] = Some([gate.dw, up.dw, down.dw]);
-        }
-        let dx_routes = self.ep.exchange(&dx_rows, &t.received, &t.sent)?;
-        let dx = t.x.zeros_like()?.index_add(&t.tokens, &dx_routes, 0)?;
-        let dweights = self.tp.sum(&dweights)?.reshape(((), k))?;
+        let mlp = self.mlp();
+        let g = self.dispatch(&mlp).backward(vb, t.dispatch, &dys)?;
+        let dweights = g.dweights.reshape(((), k))?;
         let dkept = match self.m.norm_topk_prob {
             // w = kept / sum(kept): dkept_j = (dw_j - sum_i dw_i w_i) / sum(kept)
             true => {
@@ -423,86 +376,24 @@ impl Experts<'_> {
             }
             false => dweights,
         };
-        let mut dprobs = scatter_kept(&dkept, &t.chosen, e, k)?;
+        let tokens = t.probs.dim(0)?;
+        let mut dprobs = scatter_route_probs(&dkept.flatten_all()?, &t.routes, tokens, e)?;
         if let Some((loss, _)) = self.router_loss {
             let g = Tensor::new(loss.probs_grad()?, dy.device())?;
             dprobs = dprobs.broadcast_add(&g)?;
         }
-        let dot = (&dprobs * &t.probs)?.sum_keepdim(1)?;
-        let dlogits = (t.probs * dprobs.broadcast_sub(&dot)?)?.to_dtype(t.x.dtype())?;
+        let dlogits = softmax_backward(&t.probs, &dprobs)?.to_dtype(t.x.dtype())?;
         let router = linear_backward(&t.x, &vb.get((e, d), &self.router_name())?, &dlogits)?;
-        let mut named = vec![(self.router_name(), router.dw)];
-        for (expert, g) in local.zip(grads) {
-            let g = match g {
-                Some(g) => g,
-                None => {
-                    let [g, u, d] = self.weights(vb, expert)?;
-                    [g.zeros_like()?, u.zeros_like()?, d.zeros_like()?]
-                }
-            };
-            for (which, grad) in g.into_iter().enumerate() {
-                named.push((self.expert_name(expert, which), grad));
-            }
-        }
+        let params = std::iter::once((self.router_name(), router.dw))
+            .chain(g.params)
+            .collect();
         let shape = dy.shape();
         Ok(SparseGrads {
-            dx_experts: dx.reshape(shape)?,
+            dx_experts: g.dx.reshape(shape)?,
             dx_router: router.dx.reshape(shape)?,
-            params: named,
+            params,
         })
     }
-}
-
-/// How many routes chose each of `experts`.
-fn counts(chosen: &[usize], experts: usize) -> Vec<usize> {
-    let mut n = vec![0; experts];
-    for e in chosen {
-        n[*e] += 1;
-    }
-    n
-}
-
-/// Per-expert counts summed into each of `ranks` ranks' block of consecutive experts.
-fn per_rank(per_expert: &[usize], ranks: usize) -> Vec<usize> {
-    per_expert
-        .chunks(per_expert.len() / ranks)
-        .map(|c| c.iter().sum())
-        .collect()
-}
-
-/// A u32 index tensor.
-fn index(ids: impl IntoIterator<Item = u32>, dev: &candle_core::Device) -> Result<Tensor> {
-    let ids: Vec<u32> = ids.into_iter().collect();
-    let n = ids.len();
-    Tensor::from_vec(ids, n, dev)
-}
-
-/// The cells of [tokens, experts] that `chosen` names, flattened.
-fn cells(chosen: &[usize], experts: usize, k: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    let cells: Vec<u32> = chosen
-        .iter()
-        .enumerate()
-        .map(|(i, e)| ((i / k) * experts + e) as u32)
-        .collect();
-    let n = cells.len();
-    Tensor::from_vec(cells, n, dev)
-}
-
-/// The chosen experts' probabilities [tokens, k], taken from `probs` so that autograd
-/// reaches the router through them.
-fn kept_probs(probs: &Tensor, chosen: &[usize], experts: usize, k: usize) -> Result<Tensor> {
-    let at = cells(chosen, experts, k, probs.device())?;
-    probs.flatten_all()?.index_select(&at, 0)?.reshape(((), k))
-}
-
-/// `kept_probs`' backward: `dkept` [tokens, k] put back in the chosen cells of
-/// [tokens, experts], zeros elsewhere.
-fn scatter_kept(dkept: &Tensor, chosen: &[usize], experts: usize, k: usize) -> Result<Tensor> {
-    let tokens = chosen.len() / k;
-    let at = cells(chosen, experts, k, dkept.device())?;
-    Tensor::zeros(tokens * experts, DType::F32, dkept.device())?
-        .index_add(&at, &dkept.flatten_all()?, 0)?
-        .reshape((tokens, experts))
 }
 
 /// Per token, its `k` most probable experts in decreasing probability (the lower index

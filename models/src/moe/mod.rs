@@ -1,4 +1,7 @@
-//! Mixture of experts (issue 37): DeepSpeed-MoE's gating and its layer at ep_size 1.
+//! Mixture of experts (issue 37): DeepSpeed-MoE's gating and layer, and the dispatch of
+//! tokens to experts every mixture shares.
+
+pub(crate) mod dispatch;
 
 pub mod gating;
 mod layer;
