@@ -152,25 +152,26 @@ fn moe_layer_equals_deepspeeds() {
     }
 }
 
-/// One SGD step (learning rate 1, no clipping) of the MoE layer through the engine: the
-/// parameters move by DeepSpeed's gradients, the router's load-balancing loss included (the
-/// engine seeds the loss the layer added with the model's), and `added_loss` reports
-/// DeepSpeed's `0.01 * l_aux`.
+/// One SGD step (learning rate 1, no clipping) of the MoE layer through the engine, in
+/// every case: the parameters move by DeepSpeed's gradients, the router's load-balancing loss
+/// included (the engine seeds the loss the layer added with the model's). The engine runs
+/// the layer's own backward (its tape), not autograd. `added_loss` reports DeepSpeed's
+/// `0.01 * l_aux`.
 #[test]
 fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
+    let f = fixture();
+    for c in f["cases"].as_array().unwrap() {
+        engine_step(&f, c);
+    }
+}
+
+fn engine_step(f: &Value, c: &Value) {
     use ds_engine::model::Model;
     use ds_engine::{EngineOptions, Job};
-    let f = fixture();
     let n = |k: &str| f[k].as_u64().unwrap() as usize;
     let (d, tokens) = (n("d"), n("tokens"));
-    // top-2 with dropping
-    let cases = f["cases"].as_array().unwrap();
-    let c = cases
-        .iter()
-        .find(|c| c["k"] == 2 && c["drop_tokens"] == true)
-        .unwrap()
-        .clone();
-    let layer = layer_of(&f, &c);
+    let layer = layer_of(f, c);
+    let case = format!("k {} drop {}", layer.gate.k, layer.gate.drop_tokens);
     let dir = std::env::temp_dir().join(format!("ds-rs-moe-step-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let init = dir.join("init.safetensors");
@@ -209,7 +210,7 @@ fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
     let want = c["l_aux"].as_f64().unwrap() as f32 * f["coef"].as_f64().unwrap() as f32;
     assert!(
         (added - want).abs() <= 1e-7,
-        "added loss {added} against {want}"
+        "{case}: added loss {added} against {want}"
     );
     for (name, after) in &after {
         let before = floats(&c["params"][name]);
@@ -218,7 +219,7 @@ fn one_engine_step_moves_the_parameters_by_deepspeeds_gradients() {
         let e = max_abs(&moved, &want);
         assert!(
             grad_ok(&moved, &want),
-            "{name} moved by {e:e} off DeepSpeed's gradient"
+            "{case}: {name} moved by {e:e} off DeepSpeed's gradient"
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -1,18 +1,82 @@
-//! DeepSpeed-MoE's layer (`deepspeed.moe.layer.MoE` at ep_size 1): a linear router, the
-//! gating of gating.rs, and experts that are two-layer GELU MLPs (Linear, GELU, Linear, as
-//! DeepSpeed's examples build them). Each expert runs on the tokens routed to it; each token's
-//! output is its experts' outputs weighted by its kept gates (renormalised over its kept routes
-//! for k >= 2). The router's load-balancing loss, times `aux_coef`, joins the model's loss
+//! DeepSpeed-MoE's layer (`deepspeed.moe.layer.MoE`): a linear router, the gating of
+//! gating.rs, and experts that are two-layer GELU MLPs (Linear, GELU, Linear, as DeepSpeed's
+//! examples build them). Each expert runs on the tokens routed to it; each token's output is
+//! its experts' outputs weighted by its kept gates (renormalised over its kept routes for
+//! k >= 2). The router's load-balancing loss, times `aux_coef`, joins the model's loss
 //! through `Context::add_loss` (DeepSpeed's users add `coef * l_aux` to theirs by hand).
+//!
+//! The routing is decided on each rank's tokens of the micro-batch, before they travel: the
+//! capacity is a share of those tokens, as DeepSpeed's gate decides it on each rank's before
+//! its all-to-all. So a layout that keeps the micro-batches (data parallelism with
+//! accumulation, tensor, pipeline and expert parallelism) drops the same tokens.
+//!
+//! The layer has its own backward (the routing is a discrete choice, made on the host; the
+//! route weights and `l_aux` are taken from the router's probabilities so that candle's
+//! autograd of `forward`, the reference the backward is tested against, reaches the router).
+//! Under expert parallelism the tokens travel to their experts' ranks (moe::dispatch); under
+//! tensor parallelism each expert is split as the dense MLP is (the first linear by output,
+//! the second by input, its bias added once) and every rank routes the same whole tokens.
 
-use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
-use ds_engine::model::{Context, Init, Layer, ParamSpec};
+use candle_core::{DType, Result, Tensor};
+use candle_nn::VarBuilder;
+use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_engine::kernels::ops::{gelu, gelu_backward};
+use ds_engine::kernels::primitive::softmax_last_dim;
+use ds_engine::model::{tensor_bytes, Context, Grads, Init, Layer, ParamSpec, Split, Tape, Taped};
+use ds_engine::parallel::{Ep, Tp};
 
+use super::dispatch::{
+    route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp, Routes,
+};
 use super::gating::{route, GateConfig, Routing};
 
+/// How a model spells and starts its MoE layers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeStyle {
+    /// The router's weight [experts, hidden].
+    pub router: &'static str,
+    /// Expert e's parameters are under `{experts}.{e}`.
+    pub experts: &'static str,
+    /// The two linears of an expert.
+    pub linears: [&'static str; 2],
+    pub gelu: Gelu,
+    /// The linears' and router's start: torch.nn.Linear's (uniform within 1 / sqrt(in), bias
+    /// too) or a GPT's (normal weights, zero biases).
+    pub init: Option<f64>,
+}
+
+/// Which GELU the experts apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// torch.nn.GELU(): x Phi(x).
+    Erf,
+    /// The tanh approximation (GPT-2's).
+    Tanh,
+}
+
+impl MoeStyle {
+    /// DeepSpeed's examples: `MoE(expert=Sequential(Linear, GELU, Linear))`, as
+    /// `gate.wg.weight` and `experts.{e}.fc1/fc2`, torch's start.
+    pub const DEEPSPEED_EXAMPLE: MoeStyle = MoeStyle {
+        router: "gate.wg.weight",
+        experts: "experts",
+        linears: ["fc1", "fc2"],
+        gelu: Gelu::Erf,
+        init: None,
+    };
+
+    /// The MoE GPT's: DeepSpeed's module names around the GPT's MLP (`c_fc`, `c_proj`).
+    pub const GPT: MoeStyle = MoeStyle {
+        router: "deepspeed_moe.gate.wg.weight",
+        experts: "deepspeed_moe.experts.deepspeed_experts",
+        linears: ["c_fc", "c_proj"],
+        gelu: Gelu::Tanh,
+        init: Some(0.02),
+    };
+}
+
 /// One mixture-of-experts layer over hidden states [.., hidden].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MoeLayer {
     pub hidden: usize,
     /// The experts' inner width.
@@ -21,11 +85,28 @@ pub struct MoeLayer {
     pub gate: GateConfig,
     /// The weight of the router's load-balancing loss in the model's loss.
     pub aux_coef: f64,
+    pub style: MoeStyle,
+    tp: Tp,
+    ep: Ep,
+}
+
+impl std::fmt::Debug for MoeLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeLayer")
+            .field("hidden", &self.hidden)
+            .field("ffn", &self.ffn)
+            .field("experts", &self.experts)
+            .field("gate", &self.gate)
+            .field("aux_coef", &self.aux_coef)
+            .field("tp", &self.tp.size())
+            .field("ep", &self.ep.size())
+            .finish()
+    }
 }
 
 impl MoeLayer {
     /// The layer, its settings checked: at least one expert, `k` between 1 and the expert
-    /// count, a positive capacity factor.
+    /// count, a positive capacity factor. In DeepSpeed's example style, on one rank.
     pub fn new(
         hidden: usize,
         ffn: usize,
@@ -33,149 +114,494 @@ impl MoeLayer {
         gate: GateConfig,
         aux_coef: f64,
     ) -> std::result::Result<MoeLayer, String> {
-        if experts == 0 || hidden == 0 || ffn == 0 {
-            return Err(format!(
-                "moe: experts ({experts}), hidden ({hidden}) and ffn ({ffn}) must be at least 1"
-            ));
-        }
-        if gate.k == 0 || gate.k > experts {
-            return Err(format!(
-                "moe: top-k {} must lie between 1 and the number of experts, {experts}",
-                gate.k
-            ));
-        }
-        if !(gate.capacity_factor.is_finite() && gate.capacity_factor > 0.0) {
-            return Err(format!(
-                "moe: capacity_factor {} must be a positive number",
-                gate.capacity_factor
-            ));
-        }
+        check(hidden, ffn, experts, &gate)?;
         Ok(MoeLayer {
             hidden,
             ffn,
             experts,
             gate,
             aux_coef,
+            style: MoeStyle::DEEPSPEED_EXAMPLE,
+            tp: Tp::none(),
+            ep: Ep::none(),
         })
     }
 
-    fn expert(&self, vb: &VarBuilder, e: usize) -> Result<[Linear; 2]> {
-        let (d, f) = (self.hidden, self.ffn);
-        let linear = |name: &str, out: usize, inp: usize| -> Result<Linear> {
-            let vb = vb.pp(format!("experts.{e}.{name}"));
-            Ok(Linear::new(
-                vb.get((out, inp), "weight")?,
-                Some(vb.get(out, "bias")?),
-            ))
-        };
-        Ok([linear("fc1", f, d)?, linear("fc2", d, f)?])
+    pub fn with_style(mut self, style: MoeStyle) -> MoeLayer {
+        self.style = style;
+        self
     }
 
-    /// Each route's weight, from the router's probabilities `probs` [tokens, experts] so that
-    /// the gradient reaches the router: the kept gate, over the sum of the token's kept gates
-    /// for k >= 2. In the order of `routes` flattened token by token.
-    fn route_weights(&self, probs: &Tensor, routing: &Routing) -> Result<Tensor> {
-        let dev = probs.device();
-        let (tokens, cells): (Vec<u32>, Vec<u32>) = routing
-            .routes
-            .iter()
-            .enumerate()
-            .flat_map(|(s, r)| {
-                r.iter()
-                    .map(move |r| (s as u32, (s * self.experts + r.expert) as u32))
+    /// The layer with its experts split over `ep` (each rank holds experts / ep) and each
+    /// expert over `tp`; the error says what does not divide.
+    pub fn parallel(mut self, tp: &Tp, ep: &Ep) -> std::result::Result<MoeLayer, String> {
+        check_divides(self.experts, self.ffn, tp.size(), ep.size())?;
+        self.tp = tp.clone();
+        self.ep = ep.clone();
+        Ok(self)
+    }
+
+    /// The router's and this rank's experts' parameter specs (the experts marked: the engine
+    /// keeps them apart under expert parallelism).
+    pub fn specs(&self) -> Vec<ParamSpec> {
+        let router = ParamSpec::new(
+            self.style.router,
+            &[self.experts, self.hidden],
+            self.weight_init(self.hidden),
+        );
+        let experts = self
+            .ep
+            .local(self.experts)
+            .flat_map(|e| self.expert_specs(e));
+        std::iter::once(router).chain(experts).collect()
+    }
+
+    /// The other expert-parallel ranks' experts, their names under `prefix`.
+    pub fn held_elsewhere(&self, prefix: &str) -> Vec<ParamSpec> {
+        let local = self.ep.local(self.experts);
+        (0..self.experts)
+            .filter(|e| !local.contains(e))
+            .flat_map(|e| self.expert_specs(e))
+            .map(|mut p| {
+                p.name = format!("{prefix}.{}", p.name);
+                p
             })
-            .unzip();
-        let n = tokens.len();
-        let kept = probs
-            .flatten_all()?
-            .index_select(&Tensor::from_vec(cells, n, dev)?, 0)?;
-        if self.gate.k == 1 {
-            return Ok(kept);
+            .collect()
+    }
+
+    fn weight_init(&self, inp: usize) -> Init {
+        match self.style.init {
+            Some(std) => Init::normal(std),
+            None => torch_linear_init(inp),
         }
-        let tokens = Tensor::from_vec(tokens, n, dev)?;
-        let sums =
-            Tensor::zeros(routing.routes.len(), DType::F32, dev)?.index_add(&tokens, &kept, 0)?;
+    }
+
+    fn bias_init(&self, inp: usize) -> Init {
+        match self.style.init {
+            Some(_) => Init::Zeros,
+            None => torch_linear_init(inp),
+        }
+    }
+
+    /// Expert `e`'s linears: the first split by output rows (bias too), the second by input
+    /// columns (bias whole).
+    fn expert_specs(&self, e: usize) -> [ParamSpec; 4] {
+        let (d, f) = (self.hidden, self.ffn);
+        let name = |linear: usize, what: &str| {
+            format!(
+                "{}.{e}.{}.{what}",
+                self.style.experts, self.style.linears[linear]
+            )
+        };
+        [
+            ParamSpec::new(&name(0, "weight"), &[f, d], self.weight_init(d)).split(Split::dim(0)),
+            ParamSpec::new(&name(0, "bias"), &[f], self.bias_init(d)).split(Split::dim(0)),
+            ParamSpec::new(&name(1, "weight"), &[d, f], self.weight_init(f)).split(Split::dim(1)),
+            ParamSpec::new(&name(1, "bias"), &[d], self.bias_init(f)),
+        ]
+        .map(ParamSpec::expert)
+    }
+
+    fn mlp(&self) -> GeluMlp {
+        GeluMlp {
+            hidden: self.hidden,
+            width: self.ffn / self.tp.size(),
+            style: self.style,
+            adds_bias: self.tp.rank() == 0,
+        }
+    }
+
+    fn dispatch<'a>(&'a self, mlp: &'a GeluMlp) -> Dispatch<'a, GeluMlp> {
+        Dispatch {
+            mlp,
+            experts: self.experts,
+            tp: &self.tp,
+            ep: &self.ep,
+        }
+    }
+
+    /// The layer on whole tokens `xs` [N, d]: its output (a partial sum under tensor
+    /// parallelism, for the caller to reduce), `aux_coef * l_aux` (a scalar made from the
+    /// router's probabilities) and the tape.
+    pub fn run(&self, vb: &VarBuilder, xs: &Tensor) -> Result<(Tensor, Tensor, MoeTape)> {
+        let (d, e) = (self.hidden, self.experts);
+        // the router in f32, as DeepSpeed's TopKGate
+        let wg = vb.get((e, d), self.style.router)?.to_dtype(DType::F32)?;
+        let logits = linear(&xs.to_dtype(DType::F32)?, &wg, None)?;
+        let routing = route(&logits.flatten_all()?.to_vec1::<f32>()?, e, &self.gate);
+        let probs = softmax_last_dim(&logits)?;
+        let routes = routes_of(&routing);
+        let (kept, denom) = self.kept_weights(&probs, &routes)?;
+        let weights = match &denom {
+            Some(denom) => (&kept / denom)?,
+            None => kept.clone(),
+        };
+        let mlp = self.mlp();
+        let dispatch = self.dispatch(&mlp);
+        let (out, tape) = dispatch.forward(vb, xs, &routes, weights.to_dtype(xs.dtype())?)?;
+        // l_aux: the mean gates (through which its gradient reaches the router) against the
+        // routing's constant choice fractions
+        let ce = Tensor::new(routing.choice_fraction.as_slice(), xs.device())?;
+        let l_aux = (probs.mean(0)? * &ce)?.sum_all()?;
+        let aux = l_aux.affine(routing.aux_scale as f64 * self.aux_coef, 0.0)?;
+        let tape = MoeTape {
+            x: xs.clone(),
+            probs,
+            routes,
+            kept,
+            denom,
+            ce: ce
+                .affine(routing.aux_scale as f64 * self.aux_coef, 0.0)?
+                .unsqueeze(0)?,
+            seed: None,
+            dispatch: tape,
+        };
+        Ok((out, aux, tape))
+    }
+
+    /// Each route's kept gate [R] (f32) and, for k >= 2, its token's sum of kept gates (the
+    /// divisor that renormalises them, DeepSpeed's `denom_s`, at least f32's epsilon).
+    fn kept_weights(&self, probs: &Tensor, routes: &Routes) -> Result<(Tensor, Option<Tensor>)> {
+        let kept = route_probs(probs, routes)?;
+        if self.gate.k == 1 {
+            return Ok((kept, None));
+        }
+        let dev = probs.device();
+        let tokens = super::dispatch::index(routes.tokens.iter().copied(), dev)?;
+        let sums = Tensor::zeros(probs.dim(0)?, DType::F32, dev)?.index_add(&tokens, &kept, 0)?;
         let denom = sums
             .index_select(&tokens, 0)?
             .clamp(f32::EPSILON, f32::INFINITY)?;
-        kept / denom
+        Ok((kept, Some(denom)))
+    }
+
+    /// From the gradient `dys` [N, d] of the (reduced) output: the gradient of the tokens
+    /// through the experts (partial under tensor parallelism) and through the router (whole),
+    /// and the named parameter gradients, the router's first.
+    pub fn backward_parts(
+        &self,
+        vb: &VarBuilder,
+        t: MoeTape,
+        dys: &Tensor,
+    ) -> Result<(Tensor, Tensor, Vec<(String, Tensor)>)> {
+        let (d, e) = (self.hidden, self.experts);
+        let mlp = self.mlp();
+        let g = self.dispatch(&mlp).backward(vb, t.dispatch, dys)?;
+        let dkept = match &t.denom {
+            // w = kept / denom, denom the token's sum of kept gates:
+            // dkept_j = (dw_j - sum over the token's routes of dw_i w_i) / denom
+            Some(denom) => {
+                let dev = dys.device();
+                let tokens = super::dispatch::index(t.routes.tokens.iter().copied(), dev)?;
+                let w = (&t.kept / denom)?;
+                let dot = Tensor::zeros(t.probs.dim(0)?, DType::F32, dev)?.index_add(
+                    &tokens,
+                    &(&g.dweights * &w)?,
+                    0,
+                )?;
+                (g.dweights - dot.index_select(&tokens, 0)?)?.div(denom)?
+            }
+            None => g.dweights,
+        };
+        let (tokens, _) = t.probs.dims2()?;
+        let mut dprobs = scatter_route_probs(&dkept, &t.routes, tokens, e)?;
+        if let Some(seed) = t.seed {
+            // d (coef scale sum_e mean_t(p_te) ce_e) / d p_te = coef scale ce_e / N
+            let aux = t.ce.affine(seed / tokens as f64, 0.0)?;
+            dprobs = dprobs.broadcast_add(&aux)?;
+        }
+        let dlogits = softmax_backward(&t.probs, &dprobs)?;
+        let wg = vb.get((e, d), self.style.router)?;
+        let router = linear_backward(
+            &t.x.to_dtype(DType::F32)?,
+            &wg.to_dtype(DType::F32)?,
+            &dlogits,
+        )?;
+        let params = std::iter::once((
+            self.style.router.to_string(),
+            router.dw.to_dtype(wg.dtype())?,
+        ))
+        .chain(g.params)
+        .collect();
+        Ok((g.dx, router.dx.to_dtype(dys.dtype())?, params))
     }
 }
 
-fn linear_specs(name: &str, out: usize, inp: usize) -> [ParamSpec; 2] {
-    // torch.nn.Linear's start: uniform within 1 / sqrt(in) for both
+fn check(
+    hidden: usize,
+    ffn: usize,
+    experts: usize,
+    gate: &GateConfig,
+) -> std::result::Result<(), String> {
+    if experts == 0 || hidden == 0 || ffn == 0 {
+        return Err(format!(
+            "moe: experts ({experts}), hidden ({hidden}) and ffn ({ffn}) must be at least 1"
+        ));
+    }
+    if gate.k == 0 || gate.k > experts {
+        return Err(format!(
+            "moe: top-k {} must lie between 1 and the number of experts, {experts}",
+            gate.k
+        ));
+    }
+    if !(gate.capacity_factor.is_finite() && gate.capacity_factor > 0.0) {
+        return Err(format!(
+            "moe: capacity_factor {} must be a positive number",
+            gate.capacity_factor
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `ep` ranks hold equal shares of `experts` and `tp` splits the width `ffn`.
+pub(crate) fn check_divides(
+    experts: usize,
+    ffn: usize,
+    tp: usize,
+    ep: usize,
+) -> std::result::Result<(), String> {
+    if ep == 0 || !experts.is_multiple_of(ep) {
+        return Err(format!(
+            "expert-parallel size {ep} does not divide the {experts} experts"
+        ));
+    }
+    crate::check_tp_divides(tp, &[("expert width", ffn)])
+}
+
+/// torch.nn.Linear's start: uniform within 1 / sqrt(in), for weight and bias.
+fn torch_linear_init(inp: usize) -> Init {
     let bound = 1.0 / (inp as f64).sqrt();
-    let init = Init::Uniform {
+    Init::Uniform {
         lo: -bound,
         hi: bound,
-    };
-    [
-        ParamSpec::new(&format!("{name}.weight"), &[out, inp], init),
-        ParamSpec::new(&format!("{name}.bias"), &[out], init),
-    ]
+    }
+}
+
+/// The kept routes, token by token.
+fn routes_of(routing: &Routing) -> Routes {
+    let (tokens, experts) = routing
+        .routes
+        .iter()
+        .enumerate()
+        .flat_map(|(s, r)| r.iter().map(move |r| (s as u32, r.expert)))
+        .unzip();
+    Routes { tokens, experts }
+}
+
+/// What the layer's backward reads.
+pub struct MoeTape {
+    /// The tokens [N, d].
+    x: Tensor,
+    /// The router's probabilities [N, experts], f32.
+    probs: Tensor,
+    routes: Routes,
+    /// Each route's kept gate [R] and the divisor that renormalises it (k >= 2), f32.
+    kept: Tensor,
+    denom: Option<Tensor>,
+    /// The constant factor of `aux_coef * l_aux` per expert [1, experts].
+    ce: Tensor,
+    /// The model's loss seed, when the layer's `l_aux` joined the loss.
+    seed: Option<f64>,
+    dispatch: DispatchTape<GeluRun>,
+}
+
+impl MoeTape {
+    pub fn activation_bytes(&self) -> usize {
+        let own: usize = [&self.x, &self.probs, &self.kept]
+            .into_iter()
+            .map(tensor_bytes)
+            .sum();
+        own + self.dispatch.activation_bytes(GeluMlp::saved_bytes)
+    }
+
+    /// The seed of the model's loss, which `aux_coef * l_aux` joined.
+    pub fn seed(&mut self, seed: f64) {
+        self.seed = Some(seed);
+    }
+}
+
+/// One expert's MLP: Linear, GELU, Linear, this rank's slices.
+struct GeluMlp {
+    hidden: usize,
+    /// The width on this rank.
+    width: usize,
+    style: MoeStyle,
+    /// Whether this rank adds the second linear's bias (one rank of a tensor-parallel group:
+    /// the partial outputs are summed).
+    adds_bias: bool,
+}
+
+/// What an expert's backward reads: its pre-activation.
+pub struct GeluRun {
+    pre: Tensor,
+    act: Tensor,
+}
+
+impl GeluMlp {
+    fn name(&self, e: usize, linear: usize, what: &str) -> String {
+        format!(
+            "{}.{e}.{}.{what}",
+            self.style.experts, self.style.linears[linear]
+        )
+    }
+
+    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<[Tensor; 4]> {
+        let (d, f) = (self.hidden, self.width);
+        Ok([
+            vb.get((f, d), &self.name(e, 0, "weight"))?,
+            vb.get(f, &self.name(e, 0, "bias"))?,
+            vb.get((d, f), &self.name(e, 1, "weight"))?,
+            vb.get(d, &self.name(e, 1, "bias"))?,
+        ])
+    }
+
+    fn gelu(&self, x: &Tensor) -> Result<Tensor> {
+        match self.style.gelu {
+            Gelu::Tanh => gelu(x),
+            Gelu::Erf => x.gelu_erf(),
+        }
+    }
+
+    fn gelu_backward(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        match self.style.gelu {
+            Gelu::Tanh => gelu_backward(x, dy),
+            // d/dx x Phi(x) = Phi(x) + x phi(x)
+            Gelu::Erf => {
+                let cdf = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)?.affine(0.5, 0.0)?;
+                let pdf = (x.sqr()? * -0.5)?
+                    .exp()?
+                    .affine(1.0 / (2.0 * std::f64::consts::PI).sqrt(), 0.0)?;
+                dy * (cdf + (x * pdf)?)?
+            }
+        }
+    }
+}
+
+impl ExpertMlp for GeluMlp {
+    type Saved = GeluRun;
+
+    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, GeluRun)> {
+        let [w1, b1, w2, b2] = self.weights(vb, e)?;
+        let pre = linear(x, &w1, Some(&b1))?;
+        let act = self.gelu(&pre)?;
+        let y = linear(&act, &w2, self.adds_bias.then_some(&b2))?;
+        Ok((y, GeluRun { pre, act }))
+    }
+
+    fn backward(
+        &self,
+        vb: &VarBuilder,
+        e: usize,
+        x: &Tensor,
+        run: GeluRun,
+        dy: &Tensor,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let [w1, b1, w2, b2] = self.weights(vb, e)?;
+        let second = linear_backward(&run.act, &w2, dy)?;
+        let dpre = self.gelu_backward(&run.pre, &second.dx)?;
+        let first = linear_backward(x, &w1, &dpre)?;
+        // the second bias is whole on every rank, and so is `dy`: its full gradient here
+        let grads = vec![
+            first.dw,
+            bias_backward(&dpre, &b1)?,
+            second.dw,
+            bias_backward(dy, &b2)?,
+        ];
+        Ok((first.dx, grads))
+    }
+
+    fn names(&self, e: usize) -> Vec<String> {
+        [(0, "weight"), (0, "bias"), (1, "weight"), (1, "bias")]
+            .into_iter()
+            .map(|(l, what)| self.name(e, l, what))
+            .collect()
+    }
+
+    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>> {
+        Ok(self.weights(vb, e)?.to_vec())
+    }
+
+    fn saved_bytes(run: &GeluRun) -> usize {
+        tensor_bytes(&run.pre) + tensor_bytes(&run.act)
+    }
+}
+
+/// The layer alone, over [.., hidden]: its output summed over the tensor-parallel group.
+struct LayerTape {
+    layer: MoeLayer,
+    moe: MoeTape,
+}
+
+impl Tape for LayerTape {
+    fn activation_bytes(&self) -> usize {
+        self.moe.activation_bytes()
+    }
+
+    fn seed_added_loss(&mut self, seed: f64) {
+        self.moe.seed(seed);
+    }
+
+    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
+        let LayerTape { layer, moe } = *self;
+        let dys = dy.reshape(((), layer.hidden))?;
+        let (dx_experts, dx_router, named) = layer.backward_parts(vb, moe, &dys)?;
+        let dx = (layer.tp.sum(&dx_experts)? + dx_router)?;
+        let order: Vec<String> = layer.specs().into_iter().map(|p| p.name).collect();
+        Ok(Grads {
+            input: Some(dx.reshape(dy.shape())?),
+            params: in_order(named, &order)?,
+        })
+    }
+}
+
+/// Named gradients in the order of `names`.
+pub(crate) fn in_order(mut named: Vec<(String, Tensor)>, names: &[String]) -> Result<Vec<Tensor>> {
+    names
+        .iter()
+        .map(|n| {
+            let at = named.iter().position(|(m, _)| m == n);
+            match at {
+                Some(i) => Ok(named.swap_remove(i).1),
+                None => candle_core::bail!("moe: no gradient for {n}"),
+            }
+        })
+        .collect()
+}
+
+impl MoeLayer {
+    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
+        let xs = x.reshape(((), self.hidden))?;
+        let (out, aux, moe) = self.run(vb, &xs)?;
+        cx.add_loss(aux)?;
+        let tape = LayerTape {
+            layer: self.clone(),
+            moe,
+        };
+        Ok(Taped {
+            output: self.tp.sum(&out)?.reshape(x.shape())?,
+            tape: Box::new(tape),
+        })
+    }
 }
 
 impl Layer for MoeLayer {
     fn params(&self) -> Vec<ParamSpec> {
-        let (d, f) = (self.hidden, self.ffn);
-        let router = ParamSpec::new("gate.wg.weight", &[self.experts, d], Init::normal(0.02));
-        let experts = (0..self.experts).flat_map(|e| {
-            let [w1, b1] = linear_specs(&format!("experts.{e}.fc1"), f, d);
-            let [w2, b2] = linear_specs(&format!("experts.{e}.fc2"), d, f);
-            [w1, b1, w2, b2]
-        });
-        std::iter::once(router).chain(experts).collect()
+        self.specs()
     }
 
     fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let xs = x.reshape(((), self.hidden))?;
-        let wg = vb.get((self.experts, self.hidden), "gate.wg.weight")?;
-        // the router in f32, as DeepSpeed's TopKGate
-        let logits = xs
-            .to_dtype(DType::F32)?
-            .matmul(&wg.to_dtype(DType::F32)?.t()?)?;
-        let routing = route(
-            &logits.flatten_all()?.to_vec1::<f32>()?,
-            self.experts,
-            &self.gate,
-        );
-        let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
-        let weights = self.route_weights(&probs, &routing)?;
-        // route r of the flattened list: its token and expert
-        let flat: Vec<(u32, usize)> = routing
-            .routes
-            .iter()
-            .enumerate()
-            .flat_map(|(s, r)| r.iter().map(move |r| (s as u32, r.expert)))
-            .collect();
-        let dev = x.device();
-        let mut out = xs.zeros_like()?;
-        for e in 0..self.experts {
-            let (at, tokens): (Vec<u32>, Vec<u32>) = flat
-                .iter()
-                .enumerate()
-                .filter(|(_, (_, ex))| *ex == e)
-                .map(|(i, (s, _))| (i as u32, *s))
-                .unzip();
-            if tokens.is_empty() {
-                continue;
-            }
-            let n = tokens.len();
-            let tokens = Tensor::from_vec(tokens, n, dev)?;
-            let [fc1, fc2] = self.expert(vb, e)?;
-            let y = fc2.forward(&fc1.forward(&xs.index_select(&tokens, 0)?)?.gelu_erf()?)?;
-            let w = weights.index_select(&Tensor::from_vec(at, n, dev)?, 0)?;
-            let y = y.broadcast_mul(&w.to_dtype(y.dtype())?.unsqueeze(1)?)?;
-            out = out.index_add(&tokens, &y, 0)?;
-        }
-        // l_aux: the mean gates (through which its gradient reaches the router) against the
-        // routing's constant choice fractions
-        let ce = Tensor::new(routing.choice_fraction.as_slice(), dev)?;
-        let l_aux = (probs.mean(0)? * ce)?
-            .sum_all()?
-            .affine(routing.aux_scale as f64, 0.0)?;
-        cx.add_loss(l_aux.affine(self.aux_coef, 0.0)?)?;
-        out.reshape(dims)
+        Ok(self.taped(vb, x, cx)?.output)
+    }
+
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x, cx).map(Some)
+    }
+
+    /// The router and, per kept route, the expert's two products.
+    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
+        let tokens: usize = shape.iter().rev().skip(1).product();
+        let (d, f, e) = (self.hidden as u64, self.ffn as u64, self.experts as u64);
+        let routes = (tokens * self.gate.k) as u64;
+        Some(2 * tokens as u64 * d * e + 4 * routes * d * f / self.tp.size() as u64)
     }
 }
