@@ -30,7 +30,7 @@ use super::layers::weight_init;
 use super::ops::{swiglu, swiglu_backward};
 use crate::moe::dispatch::{
     counts, route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp,
-    Routes,
+    MixtureGrads, Routes,
 };
 
 /// One layer's mixture of experts, this rank's slices of it.
@@ -141,14 +141,6 @@ impl RouterLoss {
         let k = st.seed as f64 * st.coef * st.experts as f64 / rows;
         Ok(f.iter().map(|f| (k * f) as f32).collect())
     }
-}
-
-/// `backward`'s results: the input's gradient through the experts (a partial sum under
-/// tensor parallelism) and through the router (whole), and the named parameter gradients.
-pub(super) struct SparseGrads {
-    pub dx_experts: Tensor,
-    pub dx_router: Tensor,
-    pub params: Vec<(String, Tensor)>,
 }
 
 /// What `forward` keeps for `backward`.
@@ -360,7 +352,7 @@ impl Experts<'_> {
 
     /// From the gradient `dy` [.., d] of the block's (reduced) output: the gradients of its
     /// input, the router and this rank's experts (zeros for those no token reached).
-    pub fn backward(&self, vb: &VarBuilder, t: SparseTape, dy: &Tensor) -> Result<SparseGrads> {
+    pub fn backward(&self, vb: &VarBuilder, t: SparseTape, dy: &Tensor) -> Result<MixtureGrads> {
         let (d, e, k) = (self.hidden, self.m.num_experts, self.m.top_k);
         let dys = dy.reshape(((), d))?;
         let mlp = self.mlp();
@@ -388,7 +380,7 @@ impl Experts<'_> {
             .chain(g.params)
             .collect();
         let shape = dy.shape();
-        Ok(SparseGrads {
+        Ok(MixtureGrads {
             dx_experts: g.dx.reshape(shape)?,
             dx_router: router.dx.reshape(shape)?,
             params,

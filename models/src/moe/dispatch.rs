@@ -232,6 +232,14 @@ impl<M: ExpertMlp> Dispatch<'_, M> {
     }
 }
 
+/// A mixture's gradients: of its input through the experts (a partial sum under tensor
+/// parallelism) and through the router (whole), and of its parameters, named.
+pub(crate) struct MixtureGrads {
+    pub dx_experts: Tensor,
+    pub dx_router: Tensor,
+    pub params: Vec<(String, Tensor)>,
+}
+
 /// How many routes chose each of `experts`.
 pub(crate) fn counts(chosen: &[usize], experts: usize) -> Vec<usize> {
     let mut n = vec![0; experts];

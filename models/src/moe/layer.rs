@@ -26,7 +26,8 @@ use ds_engine::model::{tensor_bytes, Context, Grads, Init, Layer, ParamSpec, Spl
 use ds_engine::parallel::{Ep, Tp};
 
 use super::dispatch::{
-    route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp, Routes,
+    route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp,
+    MixtureGrads, Routes,
 };
 use super::gating::{route, GateConfig, Routing};
 
@@ -223,7 +224,7 @@ impl MoeLayer {
     /// The layer on whole tokens `xs` [N, d]: its output (a partial sum under tensor
     /// parallelism, for the caller to reduce), `aux_coef * l_aux` (a scalar made from the
     /// router's probabilities) and the tape.
-    pub fn run(&self, vb: &VarBuilder, xs: &Tensor) -> Result<(Tensor, Tensor, MoeTape)> {
+    pub(crate) fn run(&self, vb: &VarBuilder, xs: &Tensor) -> Result<(Tensor, Tensor, MoeTape)> {
         let (d, e) = (self.hidden, self.experts);
         // the router in f32, as DeepSpeed's TopKGate
         let wg = vb.get((e, d), self.style.router)?.to_dtype(DType::F32)?;
@@ -278,12 +279,12 @@ impl MoeLayer {
     /// From the gradient `dys` [N, d] of the (reduced) output: the gradient of the tokens
     /// through the experts (partial under tensor parallelism) and through the router (whole),
     /// and the named parameter gradients, the router's first.
-    pub fn backward_parts(
+    pub(crate) fn backward_parts(
         &self,
         vb: &VarBuilder,
         t: MoeTape,
         dys: &Tensor,
-    ) -> Result<(Tensor, Tensor, Vec<(String, Tensor)>)> {
+    ) -> Result<MixtureGrads> {
         let (d, e) = (self.hidden, self.experts);
         let mlp = self.mlp();
         let g = self.dispatch(&mlp).backward(vb, t.dispatch, dys)?;
@@ -323,7 +324,11 @@ impl MoeLayer {
         ))
         .chain(g.params)
         .collect();
-        Ok((g.dx, router.dx.to_dtype(dys.dtype())?, params))
+        Ok(MixtureGrads {
+            dx_experts: g.dx,
+            dx_router: router.dx.to_dtype(dys.dtype())?,
+            params,
+        })
     }
 }
 
@@ -389,7 +394,7 @@ fn routes_of(routing: &Routing) -> Routes {
 }
 
 /// What the layer's backward reads.
-pub struct MoeTape {
+pub(crate) struct MoeTape {
     /// The tokens [N, d].
     x: Tensor,
     /// The router's probabilities [N, experts], f32.
@@ -432,7 +437,7 @@ struct GeluMlp {
 }
 
 /// What an expert's backward reads: its pre-activation.
-pub struct GeluRun {
+pub(crate) struct GeluRun {
     pre: Tensor,
     act: Tensor,
 }
@@ -544,12 +549,12 @@ impl Tape for LayerTape {
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let LayerTape { layer, moe } = *self;
         let dys = dy.reshape(((), layer.hidden))?;
-        let (dx_experts, dx_router, named) = layer.backward_parts(vb, moe, &dys)?;
-        let dx = (layer.tp.sum(&dx_experts)? + dx_router)?;
+        let g = layer.backward_parts(vb, moe, &dys)?;
+        let dx = (layer.tp.sum(&g.dx_experts)? + g.dx_router)?;
         let order: Vec<String> = layer.specs().into_iter().map(|p| p.name).collect();
         Ok(Grads {
             input: Some(dx.reshape(dy.shape())?),
-            params: in_order(named, &order)?,
+            params: in_order(g.params, &order)?,
         })
     }
 }

@@ -6,4 +6,4 @@ pub(crate) mod dispatch;
 pub mod gating;
 mod layer;
 
-pub use layer::{Gelu, MoeLayer, MoeStyle, MoeTape};
+pub use layer::{Gelu, MoeLayer, MoeStyle};
