@@ -15,6 +15,7 @@ const MODEL: GptConfig = GptConfig {
     H: 2,
     L: 1,
     tie_embeddings: false,
+    moe: None,
 };
 
 fn config(json: &str, world: usize, tp: usize) -> ds_config::Config {

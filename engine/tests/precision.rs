@@ -29,6 +29,7 @@ const SMALL: GptConfig = GptConfig {
     H: 4,
     L: 2,
     tie_embeddings: false,
+    moe: None,
 };
 
 fn batch(step: u64, rank: usize) -> Batch {

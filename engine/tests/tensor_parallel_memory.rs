@@ -18,6 +18,7 @@ const GPT: GptConfig = GptConfig {
     H: 4,
     L: 2,
     tie_embeddings: false,
+    moe: None,
 };
 
 /// Parameters one tensor-parallel rank holds, from the architecture (not from the code's

@@ -292,6 +292,7 @@ const GPT: GptConfig = GptConfig {
     H: 4,
     L: 8,
     tie_embeddings: false,
+    moe: None,
 };
 const MICRO: usize = 2;
 /// `stage3_max_live_parameters`: about one block (789,760 parameters here).

@@ -9,7 +9,9 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::gpt_moe::GptMoe;
 use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
+use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_engine::kernels::cpu_attention;
 use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
@@ -19,7 +21,7 @@ use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gel
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{row_parallel_linear, vocab, Tp};
+use ds_engine::parallel::{row_parallel_linear, vocab, Ep, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -28,7 +30,7 @@ const WEIGHT_INIT: Init = Init::Normal {
 };
 
 /// The architecture's sizes, named as in the peer benchmark's README.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[allow(non_snake_case)]
 pub struct GptConfig {
@@ -46,6 +48,9 @@ pub struct GptConfig {
     /// peer's model, and the default, is untied.
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// A mixture of experts in every `expert_interval`-th block (DeepSpeed-MoE's GPT).
+    #[serde(default)]
+    pub moe: Option<GptMoe>,
 }
 
 /// What differs between the peer's GPT and Hugging Face's GPT-2 (`GPT2LMHeadModel`) of the
@@ -77,8 +82,9 @@ impl GptVariant {
     }
 }
 
-/// The presets of ../shared/bench/gpt.py.
-pub const PRESETS: [(&str, GptConfig); 3] = [
+/// The presets of ../shared/bench/gpt.py, and the tiny one with DeepSpeed-MoE's experts (8,
+/// top-1, every other block).
+pub const PRESETS: [(&str, GptConfig); 4] = [
     (
         "tiny",
         GptConfig {
@@ -88,6 +94,7 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             H: 4,
             L: 4,
             tie_embeddings: false,
+            moe: None,
         },
     ),
     (
@@ -99,6 +106,7 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             H: 8,
             L: 6,
             tie_embeddings: false,
+            moe: None,
         },
     ),
     (
@@ -110,6 +118,19 @@ pub const PRESETS: [(&str, GptConfig); 3] = [
             H: 12,
             L: 12,
             tie_embeddings: false,
+            moe: None,
+        },
+    ),
+    (
+        "gpt-moe-tiny",
+        GptConfig {
+            V: 4096,
+            T: 128,
+            d: 256,
+            H: 4,
+            L: 4,
+            tie_embeddings: false,
+            moe: Some(GptMoe::top1(8)),
         },
     ),
 ];
@@ -138,7 +159,10 @@ impl GptConfig {
         if d % H != 0 {
             return Err(format!("d ({d}) must be a multiple of H ({H})"));
         }
-        Ok(())
+        match &self.moe {
+            Some(moe) => moe.validate(),
+            None => Ok(()),
+        }
     }
 
     /// Parameter count: embeddings, L blocks of 12d^2 + 13d, final LayerNorm, lm_head
@@ -147,22 +171,39 @@ impl GptConfig {
         self.n_params_of(&GptVariant::peer(self))
     }
 
-    /// The parameter count with `v`'s MLP width m: blocks of 4d^2 + 2dm + 9d + m.
+    /// The parameter count with `v`'s MLP width m: blocks of 4d^2 + 2dm + 9d + m, and the
+    /// mixtures' experts and routers.
     pub fn n_params_of(&self, v: &GptVariant) -> usize {
+        let experts = self.moe.map_or(0, |moe| {
+            moe.moe_blocks(self.L) * moe.extra_params(self.d, v.mlp)
+        });
+        self.dense_params(v) + experts
+    }
+
+    fn dense_params(&self, v: &GptVariant) -> usize {
         let GptConfig { V, T, d, L, .. } = *self;
         let m = v.mlp;
         let head = if self.tie_embeddings { 0 } else { V * d };
         V * d + T * d + L * (4 * d * d + 2 * d * m + 9 * d + m) + 2 * d + head
     }
 
-    /// Model FLOPs per trained token (forward + backward): 6 per parameter for the matrix
-    /// products plus 12 L T d for attention's scores and weighted sums (the PaLM paper's count).
+    /// The parameters one token meets: a mixture's router and its k experts, not all.
+    pub fn active_params_of(&self, v: &GptVariant) -> usize {
+        let experts = self.moe.map_or(0, |moe| {
+            moe.moe_blocks(self.L) * moe.extra_active_params(self.d, v.mlp)
+        });
+        self.dense_params(v) + experts
+    }
+
+    /// Model FLOPs per trained token (forward + backward): 6 per active parameter for the
+    /// matrix products plus 12 L T d for attention's scores and weighted sums (the PaLM
+    /// paper's count).
     pub fn flops_per_token(&self) -> f64 {
         self.flops_per_token_of(&GptVariant::peer(self))
     }
 
     pub fn flops_per_token_of(&self, v: &GptVariant) -> f64 {
-        6.0 * self.n_params_of(v) as f64 + 12.0 * (self.L * self.T * self.d) as f64
+        6.0 * self.active_params_of(v) as f64 + 12.0 * (self.L * self.T * self.d) as f64
     }
 
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
@@ -186,6 +227,15 @@ impl GptConfig {
         )
     }
 
+    /// Whether expert parallelism of size `ep` splits the mixtures' experts evenly.
+    pub fn check_ep(&self, ep: usize) -> std::result::Result<(), String> {
+        match (&self.moe, ep) {
+            (_, 1) => Ok(()),
+            (None, _) => Err(format!("expert-parallel size {ep}: the GPT has no experts")),
+            (Some(moe), _) => crate::moe::check_ep_divides(moe.num_experts, ep),
+        }
+    }
+
     /// The model with its layers split over the tensor-parallel group `tp`: column-parallel
     /// q|k|v and MLP input, row-parallel projections, vocabulary-parallel embedding, LM head
     /// and cross-entropy. Names, shapes and initial values stay those of the logical model.
@@ -195,13 +245,41 @@ impl GptConfig {
 
     /// The model of variant `v` (Hugging Face's GPT-2 with its names, MLP width and epsilon).
     pub fn build_variant(&self, tp: &Tp, v: &GptVariant) -> std::result::Result<Model, String> {
+        self.build_with(tp, &Ep::none(), v)
+    }
+
+    /// The model of variant `v`, its mixtures' experts split over `ep`.
+    pub fn build_with(
+        &self,
+        tp: &Tp,
+        ep: &Ep,
+        v: &GptVariant,
+    ) -> std::result::Result<Model, String> {
         self.check_tp_of(tp.size(), v)?;
+        self.check_ep(ep.size())?;
         let top = if v.hf_names { "transformer" } else { "" };
         let mut m = Model::new().layer(top, Embeddings(*self, tp.clone()));
+        let mut elsewhere = Vec::new();
         for i in 0..self.L {
-            m = m.layer(&v.module(&format!("h.{i}")), Block(*self, tp.clone(), *v));
+            let moe = match self.moe.filter(|moe| moe.holds_experts(i)) {
+                Some(moe) => Some(moe.layer(self.d, v.mlp, tp, ep)?),
+                None => None,
+            };
+            let prefix = v.module(&format!("h.{i}"));
+            if let Some(moe) = &moe {
+                elsewhere.extend(moe.held_elsewhere(&format!("{prefix}.mlp")));
+            }
+            let block = Block {
+                c: *self,
+                tp: tp.clone(),
+                v: *v,
+                moe,
+            };
+            m = m.layer(&prefix, block);
         }
-        let m = m.layer("", Head(*self, tp.clone(), *v));
+        let m = m
+            .layer("", Head(*self, tp.clone(), *v))
+            .held_elsewhere(elsewhere);
         Ok(match tp.size() {
             1 => m.layer("", CrossEntropyLoss),
             _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
@@ -301,43 +379,55 @@ impl Tape for EmbeddingsTape {
 /// One pre-LayerNorm transformer block. Under tensor parallelism (Megatron-LM's block):
 /// q|k|v and the MLP's first linear are column-parallel (each rank owns whole heads and
 /// 4d/tp of the MLP width), the two output projections row-parallel; LayerNorms and the
-/// projections' biases are replicated.
-struct Block(GptConfig, Tp, GptVariant);
+/// projections' biases are replicated. In an MoE GPT's expert blocks a mixture of experts
+/// (`moe`, DeepSpeed-MoE's layer) takes the MLP's place, on ln_2's whole tokens.
+struct Block {
+    c: GptConfig,
+    tp: Tp,
+    v: GptVariant,
+    moe: Option<MoeLayer>,
+}
 
-/// A block's parameters, each a (weight, bias) pair, in declaration order.
+/// The attention half's parameters, each a (weight, bias) pair, in declaration order.
 struct BlockParams {
     ln_1: (Tensor, Tensor),
     c_attn: (Tensor, Tensor),
     attn_proj: (Tensor, Tensor),
     ln_2: (Tensor, Tensor),
-    c_fc: (Tensor, Tensor),
-    mlp_proj: (Tensor, Tensor),
 }
 
 impl BlockParams {
     /// This rank's slices: the local shapes of `Block::params` at degree `tp`.
-    fn new(vb: &VarBuilder, d: usize, mlp: usize, tp: usize) -> Result<BlockParams> {
+    fn new(vb: &VarBuilder, d: usize, tp: usize) -> Result<BlockParams> {
         let ln = |n: &str| -> Result<(Tensor, Tensor)> {
             Ok((
                 vb.get(d, &format!("{n}.weight"))?,
                 vb.get(d, &format!("{n}.bias"))?,
             ))
         };
-        let lin = |n: &str, out: usize, inp: usize| -> Result<(Tensor, Tensor)> {
-            Ok((
-                vb.get((out, inp), &format!("{n}.weight"))?,
-                vb.get(out, &format!("{n}.bias"))?,
-            ))
-        };
         Ok(BlockParams {
             ln_1: ln("ln_1")?,
-            c_attn: lin("attn.c_attn", 3 * d / tp, d)?,
-            attn_proj: lin("attn.c_proj", d, d / tp)?,
+            c_attn: linear_params(vb, "attn.c_attn", 3 * d / tp, d)?,
+            attn_proj: linear_params(vb, "attn.c_proj", d, d / tp)?,
             ln_2: ln("ln_2")?,
-            c_fc: lin("mlp.c_fc", mlp / tp, d)?,
-            mlp_proj: lin("mlp.c_proj", d, mlp / tp)?,
         })
     }
+}
+
+/// A linear's (weight [out, inp], bias [out]).
+fn linear_params(vb: &VarBuilder, n: &str, out: usize, inp: usize) -> Result<(Tensor, Tensor)> {
+    Ok((
+        vb.get((out, inp), &format!("{n}.weight"))?,
+        vb.get(out, &format!("{n}.bias"))?,
+    ))
+}
+
+/// The dense MLP's c_fc and c_proj, this rank's slices.
+fn mlp_params(vb: &VarBuilder, d: usize, mlp: usize) -> Result<[(Tensor, Tensor); 2]> {
+    Ok([
+        linear_params(vb, "mlp.c_fc", mlp, d)?,
+        linear_params(vb, "mlp.c_proj", d, mlp)?,
+    ])
 }
 
 /// What a block's backward reads: the activations of its forward.
@@ -345,20 +435,25 @@ struct BlockTape {
     c: GptConfig,
     v: GptVariant,
     tp: Tp,
+    moe: Option<MoeLayer>,
     x: Tensor,
     h1: Tensor,
     attn: Attention,
     x2: Tensor,
     h2: Tensor,
-    /// The MLP's pre-activation and its GELU.
-    f: Tensor,
-    g: Tensor,
+    mlp: MlpTape,
+}
+
+/// The MLP's pre-activation and its GELU, or the mixture's tape.
+enum MlpTape {
+    Dense { f: Tensor, g: Tensor },
+    Moe(MoeTape),
 }
 
 impl Block {
-    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
-        let (c, tp, v) = (self.0, &self.1, self.2);
-        let p = BlockParams::new(vb, c.d, v.mlp, tp.size())?;
+    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
+        let (c, tp, v) = (self.c, &self.tp, self.v);
+        let p = BlockParams::new(vb, c.d, tp.size())?;
         let x = x.contiguous()?;
         // Note [gather and reduce]: x, h1, x2, h2 and the output are this rank's positions
         // under sequence parallelism, whole otherwise
@@ -366,35 +461,98 @@ impl Block {
         let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn)?;
         let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
         let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, v.ln_eps)?;
-        let f = linear(&tp.gather(&h2)?, &p.c_fc.0, Some(&p.c_fc.1))?;
-        let g = gelu(&f)?;
-        let output = (&x2 + row_parallel_linear(tp, &g, &p.mlp_proj.0, &p.mlp_proj.1)?)?;
+        let whole = tp.gather(&h2)?;
+        let (branch, mlp) = match &self.moe {
+            Some(moe) => {
+                let (out, aux, tape) = moe.run(&vb.pp("mlp"), &whole.reshape(((), c.d))?)?;
+                cx.add_loss(aux)?;
+                (tp.reduce(&out.reshape(whole.shape())?)?, MlpTape::Moe(tape))
+            }
+            None => {
+                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let f = linear(&whole, &c_fc.0, Some(&c_fc.1))?;
+                let g = gelu(&f)?;
+                let out = row_parallel_linear(tp, &g, &c_proj.0, &c_proj.1)?;
+                (out, MlpTape::Dense { f, g })
+            }
+        };
+        let output = (&x2 + branch)?;
         let tape = BlockTape {
             c,
             v,
             tp: tp.clone(),
+            moe: self.moe.clone(),
             x,
             h1,
             attn,
             x2,
             h2,
-            f,
-            g,
+            mlp,
         };
         Ok(Taped {
             output,
             tape: Box::new(tape),
         })
     }
+
+    /// The attention half's and the MLP's specs; `mlp.`'s mixture in an expert block.
+    fn mlp_specs(&self, matrix: impl Fn(String, &[usize]) -> ParamSpec) -> Vec<ParamSpec> {
+        let (d, m) = (self.c.d, self.v.mlp);
+        match &self.moe {
+            Some(moe) => moe
+                .specs()
+                .into_iter()
+                .map(|mut p| {
+                    p.name = format!("mlp.{}", p.name);
+                    p
+                })
+                .collect(),
+            None => [
+                column(&matrix, "mlp.c_fc", m, d, 1),
+                row(&matrix, "mlp.c_proj", d, m),
+            ]
+            .concat(),
+        }
+    }
+}
+
+/// A column-parallel linear's specs: weight and bias split by output rows (in `blocks`
+/// blocks: q, k and v each by heads).
+fn column(
+    matrix: &impl Fn(String, &[usize]) -> ParamSpec,
+    n: &str,
+    out: usize,
+    d: usize,
+    blocks: usize,
+) -> [ParamSpec; 2] {
+    let split = Split::Dim { dim: 0, blocks };
+    [
+        matrix(format!("{n}.weight"), &[out, d]).split(split),
+        ParamSpec::new(&format!("{n}.bias"), &[out], Init::Zeros).split(split),
+    ]
+}
+
+/// A row-parallel linear's specs: weight split by input columns, bias replicated.
+fn row(
+    matrix: &impl Fn(String, &[usize]) -> ParamSpec,
+    n: &str,
+    d: usize,
+    inp: usize,
+) -> [ParamSpec; 2] {
+    [
+        matrix(format!("{n}.weight"), &[d, inp]).split(Split::dim(1)),
+        ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
+    ]
 }
 
 impl Layer for Block {
     fn params(&self) -> Vec<ParamSpec> {
-        let d = self.0.d;
+        let d = self.c.d;
         // GPT-2's Conv1D keeps its weights as [in, out] in Hugging Face's files
-        let matrix = |name: String, shape: &[usize]| {
+        let hf = self.v.hf_names;
+        let matrix = move |name: String, shape: &[usize]| {
             let p = ParamSpec::new(&name, shape, WEIGHT_INIT);
-            match self.2.hf_names {
+            match hf {
                 true => p.stored_transposed(),
                 false => p,
             }
@@ -405,81 +563,106 @@ impl Layer for Block {
                 ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros).norm(),
             ]
         };
-        // column-parallel: weight and bias split by output rows (q, k and v each by heads)
-        let column = |n: &str, out: usize, blocks: usize| {
-            let split = Split::Dim { dim: 0, blocks };
-            [
-                matrix(format!("{n}.weight"), &[out, d]).split(split),
-                ParamSpec::new(&format!("{n}.bias"), &[out], Init::Zeros).split(split),
-            ]
-        };
-        // row-parallel: weight split by input columns, bias replicated
-        let row = |n: &str, inp: usize| {
-            [
-                matrix(format!("{n}.weight"), &[d, inp]).split(Split::dim(1)),
-                ParamSpec::new(&format!("{n}.bias"), &[d], Init::Zeros),
-            ]
-        };
-        [
+        let attention = [
             ln("ln_1"),
-            column("attn.c_attn", 3 * d, 3),
-            row("attn.c_proj", d),
+            column(&matrix, "attn.c_attn", 3 * d, d, 3),
+            row(&matrix, "attn.c_proj", d, d),
             ln("ln_2"),
-            column("mlp.c_fc", self.2.mlp, 1),
-            row("mlp.c_proj", self.2.mlp),
         ]
-        .concat()
+        .concat();
+        [attention, self.mlp_specs(matrix)].concat()
     }
 
-    fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x)?.output)
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, x, cx)?.output)
     }
 
-    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x).map(Some)
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x, cx).map(Some)
     }
 
     /// The matrix products, as DeepSpeed's profiler counts them: q|k|v, attention projection
     /// and MLP (12 d^2 multiply-adds per token), plus scores and their weighted sum over the
-    /// sequence (2 T d per token). Normalisation and activations are left out.
+    /// sequence (2 T d per token); a mixture's router and routes instead of the MLP.
+    /// Normalisation and activations are left out.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        let (d, seq) = (self.0.d as u64, *shape.get(1)? as u64);
-        let (tp, m) = (self.1.size() as u64, self.2.mlp as u64);
-        Some(2 * rows(shape) as u64 * (4 * d * d + 2 * d * m + 2 * seq * d) / tp)
+        let (d, seq) = (self.c.d as u64, *shape.get(1)? as u64);
+        let (tp, m) = (self.tp.size() as u64, self.v.mlp as u64);
+        let attention = 2 * rows(shape) as u64 * (4 * d * d + 2 * seq * d) / tp;
+        let mlp = match &self.moe {
+            Some(moe) => moe.forward_flops(shape)?,
+            None => 2 * rows(shape) as u64 * 2 * d * m / tp,
+        };
+        Some(attention + mlp)
     }
 }
 
 impl Tape for BlockTape {
     fn activation_bytes(&self) -> usize {
         let a = &self.attn;
+        let mlp = match &self.mlp {
+            MlpTape::Dense { f, g } => tensor_bytes(f) + tensor_bytes(g),
+            MlpTape::Moe(t) => t.activation_bytes(),
+        };
         [
-            &self.x, &self.h1, &a.qkv, &a.probs, &a.out, &self.x2, &self.h2, &self.f, &self.g,
+            &self.x, &self.h1, &a.qkv, &a.probs, &a.out, &self.x2, &self.h2,
         ]
         .into_iter()
         .map(tensor_bytes)
-        .sum()
+        .sum::<usize>()
+            + mlp
+    }
+
+    fn seed_added_loss(&mut self, seed: f64) {
+        if let MlpTape::Moe(t) = &mut self.mlp {
+            t.seed(seed);
+        }
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let p = BlockParams::new(vb, self.c.d, self.v.mlp, self.tp.size())?;
+        let p = BlockParams::new(vb, self.c.d, self.tp.size())?;
         let BlockTape {
             c,
             v,
             tp,
+            moe,
             x,
             h1,
             attn,
             x2,
             h2,
-            f,
-            g,
+            mlp,
         } = *self;
-        // the MLP branch: y = x2 + c_proj(gelu(c_fc(ln_2(x2))))
-        let proj = linear_backward(&g, &p.mlp_proj.0, &tp.gather(dy)?)?;
-        let df = gelu_backward(&f, &proj.dx)?;
-        let fc = linear_backward(&tp.gather(&h2)?, &p.c_fc.0, &df)?;
-        // a column-parallel input's gradient: the sum of every rank's part
-        let dh2 = tp.reduce(&fc.dx)?;
+        // the MLP branch: y = x2 + mlp(ln_2(x2))
+        let (dh2, mlp_grads, proj_bias) = match (mlp, &moe) {
+            (MlpTape::Dense { f, g }, _) => {
+                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let proj = linear_backward(&g, &c_proj.0, &tp.gather(dy)?)?;
+                let df = gelu_backward(&f, &proj.dx)?;
+                let fc = linear_backward(&tp.gather(&h2)?, &c_fc.0, &df)?;
+                // a column-parallel input's gradient: the sum of every rank's part
+                let grads = vec![fc.dw, bias_backward(&df, &c_fc.1)?, proj.dw];
+                (
+                    tp.reduce(&fc.dx)?,
+                    grads,
+                    Some(bias_backward(dy, &c_proj.1)?),
+                )
+            }
+            (MlpTape::Moe(t), Some(moe)) => {
+                let whole = tp.gather(dy)?;
+                let g = moe.backward_parts(&vb.pp("mlp"), t, &whole.reshape(((), c.d))?)?;
+                // the experts' input gradients are partial sums, the router's whole
+                let pos = tp.positions(whole.dim(1)?);
+                let router = g.dx_router.reshape(whole.shape())?;
+                let dh2 = (tp.reduce(&g.dx_experts.reshape(whole.shape())?)?
+                    + router.narrow(1, pos.start, pos.len())?)?;
+                let names: Vec<String> = moe.specs().into_iter().map(|p| p.name).collect();
+                (dh2, in_order(g.params, &names)?, None)
+            }
+            (MlpTape::Moe(_), None) => {
+                unreachable!("invariant: an MoE tape comes from an MoE block")
+            }
+        };
         let (dx2_ln, dln_2w, dln_2b) =
             layer_norm_backward(&x2, &p.ln_2.0, &p.ln_2.1, &dh2, v.ln_eps)?;
         let dx2 = (dy + dx2_ln)?;
@@ -492,32 +675,37 @@ impl Tape for BlockTape {
             layer_norm_backward(&x, &p.ln_1.0, &p.ln_1.1, &dh1, v.ln_eps)?;
         // the replicated parameters' gradients, from this rank's positions under sequence
         // parallelism: summed over the group
-        let partial = tp.sum_partial_grads(vec![
+        let mut partial = vec![
             dln_1w,
             dln_1b,
             bias_backward(&dx2, &p.attn_proj.1)?,
             dln_2w,
             dln_2b,
-            bias_backward(dy, &p.mlp_proj.1)?,
-        ])?;
-        let [dln_1w, dln_1b, dattn_proj_b, dln_2w, dln_2b, dmlp_proj_b] =
-            <[Tensor; 6]>::try_from(partial).expect("invariant: six gradients in, six out");
+        ];
+        partial.extend(proj_bias);
+        let mut partial = tp.sum_partial_grads(partial)?.into_iter();
+        let mut next = || {
+            partial
+                .next()
+                .expect("invariant: as many gradients out as in")
+        };
+        let mut params = vec![
+            next(),
+            next(),
+            qkv.dw,
+            bias_backward(&dqkv, &p.c_attn.1)?,
+            aproj.dw,
+            next(),
+            next(),
+            next(),
+        ];
+        params.extend(mlp_grads);
+        if moe.is_none() {
+            params.push(next());
+        }
         Ok(Grads {
             input: Some((&dx2 + dx_ln)?),
-            params: vec![
-                dln_1w,
-                dln_1b,
-                qkv.dw,
-                bias_backward(&dqkv, &p.c_attn.1)?,
-                aproj.dw,
-                dattn_proj_b,
-                dln_2w,
-                dln_2b,
-                fc.dw,
-                bias_backward(&df, &p.c_fc.1)?,
-                proj.dw,
-                dmlp_proj_b,
-            ],
+            params,
         })
     }
 }
@@ -727,6 +915,7 @@ mod tests {
             H: 2,
             L: 1,
             tie_embeddings: false,
+            moe: None,
         };
         // t = 7 < T exercises the unused positions of wpe
         crate::taped_check::check_layers(&c.build(), (3, 7), c.d, c.V, "GPT");
@@ -737,5 +926,24 @@ mod tests {
         };
         let model = c.build_variant(&Tp::none(), &gpt2).unwrap();
         crate::taped_check::check_layers(&model, (3, 7), c.d, c.V, "GPT-2");
+        // an expert block: top-1 and top-2, some tokens dropped (capacity 2 of 21 tokens over
+        // 4 experts), others not
+        for (k, capacity_factor, drop_tokens) in [(1, 0.3, true), (2, 0.3, true), (2, 1.0, false)] {
+            let moe = GptMoe {
+                num_experts: 4,
+                k,
+                capacity_factor,
+                min_capacity: 2,
+                drop_tokens,
+                aux_loss_coef: 0.5,
+                expert_interval: 1,
+            };
+            let c = GptConfig {
+                moe: Some(moe),
+                ..c
+            };
+            let what = format!("MoE GPT k {k} capacity {capacity_factor} drop {drop_tokens}");
+            crate::taped_check::check_layers(&c.build(), (3, 7), c.d, c.V, &what);
+        }
     }
 }

@@ -57,6 +57,7 @@ impl Gpt2Config {
             H: f.usize("n_head", Some(12))?,
             L: f.usize("n_layer", Some(12))?,
             tie_embeddings: f.bool("tie_word_embeddings", true)?,
+            moe: None,
         };
         gpt.validate().map_err(problem)?;
         let variant = GptVariant {
@@ -110,6 +111,7 @@ pub fn presets() -> Vec<(&'static str, Gpt2Config)> {
             H: h,
             L: l,
             tie_embeddings: true,
+            moe: None,
         },
         variant: GptVariant {
             mlp: 4 * d,

@@ -6,6 +6,7 @@
 mod fields;
 pub mod gpt;
 pub mod gpt2;
+pub mod gpt_moe;
 pub mod hf_export;
 pub mod llama;
 pub mod loss;
@@ -188,6 +189,7 @@ impl ModelSpec {
     pub fn check_ep(&self, ep: usize) -> Result<(), String> {
         match &self.arch {
             Arch::Llama(c) => c.check_ep(ep),
+            Arch::Gpt(c) => c.check_ep(ep),
             _ if ep > 1 => Err(format!(
                 "expert-parallel size {ep}: {} has no experts",
                 self.architecture()
@@ -205,6 +207,9 @@ impl ModelSpec {
     ) -> Result<(), String> {
         let moe = match &self.arch {
             Arch::Llama(c) => c.moe.as_ref().map(|m| (c.family.model_type(), m.top_k)),
+            Arch::Gpt(c) => c
+                .moe
+                .map(|m| ("the built-in MoE GPT (DeepSpeed-MoE's)", m.k)),
             _ => None,
         };
         match (preset_model, moe) {
@@ -257,7 +262,7 @@ impl ModelSpec {
     pub fn build_with(&self, tp: &Tp, ep: &Ep) -> Result<Model, String> {
         self.check_ep(ep.size())?;
         match &self.arch {
-            Arch::Gpt(c) => c.build_parallel(tp),
+            Arch::Gpt(c) => c.build_with(tp, ep, &gpt::GptVariant::peer(c)),
             Arch::Gpt2(c) => c.gpt.build_variant(tp, &c.variant),
             Arch::Llama(c) => llama::build(c, tp, ep),
         }
@@ -266,6 +271,7 @@ impl ModelSpec {
     /// The architecture's name for reports: "GPT" or transformers' class.
     pub fn architecture(&self) -> &'static str {
         match &self.arch {
+            Arch::Gpt(c) if c.moe.is_some() => "GPT-MoE",
             Arch::Gpt(_) => "GPT",
             Arch::Gpt2(_) => "GPT2LMHeadModel",
             Arch::Llama(c) => c.family.architecture(),
@@ -275,7 +281,13 @@ impl ModelSpec {
     /// The sizes for summary.json: the GPT's V, T, d, H, L, or config.json's names.
     pub fn summary(&self) -> serde_json::Value {
         let mut v = match &self.arch {
-            Arch::Gpt(c) => serde_json::json!({"V": c.V, "T": c.T, "d": c.d, "H": c.H, "L": c.L}),
+            Arch::Gpt(c) => {
+                let mut v = serde_json::json!({"V": c.V, "T": c.T, "d": c.d, "H": c.H, "L": c.L});
+                if let Some(m) = &c.moe {
+                    v["moe"] = serde_json::to_value(m).unwrap_or_default();
+                }
+                v
+            }
             Arch::Gpt2(c) => c.to_hf_json(),
             Arch::Llama(c) => serde_json::json!({
                 "model_type": c.family.model_type(),

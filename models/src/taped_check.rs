@@ -1,7 +1,9 @@
 //! For the tests of every family: each layer's hand-written backward (its `Tape`) against
 //! candle's autograd of its `forward`, on the output, the input gradient and every parameter
-//! gradient.
+//! gradient. A layer that adds a loss (`Context::add_loss`, an MoE router's) is checked on
+//! the model's loss with that loss added at a seed of its own.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -35,7 +37,8 @@ pub fn check_layers(model: &Model, (b, t): (usize, usize), width: usize, vocab: 
     let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
     let targets: Vec<u32> = (0..b * t).map(|i| (i * 5 % vocab) as u32).collect();
     let targets = ds_engine::Targets::all(Tensor::from_vec(targets, (b, t), &dev).unwrap());
-    let cx = Context::of_targets(&targets);
+    // the seed of added losses: unlike 1, so that a tape that ignores it fails
+    const ADDED_SEED: f64 = 0.75;
     let last = model.layers().len() - 1;
     for (li, layer) in model.layers().iter().enumerate() {
         let specs = layer.layer.params();
@@ -75,6 +78,8 @@ pub fn check_layers(model: &Model, (b, t): (usize, usize), width: usize, vocab: 
             _ => Var::from_vec(values(b * t * width, 7 + li as u64), (b, t, width), &dev).unwrap(),
         };
         // the upstream gradient: random for activations, a loss seed for the loss
+        let added = RefCell::new(Vec::new());
+        let cx = Context::of_targets(&targets).adding_into(&added);
         let y = layer
             .layer
             .forward(&vb(true), input.as_tensor(), &cx)
@@ -83,14 +88,28 @@ pub fn check_layers(model: &Model, (b, t): (usize, usize), width: usize, vocab: 
             0 => Tensor::new(3.0f32, &dev).unwrap(),
             _ => Tensor::from_vec(values(y.elem_count(), 11), y.shape(), &dev).unwrap(),
         };
-        let reference = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-        let taped = layer
+        let mut loss = (&y * &dy).unwrap().sum_all().unwrap();
+        let added = added.into_inner();
+        for a in &added {
+            loss = (loss + a.affine(ADDED_SEED, 0.0).unwrap()).unwrap();
+        }
+        let reference = loss.backward().unwrap();
+        let taped_added = RefCell::new(Vec::new());
+        let cx = Context::of_targets(&targets).adding_into(&taped_added);
+        let mut taped = layer
             .layer
             .forward_taped(&vb(false), &input.as_tensor().detach(), &cx)
             .unwrap()
             .expect("the layers are taped");
+        taped.tape.seed_added_loss(ADDED_SEED);
         let grads = taped.tape.backward(&dy, &vb(false)).unwrap();
         let mut pairs = vec![("output".to_string(), flat(&taped.output), flat(&y))];
+        let values = |l: &[Tensor]| l.iter().map(|a| a.to_scalar::<f32>().unwrap()).collect();
+        pairs.push((
+            "added losses".into(),
+            values(&taped_added.into_inner()),
+            values(&added),
+        ));
         if li > 0 {
             let dx = grads.input.as_ref().expect("an input gradient");
             pairs.push((

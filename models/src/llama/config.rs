@@ -427,10 +427,7 @@ impl LlamaConfig {
     /// takes no expert parallelism.
     pub fn check_ep(&self, ep: usize) -> Result<(), String> {
         match &self.moe {
-            Some(m) if ep == 0 || !m.num_experts.is_multiple_of(ep) => Err(format!(
-                "{} experts do not split evenly over expert-parallel size {ep}",
-                m.num_experts
-            )),
+            Some(m) => crate::moe::check_ep_divides(m.num_experts, ep),
             None if ep > 1 => Err(format!(
                 "expert-parallel size {ep}: {} has no experts",
                 self.family.architecture()

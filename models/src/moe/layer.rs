@@ -136,7 +136,8 @@ impl MoeLayer {
     /// The layer with its experts split over `ep` (each rank holds experts / ep) and each
     /// expert over `tp`; the error says what does not divide.
     pub fn parallel(mut self, tp: &Tp, ep: &Ep) -> std::result::Result<MoeLayer, String> {
-        check_divides(self.experts, self.ffn, tp.size(), ep.size())?;
+        check_ep_divides(self.experts, ep.size())?;
+        crate::check_tp_divides(tp.size(), &[("expert width", self.ffn)])?;
         self.tp = tp.clone();
         self.ep = ep.clone();
         Ok(self)
@@ -358,19 +359,14 @@ fn check(
     Ok(())
 }
 
-/// Whether `ep` ranks hold equal shares of `experts` and `tp` splits the width `ffn`.
-pub(crate) fn check_divides(
-    experts: usize,
-    ffn: usize,
-    tp: usize,
-    ep: usize,
-) -> std::result::Result<(), String> {
-    if ep == 0 || !experts.is_multiple_of(ep) {
-        return Err(format!(
-            "expert-parallel size {ep} does not divide the {experts} experts"
-        ));
+/// Whether `ep` ranks hold equal shares of `experts`.
+pub fn check_ep_divides(experts: usize, ep: usize) -> std::result::Result<(), String> {
+    match ep > 0 && experts.is_multiple_of(ep) {
+        true => Ok(()),
+        false => Err(format!(
+            "{experts} experts do not split evenly over expert-parallel size {ep}"
+        )),
     }
-    crate::check_tp_divides(tp, &[("expert width", ffn)])
 }
 
 /// torch.nn.Linear's start: uniform within 1 / sqrt(in), for weight and bias.

@@ -6,4 +6,5 @@ pub(crate) mod dispatch;
 pub mod gating;
 mod layer;
 
-pub use layer::{Gelu, MoeLayer, MoeStyle};
+pub use layer::{check_ep_divides, Gelu, MoeLayer, MoeStyle};
+pub(crate) use layer::{in_order, MoeTape};
