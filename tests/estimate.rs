@@ -265,6 +265,43 @@ fn mixtures_of_experts_states_equal_memory_report() {
     hf_estimates_equal_memory_report("estimate-moe", &["mixtral", "qwen3_moe"], &layouts);
 }
 
+/// The same for DeepSpeed-MoE's GPT (8 experts, top-2, every other block), without dropping
+/// (the activations are then the routing's whatever it chooses, at ep 1) and with a capacity
+/// that drops (the states only: the estimate counts the most routes the capacity keeps).
+#[test]
+fn moe_gpt_states_equal_memory_report() {
+    let s = Scratch::new("estimate-moe-gpt");
+    let gpt = |name: &str, moe: &str| {
+        let json = format!(
+            r#"{{"V": 130, "T": 16, "d": 32, "H": 4, "L": 4,
+            "moe": {{"num_experts": 8, "k": 2, {moe}}}}}"#
+        );
+        (
+            name.to_string(),
+            s.write(&format!("{name}.json"), &json)
+                .display()
+                .to_string(),
+        )
+    };
+    let models = [
+        gpt("moe-gpt", r#""drop_tokens": false"#),
+        gpt(
+            "moe-gpt-drop",
+            r#""capacity_factor": 0.25, "min_capacity": 1"#,
+        ),
+    ];
+    let layouts = [
+        ("z0", 1, 0, ""),
+        ("z3-dp2", 2, 3, ""),
+        ("z1-tp2-dp2", 4, 1, "--tp 2"),
+        ("z2-ep2-dp2", 4, 2, "--ep 2"),
+        ("z3-ep4", 4, 3, "--ep 4"),
+        ("z1-ep2-tp2", 4, 1, "--ep 2 --tp 2"),
+    ];
+    estimates_equal_memory_report(&s, &models[..1], &layouts);
+    estimates_equal_memory_report(&s, &models[1..], &layouts[..2]);
+}
+
 /// Each fixture of `families` trained one step in each layout (name, ranks, ZeRO stage,
 /// arguments) and estimated: every rank's model states, and its activations but under expert
 /// parallelism, equal to its memory report.
@@ -273,11 +310,23 @@ fn hf_estimates_equal_memory_report(
     families: &[&str],
     layouts: &[(&str, usize, u8, &str)],
 ) {
-    let s = Scratch::new(tag);
     let fixtures =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tests/fixtures/hf");
-    for family in families {
-        let model = fixtures.join(family).display().to_string();
+    let models: Vec<(String, String)> = families
+        .iter()
+        .map(|f| (f.to_string(), fixtures.join(f).display().to_string()))
+        .collect();
+    estimates_equal_memory_report(&Scratch::new(tag), &models, layouts);
+}
+
+/// `models` (name, `--model` argument) trained one step in each layout and estimated, as
+/// `hf_estimates_equal_memory_report` says.
+fn estimates_equal_memory_report(
+    s: &Scratch,
+    models: &[(String, String)],
+    layouts: &[(&str, usize, u8, &str)],
+) {
+    for (family, model) in models {
         for (name, nproc, stage, args) in layouts {
             let tag = format!("{family}-{name}");
             let cfg = s.write(
@@ -289,7 +338,7 @@ fn hf_estimates_equal_memory_report(
                 ),
             );
             let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, *nproc, 1, args);
-            let keys: &[&str] = match args.contains("--ep") {
+            let keys: &[&str] = match args.contains("--ep") || family.ends_with("drop") {
                 true => &["params_bytes", "grads_bytes", "optimizer_states_bytes"],
                 false => &[
                     "params_bytes",

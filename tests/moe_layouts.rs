@@ -130,6 +130,9 @@ fn moe_gpt_layouts_equal_one_process_without_dropping() {
 fn moe_gpt_layouts_equal_one_process_with_dropping() {
     // the capacity drops routes: the function differs from the one that keeps them all
     let (drop, keep) = (reference(Capacity::Drop), reference(Capacity::NoDrop));
-    assert_ne!(drop.losses[1], keep.losses[1], "dropping changes the losses");
+    assert_ne!(
+        drop.losses[1], keep.losses[1],
+        "dropping changes the losses"
+    );
     every_layout(Capacity::Drop);
 }

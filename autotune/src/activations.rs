@@ -1,10 +1,11 @@
-//! The activations one micro-batch holds on a rank of a model (the built-in GPT and GPT-2,
-//! the Llama family), by the rules of
+//! The activations one micro-batch holds on a rank of a model (the built-in GPT, its MoE
+//! form and GPT-2, the Llama family), by the rules of
 //! ds-engine's trainer (Note [checkpoint segments], Note [ZeRO-3 reuse]): what each layer's
 //! forward keeps (its tape, its input only, or nothing), and the most held at once, at the end
 //! of forward or while backward differentiates a layer with the layers below it still saved.
 
 use ds_models::gpt::{GptConfig, GptVariant};
+use ds_models::gpt_moe::GptMoe;
 use ds_models::llama::SparseMlp;
 use ds_models::{Arch, LlamaConfig, ModelSpec};
 
@@ -113,6 +114,25 @@ fn experts_tape(s: &SparseMlp, tokens: u64, d: u64, m: MicroBatch) -> u64 {
         + 3 * routes * f * m.dtype
 }
 
+/// DeepSpeed-MoE's layer's tape (moe/layer.rs): its whole input, the router's
+/// probabilities (f32), each kept route's gate (f32), its renormaliser for k >= 2 (f32) and
+/// weight, the rows the rank's experts ran on and their outputs back, and each expert's
+/// pre-activation and GELU. The routes: every token's k without dropping, at most the
+/// capacity's with it (exact where no expert fills up); an expert-parallel rank's received
+/// rows counted as balanced.
+fn moe_tape(moe: &GptMoe, tokens: u64, d: u64, mlp: u64, m: MicroBatch) -> u64 {
+    let experts = moe.num_experts as u64;
+    let routes = moe.gate().max_routes(tokens as usize, moe.num_experts) as u64;
+    let renormaliser = if moe.k >= 2 { routes * 4 } else { 0 };
+    tokens * d * m.dtype
+        + tokens * experts * 4
+        + routes * 4
+        + renormaliser
+        + routes * m.dtype
+        + 2 * routes * d * m.dtype
+        + 2 * routes * mlp / m.tp * m.dtype
+}
+
 /// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.
 fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
     let (b, t, d, v) = (m.rows, seq as u64, c.d as u64, c.V as u64);
@@ -122,19 +142,22 @@ fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec
     // the fused attention keeps its probabilities in f32 when it computes in f32; otherwise
     // the generic path keeps them in the compute dtype
     let probs = b * (c.H as u64 / tp) * t * t * e;
-    let block = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
+    let attention = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
         + tokens * 3 * d / tp * e // q|k|v
         + probs
-        + tokens * d / tp * e // the heads' outputs
-        + 2 * tokens * var.mlp as u64 / tp * e; // the MLP's pre-activation and GELU
+        + tokens * d / tp * e; // the heads' outputs
+    let mlp = 2 * tokens * var.mlp as u64 / tp * e; // the MLP's pre-activation and GELU
     let loss = loss_tape(tokens, v, m);
     let mut layers = vec![LayerActivations {
         input: tokens * 4,
         tape: tokens * 4,
     }];
-    layers.extend((0..c.L).map(|_| LayerActivations {
+    layers.extend((0..c.L).map(|i| LayerActivations {
         input: hidden,
-        tape: block,
+        tape: match c.moe.filter(|moe| moe.holds_experts(i)) {
+            Some(moe) => attention + moe_tape(&moe, tokens, d, var.mlp as u64, m),
+            None => attention + mlp,
+        },
     }));
     layers.push(LayerActivations {
         input: hidden,

@@ -76,6 +76,22 @@ impl Routing {
     }
 }
 
+impl GateConfig {
+    /// The most routes the gate keeps of `tokens` tokens over `experts`: all of them without
+    /// dropping, else at most each expert's capacity (`capacity_factor * k` of an even share).
+    pub fn max_routes(&self, tokens: usize, experts: usize) -> usize {
+        let all = tokens * self.k;
+        match self.drop_tokens {
+            true => {
+                let factor = self.capacity_factor * self.k as f64;
+                let c = capacity(tokens, experts, factor, self.min_capacity).min(tokens);
+                all.min(experts * c)
+            }
+            false => all,
+        }
+    }
+}
+
 /// Routes the tokens whose router logits are `logits` [tokens, experts] (row-major, f32).
 /// `cfg.k` lies between 1 and `experts` (`MoeLayer::new` checks it).
 pub fn route(logits: &[f32], experts: usize, cfg: &GateConfig) -> Routing {

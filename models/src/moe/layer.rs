@@ -410,6 +410,7 @@ impl MoeTape {
     pub fn activation_bytes(&self) -> usize {
         let own: usize = [&self.x, &self.probs, &self.kept]
             .into_iter()
+            .chain(&self.denom)
             .map(tensor_bytes)
             .sum();
         own + self.dispatch.activation_bytes(GeluMlp::saved_bytes)
