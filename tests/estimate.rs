@@ -337,7 +337,7 @@ fn estimates_equal_memory_report(
                     "zero_optimization": {{"stage": {stage}}}}}"#
                 ),
             );
-            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, &model, *nproc, 1, args);
+            let (summary, est) = train_and_estimate(&s.path(&tag), &cfg, model, *nproc, 1, args);
             let keys: &[&str] = match args.contains("--ep") || family.ends_with("drop") {
                 true => &["params_bytes", "grads_bytes", "optimizer_states_bytes"],
                 false => &[
