@@ -211,3 +211,40 @@ fn bad_expert_parallel_layouts_are_refused_before_any_rank_starts() {
         ],
     );
 }
+
+/// DeepSpeed-MoE's GPT from a model JSON: a top-k above the expert count, an argument of
+/// DeepSpeed's layer ds-rs does not act on (random token selection), experts that do not
+/// split over --ep, each one error naming the file or flag before any rank starts.
+#[test]
+fn bad_moe_gpt_models_are_refused_before_any_rank_starts() {
+    let s = Scratch::new("moe-gpt-bad");
+    let model = |name: &str, moe: &str| {
+        let json = format!(r#"{{"V": 64, "T": 8, "d": 16, "H": 2, "L": 2, "moe": {{{moe}}}}}"#);
+        s.write(name, &json).display().to_string()
+    };
+    let launch = |n: usize, model: &str, args: &str| {
+        format!("launch --nproc_per_node {n} train --model {model} --steps 1 {args}")
+    };
+    let k9 = model("k9.json", r#""num_experts": 8, "k": 9"#);
+    refused(
+        &launch(1, &k9, ""),
+        &[
+            "k9.json",
+            "top-k 9 must lie between 1 and the number of experts, 8",
+        ],
+    );
+    let rts = model("rts.json", r#""num_experts": 8, "use_rts": true"#);
+    refused(
+        &launch(1, &rts, ""),
+        &["rts.json", "unknown field `use_rts`"],
+    );
+    let six = model("six.json", r#""num_experts": 6"#);
+    refused(
+        &launch(4, &six, "--ep 4"),
+        &["6 experts do not split evenly over expert-parallel size 4"],
+    );
+    refused(
+        &launch(2, "tiny", "--ep 2"),
+        &["expert-parallel size 2: the GPT has no experts"],
+    );
+}
