@@ -464,7 +464,8 @@ impl Block {
         let whole = tp.gather(&h2)?;
         let (branch, mlp) = match &self.moe {
             Some(moe) => {
-                let (out, aux, tape) = moe.run(&vb.pp("mlp"), &whole.reshape(((), c.d))?)?;
+                let xs = whole.reshape(((), c.d))?;
+                let (out, aux, tape) = moe.run(&vb.pp("mlp"), &xs, cx.evaluating())?;
                 cx.add_loss(aux)?;
                 (tp.reduce(&out.reshape(whole.shape())?)?, MlpTape::Moe(tape))
             }
@@ -933,6 +934,7 @@ mod tests {
                 num_experts: 4,
                 k,
                 capacity_factor,
+                eval_capacity_factor: capacity_factor,
                 min_capacity: 2,
                 drop_tokens,
                 aux_loss_coef: 0.5,

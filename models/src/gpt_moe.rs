@@ -20,10 +20,12 @@ pub struct GptMoe {
     /// Experts per token (`k`).
     #[serde(default = "one")]
     pub k: usize,
-    /// Slots per expert relative to an even share of a micro-batch's tokens, in training and
-    /// evaluation alike.
+    /// Slots per expert relative to an even share of a micro-batch's tokens in training, and
+    /// in evaluation.
     #[serde(default = "one_f64")]
     pub capacity_factor: f64,
+    #[serde(default = "one_f64")]
+    pub eval_capacity_factor: f64,
     #[serde(default = "four")]
     pub min_capacity: usize,
     /// Drop the tokens beyond an expert's capacity.
@@ -65,6 +67,7 @@ impl GptMoe {
             num_experts,
             k: 1,
             capacity_factor: 1.0,
+            eval_capacity_factor: 1.0,
             min_capacity: 4,
             drop_tokens: true,
             aux_loss_coef: 0.01,
@@ -96,6 +99,8 @@ impl GptMoe {
     pub fn layer(&self, d: usize, mlp: usize, tp: &Tp, ep: &Ep) -> Result<MoeLayer, String> {
         MoeLayer::new(d, mlp, self.num_experts, self.gate(), self.aux_loss_coef)?
             .with_style(MoeStyle::GPT)
+            .with_eval_capacity_factor(self.eval_capacity_factor)
+            .map_err(|e| format!("moe.{}", e.trim_start_matches("moe: ")))?
             .parallel(tp, ep)
     }
 

@@ -33,7 +33,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 import gpt  # noqa: E402
 from make_tokens import ensure_tokens  # noqa: E402
 
-MOE_DEFAULTS = dict(k=1, capacity_factor=1.0, min_capacity=4, drop_tokens=True,
+MOE_DEFAULTS = dict(k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, drop_tokens=True,
                     aux_loss_coef=0.01, expert_interval=2)
 
 
@@ -55,7 +55,7 @@ class MoeGpt(gpt.GPT):
                 layer = MoeMlp(hidden_size=cfg["d"], expert=gpt.MLP(cfg["d"]),
                                num_experts=moe["num_experts"], ep_size=ep, k=moe["k"],
                                capacity_factor=moe["capacity_factor"],
-                               eval_capacity_factor=moe["capacity_factor"],
+                               eval_capacity_factor=moe["eval_capacity_factor"],
                                min_capacity=moe["min_capacity"], drop_tokens=moe["drop_tokens"],
                                use_rts=False, top2_2nd_expert_sampling=False)
                 layer.apply(self._init)

@@ -388,8 +388,7 @@ impl Engine {
         let x = inputs.first().cloned().ok_or_else(|| {
             EngineError::Invalid("infer: the batch holds no tensor for the first layer".into())
         })?;
-        let y = each!(&mut self.core, t => t.forward_stage(x, inputs))?;
-        each!(&mut self.core, t => t.drop_saved());
+        let y = each!(&mut self.core, t => t.evaluate_stage(x, inputs))?;
         Ok(y.detach())
     }
 
@@ -505,8 +504,7 @@ impl Engine {
                 for k in 0..ga {
                     let (ids, targets) = each!(&self.core, t => t.batch_tensors(&next(k)?))?;
                     let inputs = Inputs::targets_only(targets);
-                    let loss = each!(&mut self.core, t => t.forward_stage(ids, inputs))?;
-                    each!(&mut self.core, t => t.drop_saved());
+                    let loss = each!(&mut self.core, t => t.evaluate_stage(ids, inputs))?;
                     sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
                 }
                 sum

@@ -452,8 +452,7 @@ pub(crate) fn eval_batch<T: Dtype>(
                 Instruction::ForwardPass { buffer } => {
                     let slot = &mut slots[buffer];
                     let input = slot.input.take().ok_or_else(|| missing("input", buffer))?;
-                    let y = t.forward_stage(input, Inputs::targets_only(slot.targets.take()))?;
-                    t.drop_saved();
+                    let y = t.evaluate_stage(input, Inputs::targets_only(slot.targets.take()))?;
                     match stage.is_last() {
                         true => loss[0] += y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
                         false => slot.output = Some(y),
@@ -495,8 +494,7 @@ fn eval_round<T: Dtype>(t: &mut Trainer<T>, stage: &Stage, batch: &Batch) -> Res
             true => targets.take(),
             false => None,
         };
-        let y = t.forward_layers(layers, input, Inputs::targets_only(tg))?;
-        t.drop_saved();
+        let y = t.evaluate_layers(layers, input, Inputs::targets_only(tg))?;
         match last {
             true => loss = y.to_dtype(DType::F32)?.to_scalar::<f32>()?,
             false => send(stage, &y, (stage.stage + 1) % p)?,

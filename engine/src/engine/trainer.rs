@@ -117,6 +117,8 @@ pub(crate) struct Trainer<T: Dtype> {
     peak: StepPeak,
     /// The losses the layers added in the last forward (`Context::add_loss`), detached.
     added_losses: Vec<Tensor>,
+    /// Whether the forward running is an evaluation (`Context::evaluating`).
+    evaluating: bool,
 }
 
 /// The frozen parameters' store, their flat layout and each layer's ids and range in it.
@@ -355,6 +357,7 @@ impl<T: Dtype> Trainer<T> {
             swap_io,
             peak: StepPeak::default(),
             added_losses: Vec::new(),
+            evaluating: false,
         })
     }
 
@@ -405,7 +408,9 @@ impl<T: Dtype> Trainer<T> {
             .as_ref()
             .expect("invariant: forward set the inputs");
         let added = std::cell::RefCell::new(Vec::new());
-        let cx = Context::new(inputs).adding_into(&added);
+        let cx = Context::new(inputs)
+            .adding_into(&added)
+            .in_evaluation(self.evaluating);
         let (layer, dtype) = (&self.model.layers()[i], <T as WithDType>::DTYPE);
         if let Some(taped) = layers::forward_taped(layer, &params, &x, &cx, dtype)? {
             let (tape, params) = (taped.tape, Some(params));
@@ -882,10 +887,30 @@ impl<T: Dtype> Trainer<T> {
 }
 
 impl<T: Dtype> Trainer<T> {
-    /// Forgets a forward that will not be followed by backward (evaluation).
-    pub fn drop_saved(&mut self) {
+    /// Forgets a forward that will not be followed by backward.
+    fn drop_saved(&mut self) {
         self.saved.clear();
         self.running = 0..0;
+    }
+
+    /// A forward of this rank's layers `layers` for evaluation: the layers see
+    /// `Context::evaluating` (an MoE gate's evaluation capacity), nothing is kept.
+    pub fn evaluate_layers(
+        &mut self,
+        layers: Range<usize>,
+        x: Tensor,
+        inputs: Inputs,
+    ) -> Result<Tensor> {
+        self.evaluating = true;
+        let y = self.forward_layers(layers, x, inputs);
+        self.evaluating = false;
+        self.drop_saved();
+        y
+    }
+
+    /// `evaluate_layers` over all of this rank's layers.
+    pub fn evaluate_stage(&mut self, x: Tensor, inputs: Inputs) -> Result<Tensor> {
+        self.evaluate_layers(0..self.model.layers().len(), x, inputs)
     }
 }
 

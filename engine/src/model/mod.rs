@@ -142,6 +142,7 @@ pub struct Context<'a> {
     targets: Option<&'a crate::Targets>,
     /// Losses the layer adds to the model's (`add_loss`), when the engine takes them.
     added: Option<&'a std::cell::RefCell<Vec<Tensor>>>,
+    evaluating: bool,
 }
 
 /// The inputs of a context made from targets alone.
@@ -153,7 +154,20 @@ impl<'a> Context<'a> {
             inputs,
             targets: inputs.targets(),
             added: None,
+            evaluating: false,
         }
+    }
+
+    /// This context, in an evaluation's forward when `on` (`evaluating`).
+    pub fn in_evaluation(mut self, on: bool) -> Context<'a> {
+        self.evaluating = on;
+        self
+    }
+
+    /// Whether the forward is an evaluation (DeepSpeed's modules in `eval()` mode: an MoE
+    /// gate's `eval_capacity_factor`) rather than training.
+    pub fn evaluating(&self) -> bool {
+        self.evaluating
     }
 
     /// This context, collecting the losses a layer adds into `added`.
@@ -186,6 +200,7 @@ impl<'a> Context<'a> {
             inputs: &NO_INPUTS,
             targets: Some(targets),
             added: None,
+            evaluating: false,
         }
     }
 

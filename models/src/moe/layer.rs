@@ -84,6 +84,9 @@ pub struct MoeLayer {
     pub ffn: usize,
     pub experts: usize,
     pub gate: GateConfig,
+    /// The capacity factor in evaluation (`Context::evaluating`; DeepSpeed's
+    /// `eval_capacity_factor`, in its modules' `eval()` mode); training's by default.
+    pub eval_capacity_factor: f64,
     /// The weight of the router's load-balancing loss in the model's loss.
     pub aux_coef: f64,
     pub style: MoeStyle,
@@ -98,6 +101,7 @@ impl std::fmt::Debug for MoeLayer {
             .field("ffn", &self.ffn)
             .field("experts", &self.experts)
             .field("gate", &self.gate)
+            .field("eval_capacity_factor", &self.eval_capacity_factor)
             .field("aux_coef", &self.aux_coef)
             .field("tp", &self.tp.size())
             .field("ep", &self.ep.size())
@@ -121,6 +125,7 @@ impl MoeLayer {
             ffn,
             experts,
             gate,
+            eval_capacity_factor: gate.capacity_factor,
             aux_coef,
             style: MoeStyle::DEEPSPEED_EXAMPLE,
             tp: Tp::none(),
@@ -131,6 +136,32 @@ impl MoeLayer {
     pub fn with_style(mut self, style: MoeStyle) -> MoeLayer {
         self.style = style;
         self
+    }
+
+    /// The layer with `factor` as its evaluation capacity factor, checked as training's.
+    pub fn with_eval_capacity_factor(
+        mut self,
+        factor: f64,
+    ) -> std::result::Result<MoeLayer, String> {
+        let eval = GateConfig {
+            capacity_factor: factor,
+            ..self.gate
+        };
+        check(self.hidden, self.ffn, self.experts, &eval)
+            .map_err(|e| e.replace("capacity_factor", "eval_capacity_factor"))?;
+        self.eval_capacity_factor = factor;
+        Ok(self)
+    }
+
+    /// The gate of a training forward, or of an evaluation's.
+    fn gate(&self, evaluating: bool) -> GateConfig {
+        match evaluating {
+            true => GateConfig {
+                capacity_factor: self.eval_capacity_factor,
+                ..self.gate
+            },
+            false => self.gate,
+        }
     }
 
     /// The layer with its experts split over `ep` (each rank holds experts / ep) and each
@@ -224,13 +255,19 @@ impl MoeLayer {
 
     /// The layer on whole tokens `xs` [N, d]: its output (a partial sum under tensor
     /// parallelism, for the caller to reduce), `aux_coef * l_aux` (a scalar made from the
-    /// router's probabilities) and the tape.
-    pub(crate) fn run(&self, vb: &VarBuilder, xs: &Tensor) -> Result<(Tensor, Tensor, MoeTape)> {
+    /// router's probabilities) and the tape. `evaluating`: with the evaluation capacity.
+    pub(crate) fn run(
+        &self,
+        vb: &VarBuilder,
+        xs: &Tensor,
+        evaluating: bool,
+    ) -> Result<(Tensor, Tensor, MoeTape)> {
         let (d, e) = (self.hidden, self.experts);
         // the router in f32, as DeepSpeed's TopKGate
         let wg = vb.get((e, d), self.style.router)?.to_dtype(DType::F32)?;
         let logits = linear(&xs.to_dtype(DType::F32)?, &wg, None)?;
-        let routing = route(&logits.flatten_all()?.to_vec1::<f32>()?, e, &self.gate);
+        let gate = self.gate(evaluating);
+        let routing = route(&logits.flatten_all()?.to_vec1::<f32>()?, e, &gate);
         let probs = softmax_last_dim(&logits)?;
         let routes = routes_of(&routing);
         let (kept, denom) = self.kept_weights(&probs, &routes)?;
@@ -573,7 +610,7 @@ pub(crate) fn in_order(mut named: Vec<(String, Tensor)>, names: &[String]) -> Re
 impl MoeLayer {
     fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
         let xs = x.reshape(((), self.hidden))?;
-        let (out, aux, moe) = self.run(vb, &xs)?;
+        let (out, aux, moe) = self.run(vb, &xs, cx.evaluating())?;
         cx.add_loss(aux)?;
         let tape = LayerTape {
             layer: self.clone(),
@@ -605,5 +642,74 @@ impl Layer for MoeLayer {
         let (d, f, e) = (self.hidden as u64, self.ffn as u64, self.experts as u64);
         let routes = (tokens * self.gate.k) as u64;
         Some(2 * tokens as u64 * d * e + 4 * routes * d * f / self.tp.size() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    use candle_core::{DType, Device, Tensor};
+    use candle_nn::VarBuilder;
+    use ds_engine::model::{Context, Layer};
+    use ds_engine::Inputs;
+
+    use super::MoeLayer;
+    use crate::moe::gating::{DropPolicy, GateConfig};
+    use crate::taped_check::values;
+
+    /// An evaluation's forward (`Context::evaluating`) routes with the evaluation capacity,
+    /// a training one with training's: a layer at 0.25 evaluating at 4 is, in evaluation, the
+    /// layer at 4.
+    #[test]
+    fn evaluation_routes_with_the_evaluation_capacity() {
+        let gate = GateConfig {
+            k: 1,
+            capacity_factor: 0.25,
+            min_capacity: 1,
+            drop_tokens: true,
+            drop_policy: DropPolicy::Probs,
+        };
+        let tight = MoeLayer::new(8, 12, 4, gate, 0.01).unwrap();
+        let both = tight.clone().with_eval_capacity_factor(4.0).unwrap();
+        let wide = GateConfig {
+            capacity_factor: 4.0,
+            ..gate
+        };
+        let wide = MoeLayer::new(8, 12, 4, wide, 0.01).unwrap();
+        let dev = Device::Cpu;
+        let map: HashMap<String, Tensor> = tight
+            .params()
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let v = values(p.numel(), i as u64);
+                (
+                    p.name.clone(),
+                    Tensor::from_vec(v, p.shape.as_slice(), &dev).unwrap(),
+                )
+            })
+            .collect();
+        let vb = VarBuilder::from_tensors(map, DType::F32, &dev);
+        let x = Tensor::from_vec(values(2 * 10 * 8, 99), (2, 10, 8), &dev).unwrap();
+        let inputs = Inputs::new();
+        let out = |layer: &MoeLayer, evaluating: bool| {
+            let added = RefCell::new(Vec::new());
+            let cx = Context::new(&inputs)
+                .adding_into(&added)
+                .in_evaluation(evaluating);
+            let y = layer.forward(&vb, &x, &cx).unwrap();
+            y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_eq!(out(&both, true), out(&wide, false));
+        assert_eq!(out(&both, false), out(&tight, false));
+        assert_ne!(
+            out(&both, true),
+            out(&both, false),
+            "the tight capacity drops"
+        );
+        let e = tight.with_eval_capacity_factor(0.0).unwrap_err();
+        assert!(e.contains("eval_capacity_factor 0"), "{e}");
     }
 }
