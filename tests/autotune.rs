@@ -436,3 +436,59 @@ fn tensor_and_pipeline_degrees_are_tuned_and_impossible_layouts_pruned() {
         "{records}"
     );
 }
+
+/// The expert-parallel size is a dimension too, where the config's `expert_parallel` section
+/// (DeepSpeed's AutoEP) is enabled with a list: an MoE GPT of 4 experts on 2 ranks runs at ep
+/// 1 and ep 2, each trial's config carrying its size; ep 2 with tp 2 leaves one data-parallel
+/// rank for two expert-parallel ones, and is pruned with the reason.
+#[test]
+fn the_expert_parallel_size_is_tuned() {
+    let s = Scratch::new("autotune-ep");
+    let model = s.write(
+        "moe.json",
+        r#"{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2, "moe": {"num_experts": 4, "k": 2}}"#,
+    );
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &dirs(&results, &exps),
+            r#", "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": [1, 2]},
+            "expert_parallel": {"enabled": true, "autoep_size": [1, 2]}"#,
+        )
+        .replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [2]"#,
+        ),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 2 --memory_per_rank 1G --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    let records = json(&results.join("records.json"));
+    let mut ran = Vec::new();
+    for r in records.as_array().unwrap() {
+        let e = &r["experiment"];
+        let (tp, ep) = (
+            e["layout"]["tp"].as_u64().unwrap(),
+            e["layout"]["ep"].as_u64().unwrap(),
+        );
+        match r["outcome"].get("ran") {
+            Some(_) => {
+                let trial = results.join(e["name"].as_str().unwrap());
+                let config = json(&trial.join("ds_config.json"));
+                assert_eq!(config["expert_parallel"]["autoep_size"], ep, "{config}");
+                ran.push((tp, ep));
+            }
+            None => {
+                let why = r["outcome"]["pruned"].as_str().unwrap_or_default();
+                assert!(tp * ep > 2 && why.contains("expert-parallel"), "{r}");
+            }
+        }
+    }
+    ran.sort();
+    assert_eq!(ran, vec![(1, 1), (1, 2), (2, 1)], "{records}");
+}

@@ -85,11 +85,13 @@ impl TunerKind {
     }
 }
 
-/// A parallel layout of a trial's ranks.
+/// A parallel layout of a trial's ranks: tensor- and pipeline-parallel degrees, and the
+/// expert-parallel size within the data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Layout {
     pub tp: usize,
     pub pp: usize,
+    pub ep: usize,
 }
 
 /// A ZeRO setting the search varies: its key in `zero_optimization` and the values tried.
@@ -104,8 +106,8 @@ pub struct Dimension {
 pub struct Space {
     /// ZeRO stages: the config's stage, a list of them, or all four for "all".
     pub stages: Vec<u8>,
-    /// Tensor- and pipeline-parallel degrees (lists in `tensor_parallel.autotp_size`,
-    /// `pipeline.stages`).
+    /// Tensor-, pipeline- and expert-parallel degrees (lists in `tensor_parallel.autotp_size`,
+    /// `pipeline.stages`, `expert_parallel.autoep_size`).
     pub layouts: Vec<Layout>,
     /// `train_micro_batch_size_per_gpu` as a list: exactly these are tried.
     pub micro_batches: Option<Vec<usize>>,
@@ -159,6 +161,9 @@ impl Experiment {
         let mut name = format!("z{stage}");
         if space.layouts.iter().any(|l| l.tp > 1 || l.pp > 1) {
             name += &format!("_tp{}_pp{}", layout.tp, layout.pp);
+        }
+        if space.layouts.iter().any(|l| l.ep > 1) {
+            name += &format!("_ep{}", layout.ep);
         }
         name += &format!("_gas{gas}_tmbspg{micro_batch}");
         for (key, value) in &settings {
@@ -688,7 +693,11 @@ mod tests {
     fn space(stages: Vec<u8>) -> Space {
         Space {
             stages,
-            layouts: vec![Layout { tp: 1, pp: 1 }],
+            layouts: vec![Layout {
+                tp: 1,
+                pp: 1,
+                ep: 1,
+            }],
             micro_batches: None,
             min_micro_batch: 1,
             max_micro_batch: 1024,

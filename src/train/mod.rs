@@ -531,23 +531,26 @@ pub(crate) fn read_config(
         hidden_size: Some(fill.hidden_size as i64),
         run_steps: fill.run_steps.map(|n| n as i64),
     };
-    let mut cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
+    let cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
         .and_then(Config::with_expert_parallel)
         .with_context(|| config_name(path))?;
-    // --ep, else the config's AutoEP size (which `with_expert_parallel` put in the layout)
-    if let Some(ep) = ep {
-        let from_config = cfg.expert_parallel.size();
-        if from_config > 1 && ep != from_config {
-            anyhow::bail!(
-                "--ep {ep} and {}'s expert_parallel.autoep_size {from_config} disagree",
-                config_name(path)
-            );
-        }
-        cfg.dims = cfg
-            .dims
-            .with_ep(ep)
-            .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
+    with_ep(cfg, ep, &config_name(path))
+}
+
+/// `cfg` at expert-parallel size `ep` (`--ep`) when given, else the config's AutoEP size
+/// (which `Config::with_expert_parallel` put in the layout); `name` names the config.
+pub fn with_ep(mut cfg: Config, ep: Option<usize>, name: &str) -> anyhow::Result<Config> {
+    let Some(ep) = ep else {
+        return Ok(cfg);
+    };
+    let from_config = cfg.expert_parallel.size();
+    if from_config > 1 && ep != from_config {
+        anyhow::bail!("--ep {ep} and {name}'s expert_parallel.autoep_size {from_config} disagree");
     }
+    cfg.dims = cfg
+        .dims
+        .with_ep(ep)
+        .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
     Ok(cfg)
 }
 

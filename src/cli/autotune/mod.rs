@@ -129,8 +129,8 @@ struct Tuner {
     /// Where trials run, and the ranks of one.
     groups: Vec<Group>,
     ranks: usize,
-    tp: Option<usize>,
-    pp: Option<usize>,
+    /// The degrees the train command fixes (`--tp`, `--pp`, `--ep`).
+    fixed: space::Fixed,
     rates: Rates,
 }
 
@@ -147,12 +147,18 @@ impl Tuner {
             Some("train") => Some(parse_train(&program)?),
             _ => None,
         };
-        let (tp, pp) = train.as_ref().map_or((None, None), |t| (t.tp, t.pp));
+        let fixed = train
+            .as_ref()
+            .map_or(space::Fixed::default(), |t| space::Fixed {
+                tp: t.tp,
+                pp: t.pp,
+                ep: t.ep,
+            });
         let (mut groups, ranks) = cluster::groups(args)?;
         let at = &user["autotuning"];
         let text = |k: &str, d: &str| at.get(k).and_then(Json::as_str).unwrap_or(d).to_string();
         let int = |k: &str, d: i64| at.get(k).and_then(Json::as_i64).unwrap_or(d);
-        let space = space::space_of(&user, ranks, tp, pp, &name)?;
+        let space = space::space_of(&user, ranks, fixed, &name)?;
         let model = train.as_ref().map(|t| (t.model.as_str(), t.seq_len));
         let workload = Workload::new(&program, model, at, &space, &name)?;
         let mut ignored = vec![
@@ -217,8 +223,7 @@ impl Tuner {
             },
             groups: Vec::new(),
             ranks,
-            tp,
-            pp,
+            fixed,
             rates: Rates {
                 flops_per_s: 1.0,
                 bus_bytes_per_s: 1.0,
@@ -258,10 +263,11 @@ impl Tuner {
         }
         match first {
             Some((layout, e)) => Err(e.context(format!(
-                "{}: autotuning a layout of tp {} x pp {} over {} ranks",
+                "{}: autotuning a layout of tp {} x pp {} (ep {}) over {} ranks",
                 name(),
                 layout.tp,
                 layout.pp,
+                layout.ep,
                 self.ranks
             ))),
             None => Ok(()),
@@ -287,6 +293,12 @@ impl Tuner {
             tp["autotp_size"] = json!(e.layout.tp);
             let pp = o.entry("pipeline").or_insert_with(|| json!({}));
             pp["stages"] = json!(e.layout.pp);
+            if let Some(ep) = o
+                .get_mut("expert_parallel")
+                .filter(|s| s["enabled"] == true)
+            {
+                ep["autoep_size"] = json!(e.layout.ep);
+            }
         }
         let zero = o.entry("zero_optimization").or_insert_with(|| json!({}));
         zero["stage"] = json!(e.stage);
@@ -305,7 +317,10 @@ impl Tuner {
     fn resolved(&self, e: &Experiment) -> anyhow::Result<ds_config::Config> {
         let text = serde_json::to_string(&self.trial_config(e))?;
         let doc = ds_config::hjson::parse(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let (tp, pp) = (self.tp.or(Some(e.layout.tp)), self.pp.or(Some(e.layout.pp)));
+        let (tp, pp) = (
+            self.fixed.tp.or(Some(e.layout.tp)),
+            self.fixed.pp.or(Some(e.layout.pp)),
+        );
         let dims = ds_config::parallel_dims(&doc, self.ranks, tp, pp)?;
         // "auto" values as the trial's `train` fills them (its batch is in the config)
         let ctx = ds_config::FillContext {
@@ -314,7 +329,9 @@ impl Tuner {
             run_steps: Some(self.end_profile_step as i64),
         };
         let args = ds_config::TrainingArgs::default();
-        Ok(ds_config::resolve_with_args(&doc, &dims, &args, &ctx)?)
+        let config = ds_config::resolve_with_args(&doc, &dims, &args, &ctx)
+            .and_then(ds_config::Config::with_expert_parallel)?;
+        crate::train::with_ep(config, self.fixed.ep, "the trial's config")
     }
 
     /// The memory model's peak of the largest rank for this trial.

@@ -39,11 +39,12 @@ pub fn write(t: &Tuner, records: &[Record], took: Duration) -> anyhow::Result<()
             _ => "-".into(),
         };
         summary += &format!(
-            "| {i} | {} | {} | {}x{} | {} | {} | {} | {:.3} | {measured} | {} |\n",
+            "| {i} | {} | {} | {}x{} (ep {}) | {} | {} | {} | {:.3} | {measured} | {} |\n",
             e.name,
             e.stage,
             e.layout.tp,
             e.layout.pp,
+            e.layout.ep,
             e.micro_batch,
             e.gas,
             r.predicted_peak_bytes >> 20,
@@ -88,17 +89,20 @@ fn heading(t: &Tuner) -> String {
     let places: Vec<&str> = t.groups.iter().map(|g| g.place.as_str()).collect();
     format!(
         "ds-rs autotuning ({mode}, metric {}): {}, {} ranks a trial, {} MiB per rank\n\
-         tuning space: ZeRO stages {:?}, tp x pp {:?}, micro-batches {}, ZeRO settings {}\n\
+         tuning space: ZeRO stages {:?}, tp x pp (ep) {:?}, micro-batches {}, ZeRO settings {}\n\
          trials side by side: {} ({})\n\
          time model rates per rank: {:.1} GFLOP/s, memory {:.1} GB/s, all-reduce {:.2} GB/s + {:.0} us a call\n\n\
-         | # | experiment | stage | tp x pp | micro-batch | gas | predicted peak MiB | predicted step s | measured step s | result |\n\
+         | # | experiment | stage | tp x pp (ep) | micro-batch | gas | predicted peak MiB | predicted step s | measured step s | result |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         s.metric.name(),
         t.workload.describe(&t.user_program),
         t.ranks,
         t.memory_per_rank >> 20,
         s.stages,
-        s.layouts.iter().map(|l| (l.tp, l.pp)).collect::<Vec<_>>(),
+        s.layouts
+            .iter()
+            .map(|l| format!("{}x{} ({})", l.tp, l.pp, l.ep))
+            .collect::<Vec<_>>(),
         match &s.micro_batches {
             Some(list) => format!("{list:?}"),
             None => format!("up to {} (memory model)", s.max_micro_batch),

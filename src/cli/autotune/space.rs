@@ -1,8 +1,9 @@
 //! The search space of a user's ds_config, DeepSpeed's way: a list is a tuning dimension
 //! (`"stage": [1, 2]`, `"train_micro_batch_size_per_gpu": [2, 4]`, any other
 //! `zero_optimization` key), and the `autotuning` section says how to search. Beyond
-//! DeepSpeed, lists in `tensor_parallel.autotp_size` and `pipeline.stages` make the
-//! tensor- and pipeline-parallel degrees dimensions too.
+//! DeepSpeed, lists in `tensor_parallel.autotp_size`, `pipeline.stages` and an enabled
+//! `expert_parallel.autoep_size` make the tensor-, pipeline- and expert-parallel degrees
+//! dimensions too.
 
 use anyhow::{bail, Context};
 use ds_autotune::tuning::{Dimension, Layout, Metric, Space, TunerKind};
@@ -41,12 +42,12 @@ fn default_settings(stage: u8) -> Vec<Dimension> {
     }
 }
 
-/// The search space; `tp`, `pp`: the train command's own `--tp` / `--pp`, which fix them.
+/// The search space; `fixed`: the train command's own `--tp` / `--pp` / `--ep`, which fix
+/// those degrees.
 pub fn space_of(
     user: &Json,
     ranks: usize,
-    tp: Option<usize>,
-    pp: Option<usize>,
+    fixed: Fixed,
     name: &dyn Fn() -> String,
 ) -> anyhow::Result<Space> {
     let at = &user["autotuning"];
@@ -96,7 +97,7 @@ pub fn space_of(
     });
     Ok(Space {
         stages: stages(user).with_context(|| format!("{}: zero_optimization.stage", name()))?,
-        layouts: layouts(user, tp, pp, name)?,
+        layouts: layouts(user, fixed, name)?,
         micro_batches,
         min_micro_batch,
         max_micro_batch: int("max_train_micro_batch_size_per_gpu", 1024).max(1) as usize,
@@ -151,14 +152,17 @@ fn zero_lists(user: &Json) -> Option<Vec<Dimension>> {
     (!dims.is_empty()).then_some(dims)
 }
 
-/// Tensor- x pipeline-parallel degrees: the train command's flags, else the config's
-/// integers or lists.
-fn layouts(
-    user: &Json,
-    tp: Option<usize>,
-    pp: Option<usize>,
-    name: &dyn Fn() -> String,
-) -> anyhow::Result<Vec<Layout>> {
+/// The degrees the train command's flags fix.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fixed {
+    pub tp: Option<usize>,
+    pub pp: Option<usize>,
+    pub ep: Option<usize>,
+}
+
+/// Tensor- x pipeline- x expert-parallel degrees: the train command's flags, else the
+/// config's integers or lists (the expert-parallel size where its section is enabled).
+fn layouts(user: &Json, fixed: Fixed, name: &dyn Fn() -> String) -> anyhow::Result<Vec<Layout>> {
     let degrees = |flag: Option<usize>, pointer: &str| -> anyhow::Result<Vec<usize>> {
         if let Some(n) = flag {
             return Ok(vec![n]);
@@ -176,12 +180,19 @@ fn layouts(
             None => Ok(vec![1]),
         }
     };
-    let tps = degrees(tp, "/tensor_parallel/autotp_size")?;
-    let pps = degrees(pp, "/pipeline/stages")?;
-    Ok(pps
-        .iter()
-        .flat_map(|&pp| tps.iter().map(move |&tp| Layout { tp, pp }))
-        .collect())
+    let tps = degrees(fixed.tp, "/tensor_parallel/autotp_size")?;
+    let pps = degrees(fixed.pp, "/pipeline/stages")?;
+    let eps = match user.pointer("/expert_parallel/enabled") {
+        Some(Json::Bool(true)) => degrees(fixed.ep, "/expert_parallel/autoep_size")?,
+        _ => vec![fixed.ep.unwrap_or(1)],
+    };
+    let mut all = Vec::new();
+    for &pp in &pps {
+        for &tp in &tps {
+            all.extend(eps.iter().map(|&ep| Layout { tp, pp, ep }));
+        }
+    }
+    Ok(all)
 }
 
 fn positive_list(v: &[Json]) -> anyhow::Result<Vec<usize>> {
