@@ -62,6 +62,20 @@ pub struct Layout {
     pub zero_stage: u8,
     /// The compute dtype: f32, bf16 or f16.
     pub dtype: String,
+    /// The expert-parallel size (1 in manifests written before expert parallelism saved).
+    #[serde(default = "one")]
+    pub ep: usize,
+}
+
+impl Layout {
+    /// "dp 2 x tp 1 x pp 1", with " (ep 2)" under expert parallelism (the job's own spelling).
+    pub fn parallelism(&self) -> String {
+        let dims = format!("dp {} x tp {} x pp {}", self.dp, self.tp, self.pp);
+        match self.ep {
+            1 => dims,
+            ep => format!("{dims} (ep {ep})"),
+        }
+    }
 }
 
 /// A logical parameter: its whole shape, its offset in the logical flat order, and how
@@ -77,6 +91,10 @@ pub struct ParamEntry {
     /// The pipeline stage that held it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub stage: usize,
+    /// Under expert parallelism, the expert-parallel rank whose experts' store held it;
+    /// absent for the dense store, which holds every parameter at ep 1 (Note [resharding]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_rank: Option<usize>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -144,6 +162,10 @@ pub struct ShardEntry {
     /// The pipeline stage whose buffer it covers.
     #[serde(default)]
     pub stage: usize,
+    /// The expert-parallel rank whose experts' store the file covers; absent for the dense
+    /// store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_rank: Option<usize>,
     pub start: usize,
     pub end: usize,
     pub bytes: u64,
@@ -171,7 +193,8 @@ impl Manifest {
     /// What the readers rely on, checked before any number here sizes a loop or a buffer:
     /// shapes whose sizes fit in memory's address space and lie inside the model, shard files
     /// named inside the checkpoint's directory, a tensor-parallel degree no larger than the
-    /// number of shard files (each tensor-parallel rank writes at least one).
+    /// number of shard files (each tensor-parallel rank writes at least one), experts' stores
+    /// of the expert-parallel ranks there are.
     fn check(&self) -> std::result::Result<(), String> {
         let mut total = 0usize;
         for p in &self.params {
@@ -197,6 +220,7 @@ impl Manifest {
                 self.shards.len()
             ));
         }
+        self.check_ep_ranks()?;
         for s in &self.shards {
             let plain = Path::new(&s.file)
                 .file_name()
@@ -215,6 +239,23 @@ impl Manifest {
             }
         }
         Ok(())
+    }
+
+    /// Every store's expert-parallel rank below the saved ep, so that one's buffers exist.
+    fn check_ep_ranks(&self) -> std::result::Result<(), String> {
+        let ep = self.layout.ep;
+        let params = self.params.iter().map(|p| (&p.name, p.ep_rank));
+        let shards = self.shards.iter().map(|s| (&s.file, s.ep_rank));
+        match params
+            .chain(shards)
+            .find(|(_, r)| r.is_some_and(|r| r >= ep))
+        {
+            Some((name, r)) => Err(format!(
+                "{name}: expert-parallel rank {} at expert-parallel size {ep}",
+                r.unwrap_or_default()
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The logical model's parameter count (at tp > 1 more than `numel`, one rank's slices);

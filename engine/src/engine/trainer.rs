@@ -777,24 +777,66 @@ impl<T: Dtype> Trainer<T> {
         })
     }
 
+    /// The flat range (padded coordinates of the experts' buffer) this rank's experts'
+    /// master copy and optimizer cover, under expert parallelism.
+    pub fn expert_owned(&self) -> Option<Range<usize>> {
+        self.experts.as_ref().map(|e| e.zero.owned())
+    }
+
+    /// This rank's share of its experts' store, for a checkpoint (the same buffers as the
+    /// dense store's; the experts' store never reaches NVMe).
+    pub fn expert_state(&self) -> Option<RankState> {
+        let e = self.experts.as_ref()?;
+        let opt = self
+            .updater
+            .expert_optimizer()
+            .expect("invariant: an experts' store has its optimizer")
+            .state();
+        Some(RankState {
+            owned: e.zero.owned(),
+            master: e.zero.master().to_vec(),
+            optimizer_step: opt.step,
+            buffers: opt
+                .buffers
+                .iter()
+                .map(|(n, b)| (n.to_string(), b.to_vec()))
+                .collect(),
+        })
+    }
+
     /// The optimizer's state buffer names.
     pub fn buffer_names(&self) -> Vec<String> {
         let opt = self.updater.optimizer().state();
         opt.buffers.iter().map(|(n, _)| n.to_string()).collect()
     }
 
-    /// Resumes from a checkpoint: this rank's master range and optimizer state, the counters;
-    /// then the compute-dtype parameters follow from the master copy (a collective).
-    pub fn restore(&mut self, state: RankState, counters: Counters) -> Result<()> {
-        if state.owned != self.zero.owned() || state.master.len() != self.zero.owned().len() {
+    /// Resumes from a checkpoint: this rank's master range and optimizer state (of its
+    /// experts' store too, under expert parallelism), the counters; then the compute-dtype
+    /// parameters follow from the master copy (a collective).
+    pub fn restore(
+        &mut self,
+        state: RankState,
+        experts: Option<RankState>,
+        counters: Counters,
+    ) -> Result<()> {
+        check_owned(&state, self.zero.owned())?;
+        let expert_owned = self.expert_owned();
+        if let (Some(s), Some(owned)) = (&experts, expert_owned.clone()) {
+            check_owned(s, owned)?;
+        }
+        if experts.is_some() != expert_owned.is_some() {
             return Err(EngineError::Invalid(format!(
-                "checkpoint state covers {:?}, this rank owns {:?}",
-                state.owned,
-                self.zero.owned()
+                "checkpoint state of this rank's experts: {:?}, its experts' store owns {expert_owned:?}",
+                experts.as_ref().map(|s| &s.owned)
             )));
         }
         self.updater
             .restore(counters, state.optimizer_step, &state.buffers)?;
+        if let (Some(s), Some(e)) = (experts, self.experts.as_mut()) {
+            self.updater.restore_experts(s.optimizer_step, &s.buffers)?;
+            e.zero.master_mut().copy_from_slice(&s.master);
+            e.zero.publish()?;
+        }
         self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
         self.saved.clear();
         match self.updater.offloaded() {
@@ -855,6 +897,17 @@ impl<T: Dtype> Trainer<T> {
         self.saved.clear();
         self.running = 0..0;
     }
+}
+
+/// A checkpoint's state must cover the range this rank's store owns.
+fn check_owned(state: &RankState, owned: Range<usize>) -> Result<()> {
+    if state.owned != owned || state.master.len() != owned.len() {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint state covers {:?}, this rank owns {owned:?}",
+            state.owned
+        )));
+    }
+    Ok(())
 }
 
 /// Which layers keep their graph from forward to backward.
