@@ -257,8 +257,9 @@ fn same_tensors(got: &HashMap<String, Vec<f32>>, want: &HashMap<String, Vec<f32>
     }
 }
 
-/// `--save-hf` at ep 2 gathers every rank's experts: the directory equals an ep 1 run's, and
-/// so does the consolidated ep 2 checkpoint; `checkpoint inspect` reads its layout.
+/// `--save-hf` and `--save-weights` at ep 2 gather every rank's experts: they equal an ep 1
+/// run's, and so does the consolidated ep 2 checkpoint; `checkpoint inspect` reads its
+/// layout.
 #[test]
 fn an_ep2_run_exports_and_consolidates_every_expert() {
     let job = Job::new("ep-ckpt-export");
@@ -270,11 +271,22 @@ fn an_ep2_run_exports_and_consolidates_every_expert() {
         weights1.display()
     );
     job.train(EP1_DP4_Z1, 5, &job.s.path("m1"), &extra);
-    let ckpt = job.s.path("ckpt");
-    let extra = format!("--save-hf {} {}", hf2.display(), save(&ckpt));
+    let (ckpt, weights2) = (job.s.path("ckpt"), job.s.path("ep2.safetensors"));
+    let extra = format!(
+        "--save-hf {} --save-weights {} {}",
+        hf2.display(),
+        weights2.display(),
+        save(&ckpt)
+    );
     job.train(EP2_DP2_Z3, 5, &job.s.path("m2"), &extra);
     let want = hf_tensors(&hf1);
     same_tensors(&hf_tensors(&hf2), &want, "--save-hf at ep 2");
+    let weights1 = read_weights(&weights1);
+    same_tensors(
+        &read_weights(&weights2),
+        &weights1,
+        "--save-weights at ep 2",
+    );
 
     let out = job.s.path("consolidated.safetensors");
     let cmd = format!(
@@ -284,11 +296,7 @@ fn an_ep2_run_exports_and_consolidates_every_expert() {
     );
     let f = run(&cmd, LIMIT);
     assert!(f.status.success(), "{cmd}: {}", f.stderr);
-    same_tensors(
-        &read_weights(&out),
-        &read_weights(&weights1),
-        "consolidate at ep 2",
-    );
+    same_tensors(&read_weights(&out), &weights1, "consolidate at ep 2");
     let f = run(&format!("checkpoint inspect {}", ckpt.display()), LIMIT);
     assert!(
         f.status.success()
