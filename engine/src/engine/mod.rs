@@ -188,12 +188,7 @@ impl Engine {
         if let Some(rules) = &config.tp_partition_config {
             PartitionConfig::parse(rules)?.apply(&mut all_specs)?;
         }
-        let layer_of: Vec<usize> = model
-            .layers()
-            .iter()
-            .enumerate()
-            .flat_map(|(i, l)| std::iter::repeat_n(i, l.params().len()))
-            .collect();
+        let layer_of = whole::layer_of(&model);
         let (model, stage, stage_of) = match config.dims.pp {
             1 => (model, None, vec![0; all_specs.len()]),
             stages => {
@@ -237,11 +232,8 @@ impl Engine {
             .cloned()
             .collect();
         let frozen = frozen_part(&model_specs, opts);
-        let ep = groups.experts().ep.clone();
-        let declared = all_specs.iter().cloned().zip(layer_of).zip(&stage_of);
-        let declared = declared
-            .map(|((p, layer), &stage)| (p, layer, stage))
-            .collect();
+        let ep = &groups.experts().ep;
+        let declared = whole::declared(&all_specs, &layer_of, &stage_of);
         let checkpoint_params =
             whole::whole_model(declared, model.elsewhere(), (ep.rank(), ep.size()))
                 .map(|placed| logical_entries(placed.into_iter().filter(|p| !p.spec.frozen)));
@@ -251,17 +243,7 @@ impl Engine {
             .zip(stage_of)
             .filter(|(p, _)| !p.frozen)
             .unzip();
-        let all_params =
-            logical_entries(
-                all_specs
-                    .iter()
-                    .zip(&stage_of)
-                    .map(|(p, &stage)| whole::Placed {
-                        spec: p.clone(),
-                        stage,
-                        holder: None,
-                    }),
-            );
+        let all_params = logical_entries(whole::in_place(&all_specs, &stage_of));
         let tp = TpRank {
             rank: groups.tp().rank(),
             size: groups.tp().size(),

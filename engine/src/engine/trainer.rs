@@ -787,11 +787,7 @@ impl<T: Dtype> Trainer<T> {
     /// dense store's; the experts' store never reaches NVMe).
     pub fn expert_state(&self) -> Option<RankState> {
         let e = self.experts.as_ref()?;
-        let opt = self
-            .updater
-            .expert_optimizer()
-            .expect("invariant: an experts' store has its optimizer")
-            .state();
+        let opt = self.updater.expert_optimizer()?.state();
         Some(RankState {
             owned: e.zero.owned(),
             master: e.zero.master().to_vec(),
@@ -819,17 +815,8 @@ impl<T: Dtype> Trainer<T> {
         experts: Option<RankState>,
         counters: Counters,
     ) -> Result<()> {
-        check_owned(&state, self.zero.owned())?;
-        let expert_owned = self.expert_owned();
-        if let (Some(s), Some(owned)) = (&experts, expert_owned.clone()) {
-            check_owned(s, owned)?;
-        }
-        if experts.is_some() != expert_owned.is_some() {
-            return Err(EngineError::Invalid(format!(
-                "checkpoint state of this rank's experts: {:?}, its experts' store owns {expert_owned:?}",
-                experts.as_ref().map(|s| &s.owned)
-            )));
-        }
+        check_owned(Some(&state), Some(self.zero.owned()))?;
+        check_owned(experts.as_ref(), self.expert_owned())?;
         self.updater
             .restore(counters, state.optimizer_step, &state.buffers)?;
         if let (Some(s), Some(e)) = (experts, self.experts.as_mut()) {
@@ -899,12 +886,14 @@ impl<T: Dtype> Trainer<T> {
     }
 }
 
-/// A checkpoint's state must cover the range this rank's store owns.
-fn check_owned(state: &RankState, owned: Range<usize>) -> Result<()> {
-    if state.owned != owned || state.master.len() != owned.len() {
+/// A checkpoint's state of a store must cover the range this rank owns of it (no state for
+/// a store this rank does not have: the experts' without expert parallelism).
+fn check_owned(state: Option<&RankState>, owned: Option<Range<usize>>) -> Result<()> {
+    let covers = state.map(|s| (s.owned.clone(), s.master.len()));
+    if covers != owned.clone().map(|o| (o.clone(), o.len())) {
         return Err(EngineError::Invalid(format!(
             "checkpoint state covers {:?}, this rank owns {owned:?}",
-            state.owned
+            state.map(|s| &s.owned)
         )));
     }
     Ok(())

@@ -3,7 +3,7 @@
 //! checkpoint lists every parameter, in one order whatever the layout, with the store that
 //! held each.
 
-use crate::model::ParamSpec;
+use crate::model::{Model, ParamSpec};
 
 /// A parameter of the whole model: its spec, the pipeline stage holding it and, under
 /// expert parallelism, the expert-parallel rank whose experts' store holds it (None: the
@@ -17,6 +17,37 @@ pub(crate) struct Placed {
 
 /// One of this rank's parameters: its spec, the index of the layer declaring it, its stage.
 pub(crate) type Declared = (ParamSpec, usize, usize);
+
+/// Each of `model`'s parameters' layer, in `Model::params` order.
+pub(crate) fn layer_of(model: &Model) -> Vec<usize> {
+    let layers = model.layers().iter().enumerate();
+    layers
+        .flat_map(|(i, l)| std::iter::repeat_n(i, l.params().len()))
+        .collect()
+}
+
+/// This rank's parameters with their layers and stages.
+pub(crate) fn declared(
+    specs: &[ParamSpec],
+    layer_of: &[usize],
+    stage_of: &[usize],
+) -> Vec<Declared> {
+    let each = specs.iter().zip(layer_of).zip(stage_of);
+    each.map(|((p, &layer), &stage)| (p.clone(), layer, stage))
+        .collect()
+}
+
+/// This rank's parameters where they are, in the dense store of their stage.
+pub(crate) fn in_place<'a>(
+    specs: &'a [ParamSpec],
+    stage_of: &'a [usize],
+) -> impl Iterator<Item = Placed> + 'a {
+    specs.iter().zip(stage_of).map(|(p, &stage)| Placed {
+        spec: p.clone(),
+        stage,
+        holder: None,
+    })
+}
 
 /// Note [the whole model under expert parallelism]: a checkpoint must list the same
 /// parameters in the same order at every ep, so that one saved at ep 2 loads at ep 4 or 1
