@@ -153,13 +153,11 @@ fn inspect(dir: &Path) -> anyhow::Result<ExitCode> {
 fn describe(m: &Manifest) -> String {
     let bytes: u64 = m.shards.iter().map(|s| s.bytes).sum();
     format!(
-        "step {} ({} skipped), {} parameters, dp {} x tp {} x pp {} ZeRO-{} {}, {} shard files, {:.1} MB, checksums ok",
+        "step {} ({} skipped), {} parameters, {} ZeRO-{} {}, {} shard files, {:.1} MB, checksums ok",
         m.global_steps,
         m.skipped_steps,
         m.parameters(),
-        m.layout.dp,
-        m.layout.tp,
-        m.layout.pp,
+        m.layout.parallelism(),
         m.layout.zero_stage,
         m.layout.dtype,
         m.shards.len(),

@@ -184,12 +184,6 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
             model.check_expert_parallel(preset, ep.and_then(|e| e.top_k))
         })
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
-    if cfg.dims.ep > 1 && (args.save_dir.is_some() || args.save_hf.is_some() || args.resume) {
-        anyhow::bail!(
-            "--ep {}: checkpoints (--save-dir, --save-hf, --resume) under expert parallelism are not built yet",
-            cfg.dims.ep
-        );
-    }
     let layers = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
     if cfg.dims.pp > 1 {
         // stages that split the model's layers, a ZeRO stage that combines with them

@@ -44,11 +44,9 @@ impl Run<'_> {
         if rank0 {
             checkpoint::remove_leftovers(dir)?;
             println!(
-                "resumed from {} (saved at dp {} x tp {} x pp {} ZeRO-{}) at step {}, {}, in {}",
+                "resumed from {} (saved at {} ZeRO-{}) at step {}, {}, in {}",
                 dir.join(&m.tag).display(),
-                m.layout.dp,
-                m.layout.tp,
-                m.layout.pp,
+                m.layout.parallelism(),
                 m.layout.zero_stage,
                 m.global_steps,
                 epoch_note(&data.position(m.global_steps)),

@@ -25,8 +25,9 @@ pub struct Manifest {
     pub layout: Layout,
     /// Every parameter in flat order: the logical model.
     pub params: Vec<ParamEntry>,
-    /// Elements of the first stage's tensor-parallel rank 0's flat buffer, without padding
-    /// (the whole model at tp = pp = 1); each buffer's size follows from `params`.
+    /// Elements of the first stage's tensor-parallel rank 0's dense flat buffer, without
+    /// padding (the whole model at tp = pp = ep = 1); each buffer's size follows from
+    /// `params`.
     pub numel: usize,
     /// The optimizer's state buffers, each stored beside the master copy in every shard.
     pub optimizer_buffers: Vec<String>,
@@ -62,6 +63,20 @@ pub struct Layout {
     pub zero_stage: u8,
     /// The compute dtype: f32, bf16 or f16.
     pub dtype: String,
+    /// The expert-parallel size (1 in manifests written before expert parallelism saved).
+    #[serde(default = "one")]
+    pub ep: usize,
+}
+
+impl Layout {
+    /// "dp 2 x tp 1 x pp 1", with " (ep 2)" under expert parallelism (the job's own spelling).
+    pub fn parallelism(&self) -> String {
+        let dims = format!("dp {} x tp {} x pp {}", self.dp, self.tp, self.pp);
+        match self.ep {
+            1 => dims,
+            ep => format!("{dims} (ep {ep})"),
+        }
+    }
 }
 
 /// A logical parameter: its whole shape, its offset in the logical flat order, and how
@@ -77,6 +92,10 @@ pub struct ParamEntry {
     /// The pipeline stage that held it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub stage: usize,
+    /// Under expert parallelism, the expert-parallel rank whose experts' store held it;
+    /// absent for the dense store, which holds every parameter at ep 1 (Note [resharding]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_rank: Option<usize>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -144,6 +163,10 @@ pub struct ShardEntry {
     /// The pipeline stage whose buffer it covers.
     #[serde(default)]
     pub stage: usize,
+    /// The expert-parallel rank whose experts' store the file covers; absent for the dense
+    /// store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_rank: Option<usize>,
     pub start: usize,
     pub end: usize,
     pub bytes: u64,
@@ -171,7 +194,8 @@ impl Manifest {
     /// What the readers rely on, checked before any number here sizes a loop or a buffer:
     /// shapes whose sizes fit in memory's address space and lie inside the model, shard files
     /// named inside the checkpoint's directory, a tensor-parallel degree no larger than the
-    /// number of shard files (each tensor-parallel rank writes at least one).
+    /// number of shard files (each tensor-parallel rank writes at least one), experts' stores
+    /// of the expert-parallel ranks there are.
     fn check(&self) -> std::result::Result<(), String> {
         let mut total = 0usize;
         for p in &self.params {
@@ -197,6 +221,7 @@ impl Manifest {
                 self.shards.len()
             ));
         }
+        self.check_ep_ranks()?;
         for s in &self.shards {
             let plain = Path::new(&s.file)
                 .file_name()
@@ -217,6 +242,23 @@ impl Manifest {
         Ok(())
     }
 
+    /// Every store's expert-parallel rank below the saved ep, so that one's buffers exist.
+    fn check_ep_ranks(&self) -> std::result::Result<(), String> {
+        let ep = self.layout.ep;
+        let params = self.params.iter().map(|p| (&p.name, p.ep_rank));
+        let shards = self.shards.iter().map(|s| (&s.file, s.ep_rank));
+        match params
+            .chain(shards)
+            .find(|(_, r)| r.is_some_and(|r| r >= ep))
+        {
+            Some((name, r)) => Err(format!(
+                "{name}: expert-parallel rank {} at expert-parallel size {ep}",
+                r.unwrap_or_default()
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The logical model's parameter count (at tp > 1 more than `numel`, one rank's slices);
     /// `read` checked that it fits in a usize.
     pub fn parameters(&self) -> usize {
@@ -228,5 +270,111 @@ impl Manifest {
 
     pub fn shard_path(&self, dir: &Path, shard: &ShardEntry) -> PathBuf {
         dir.join(&shard.file)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest() -> Manifest {
+        let entry = |name: &str, offset, ep_rank| ParamEntry {
+            name: name.into(),
+            shape: vec![2, 3],
+            offset,
+            split: SplitEntry::default(),
+            stage: 0,
+            ep_rank,
+        };
+        let shard = |file: &str, ep_rank| ShardEntry {
+            file: file.into(),
+            rank: 0,
+            tp_rank: 0,
+            stage: 0,
+            ep_rank,
+            start: 0,
+            end: 6,
+            bytes: 100,
+            crc32c: 7,
+        };
+        Manifest {
+            format: FORMAT.into(),
+            tag: "t".into(),
+            global_steps: 1,
+            skipped_steps: 0,
+            loss_scaler: LossScaleState {
+                cur_scale: 1.0,
+                cur_iter: 1,
+                last_overflow_iter: -1,
+                cur_hysteresis: 0,
+            },
+            layout: Layout {
+                world_size: 2,
+                dp: 2,
+                tp: 1,
+                pp: 1,
+                zero_stage: 0,
+                dtype: "f32".into(),
+                ep: 2,
+            },
+            params: vec![entry("router", 0, None), entry("expert", 6, Some(1))],
+            numel: 6,
+            optimizer_buffers: vec![],
+            optimizer_step: 1,
+            shards: vec![
+                shard("zero_rank00000.safetensors", None),
+                shard("expert_rank00001.safetensors", Some(1)),
+            ],
+            client_state: serde_json::Value::Null,
+            config: serde_json::Value::Null,
+            frozen: None,
+        }
+    }
+
+    #[test]
+    fn a_manifest_written_before_expert_parallelism_reads_as_ep_1() {
+        let mut m = manifest();
+        m.params[1].ep_rank = None;
+        m.shards.pop();
+        let mut json = serde_json::to_value(&m).unwrap();
+        json["layout"].as_object_mut().unwrap().remove("ep");
+        let text = json.to_string();
+        assert!(
+            !text.contains("ep_rank") && !text.contains("\"ep\""),
+            "{text}"
+        );
+        let read: Manifest = serde_json::from_str(&text).unwrap();
+        assert_eq!(read.layout.ep, 1);
+        assert_eq!(
+            read,
+            Manifest {
+                layout: Layout {
+                    ep: 1,
+                    ..m.layout.clone()
+                },
+                ..m
+            }
+        );
+        assert_eq!(read.check(), Ok(()));
+    }
+
+    #[test]
+    fn an_expert_store_beyond_the_saved_ep_is_refused() {
+        let m = manifest();
+        let round: Manifest = serde_json::from_value(serde_json::to_value(&m).unwrap()).unwrap();
+        assert_eq!(round, m);
+        assert_eq!(m.check(), Ok(()));
+        for shard in [false, true] {
+            let mut bad = manifest();
+            bad.layout.ep = 1;
+            if shard {
+                bad.params[1].ep_rank = None;
+            }
+            let why = bad.check().unwrap_err();
+            assert!(
+                why.contains("expert-parallel rank 1 at expert-parallel size 1"),
+                "{why}"
+            );
+        }
     }
 }

@@ -2,9 +2,10 @@
 //! optimizer buffers) as one safetensors file, rank 0 adds a JSON manifest, and the `latest`
 //! file names the newest complete tag. Any layout loads any checkpoint (DeepSpeed's universal
 //! checkpoint): a rank reads the parts of the saved ranges that overlap the range it owns now.
-//! Under tensor parallelism a file holds a range of one tensor-parallel rank's slices; the
-//! manifest's logical parameters and their splits map any slice of one layout to the files
-//! of another (Note [resharding]).
+//! Under tensor parallelism a file holds a range of one tensor-parallel rank's slices, and
+//! under expert parallelism a rank writes a second file for its experts' store; the
+//! manifest's logical parameters, their splits and stores map any slice of one layout to the
+//! files of another (Note [resharding]).
 //!
 //! Atomicity: files go to `.<tag>.partial/`, each fsynced; after a barrier rank 0 writes the
 //! manifest, renames the directory to `<tag>` and only then replaces `latest` (write, fsync,
@@ -51,26 +52,42 @@ pub struct Counters {
 /// What rank 0 records beside the shards.
 pub struct Description {
     pub layout: Layout,
+    /// The whole model (every expert-parallel rank's experts too), each parameter with the
+    /// store that holds it.
     pub params: Vec<ParamEntry>,
-    /// Elements of this rank's (stage's, tensor-parallel slice's) flat buffer.
+    /// Elements of this rank's (stage's, tensor-parallel slice's) dense flat buffer.
     pub numel: usize,
     pub tp_rank: usize,
     pub stage: usize,
+    /// This rank's expert-parallel rank (0 without expert parallelism).
+    pub ep_rank: usize,
     pub counters: Counters,
     pub client_state: serde_json::Value,
     pub config: serde_json::Value,
     pub frozen: Option<manifest::FrozenPart>,
 }
 
+/// One of a rank's stores to save: its share of the state, and whether this rank writes it
+/// (false for data-parallel replicas of stage 0's whole range).
+pub struct Share<'a> {
+    pub state: &'a RankState,
+    pub writes: bool,
+}
+
+/// What one rank saves: its dense store's share and, under expert parallelism, its experts'
+/// store's (a file of its own).
+pub struct Shares<'a> {
+    pub dense: Share<'a>,
+    pub experts: Option<Share<'a>>,
+}
+
 /// Writes this rank's part of checkpoint `dir/tag` (a collective over `group`, every rank of
-/// the job). `writes`: whether this rank's range must be saved (false for data-parallel
-/// replicas of stage 0's whole range).
+/// the job).
 pub fn save(
     group: &Group,
     dir: &Path,
     tag: &str,
-    state: &RankState,
-    writes: bool,
+    shares: &Shares,
     desc: Description,
 ) -> Result<PathBuf> {
     check_tag(tag)?;
@@ -94,7 +111,7 @@ pub fn save(
     }
     agree(group, Ok(()))?;
     crash_point::point("save.partial");
-    let saved = write_and_commit(group, dir, tag, (&partial, &final_dir), state, writes, desc);
+    let saved = write_and_commit(group, dir, tag, (&partial, &final_dir), shares, desc);
     if saved.is_err() && group.rank() == 0 {
         // Give back the space of a save that failed (a full disk): the directory is gone if
         // the failure came after the rename, and a failure before it leaves nothing to keep.
@@ -111,23 +128,70 @@ fn write_and_commit(
     dir: &Path,
     tag: &str,
     (partial, final_dir): (&Path, &Path),
-    state: &RankState,
-    writes: bool,
+    shares: &Shares,
     desc: Description,
 ) -> Result<()> {
-    let written = if writes {
-        write_shard(partial, group.rank(), state, &desc).map(Some)
-    } else {
-        Ok(None)
-    };
-    let entry = agree(group, written)?;
+    let rank = group.rank();
+    let stores = [
+        Some((&shares.dense, None)),
+        shares.experts.as_ref().map(|s| (s, Some(desc.ep_rank))),
+    ];
+    // both stores' files, then one agreement: a failure in either fails the save everywhere
+    let written: Result<Vec<Option<Written>>> = stores
+        .into_iter()
+        .map(|store| match store {
+            Some((share, ep_rank)) if share.writes => {
+                write_store(partial, rank, share, ep_rank, &desc).map(Some)
+            }
+            _ => Ok(None),
+        })
+        .collect();
+    let written = agree(group, written)?;
     crash_point::point("save.shards");
-    let entries = gather_entries(group, entry, state, (desc.stage, desc.tp_rank))?;
-    let committed = match group.rank() {
-        0 => commit(dir, tag, partial, final_dir, desc, state, entries),
+    let entries = gather_entries(group, &written)?;
+    let committed = match rank {
+        0 => commit(
+            dir,
+            tag,
+            partial,
+            final_dir,
+            desc,
+            shares.dense.state,
+            entries,
+        ),
         _ => Ok(()),
     };
     agree(group, committed)
+}
+
+/// A shard file this rank wrote (its name follows from the rank and the store).
+struct Written {
+    buffer: Buffer,
+    range: Range<usize>,
+    bytes: u64,
+    crc: u32,
+}
+
+/// Writes `rank`'s file of its dense store (`ep_rank` None) or of its experts' store.
+fn write_store(
+    partial: &Path,
+    rank: usize,
+    share: &Share,
+    ep_rank: Option<usize>,
+    desc: &Description,
+) -> Result<Written> {
+    let store = Store {
+        stage: desc.stage,
+        ep_rank,
+    };
+    let path = partial.join(shard_name(rank, store));
+    let (bytes, crc) = write_shard(&path, share.state, desc)?;
+    Ok(Written {
+        buffer: (store, desc.tp_rank),
+        range: share.state.owned.clone(),
+        bytes,
+        crc,
+    })
 }
 
 /// Note [unpublished tags]: a save killed between renaming its directory into place and
@@ -191,11 +255,17 @@ fn check_tag(tag: &str) -> Result<()> {
     }
 }
 
-fn shard_name(rank: usize) -> String {
-    format!("zero_rank{rank:05}.safetensors")
+/// Rank `rank`'s file of a store: `zero_rank00003.safetensors` for the dense one (the name of
+/// every checkpoint before expert parallelism), `expert_rank00003.safetensors` for its
+/// experts'.
+fn shard_name(rank: usize, store: Store) -> String {
+    match store.ep_rank {
+        None => format!("zero_rank{rank:05}.safetensors"),
+        Some(_) => format!("expert_rank{rank:05}.safetensors"),
+    }
 }
 
-fn write_shard(dir: &Path, rank: usize, s: &RankState, d: &Description) -> Result<(u64, u32)> {
+fn write_shard(path: &Path, s: &RankState, d: &Description) -> Result<(u64, u32)> {
     let mut tensors: Vec<(&str, &[f32])> = vec![("master", &s.master)];
     tensors.extend(s.buffers.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
     let meta = [
@@ -203,40 +273,52 @@ fn write_shard(dir: &Path, rank: usize, s: &RankState, d: &Description) -> Resul
         ("end", s.owned.end.to_string()),
         ("global_steps", d.counters.global_steps.to_string()),
     ];
-    files::write_tensors_atomic(&dir.join(shard_name(rank)), &tensors, &meta)
+    files::write_tensors_atomic(path, &tensors, &meta)
 }
 
-/// Every rank's (range, size, checksum), in rank order; ranks that wrote nothing are left out.
-fn gather_entries(
-    group: &Group,
-    entry: Option<(u64, u32)>,
-    s: &RankState,
-    (stage, tp_rank): Buffer,
-) -> Result<Vec<ShardEntry>> {
-    let (bytes, crc) = entry.map_or((0, 0), |(b, c)| (b, c as u64));
-    let mine = [
-        entry.is_some() as u64,
-        s.owned.start as u64,
-        s.owned.end as u64,
-        bytes,
-        crc,
-        tp_rank as u64,
-        stage as u64,
-    ];
+/// Every rank's files (range, size, checksum), in rank order, its dense store's before its
+/// experts'. Each rank sends a slot per store, empty where it wrote nothing.
+fn gather_entries(group: &Group, written: &[Option<Written>]) -> Result<Vec<ShardEntry>> {
+    const SLOT: usize = 8;
+    let mine: Vec<u64> = written
+        .iter()
+        .flat_map(|w| match w {
+            None => [0; SLOT],
+            Some(w) => [
+                1,
+                w.range.start as u64,
+                w.range.end as u64,
+                w.bytes,
+                w.crc as u64,
+                w.buffer.1 as u64,
+                w.buffer.0.stage as u64,
+                // 0 for the dense store, else 1 + the expert-parallel rank
+                w.buffer.0.ep_rank.map_or(0, |r| r as u64 + 1),
+            ],
+        })
+        .collect();
     let all = group.all_gather_u64(&mine)?;
     Ok(all
         .chunks(mine.len())
         .enumerate()
+        .flat_map(|(rank, slots)| slots.chunks(SLOT).map(move |v| (rank, v)))
         .filter(|(_, v)| v[0] == 1)
-        .map(|(rank, v)| ShardEntry {
-            file: shard_name(rank),
-            rank,
-            tp_rank: v[5] as usize,
-            stage: v[6] as usize,
-            start: v[1] as usize,
-            end: v[2] as usize,
-            bytes: v[3],
-            crc32c: v[4] as u32,
+        .map(|(rank, v)| {
+            let store = Store {
+                stage: v[6] as usize,
+                ep_rank: v[7].checked_sub(1).map(|r| r as usize),
+            };
+            ShardEntry {
+                file: shard_name(rank, store),
+                rank,
+                tp_rank: v[5] as usize,
+                stage: store.stage,
+                ep_rank: store.ep_rank,
+                start: v[1] as usize,
+                end: v[2] as usize,
+                bytes: v[3],
+                crc32c: v[4] as u32,
+            }
         })
         .collect())
 }
@@ -295,9 +377,21 @@ pub struct Expect<'a> {
     pub buffers: Option<&'a [String]>,
     /// The flat range this rank owns now (padded coordinates of its buffer).
     pub owned: Range<usize>,
-    /// Whose slices the loading rank holds, of which stage's layers.
+    /// Whose slices the loading rank holds, of which stage's layers ...
     pub tp: TpRank,
     pub stage: usize,
+    /// ... in which of its stores: the dense one (None) or its experts' as expert-parallel
+    /// rank r (`params` name the experts' holders).
+    pub ep_rank: Option<usize>,
+}
+
+impl Expect<'_> {
+    fn store(&self) -> Store {
+        Store {
+            stage: self.stage,
+            ep_rank: self.ep_rank,
+        }
+    }
 }
 
 /// The master copy and the optimizer buffers being read for a range.
@@ -308,27 +402,38 @@ struct Target {
 
 /// Reads the parts of checkpoint `dir` (a tag's directory) that cover `expect.owned`.
 pub fn load(dir: &Path, expect: &Expect) -> Result<(Manifest, RankState)> {
-    let m = Manifest::read(dir)?;
-    check_model(dir, &m, expect)?;
-    let len = expect.owned.len();
-    let mut out = Target {
-        master: vec![0f32; len],
-        buffers: expect
-            .buffers
-            .unwrap_or_default()
-            .iter()
-            .map(|n| (n.clone(), vec![0f32; len]))
-            .collect(),
-    };
-    let mut files = Files::new(dir, &m);
-    read_range(&mut files, &m, expect, &mut out)?;
-    let state = RankState {
-        owned: expect.owned.clone(),
-        master: out.master,
-        optimizer_step: m.optimizer_step,
-        buffers: out.buffers,
-    };
+    let (m, mut states) = load_stores(dir, std::slice::from_ref(expect))?;
+    let state = states.pop().expect("invariant: one state per store asked");
     Ok((m, state))
+}
+
+/// Reads the parts of checkpoint `dir` (a tag's directory) that cover each store's
+/// `owned` (a rank's dense store and its experts'), each file opened and verified once.
+pub fn load_stores(dir: &Path, expects: &[Expect]) -> Result<(Manifest, Vec<RankState>)> {
+    let m = Manifest::read(dir)?;
+    let mut files = Files::new(dir, &m);
+    let mut states = Vec::with_capacity(expects.len());
+    for expect in expects {
+        check_model(dir, &m, expect)?;
+        let len = expect.owned.len();
+        let mut out = Target {
+            master: vec![0f32; len],
+            buffers: expect
+                .buffers
+                .unwrap_or_default()
+                .iter()
+                .map(|n| (n.clone(), vec![0f32; len]))
+                .collect(),
+        };
+        read_range(&mut files, &m, expect, &mut out)?;
+        states.push(RankState {
+            owned: expect.owned.clone(),
+            master: out.master,
+            optimizer_step: m.optimizer_step,
+            buffers: out.buffers,
+        });
+    }
+    Ok((m, states))
 }
 
 /// Reads the parts of an open checkpoint that cover `expect.owned` into `out`.
@@ -337,49 +442,55 @@ fn read_range(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target
         .params
         .iter()
         .zip(expect.params)
-        .all(|(a, b)| a.split == b.split && a.stage == b.stage);
+        .all(|(a, b)| a.split == b.split && a.stage == b.stage && a.ep_rank == b.ep_rank);
     if m.layout.tp == expect.tp.size && same_place {
-        // the same buffers: the range is the same range of the same stage's same slices
-        let numel = local_index(&m.params, expect.stage, expect.tp)?.numel();
+        // the same buffers: the range is the same range of the same store's same slices
+        let numel = local_index(&m.params, expect.store(), expect.tp)?.numel();
         let want = expect.owned.start..expect.owned.end.min(numel);
-        let buffer = (expect.stage, expect.tp.rank);
-        files.copy(buffer, want, 0, out)
+        files.copy((expect.store(), expect.tp.rank), want, 0, out)
     } else {
         reshard(files, m, expect, out)
     }
 }
 
-/// Note [resharding]: a checkpoint saved at tensor-parallel degree tp' and with its layers on
-/// other pipeline stages is read through logical coordinates. For each parameter overlapping
-/// the loading rank's range, its slice is a list of runs of logical elements (`runs`); each
-/// run is found in the buffers of the stage that saved the parameter (every tensor-parallel
-/// rank's for a split parameter, rank 0's for a replicated one), whose runs say where those
-/// elements sit in that buffer, and so in which file.
+/// Note [resharding]: a checkpoint saved at tensor-parallel degree tp', with its layers on
+/// other pipeline stages or its experts in other expert-parallel ranks' stores is read
+/// through logical coordinates. A store is a stage's dense parameters, or (under expert
+/// parallelism) the experts one expert-parallel rank holds of the stage's layers, each a
+/// flat buffer per tensor-parallel rank, sharded over its data-parallel group; the
+/// manifest's parameters, in the model's order at every ep, say which store held each, so
+/// every store's layout follows from them as a stage's does. For each parameter overlapping
+/// the loading rank's range (of the store being loaded), its slice is a list of runs of
+/// logical elements (`runs`); each run is found in the buffers of the store that saved the
+/// parameter (every tensor-parallel rank's for a split parameter, rank 0's for a replicated
+/// one), whose runs say where those elements sit in that buffer, and so in which file. An
+/// expert saved at ep 2 and loaded at ep 4 or 1 is one more change of buffer, like a layer
+/// that moved to another pipeline stage.
 fn reshard(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -> Result<()> {
     let saved_tp = m.layout.tp.max(1);
     let mut saved: HashMap<Buffer, FlatIndex> = HashMap::new();
-    for stage in stages_of(&m.params) {
+    for store in stores_of(&m.params) {
         for rank in 0..saved_tp {
             let tp = TpRank {
                 rank,
                 size: saved_tp,
             };
-            saved.insert((stage, rank), local_index(&m.params, stage, tp)?);
+            saved.insert((store, rank), local_index(&m.params, store, tp)?);
         }
     }
-    let stage_of: HashMap<&str, usize> = m
+    let store_of: HashMap<&str, Store> = m
         .params
         .iter()
-        .map(|p| (p.name.as_str(), p.stage))
+        .map(|p| (p.name.as_str(), Store::of(p)))
         .collect();
-    let mine = local_index(expect.params, expect.stage, expect.tp)?;
+    let mine = local_index(expect.params, expect.store(), expect.tp)?;
     for (i, e) in mine.entries().iter().enumerate() {
         let p = e.range();
         let (a, b) = (p.start.max(expect.owned.start), p.end.min(expect.owned.end));
         if a >= b {
             continue;
         }
-        let pieces = saved_pieces(&saved, stage_of[e.name.as_str()], saved_tp, &e.name);
+        let pieces = saved_pieces(&saved, store_of[e.name.as_str()], saved_tp, &e.name);
         let mut result = Ok(());
         runs_within(&mine.runs(ParamId(i)), a - p.start..b - p.start, |r| {
             if result.is_err() {
@@ -393,8 +504,36 @@ fn reshard(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -
     Ok(())
 }
 
-/// A saved flat buffer: (pipeline stage, tensor-parallel rank).
-type Buffer = (usize, usize);
+/// One of a layout's stores of parameters: a pipeline stage's dense store, or under expert
+/// parallelism the experts' store of an expert-parallel rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Store {
+    stage: usize,
+    ep_rank: Option<usize>,
+}
+
+impl Store {
+    fn of(p: &ParamEntry) -> Store {
+        Store {
+            stage: p.stage,
+            ep_rank: p.ep_rank,
+        }
+    }
+}
+
+/// A flat buffer: a store's slices of one tensor-parallel rank.
+type Buffer = (Store, usize);
+
+/// "stage 0's tensor-parallel rank 1's buffer", "... expert-parallel rank 1's experts'
+/// buffer", for errors.
+fn describe(buffer: Buffer) -> String {
+    let (store, tp_rank) = buffer;
+    let whose = format!("stage {}'s tensor-parallel rank {tp_rank}'s", store.stage);
+    match store.ep_rank {
+        None => format!("{whose} buffer"),
+        Some(r) => format!("{whose} expert-parallel rank {r}'s experts' buffer"),
+    }
+}
 
 /// A run of a saved parameter: `len` logical elements from `logical`, held in `buffer` at
 /// `flat`.
@@ -405,18 +544,18 @@ struct Piece {
     flat: usize,
 }
 
-/// Where parameter `name`'s logical elements were saved (by stage `stage`'s `tp` ranks),
+/// Where parameter `name`'s logical elements were saved (by store `store`'s `tp` ranks),
 /// sorted by logical position.
 fn saved_pieces(
     saved: &HashMap<Buffer, FlatIndex>,
-    stage: usize,
+    store: Store,
     tp: usize,
     name: &str,
 ) -> Vec<Piece> {
-    let index = |rank: usize| &saved[&(stage, rank)];
+    let index = |rank: usize| &saved[&(store, rank)];
     let id = index(0)
         .find(name)
-        .expect("invariant: the stage's index holds its parameters");
+        .expect("invariant: the store's index holds its parameters");
     let ranks = match index(0).entry(id).split.is_replicated() {
         true => 1,
         false => tp,
@@ -429,7 +568,7 @@ fn saved_pieces(
                 .map(move |r| Piece {
                     logical: r.logical,
                     len: r.len,
-                    buffer: (stage, rank),
+                    buffer: (store, rank),
                     flat: e.offset + r.local,
                 })
         })
@@ -462,18 +601,18 @@ fn copy_logical(
     Ok(())
 }
 
-/// The stages that hold parameters, in order.
-fn stages_of(params: &[ParamEntry]) -> Vec<usize> {
-    let mut stages: Vec<usize> = params.iter().map(|p| p.stage).collect();
-    stages.sort_unstable();
-    stages.dedup();
-    stages
+/// The stores that hold parameters, in order.
+fn stores_of(params: &[ParamEntry]) -> Vec<Store> {
+    let mut stores: Vec<Store> = params.iter().map(Store::of).collect();
+    stores.sort_unstable();
+    stores.dedup();
+    stores
 }
 
-/// The flat index of the slices `tp` holds of stage `stage`'s logical parameters.
-fn local_index(params: &[ParamEntry], stage: usize, tp: TpRank) -> Result<FlatIndex> {
+/// The flat index of the slices `tp` holds of store `store`'s logical parameters.
+fn local_index(params: &[ParamEntry], store: Store, tp: TpRank) -> Result<FlatIndex> {
     let mut index = FlatIndex::sliced(tp);
-    for p in params.iter().filter(|p| p.stage == stage) {
+    for p in params.iter().filter(|p| Store::of(p) == store) {
         index.push_split(&p.name, &p.shape, p.split.into())?;
     }
     Ok(index)
@@ -507,7 +646,11 @@ impl<'a> Files<'a> {
         let mut covered = 0;
         for (k, shard) in self.m.shards.iter().enumerate() {
             let (lo, hi) = (src.start.max(shard.start), src.end.min(shard.end));
-            if (shard.stage, shard.tp_rank) != buffer || lo >= hi {
+            let store = Store {
+                stage: shard.stage,
+                ep_rank: shard.ep_rank,
+            };
+            if (store, shard.tp_rank) != buffer || lo >= hi {
                 continue;
             }
             let file = match self.open.entry(k) {
@@ -532,10 +675,7 @@ impl<'a> Files<'a> {
             true => Ok(()),
             false => Err(EngineError::file(
                 self.dir.join(MANIFEST),
-                format!(
-                    "no shard covers elements {src:?} of stage {}'s tensor-parallel rank {}'s buffer",
-                    buffer.0, buffer.1
-                ),
+                format!("no shard covers elements {src:?} of {}", describe(buffer)),
             )),
         }
     }
@@ -576,17 +716,17 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
     Ok(())
 }
 
-/// Every element of every tensor-parallel rank's buffer must come from some shard (a
+/// Every element of every store's tensor-parallel rank's buffer must come from some shard (a
 /// missing rank file is an error).
 fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
     let tp = m.layout.tp.max(1);
-    for (stage, tp_rank) in stages_of(&m.params)
+    for (store, tp_rank) in stores_of(&m.params)
         .into_iter()
         .flat_map(|s| (0..tp).map(move |r| (s, r)))
     {
         let numel = local_index(
             &m.params,
-            stage,
+            store,
             TpRank {
                 rank: tp_rank,
                 size: tp,
@@ -596,7 +736,7 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
         let mut ranges: Vec<Range<usize>> = m
             .shards
             .iter()
-            .filter(|s| (s.stage, s.tp_rank) == (stage, tp_rank))
+            .filter(|s| (s.stage, s.ep_rank, s.tp_rank) == (store.stage, store.ep_rank, tp_rank))
             .map(|s| s.start..s.end)
             .collect();
         ranges.sort_by_key(|r| r.start);
@@ -610,7 +750,8 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
             return Err(EngineError::file(
                 dir.join(MANIFEST),
                 format!(
-                    "no shard covers elements {at}..{numel} of stage {stage}'s tensor-parallel rank {tp_rank}'s buffer"
+                    "no shard covers elements {at}..{numel} of {}",
+                    describe((store, tp_rank))
                 ),
             ));
         }
@@ -618,12 +759,13 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
     Ok(())
 }
 
-/// The logical model as one buffer: one stage, no tensor parallelism.
+/// The logical model as one buffer: one stage, no tensor or expert parallelism.
 fn whole_model(m: &Manifest) -> Vec<ParamEntry> {
     m.params
         .iter()
         .map(|p| ParamEntry {
             stage: 0,
+            ep_rank: None,
             ..p.clone()
         })
         .collect()
@@ -648,6 +790,7 @@ pub fn each_tensor(
             owned: p.offset..p.offset + n,
             tp: TpRank::WHOLE,
             stage: 0,
+            ep_rank: None,
         };
         let mut out = Target {
             master: vec![0f32; n],
@@ -708,6 +851,7 @@ pub fn consolidate(dir: &Path) -> Result<(Manifest, Vec<f32>)> {
         owned: 0..numel,
         tp: TpRank::WHOLE,
         stage: 0,
+        ep_rank: None,
     };
     let (_, state) = load(dir, &expect)?;
     Ok((m, state.master))

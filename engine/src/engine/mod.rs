@@ -14,6 +14,7 @@ mod settings;
 mod tied;
 mod trainer;
 mod update;
+mod whole;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -137,8 +138,13 @@ pub struct Engine {
     groups: Groups,
     /// Under pipeline parallelism: this rank's stage.
     stage: Option<pipe::Stage>,
-    /// The whole model's parameters as checkpoints record them (with their stages).
+    /// This rank's model's trainable parameters with their stages (the whole model at ep 1).
     all_params: Vec<checkpoint::ParamEntry>,
+    /// The whole model's parameters as checkpoints record them: every expert-parallel rank's
+    /// experts too, in the model's order at ep 1, each with its stage and store; or why the
+    /// model's experts held elsewhere cannot be placed (Note [the whole model under expert
+    /// parallelism]).
+    checkpoint_params: std::result::Result<Vec<checkpoint::ParamEntry>, String>,
     /// An autotuning trial's step timer (a config with `autotuning.metric_path`).
     probe: Option<autotuning::TrialProbe>,
     /// The output `forward` returned, until `backward` differentiates the loss made from it.
@@ -182,6 +188,7 @@ impl Engine {
         if let Some(rules) = &config.tp_partition_config {
             PartitionConfig::parse(rules)?.apply(&mut all_specs)?;
         }
+        let layer_of = whole::layer_of(&model);
         let (model, stage, stage_of) = match config.dims.pp {
             1 => (model, None, vec![0; all_specs.len()]),
             stages => {
@@ -225,13 +232,18 @@ impl Engine {
             .cloned()
             .collect();
         let frozen = frozen_part(&model_specs, opts);
+        let ep = &groups.experts().ep;
+        let declared = whole::declared(&all_specs, &layer_of, &stage_of);
+        let checkpoint_params =
+            whole::whole_model(declared, model.elsewhere(), (ep.rank(), ep.size()))
+                .map(|placed| logical_entries(placed.into_iter().filter(|p| !p.spec.frozen)));
         // checkpoints, ties and the optimizer know the trainable parameters only
         let (all_specs, stage_of): (Vec<ParamSpec>, Vec<usize>) = all_specs
             .into_iter()
             .zip(stage_of)
             .filter(|(p, _)| !p.frozen)
             .unzip();
-        let all_params = logical_entries(&all_specs, &stage_of);
+        let all_params = logical_entries(whole::in_place(&all_specs, &stage_of));
         let tp = TpRank {
             rank: groups.tp().rank(),
             size: groups.tp().size(),
@@ -321,6 +333,7 @@ impl Engine {
             groups: groups.clone(),
             stage,
             all_params,
+            checkpoint_params,
             probe,
             output: None,
             frozen,
@@ -593,31 +606,44 @@ impl Engine {
     }
 
     /// Writes checkpoint `dir/tag` (a collective: every rank calls it with the same
-    /// arguments): this rank's owned range, and on rank 0 the manifest and `latest`.
-    /// `client_state` is kept in the manifest for the training program.
+    /// arguments): this rank's owned range (of its dense store, and of its experts' store
+    /// under expert parallelism), and on rank 0 the manifest and `latest`. `client_state` is
+    /// kept in the manifest for the training program.
     pub fn save_checkpoint(
         &self,
         dir: &Path,
         tag: &str,
         client_state: serde_json::Value,
     ) -> Result<PathBuf> {
-        self.no_expert_parallelism("saving a checkpoint (or weights)")?;
         let index = each!(&self.core, t => t.index());
         let desc = checkpoint::Description {
             layout: self.checkpoint_layout(),
-            params: self.all_params.clone(),
+            params: self.checkpoint_params()?,
             numel: index.numel(),
             tp_rank: self.groups.tp().rank(),
             stage: self.stage.as_ref().map_or(0, |s| s.stage),
+            ep_rank: self.groups.experts().ep.rank(),
             counters: each!(&self.core, t => t.updater().counters()),
             client_state,
             config: serde_json::to_value(&self.config).unwrap_or_default(),
             frozen: self.frozen.clone(),
         };
-        let state = each!(&self.core, t => t.rank_state())?;
-        // Stage 0 keeps the whole range on every data-parallel rank: one copy is enough.
-        let writes = self.settings.zero.stage.partitions_optimizer() || self.dp_rank() == 0;
-        checkpoint::save(self.groups.world(), dir, tag, &state, writes, desc)
+        let dense = each!(&self.core, t => t.rank_state())?;
+        let experts = each!(&self.core, t => t.expert_state());
+        // Stage 0 keeps the whole range on every rank of a store's data-parallel group: one
+        // copy is enough.
+        let partitioned = self.settings.zero.stage.partitions_optimizer();
+        let shares = checkpoint::Shares {
+            dense: checkpoint::Share {
+                state: &dense,
+                writes: partitioned || self.dp_rank() == 0,
+            },
+            experts: experts.as_ref().map(|state| checkpoint::Share {
+                state,
+                writes: partitioned || self.groups.experts().expert_dp.rank() == 0,
+            }),
+        };
+        checkpoint::save(self.groups.world(), dir, tag, &shares, desc)
     }
 
     /// Resumes from checkpoint `dir/tag` (`tag` None: the one `latest` names; Ok(None) when
@@ -635,43 +661,57 @@ impl Engine {
                 None => return Ok(None),
             },
         };
-        self.no_expert_parallelism("loading a checkpoint")?;
         let tag_dir = dir.join(&tag);
-        let expect_params = self.all_params.clone();
-        let buffers = each!(&self.core, t => t.buffer_names());
-        let owned = each!(&self.core, t => t.owned());
-        let expect = checkpoint::Expect {
-            params: &expect_params,
-            buffers: Some(&buffers),
-            owned,
-            tp: TpRank {
-                rank: self.groups.tp().rank(),
-                size: self.groups.tp().size(),
-            },
-            stage: self.stage.as_ref().map_or(0, |s| s.stage),
-        };
-        let loaded = checkpoint::load(&tag_dir, &expect);
+        let loaded = self.read_checkpoint(&tag_dir);
         // Every rank must succeed before any changes its state.
-        let (manifest, state) = checkpoint::agree(self.groups.world(), loaded)?;
+        let (manifest, mut states) = checkpoint::agree(self.groups.world(), loaded)?;
         check_frozen_source(&tag_dir, manifest.frozen.as_ref(), self.frozen.as_ref())?;
         let counters = checkpoint::Counters {
             global_steps: manifest.global_steps,
             skipped_steps: manifest.skipped_steps,
             loss_scaler: manifest.loss_scaler,
         };
-        each!(&mut self.core, t => t.restore(state, counters))?;
+        let experts = states.split_off(1).pop();
+        let dense = states
+            .pop()
+            .expect("invariant: the dense store is read first");
+        each!(&mut self.core, t => t.restore(dense, experts, counters))?;
         Ok(Some(manifest))
     }
 
-    /// Checkpoints hold one whole model's flat layout; an expert-parallel rank holds only
-    /// its experts, in a store of their own, which they do not record yet.
-    fn no_expert_parallelism(&self, what: &str) -> Result<()> {
-        match self.config.dims.ep {
-            1 => Ok(()),
-            ep => Err(EngineError::Invalid(format!(
-                "{what} under expert parallelism (ep {ep}) is not built yet: train at ep 1 to save or resume"
-            ))),
-        }
+    /// This rank's share of checkpoint `tag_dir`: its dense store's range, then, under expert
+    /// parallelism, its experts' store's.
+    fn read_checkpoint(
+        &self,
+        tag_dir: &Path,
+    ) -> Result<(checkpoint::Manifest, Vec<checkpoint::RankState>)> {
+        let params = self.checkpoint_params()?;
+        let buffers = each!(&self.core, t => t.buffer_names());
+        let dense = checkpoint::Expect {
+            params: &params,
+            buffers: Some(&buffers),
+            owned: each!(&self.core, t => t.owned()),
+            tp: TpRank {
+                rank: self.groups.tp().rank(),
+                size: self.groups.tp().size(),
+            },
+            stage: self.stage.as_ref().map_or(0, |s| s.stage),
+            ep_rank: None,
+        };
+        let experts = each!(&self.core, t => t.expert_owned()).map(|owned| checkpoint::Expect {
+            owned,
+            ep_rank: Some(self.groups.experts().ep.rank()),
+            ..dense
+        });
+        let expects: Vec<checkpoint::Expect> = std::iter::once(dense).chain(experts).collect();
+        checkpoint::load_stores(tag_dir, &expects)
+    }
+
+    /// The whole model's parameters as checkpoints record them.
+    fn checkpoint_params(&self) -> Result<Vec<checkpoint::ParamEntry>> {
+        self.checkpoint_params
+            .clone()
+            .map_err(|why| EngineError::Invalid(format!("checkpoints: {why}")))
     }
 
     /// This rank's position in the data-parallel group.
@@ -687,6 +727,7 @@ impl Engine {
             tp: dims.tp,
             pp: dims.pp,
             zero_stage: u8::from(self.settings.zero.stage),
+            ep: dims.ep,
             dtype: match self.settings.precision {
                 Precision::F32 => "f32",
                 Precision::BF16 => "bf16",
@@ -926,21 +967,21 @@ fn check_frozen(specs: &[ParamSpec], pipelined: bool) -> Result<()> {
 }
 
 /// The logical parameters as a checkpoint records them: logical shapes, offsets in the
-/// logical flat order, how tensor parallelism splits each and which stage holds it.
-fn logical_entries(specs: &[ParamSpec], stage_of: &[usize]) -> Vec<checkpoint::ParamEntry> {
+/// logical flat order, how tensor parallelism splits each, which stage holds it and, under
+/// expert parallelism, which expert-parallel rank's experts' store.
+fn logical_entries(placed: impl Iterator<Item = whole::Placed>) -> Vec<checkpoint::ParamEntry> {
     let mut offset = 0;
-    specs
-        .iter()
-        .zip(stage_of)
-        .map(|(p, &stage)| {
+    placed
+        .map(|p| {
             let entry = checkpoint::ParamEntry {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
+                name: p.spec.name.clone(),
+                shape: p.spec.shape.clone(),
                 offset,
-                split: p.split.into(),
-                stage,
+                split: p.spec.split.into(),
+                stage: p.stage,
+                ep_rank: p.holder,
             };
-            offset += p.numel();
+            offset += p.spec.numel();
             entry
         })
         .collect()

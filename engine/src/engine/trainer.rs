@@ -814,24 +814,53 @@ impl<T: Dtype> Trainer<T> {
         })
     }
 
+    /// The flat range (padded coordinates of the experts' buffer) this rank's experts'
+    /// master copy and optimizer cover, under expert parallelism.
+    pub fn expert_owned(&self) -> Option<Range<usize>> {
+        self.experts.as_ref().map(|e| e.zero.owned())
+    }
+
+    /// This rank's share of its experts' store, for a checkpoint (the same buffers as the
+    /// dense store's; the experts' store never reaches NVMe).
+    pub fn expert_state(&self) -> Option<RankState> {
+        let e = self.experts.as_ref()?;
+        let opt = self.updater.expert_optimizer()?.state();
+        Some(RankState {
+            owned: e.zero.owned(),
+            master: e.zero.master().to_vec(),
+            optimizer_step: opt.step,
+            buffers: opt
+                .buffers
+                .iter()
+                .map(|(n, b)| (n.to_string(), b.to_vec()))
+                .collect(),
+        })
+    }
+
     /// The optimizer's state buffer names.
     pub fn buffer_names(&self) -> Vec<String> {
         let opt = self.updater.optimizer().state();
         opt.buffers.iter().map(|(n, _)| n.to_string()).collect()
     }
 
-    /// Resumes from a checkpoint: this rank's master range and optimizer state, the counters;
-    /// then the compute-dtype parameters follow from the master copy (a collective).
-    pub fn restore(&mut self, state: RankState, counters: Counters) -> Result<()> {
-        if state.owned != self.zero.owned() || state.master.len() != self.zero.owned().len() {
-            return Err(EngineError::Invalid(format!(
-                "checkpoint state covers {:?}, this rank owns {:?}",
-                state.owned,
-                self.zero.owned()
-            )));
-        }
+    /// Resumes from a checkpoint: this rank's master range and optimizer state (of its
+    /// experts' store too, under expert parallelism), the counters; then the compute-dtype
+    /// parameters follow from the master copy (a collective).
+    pub fn restore(
+        &mut self,
+        state: RankState,
+        experts: Option<RankState>,
+        counters: Counters,
+    ) -> Result<()> {
+        check_owned(Some(&state), Some(self.zero.owned()))?;
+        check_owned(experts.as_ref(), self.expert_owned())?;
         self.updater
             .restore(counters, state.optimizer_step, &state.buffers)?;
+        if let (Some(s), Some(e)) = (experts, self.experts.as_mut()) {
+            self.updater.restore_experts(s.optimizer_step, &s.buffers)?;
+            e.zero.master_mut().copy_from_slice(&s.master);
+            e.zero.publish()?;
+        }
         self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
         self.saved.clear();
         match self.updater.offloaded() {
@@ -912,6 +941,19 @@ impl<T: Dtype> Trainer<T> {
     pub fn evaluate_stage(&mut self, x: Tensor, inputs: Inputs) -> Result<Tensor> {
         self.evaluate_layers(0..self.model.layers().len(), x, inputs)
     }
+}
+
+/// A checkpoint's state of a store must cover the range this rank owns of it (no state for
+/// a store this rank does not have: the experts' without expert parallelism).
+fn check_owned(state: Option<&RankState>, owned: Option<Range<usize>>) -> Result<()> {
+    let covers = state.map(|s| (s.owned.clone(), s.master.len()));
+    if covers != owned.clone().map(|o| (o.clone(), o.len())) {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint state covers {:?}, this rank owns {owned:?}",
+            state.map(|s| &s.owned)
+        )));
+    }
+    Ok(())
 }
 
 /// Which layers keep their graph from forward to backward.

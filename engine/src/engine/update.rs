@@ -79,6 +79,28 @@ impl Updater {
         self.experts = Some(experts);
     }
 
+    /// The optimizer of the experts' store, under expert parallelism.
+    pub fn expert_optimizer(&self) -> Option<&dyn Optimizer> {
+        self.experts.as_ref().map(|e| e.optimizer.as_ref())
+    }
+
+    /// Resumes the experts' optimizer from a checkpoint's step count and this rank's
+    /// experts' state.
+    pub fn restore_experts(&mut self, step: u64, buffers: &[(String, Vec<f32>)]) -> Result<()> {
+        let experts = self.experts.as_mut().ok_or_else(|| {
+            EngineError::Invalid("checkpoint: experts' state for a rank that holds none".into())
+        })?;
+        let state = OptimizerState {
+            step,
+            buffers: buffers
+                .iter()
+                .map(|(n, b)| (n.as_str(), b.as_slice()))
+                .collect(),
+        };
+        experts.optimizer.load_state(&state)?;
+        Ok(())
+    }
+
     /// Bytes of the experts' optimizer states (their moments).
     pub fn expert_state_bytes(&self) -> usize {
         self.experts
