@@ -108,18 +108,30 @@ fn config(stage: u8) -> String {
     )
 }
 
-/// A scratch directory with one config per ZeRO stage.
+/// A scratch directory with one config per ZeRO stage, and the model trained.
 struct Job {
     s: Scratch,
+    model: PathBuf,
 }
 
 impl Job {
+    /// The Mixtral fixture's job.
     fn new(tag: &str) -> Job {
         let s = Scratch::new(tag);
         for stage in 0..=3 {
             s.write(&format!("z{stage}.json"), &config(stage));
         }
-        Job { s }
+        Job {
+            s,
+            model: fixture(),
+        }
+    }
+
+    /// A job of the GPT model JSON `json`.
+    fn of_gpt(tag: &str, json: &str) -> Job {
+        let job = Job::new(tag);
+        let model = job.s.write("model.json", json);
+        Job { model, ..job }
     }
 
     /// `launch ... train` of the fixture at `l` for (up to) `steps` steps, metrics in
@@ -130,7 +142,7 @@ impl Job {
              {} --eval-interval 0 --eval-batches 1 --metrics-dir {} {extra}",
             l.ranks,
             self.s.path(&format!("z{}.json", l.stage)).display(),
-            fixture().display(),
+            self.model.display(),
             l.args,
             metrics.display()
         )
@@ -204,6 +216,19 @@ fn reshard(job: &Job, first: Layout, then: Layout, want: &[f64]) {
 #[test]
 fn an_ep2_checkpoint_resumes_at_ep4_and_at_ep1_with_the_same_losses() {
     let job = Job::new("ep-ckpt-from-ep2");
+    let want = job.straight();
+    for then in [EP4_Z1, EP1_DP4_Z2] {
+        reshard(&job, EP2_DP2_Z2, then, &want);
+    }
+}
+
+/// DeepSpeed-MoE's GPT (8 experts, top-2 every other block) with a capacity that drops most
+/// routes: its experts cross from ep 2 x dp 2 to ep 4 and to ep 1 as Mixtral's do.
+#[test]
+fn an_moe_gpt_checkpoint_with_dropping_resumes_at_another_ep() {
+    let json = r#"{"V": 128, "T": 16, "d": 32, "H": 4, "L": 4,
+        "moe": {"num_experts": 8, "k": 2, "capacity_factor": 0.25, "min_capacity": 1}}"#;
+    let job = Job::of_gpt("ep-ckpt-moe-gpt", json);
     let want = job.straight();
     for then in [EP4_Z1, EP1_DP4_Z2] {
         reshard(&job, EP2_DP2_Z2, then, &want);
