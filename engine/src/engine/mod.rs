@@ -11,6 +11,7 @@ mod offload;
 mod pipe;
 mod program;
 mod settings;
+mod side_stores;
 mod tied;
 mod trainer;
 mod update;
@@ -300,7 +301,7 @@ impl Engine {
             model,
             index: index.clone(),
             frozen_index: frozen_index.clone(),
-            experts: (expert_index.numel() > 0).then(|| trainer::ExpertPart {
+            experts: (expert_index.numel() > 0).then(|| side_stores::ExpertPart {
                 index: expert_index.clone(),
                 expert_dp: groups.experts().expert_dp.clone(),
                 ep: groups.experts().ep.clone(),

@@ -14,6 +14,9 @@ use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
 use super::layers::{self, Dtype, Kind, LayerGrads, LayerParams};
 use super::memory::{ExpertBytes, MemoryReport, StepPeak};
 use super::offload::OffloadedStates;
+use super::side_stores::{
+    add_expert_grads, ids_of, side_params, ExpertParams, ExpertPart, FrozenParams,
+};
 use super::tied::{self, Tie};
 use super::update::{ShardOptimizer, StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
@@ -119,39 +122,6 @@ pub(crate) struct Trainer<T: Dtype> {
     added_losses: Vec<Tensor>,
     /// Whether the forward running is an evaluation (`Context::evaluating`).
     evaluating: bool,
-}
-
-/// The frozen parameters' store, their flat layout and each layer's ids and range in it.
-struct FrozenParams<T: Dtype> {
-    store: Frozen<T>,
-    index: FlatIndex,
-    layer_ids: Vec<Range<usize>>,
-    layer_flat: Vec<Range<usize>>,
-}
-
-/// This expert-parallel rank's experts: their store, over the expert-data-parallel group
-/// (the ranks holding the same experts), their flat layout and each layer's ids and range in
-/// it.
-///
-/// Note [expert gradients]: DeepSpeed averages an expert's gradient over the whole
-/// data-parallel world (`_reduce_expert_gradients` divides by its size), though only the
-/// expert-data-parallel group reduces it: the tokens of the other expert-parallel ranks reach
-/// this rank's experts through the all-to-all, so the sum over the group already covers every
-/// token. The store averages over its group; each gradient enters it divided by `ep` too.
-struct ExpertParams<T: Dtype> {
-    zero: Zero<T>,
-    index: FlatIndex,
-    layer_ids: Vec<Range<usize>>,
-    layer_flat: Vec<Range<usize>>,
-    /// The expert-parallel group: the experts' gradient norms add up over it.
-    ep: Group,
-}
-
-/// What the trainer builds this rank's experts' store from.
-pub(crate) struct ExpertPart {
-    pub index: FlatIndex,
-    pub expert_dp: Group,
-    pub ep: Group,
 }
 
 /// One micro-batch's state between its forward and its backward.
@@ -990,76 +960,4 @@ fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
         v.resize(i + 1, std::time::Duration::ZERO);
     }
     v[i] += d;
-}
-
-/// Per layer: the ids of its parameters of `kind`, consecutive over the layers.
-fn ids_of(layer_kinds: &[Vec<Kind>], kind: Kind) -> Vec<Range<usize>> {
-    let mut next = 0;
-    layer_kinds
-        .iter()
-        .map(|kinds| {
-            let n = kinds.iter().filter(|k| **k == kind).count();
-            next += n;
-            next - n..next
-        })
-        .collect()
-}
-
-/// Layer `i`'s expert gradients into the experts' store (Note [expert gradients]).
-fn add_expert_grads<T: Dtype>(
-    e: &mut ExpertParams<T>,
-    i: usize,
-    mut grads: LayerGrads<T>,
-) -> Result<()> {
-    grads.scale(1.0 / e.ep.size() as f64)?;
-    let range = e.layer_flat[i].clone();
-    let to_gpu = !e.zero.placements().grads.is_host();
-    grads.with_parts(to_gpu, |parts| Ok(e.zero.add_grad(range, parts)?))
-}
-
-/// A store beside the dense one that layers take parameters from: the experts', the frozen
-/// ones'.
-trait SideStore<T: Clone> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>>;
-    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()>;
-}
-
-impl<T: Dtype> SideStore<T> for Zero<T> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
-        self.params(range)
-    }
-    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {
-        Zero::prefetch(self, range)
-    }
-}
-
-impl<T: Dtype> SideStore<T> for Frozen<T> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
-        self.params(range)
-    }
-    fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {
-        Frozen::prefetch(self, range)
-    }
-}
-
-/// Layer `i`'s parameters in a side store (`index`, and per layer its `ids` and `flat`
-/// range), None when it has none there; starts gathering layer `next`'s.
-fn side_params<T: Dtype>(
-    store: &mut impl SideStore<T>,
-    index: &FlatIndex,
-    ids: &[Range<usize>],
-    flat: &[Range<usize>],
-    i: usize,
-    next: Option<usize>,
-    dev: &Device,
-) -> Result<Option<LayerParams>> {
-    if ids[i].is_empty() {
-        return Ok(None);
-    }
-    let values = store.get(flat[i].clone())?;
-    let p = LayerParams::new::<T>(index, ids[i].clone(), flat[i].start, values, dev)?;
-    if let Some(n) = next.filter(|&n| !ids[n].is_empty()) {
-        store.prefetch(flat[n].clone())?;
-    }
-    Ok(Some(p))
 }
