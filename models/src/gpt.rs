@@ -591,7 +591,7 @@ impl Layer for Block {
         let (tp, m) = (self.tp.size() as u64, self.v.mlp as u64);
         let attention = 2 * rows(shape) as u64 * (4 * d * d + 2 * seq * d) / tp;
         let mlp = match &self.moe {
-            Some(moe) => moe.forward_flops(shape)?,
+            Some(moe) => moe.flops(rows(shape)),
             None => 2 * rows(shape) as u64 * 2 * d * m / tp,
         };
         Some(attention + mlp)
@@ -903,6 +903,22 @@ mod tests {
         assert!(names.contains(&"h.3.mlp.c_proj.bias".to_string()));
         assert_eq!(names.last().unwrap(), "lm_head.weight");
         assert_eq!(names.len(), 2 + 4 * 12 + 3);
+    }
+
+    /// A top-1 expert block's FLOPs are a dense block's and the router's (2 d E a token),
+    /// whatever the shape the profile passes ([B, T] ids or [B, T, d] activations).
+    #[test]
+    fn a_top1_expert_block_counts_a_dense_block_and_its_router() {
+        let moe = GptConfig::preset("gpt-moe-tiny").unwrap();
+        let dense = GptConfig { moe: None, ..moe };
+        let (moe, dense) = (moe.build(), dense.build());
+        let (b, t, d, experts) = (4u64, 128u64, 256u64, 8u64);
+        for shape in [[4, 128].as_slice(), &[4, 128, 256]] {
+            let flops = |m: &Model, i: usize| m.layers()[i].layer.forward_flops(shape).unwrap();
+            // layer 0 is the embeddings: h.0 is dense, h.1 holds experts
+            assert_eq!(flops(&moe, 1), flops(&dense, 1), "h.0 is dense");
+            assert_eq!(flops(&moe, 2), flops(&dense, 2) + 2 * b * t * d * experts);
+        }
     }
 
     /// Each layer's hand-written backward against candle's autograd of its `forward`: the

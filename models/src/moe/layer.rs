@@ -153,6 +153,14 @@ impl MoeLayer {
         Ok(self)
     }
 
+    /// Forward FLOPs over `tokens` tokens: the router and, per route (k a token, as if none
+    /// were dropped), the expert's two products.
+    pub fn flops(&self, tokens: usize) -> u64 {
+        let (d, f, e) = (self.hidden as u64, self.ffn as u64, self.experts as u64);
+        let routes = (tokens * self.gate.k) as u64;
+        2 * tokens as u64 * d * e + 4 * routes * d * f / self.tp.size() as u64
+    }
+
     /// The gate of a training forward, or of an evaluation's.
     fn gate(&self, evaluating: bool) -> GateConfig {
         match evaluating {
@@ -636,12 +644,10 @@ impl Layer for MoeLayer {
         self.taped(vb, x, cx).map(Some)
     }
 
-    /// The router and, per kept route, the expert's two products.
+    /// Of an input of `shape` [B, T] or [B, T, d] (the engine's profile passes the token
+    /// ids' shape), as `flops` counts.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        let tokens: usize = shape.iter().rev().skip(1).product();
-        let (d, f, e) = (self.hidden as u64, self.ffn as u64, self.experts as u64);
-        let routes = (tokens * self.gate.k) as u64;
-        Some(2 * tokens as u64 * d * e + 4 * routes * d * f / self.tp.size() as u64)
+        Some(self.flops(shape.iter().take(2).product()))
     }
 }
 
