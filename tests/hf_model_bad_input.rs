@@ -208,9 +208,10 @@ fn bad_expert_parallel_layouts_are_refused_before_any_rank_starts() {
     );
 }
 
-/// DeepSpeed-MoE's GPT from a model JSON: a top-k above the expert count, an argument of
-/// DeepSpeed's layer ds-rs does not act on (random token selection), experts that do not
-/// split over --ep, each one error naming the file or flag before any rank starts.
+/// DeepSpeed-MoE's GPT from a model JSON: a top-k above the expert count, arguments of
+/// DeepSpeed's layer ds-rs does not reproduce (random token selection, noisy gates), a
+/// misspelt key, experts that do not split over --ep, each one error naming the file or flag
+/// before any rank starts.
 #[test]
 fn bad_moe_gpt_models_are_refused_before_any_rank_starts() {
     let s = Scratch::new("moe-gpt-bad");
@@ -230,9 +231,19 @@ fn bad_moe_gpt_models_are_refused_before_any_rank_starts() {
         ],
     );
     let rts = model("rts.json", r#""num_experts": 8, "use_rts": true"#);
+    refused(&launch(1, &rts, ""), &["rts.json", "moe.use_rts true"]);
+    let noisy = model(
+        "noisy.json",
+        r#""num_experts": 8, "noisy_gate_policy": "Jitter""#,
+    );
     refused(
-        &launch(1, &rts, ""),
-        &["rts.json", "unknown field `use_rts`"],
+        &launch(1, &noisy, ""),
+        &["noisy.json", "moe.noisy_gate_policy Jitter"],
+    );
+    let typo = model("typo.json", r#""num_expert": 8"#);
+    refused(
+        &launch(1, &typo, ""),
+        &["typo.json", "unknown field `num_expert`"],
     );
     let six = model("six.json", r#""num_experts": 6"#);
     refused(

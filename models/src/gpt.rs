@@ -955,6 +955,7 @@ mod tests {
                 drop_tokens,
                 aux_loss_coef: 0.5,
                 expert_interval: 1,
+                ..GptMoe::top1(4)
             };
             let c = GptConfig {
                 moe: Some(moe),

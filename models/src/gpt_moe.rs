@@ -38,6 +38,22 @@ pub struct GptMoe {
     /// Every `expert_interval`-th block (the 2nd, 4th, ... for 2) holds experts.
     #[serde(default = "two")]
     pub expert_interval: usize,
+    /// DeepSpeed's random token selection (an over-full expert keeps random tokens): read to
+    /// be refused, since its draws are torch's generator's; ds-rs keeps the most probable.
+    #[serde(default)]
+    pub use_rts: bool,
+    /// DeepSpeed's noise on the router's logits: read to be refused for the same reason.
+    #[serde(default)]
+    pub noisy_gate_policy: NoisyGate,
+}
+
+/// `noisy_gate_policy`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+pub enum NoisyGate {
+    #[default]
+    None,
+    Jitter,
+    RSample,
 }
 
 fn one() -> usize {
@@ -72,6 +88,8 @@ impl GptMoe {
             drop_tokens: true,
             aux_loss_coef: 0.01,
             expert_interval: 2,
+            use_rts: false,
+            noisy_gate_policy: NoisyGate::None,
         }
     }
 
@@ -105,6 +123,15 @@ impl GptMoe {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        if self.use_rts {
+            return Err("moe.use_rts true: random token selection draws from torch's generator, which ds-rs does not reproduce; an over-full expert keeps its most probable tokens with use_rts false".into());
+        }
+        if self.noisy_gate_policy != NoisyGate::None {
+            return Err(format!(
+                "moe.noisy_gate_policy {:?}: the router's noise draws from torch's generator, which ds-rs does not reproduce; use \"None\"",
+                self.noisy_gate_policy
+            ));
+        }
         if self.expert_interval == 0 {
             return Err("moe.expert_interval must be at least 1".into());
         }
