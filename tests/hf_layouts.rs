@@ -110,20 +110,12 @@ fn check(model: &'static str, name: &str, nproc: usize, stage: u8, args: &str, e
         extra,
     );
     let want = reference(model);
-    let worst = |got: &[f64], want: &[f64]| {
-        got.iter()
-            .zip(want)
-            .map(|(g, w)| (g - w).abs() / w.abs())
-            .fold(0f64, f64::max)
-    };
-    println!(
-        "{model} {name}: largest relative loss difference {:e}, gradient norm {:e}",
-        worst(&got.losses, &want.losses),
-        worst(&got.grad_norms, &want.grad_norms)
+    assert_same_steps(
+        (&got.losses, &got.grad_norms),
+        (&want.losses, &want.grad_norms),
+        REL,
+        &format!("{model} {name}"),
     );
-    assert_same_losses(&got.losses, &want.losses, REL, &format!("{model} {name}"));
-    let what = format!("{model} {name} gradient norms");
-    assert_same_losses(&got.grad_norms, &want.grad_norms, REL, &what);
     got
 }
 

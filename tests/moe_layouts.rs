@@ -96,20 +96,12 @@ fn reference(c: Capacity) -> Run {
 fn check(c: Capacity, name: &str, nproc: usize, stage: u8, args: &str) {
     let got = train(c, &name.replace([' ', '='], ""), nproc, stage, args);
     let want = reference(c);
-    let worst = |got: &[f64], want: &[f64]| {
-        got.iter()
-            .zip(want)
-            .map(|(g, w)| (g - w).abs() / w.abs())
-            .fold(0f64, f64::max)
-    };
-    println!(
-        "{c:?} {name}: largest relative loss difference {:e}, gradient norm {:e}",
-        worst(&got.losses, &want.losses),
-        worst(&got.grad_norms, &want.grad_norms)
+    assert_same_steps(
+        (&got.losses, &got.grad_norms),
+        (&want.losses, &want.grad_norms),
+        REL,
+        &format!("{c:?} {name}"),
     );
-    assert_same_losses(&got.losses, &want.losses, REL, &format!("{c:?} {name}"));
-    let what = format!("{c:?} {name} gradient norms");
-    assert_same_losses(&got.grad_norms, &want.grad_norms, REL, &what);
 }
 
 fn every_layout(c: Capacity) {

@@ -176,6 +176,25 @@ pub fn assert_same_losses(got: &[f64], want: &[f64], rel: f64, what: &str) {
     }
 }
 
+/// Each step's loss and gradient norm (`got`, `want`: (losses, norms)) within `rel` of the
+/// reference's, the largest relative differences printed. The norms are compared on their
+/// own: clipping by a wrong norm moves the losses only in their last digits.
+pub fn assert_same_steps(got: (&[f64], &[f64]), want: (&[f64], &[f64]), rel: f64, what: &str) {
+    let worst = |got: &[f64], want: &[f64]| {
+        got.iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).abs() / w.abs())
+            .fold(0f64, f64::max)
+    };
+    println!(
+        "{what}: largest relative loss difference {:e}, gradient norm {:e}",
+        worst(got.0, want.0),
+        worst(got.1, want.1)
+    );
+    assert_same_losses(got.0, want.0, rel, what);
+    assert_same_losses(got.1, want.1, rel, &format!("{what} gradient norms"));
+}
+
 /// Live processes (not zombies) whose command line mentions `needle`, with their environment.
 pub fn processes_with(needle: &str) -> Vec<(u32, String)> {
     let mut found = Vec::new();
