@@ -4,6 +4,7 @@
 //! forward keeps (its tape, its input only, or nothing), and the most held at once, at the end
 //! of forward or while backward differentiates a layer with the layers below it still saved.
 
+use ds_engine::kernels::cpu_flash_attention;
 use ds_models::gpt::{GptConfig, GptVariant};
 use ds_models::gpt_moe::GptMoe;
 use ds_models::llama::SparseMlp;
@@ -139,9 +140,14 @@ fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec
     let (tp, e) = (m.tp, m.dtype);
     let tokens = b * t;
     let hidden = tokens * d * e;
-    // the fused attention keeps its probabilities in f32 when it computes in f32; otherwise
-    // the generic path keeps them in the compute dtype
-    let probs = b * (c.H as u64 / tp) * t * t * e;
+    // the fused attention keeps its probabilities in f32 when it computes in f32, from
+    // cpu_flash_attention::MIN_SEQ positions only each row's log-sum-exp; otherwise the
+    // generic path keeps them in the compute dtype
+    let heads = b * (c.H as u64 / tp);
+    let probs = match e == 4 && seq >= cpu_flash_attention::MIN_SEQ {
+        true => heads * t * 4,
+        false => heads * t * t * e,
+    };
     let attention = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
         + tokens * 3 * d / tp * e // q|k|v
         + probs

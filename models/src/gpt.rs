@@ -13,11 +13,11 @@ use crate::gpt_moe::GptMoe;
 use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
-use ds_engine::kernels::cpu_attention;
 use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_engine::kernels::nn::layer_norm;
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
+use ds_engine::kernels::{cpu_attention, cpu_flash_attention};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
@@ -605,12 +605,11 @@ impl Tape for BlockTape {
             MlpTape::Dense { f, g } => tensor_bytes(f) + tensor_bytes(g),
             MlpTape::Moe(t) => t.activation_bytes(),
         };
-        [
-            &self.x, &self.h1, &a.qkv, &a.probs, &a.out, &self.x2, &self.h2,
-        ]
-        .into_iter()
-        .map(tensor_bytes)
-        .sum::<usize>()
+        [&self.x, &self.h1, &a.qkv, &a.out, &self.x2, &self.h2]
+            .into_iter()
+            .map(tensor_bytes)
+            .sum::<usize>()
+            + a.softmax_bytes()
             + mlp
     }
 
@@ -715,10 +714,17 @@ impl Tape for BlockTape {
 struct Attention {
     /// The fused projection's output [B, T, 3d]: q, k and v side by side.
     qkv: Tensor,
-    /// The attention probabilities [B, H, T, T].
-    probs: Tensor,
+    softmax: Softmax,
     /// The heads' outputs side by side [B, T, d], before the output projection.
     out: Tensor,
+}
+
+/// What attention's backward reads of its softmax: the probabilities [B, H, T, T], or for
+/// sequences of `cpu_flash_attention::MIN_SEQ` and more on the CPU each row's log-sum-exp
+/// [B, H, T] (the probabilities recomputed in blocks: memory linear in T).
+enum Softmax {
+    Probs(Tensor),
+    LogSumExp(Tensor),
 }
 
 impl Attention {
@@ -728,28 +734,56 @@ impl Attention {
         let (b, t, d3) = qkv.dims3()?;
         let d = d3 / 3;
         let hd = d / h;
-        if let Some((probs, out)) = cpu_attention::forward(&qkv, h, scale(hd) as f32)? {
-            return Ok(Attention { qkv, probs, out });
+        let s = scale(hd) as f32;
+        if t >= cpu_flash_attention::MIN_SEQ {
+            if let Some((out, lse)) = cpu_flash_attention::forward(&qkv, h, s)? {
+                let softmax = Softmax::LogSumExp(lse);
+                return Ok(Attention { qkv, softmax, out });
+            }
+        }
+        if let Some((probs, out)) = cpu_attention::forward(&qkv, h, s)? {
+            let softmax = Softmax::Probs(probs);
+            return Ok(Attention { qkv, softmax, out });
         }
         let (q, k, v) = heads(h, &qkv)?;
         let probs = causal_softmax(&q.matmul(&k.t()?)?, scale(hd))?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
-        Ok(Attention { qkv, probs, out })
+        let softmax = Softmax::Probs(probs);
+        Ok(Attention { qkv, softmax, out })
+    }
+
+    /// Bytes of what backward reads besides the projection and the output.
+    fn softmax_bytes(&self) -> usize {
+        match &self.softmax {
+            Softmax::Probs(p) | Softmax::LogSumExp(p) => tensor_bytes(p),
+        }
     }
 
     /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`.
     fn backward(&self, h: usize, dout: &Tensor) -> Result<Tensor> {
         let (b, t, d) = dout.dims3()?;
         let hd = d / h;
-        let fast = cpu_attention::backward(&self.qkv, &self.probs, dout, h, scale(hd) as f32)?;
-        if let Some(dqkv) = fast {
+        let s = scale(hd) as f32;
+        let probs = match &self.softmax {
+            Softmax::LogSumExp(lse) => {
+                return cpu_flash_attention::backward(&self.qkv, &self.out, lse, dout, h, s)?
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(
+                            "attention: the blockwise backward of a CPU f32 forward declined"
+                                .into(),
+                        )
+                    })
+            }
+            Softmax::Probs(p) => p,
+        };
+        if let Some(dqkv) = cpu_attention::backward(&self.qkv, probs, dout, h, s)? {
             return Ok(dqkv);
         }
         let (q, k, v) = heads(h, &self.qkv)?;
         let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
         let dprobs = dheads.matmul(&v.t()?)?;
-        let dv = self.probs.t()?.matmul(&dheads)?;
-        let dscores = causal_softmax_backward(&self.probs, &dprobs, scale(hd))?;
+        let dv = probs.t()?.matmul(&dheads)?;
+        let dscores = causal_softmax_backward(probs, &dprobs, scale(hd))?;
         let dq = dscores.matmul(&k)?;
         let dk = dscores.t()?.matmul(&q)?;
         // [3, b, H, t, hd] back to [b, t, 3, H, hd]
@@ -903,6 +937,26 @@ mod tests {
         assert!(names.contains(&"h.3.mlp.c_proj.bias".to_string()));
         assert_eq!(names.last().unwrap(), "lm_head.weight");
         assert_eq!(names.len(), 2 + 4 * 12 + 3);
+    }
+
+    /// From `cpu_flash_attention::MIN_SEQ` positions the blocks' attention keeps no
+    /// probabilities and differentiates blockwise: its backward against candle's autograd of
+    /// the attention that holds them, at and beyond a whole number of blocks.
+    #[test]
+    fn long_sequences_take_the_blockwise_attention() {
+        let t = cpu_flash_attention::MIN_SEQ;
+        let c = GptConfig {
+            V: 24,
+            T: t + 40,
+            d: 16,
+            H: 2,
+            L: 1,
+            tie_embeddings: false,
+            moe: None,
+        };
+        for len in [t, t + 40] {
+            crate::taped_check::check_layers(&c.build(), (1, len), c.d, c.V, "long GPT");
+        }
     }
 
     /// A top-1 expert block's FLOPs are a dense block's and the router's (2 d E a token),

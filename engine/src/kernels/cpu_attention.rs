@@ -109,17 +109,17 @@ pub fn backward(
 }
 
 /// The sizes of an attention over `qkv` [B, T, 3d] with `heads` heads.
-struct Shape {
-    b: usize,
-    t: usize,
-    d: usize,
-    heads: usize,
-    hd: usize,
+pub(super) struct Shape {
+    pub b: usize,
+    pub t: usize,
+    pub d: usize,
+    pub heads: usize,
+    pub hd: usize,
 }
 
 impl Shape {
     /// `None` where this path does not apply: not an untracked f32 CPU [B, T, 3d] tensor.
-    fn of(qkv: &Tensor, heads: usize) -> Option<Shape> {
+    pub fn of(qkv: &Tensor, heads: usize) -> Option<Shape> {
         let (b, t, d3) = qkv.dims3().ok()?;
         let usable = qkv.device().is_cpu() && qkv.dtype() == DType::F32 && !qkv.track_op();
         let d = d3 / 3;
@@ -132,7 +132,7 @@ impl Shape {
         })
     }
 
-    fn pairs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    pub fn pairs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         (0..self.b).flat_map(move |b| (0..self.heads).map(move |h| (b, h)))
     }
 
@@ -140,7 +140,7 @@ impl Shape {
     ///
     /// # Safety
     /// `src` holds B * T * 3d elements.
-    unsafe fn qkv(&self, src: *const f32, b: usize, h: usize) -> (Mat, Mat, Mat) {
+    pub unsafe fn qkv(&self, src: *const f32, b: usize, h: usize) -> (Mat, Mat, Mat) {
         let base = src.add(b * self.t * 3 * self.d + h * self.hd);
         let view = |part: usize| Mat {
             ptr: base.add(part * self.d),
@@ -160,7 +160,7 @@ fn square(ptr: *const f32, t: usize) -> Mat {
     }
 }
 
-fn f32_slice(s: &Storage, offsets: Option<(usize, usize)>) -> Option<&[f32]> {
+pub(super) fn f32_slice(s: &Storage, offsets: Option<(usize, usize)>) -> Option<&[f32]> {
     match (s, offsets) {
         (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(&v[a..b]),
         _ => None,

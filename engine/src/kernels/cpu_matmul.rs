@@ -127,6 +127,17 @@ pub(crate) struct Mat {
 }
 
 impl Mat {
+    /// The view from row `i` on.
+    ///
+    /// # Safety
+    /// Row `i` lies inside the operand's allocation.
+    pub unsafe fn row(self, i: usize) -> Mat {
+        Mat {
+            ptr: self.ptr.offset(i as isize * self.rs),
+            ..self
+        }
+    }
+
     /// The transposed view of the same elements.
     pub fn t(self) -> Mat {
         Mat {

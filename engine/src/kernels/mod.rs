@@ -6,11 +6,12 @@
 //! Imports point down this list, never up or sideways within a row:
 //! - `vmath`, `cpu_matmul`, `cpu_storage`, `primitive`: candle, gemm and plain arithmetic only;
 //! - `ops` (GELU, causal softmax, bias), `fused_norm_loss` (LayerNorm, cross-entropy);
-//! - `grad` (linear and its backward), `cpu_attention`;
+//! - `grad` (linear and its backward), `cpu_attention`, `cpu_flash_attention`;
 //! - `nn`: the layers and dispatchers a model calls.
 
 pub mod autograd;
 pub mod cpu_attention;
+pub mod cpu_flash_attention;
 mod cpu_matmul;
 mod cpu_storage;
 pub mod fused_norm_loss;
