@@ -166,21 +166,24 @@ fn model_states_and_activations_equal_memory_report() {
     }
 }
 
-/// Long sequences: from 1024 positions the GPT's CPU attention keeps one log-sum-exp per row
-/// instead of [T, T] probabilities per head (kernels/cpu_flash_attention.rs); the estimate
-/// follows, to the byte, in fp32 at ZeRO 0 and 3, and with bf16 (which keeps them).
+/// Long sequences: from 1024 positions the CPU attention of the GPT and the Llama family
+/// keeps one log-sum-exp per row instead of [T, T] probabilities per head
+/// (kernels/cpu_flash_attention.rs); the estimate follows, to the byte, in fp32 at ZeRO 0
+/// and 3, and with bf16 (which keeps them).
 #[test]
 fn long_sequences_activations_equal_memory_report() {
     let s = Scratch::new("estimate-long");
-    let model = s.write(
+    let gpt = s.write(
         "model.json",
         r#"{"V": 130, "T": 1024, "d": 32, "H": 4, "L": 2}"#,
     );
-    let model = model.display().to_string();
-    for (name, nproc, stage, extra) in [
-        ("z0", 1, 0, ""),
-        ("z3-dp2", 2, 3, ""),
-        ("z1-bf16", 1, 1, r#", "bf16": {"enabled": true}"#),
+    let gpt = gpt.display().to_string();
+    let llama = "llama-tiny --seq-len 1024".to_string();
+    for (name, model, nproc, stage, extra) in [
+        ("z0", &gpt, 1, 0, ""),
+        ("z3-dp2", &gpt, 2, 3, ""),
+        ("z1-bf16", &gpt, 1, 1, r#", "bf16": {"enabled": true}"#),
+        ("llama-z0", &llama, 1, 0, ""),
     ] {
         let cfg = s.write(
             &format!("{name}.json"),

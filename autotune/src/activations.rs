@@ -36,6 +36,17 @@ pub fn layers(spec: &ModelSpec, m: MicroBatch) -> Vec<LayerActivations> {
     }
 }
 
+/// What attention keeps of its softmax for `heads` (batch x heads) rows of `seq` positions
+/// in a dtype of `e` bytes: the probabilities, or from cpu_flash_attention::MIN_SEQ positions
+/// in f32 (the CPU's blockwise path) each row's log-sum-exp.
+fn softmax_bytes(heads: u64, seq: usize, e: u64) -> u64 {
+    let t = seq as u64;
+    match e == 4 && seq >= cpu_flash_attention::MIN_SEQ {
+        true => heads * t * 4,
+        false => heads * t * t * e,
+    }
+}
+
 /// The loss layer's tape: softmax rows in f32 and the targets (u32); under tensor
 /// parallelism this rank's softmax columns, its local targets and their mask.
 fn loss_tape(tokens: u64, v: u64, m: MicroBatch) -> u64 {
@@ -61,7 +72,7 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
     let hidden = tokens * d * e;
     let (q, kv) = (c.q_width() as u64 / tp, c.kv_width() as u64 / tp);
     let f = c.intermediate_size as u64 / tp;
-    let probs = b * (c.num_attention_heads as u64 / tp) * t * t * e;
+    let probs = softmax_bytes(b * (c.num_attention_heads as u64 / tp), seq, e);
     let heads = (c.num_attention_heads + c.num_key_value_heads) as u64 / tp;
     let qk_norm = match c.qk_norm {
         true => tokens * (q + kv) * e + tokens * heads * 4,
@@ -140,14 +151,7 @@ fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec
     let (tp, e) = (m.tp, m.dtype);
     let tokens = b * t;
     let hidden = tokens * d * e;
-    // the fused attention keeps its probabilities in f32 when it computes in f32, from
-    // cpu_flash_attention::MIN_SEQ positions only each row's log-sum-exp; otherwise the
-    // generic path keeps them in the compute dtype
-    let heads = b * (c.H as u64 / tp);
-    let probs = match e == 4 && seq >= cpu_flash_attention::MIN_SEQ {
-        true => heads * t * 4,
-        false => heads * t * t * e,
-    };
+    let probs = softmax_bytes(b * (c.H as u64 / tp), seq, e);
     let attention = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
         + tokens * 3 * d / tp * e // q|k|v
         + probs

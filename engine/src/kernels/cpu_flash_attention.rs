@@ -22,8 +22,255 @@ const BLOCK: usize = 64;
 /// probabilities are small and keeping them saves backward a product.
 pub const MIN_SEQ: usize = 1024;
 
-/// The output [B, T, d] and the rows' log-sum-exp of the scaled, masked scores [B, H, T] of
-/// `qkv` [B, T, 3d].
+/// One head's operands: q, k, v [T, hd] views, and where its output rows go.
+#[derive(Clone, Copy)]
+struct Head {
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    /// The output's first row and its row stride.
+    out: *mut f32,
+    out_rs: isize,
+}
+
+/// Which keys a query sees: those at or before it, and with `window` Some(w) only the last
+/// w of them (row i sees i - w + 1 ..= i, transformers' sliding window).
+#[derive(Clone, Copy)]
+struct Mask {
+    scale: f32,
+    window: Option<usize>,
+}
+
+impl Mask {
+    /// The keys of row `i` among `j0 .. j0 + cols`: a range of the block's columns.
+    fn seen(&self, i: usize, j0: usize, cols: usize) -> std::ops::Range<usize> {
+        let end = (i + 1).saturating_sub(j0).min(cols);
+        let first = match self.window {
+            Some(w) => (i + 1).saturating_sub(w),
+            None => 0,
+        };
+        first.saturating_sub(j0).min(end)..end
+    }
+
+    /// The key blocks a query block `i0 .. i0 + rows` may see.
+    fn key_blocks(&self, i0: usize, rows: usize) -> impl Iterator<Item = usize> {
+        let first = match self.window {
+            Some(w) => (i0 + 1).saturating_sub(w) / BLOCK * BLOCK,
+            None => 0,
+        };
+        (first..i0 + rows).step_by(BLOCK)
+    }
+}
+
+/// Scratch space for one head at a time.
+struct Scratch {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(hd: usize) -> Scratch {
+        Scratch {
+            a: vec![0.0; BLOCK * BLOCK],
+            b: vec![0.0; BLOCK * BLOCK],
+            acc: vec![0.0; BLOCK * hd],
+            max: vec![0.0; BLOCK],
+            sum: vec![0.0; BLOCK],
+        }
+    }
+}
+
+/// One head's forward over `t` positions: its output rows, and each row's log-sum-exp in
+/// `lse`.
+///
+/// # Safety
+/// The views address t x hd elements each; the output rows are this head's alone.
+unsafe fn forward_head(t: usize, hd: usize, x: Head, m: Mask, lse: &mut [f32], s: &mut Scratch) {
+    for i0 in (0..t).step_by(BLOCK) {
+        let rows = BLOCK.min(t - i0);
+        s.max[..rows].fill(f32::NEG_INFINITY);
+        s.sum[..rows].fill(0.0);
+        s.acc[..rows * hd].fill(0.0);
+        for j0 in m.key_blocks(i0, rows) {
+            let cols = BLOCK.min(t - j0);
+            let (q, k) = (x.q.row(i0), x.k.row(j0).t());
+            gemm_into(
+                rows,
+                cols,
+                hd,
+                s.a.as_mut_ptr(),
+                cols as isize,
+                1,
+                false,
+                q,
+                k,
+            );
+            for (r, row) in s.a[..rows * cols].chunks_exact_mut(cols).enumerate() {
+                let seen = m.seen(i0 + r, j0, cols);
+                let rescale = online_softmax_row(row, seen, m.scale, &mut s.max[r], &mut s.sum[r]);
+                for a in &mut s.acc[r * hd..(r + 1) * hd] {
+                    *a *= rescale;
+                }
+            }
+            let p = Mat {
+                ptr: s.a.as_ptr(),
+                rs: cols as isize,
+                cs: 1,
+            };
+            gemm_into(
+                rows,
+                hd,
+                cols,
+                s.acc.as_mut_ptr(),
+                hd as isize,
+                1,
+                true,
+                p,
+                x.v.row(j0),
+            );
+        }
+        for r in 0..rows {
+            let o = x.out.offset((i0 + r) as isize * x.out_rs);
+            for (c, a) in s.acc[r * hd..(r + 1) * hd].iter().enumerate() {
+                *o.add(c) = a / s.sum[r];
+            }
+            lse[i0 + r] = s.max[r] + s.sum[r].ln();
+        }
+    }
+}
+
+/// One row of a block's scores: the columns `seen` scaled and turned into exp(s - new max)
+/// in place, the others zero, folded into the row's running maximum `m` and sum `l`; returns
+/// the factor the row's earlier output must be rescaled by.
+fn online_softmax_row(
+    row: &mut [f32],
+    seen: std::ops::Range<usize>,
+    scale: f32,
+    m: &mut f32,
+    l: &mut f32,
+) -> f32 {
+    let block_max = row[seen.clone()]
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &x| a.max(x * scale));
+    let new_max = m.max(block_max);
+    if new_max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return 1.0;
+    }
+    let rescale = (*m - new_max).exp();
+    let mut block_sum = 0.0;
+    for x in &mut row[seen.clone()] {
+        *x = (*x * scale - new_max).exp();
+        block_sum += *x;
+    }
+    row[..seen.start].fill(0.0);
+    row[seen.end..].fill(0.0);
+    *l = *l * rescale + block_sum;
+    *m = new_max;
+    rescale
+}
+
+/// One head's gradients, added into dq, dk, dv (row strides `g_rs`): from its output `o` and
+/// its gradient `dy` ([T, hd] views), and the forward's `lse`.
+///
+/// # Safety
+/// Every view addresses t x hd elements; dq, dk, dv overlap no operand.
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_head(
+    t: usize,
+    hd: usize,
+    x: Head,
+    (o, dy): (Mat, Mat),
+    lse: &[f32],
+    (dq, dk, dv, g_rs): (*mut f32, *mut f32, *mut f32, isize),
+    m: Mask,
+    s: &mut Scratch,
+) {
+    // D_i = dy_i . o_i, the softmax backward's row constant (in `acc`, t of them)
+    let mut delta = vec![0f32; t];
+    for (i, di) in delta.iter_mut().enumerate() {
+        let (yr, or) = (dy.row(i).ptr, o.row(i).ptr);
+        *di = (0..hd).map(|c| *yr.add(c) * *or.add(c)).sum();
+    }
+    let at = |g: *mut f32, row: usize| g.offset(row as isize * g_rs);
+    for i0 in (0..t).step_by(BLOCK) {
+        let rows = BLOCK.min(t - i0);
+        for j0 in m.key_blocks(i0, rows) {
+            let cols = BLOCK.min(t - j0);
+            let (p, dp) = (s.a.as_mut_ptr(), s.b.as_mut_ptr());
+            gemm_into(
+                rows,
+                cols,
+                hd,
+                p,
+                cols as isize,
+                1,
+                false,
+                x.q.row(i0),
+                x.k.row(j0).t(),
+            );
+            for (r, row) in s.a[..rows * cols].chunks_exact_mut(cols).enumerate() {
+                let i = i0 + r;
+                let seen = m.seen(i, j0, cols);
+                for (c, e) in row.iter_mut().enumerate() {
+                    *e = match seen.contains(&c) {
+                        true => (*e * m.scale - lse[i]).exp(),
+                        false => 0.0,
+                    };
+                }
+            }
+            let pm = Mat {
+                ptr: s.a.as_ptr(),
+                rs: cols as isize,
+                cs: 1,
+            };
+            let dyi = dy.row(i0);
+            // dv_j += p^T dy_i; dp = dy_i v_j^T
+            gemm_into(cols, hd, rows, at(dv, j0), g_rs, 1, true, pm.t(), dyi);
+            gemm_into(
+                rows,
+                cols,
+                hd,
+                dp,
+                cols as isize,
+                1,
+                false,
+                dyi,
+                x.v.row(j0).t(),
+            );
+            // ds = p (dp - D_i) scale, in place of dp
+            for r in 0..rows {
+                for c in 0..cols {
+                    let e = r * cols + c;
+                    s.b[e] = s.a[e] * (s.b[e] - delta[i0 + r]) * m.scale;
+                }
+            }
+            let ds = Mat {
+                ptr: s.b.as_ptr(),
+                rs: cols as isize,
+                cs: 1,
+            };
+            gemm_into(rows, hd, cols, at(dq, i0), g_rs, 1, true, ds, x.k.row(j0));
+            gemm_into(
+                cols,
+                hd,
+                rows,
+                at(dk, j0),
+                g_rs,
+                1,
+                true,
+                ds.t(),
+                x.q.row(i0),
+            );
+        }
+    }
+}
+
+/// The output [B, T, d] and the rows' log-sum-exp of the scaled, causally masked scores
+/// [B, H, T] of `qkv` [B, T, 3d] (the GPT's fused projection).
 pub fn forward(qkv: &Tensor, heads: usize, scale: f32) -> Result<Option<(Tensor, Tensor)>> {
     let Some(s) = Shape::of(qkv, heads) else {
         return Ok(None);
@@ -35,107 +282,33 @@ pub fn forward(qkv: &Tensor, heads: usize, scale: f32) -> Result<Option<(Tensor,
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
     let mut lse = vec![0f32; s.b * heads * t];
-    let mut scores = vec![0f32; BLOCK * BLOCK];
-    let mut acc = vec![0f32; BLOCK * hd];
-    let (mut max, mut sum) = (vec![0f32; BLOCK], vec![0f32; BLOCK]);
-    // SAFETY: every (b, h) writes its own [t, h, :] columns of out (each row once, at the end
-    // of its query block) and its own lse rows; operand views stay inside qkv and the
-    // scratch matrices, which no product reads and writes at once.
+    let mut scratch = Scratch::new(hd);
+    let mask = Mask {
+        scale,
+        window: None,
+    };
+    // SAFETY: every (b, h) writes its own [t, h, :] columns of out (each row once) and its
+    // own lse rows; operand views stay inside qkv.
     let out = unsafe {
         filled(s.b * t * d, |out| {
             for (b, h) in s.pairs() {
                 let (q, k, v) = s.qkv(src.as_ptr(), b, h);
-                for i0 in (0..t).step_by(BLOCK) {
-                    let rows = BLOCK.min(t - i0);
-                    max[..rows].fill(f32::NEG_INFINITY);
-                    sum[..rows].fill(0.0);
-                    acc[..rows * hd].fill(0.0);
-                    // key blocks up to the last query's position
-                    for j0 in (0..i0 + rows).step_by(BLOCK) {
-                        let cols = BLOCK.min(t - j0);
-                        let sc = scores.as_mut_ptr();
-                        gemm_into(
-                            rows,
-                            cols,
-                            hd,
-                            sc,
-                            cols as isize,
-                            1,
-                            false,
-                            q.row(i0),
-                            k.row(j0).t(),
-                        );
-                        let block = &mut scores[..rows * cols];
-                        for (r, row) in block.chunks_exact_mut(cols).enumerate() {
-                            let (m, l) = (&mut max[r], &mut sum[r]);
-                            let rescale = online_softmax_row(row, i0 + r, j0, scale, m, l);
-                            for a in &mut acc[r * hd..(r + 1) * hd] {
-                                *a *= rescale;
-                            }
-                        }
-                        let p = Mat {
-                            ptr: scores.as_ptr(),
-                            rs: cols as isize,
-                            cs: 1,
-                        };
-                        gemm_into(
-                            rows,
-                            hd,
-                            cols,
-                            acc.as_mut_ptr(),
-                            hd as isize,
-                            1,
-                            true,
-                            p,
-                            v.row(j0),
-                        );
-                    }
-                    for r in 0..rows {
-                        let o = out.add(b * t * d + (i0 + r) * d + h * hd);
-                        for (c, a) in acc[r * hd..(r + 1) * hd].iter().enumerate() {
-                            *o.add(c) = a / sum[r];
-                        }
-                        lse[(b * heads + h) * t + i0 + r] = max[r] + sum[r].ln();
-                    }
-                }
+                let out = out.add(b * t * d + h * hd);
+                let head = Head {
+                    q,
+                    k,
+                    v,
+                    out,
+                    out_rs: d as isize,
+                };
+                let lse = &mut lse[(b * heads + h) * t..(b * heads + h + 1) * t];
+                forward_head(t, hd, head, mask, lse, &mut scratch);
             }
         })
     };
     let dev = Device::Cpu;
     let out = Tensor::from_vec(out, (s.b, t, d), &dev)?;
     Ok(Some((out, Tensor::from_vec(lse, (s.b, heads, t), &dev)?)))
-}
-
-/// One row of a block's scores (query position `i`, keys from `j0`) scaled and causally
-/// masked, turned into exp(s - new max) in place, folded into the row's running maximum `m`
-/// and sum `l`; returns the factor the row's earlier output must be rescaled by.
-fn online_softmax_row(
-    row: &mut [f32],
-    i: usize,
-    j0: usize,
-    scale: f32,
-    m: &mut f32,
-    l: &mut f32,
-) -> f32 {
-    let seen = (i + 1).saturating_sub(j0).min(row.len());
-    let block_max = row[..seen]
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &x| a.max(x * scale));
-    let new_max = m.max(block_max);
-    if new_max == f32::NEG_INFINITY {
-        row.fill(0.0);
-        return 1.0;
-    }
-    let rescale = (*m - new_max).exp();
-    let mut block_sum = 0.0;
-    for x in &mut row[..seen] {
-        *x = (*x * scale - new_max).exp();
-        block_sum += *x;
-    }
-    row[seen..].fill(0.0);
-    *l = *l * rescale + block_sum;
-    *m = new_max;
-    rescale
 }
 
 /// The gradient [B, T, 3d] of `qkv` given that of the output, `dout` [B, T, d], from the
@@ -151,8 +324,7 @@ pub fn backward(
     let Some(s) = Shape::of(qkv, heads) else {
         return Ok(None);
     };
-    let untracked_f32 = |x: &&Tensor| !x.track_op() && x.dtype() == DType::F32;
-    if ![out, lse, dout].iter().all(untracked_f32) {
+    if ![out, lse, dout].iter().all(|x| untracked_f32(x)) {
         return Ok(None);
     }
     let (qkv, out, lse, dout) = (
@@ -179,93 +351,230 @@ pub fn backward(
     }
     // dq, dk and dv accumulate over blocks: zeros first
     let mut dqkv = vec![0f32; s.b * t * 3 * d];
-    let dqkv_ptr = dqkv.as_mut_ptr();
-    let (mut p, mut dp) = (vec![0f32; BLOCK * BLOCK], vec![0f32; BLOCK * BLOCK]);
-    let mut delta = vec![0f32; t];
-    let at = |m: &[f32], b: usize, h: usize| Mat {
-        ptr: m[b * t * d + h * hd..].as_ptr(),
-        rs: d as isize,
-        cs: 1,
+    let g = dqkv.as_mut_ptr();
+    let mut scratch = Scratch::new(hd);
+    let mask = Mask {
+        scale,
+        window: None,
     };
     for (b, h) in s.pairs() {
-        // D_i = dout_i . out_i, the softmax backward's row constant
-        for (i, di) in delta.iter_mut().enumerate() {
-            let row = b * t * d + i * d + h * hd;
-            *di = (0..hd).map(|c| dy[row + c] * o[row + c]).sum();
-        }
-        let lse = &lse[(b * heads + h) * t..(b * heads + h + 1) * t];
-        // SAFETY: q, k, v, dout views stay inside their buffers; the dq, dk, dv views are this
-        // (b, h)'s columns of dqkv, which no operand reads; p and dp are BLOCK x BLOCK.
+        let view = |m: &[f32]| Mat {
+            ptr: m[b * t * d + h * hd..].as_ptr(),
+            rs: d as isize,
+            cs: 1,
+        };
+        // SAFETY: the views stay inside qkv, out and dout; the gradient views are this
+        // (b, h)'s columns of dqkv, which no operand reads.
         unsafe {
             let (q, k, v) = s.qkv(src.as_ptr(), b, h);
-            let dy_bh = at(dy, b, h);
-            let grad = |part: usize, row: usize| {
-                dqkv_ptr.add(b * t * 3 * d + row * 3 * d + part * d + h * hd)
+            let head = Head {
+                q,
+                k,
+                v,
+                out: std::ptr::null_mut(),
+                out_rs: 0,
             };
-            let rs = 3 * d as isize;
-            for j0 in (0..t).step_by(BLOCK) {
-                let cols = BLOCK.min(t - j0);
-                // query blocks that see these keys: from the one holding position j0
-                for i0 in (j0 / BLOCK * BLOCK..t).step_by(BLOCK) {
-                    let rows = BLOCK.min(t - i0);
-                    gemm_into(
-                        rows,
-                        cols,
-                        hd,
-                        p.as_mut_ptr(),
-                        cols as isize,
-                        1,
-                        false,
-                        q.row(i0),
-                        k.row(j0).t(),
-                    );
-                    for (r, row) in p[..rows * cols].chunks_exact_mut(cols).enumerate() {
-                        let i = i0 + r;
-                        for (c, x) in row.iter_mut().enumerate() {
-                            *x = match j0 + c <= i {
-                                true => (*x * scale - lse[i]).exp(),
-                                false => 0.0,
-                            };
-                        }
-                    }
-                    let pm = Mat {
-                        ptr: p.as_ptr(),
-                        rs: cols as isize,
-                        cs: 1,
-                    };
-                    let dyi = dy_bh.row(i0);
-                    // dv_j += p^T dout_i; dp = dout_i v_j^T
-                    gemm_into(cols, hd, rows, grad(2, j0), rs, 1, true, pm.t(), dyi);
-                    gemm_into(
-                        rows,
-                        cols,
-                        hd,
-                        dp.as_mut_ptr(),
-                        cols as isize,
-                        1,
-                        false,
-                        dyi,
-                        v.row(j0).t(),
-                    );
-                    // ds = p (dp - D_i) scale, in dp
-                    for r in 0..rows {
-                        for c in 0..cols {
-                            let x = r * cols + c;
-                            dp[x] = p[x] * (dp[x] - delta[i0 + r]) * scale;
-                        }
-                    }
-                    let ds = Mat {
-                        ptr: dp.as_ptr(),
-                        rs: cols as isize,
-                        cs: 1,
-                    };
-                    gemm_into(rows, hd, cols, grad(0, i0), rs, 1, true, ds, k.row(j0));
-                    gemm_into(cols, hd, rows, grad(1, j0), rs, 1, true, ds.t(), q.row(i0));
-                }
-            }
+            let at = |part: usize| g.add(b * t * 3 * d + part * d + h * hd);
+            let grads = (at(0), at(1), at(2), 3 * d as isize);
+            let lse = &lse[(b * heads + h) * t..(b * heads + h + 1) * t];
+            backward_head(
+                t,
+                hd,
+                head,
+                (view(o), view(dy)),
+                lse,
+                grads,
+                mask,
+                &mut scratch,
+            );
         }
     }
     Ok(Some(Tensor::from_vec(dqkv, (s.b, t, 3 * d), &Device::Cpu)?))
+}
+
+/// Grouped-query attention over q [B, h, T, hd] and k, v [B, g, T, hd] (query head i reads
+/// key/value head i / (h / g)), causally masked, with `window` Some(w) the sliding window:
+/// the output [B, T, h hd] (heads side by side) and the rows' log-sum-exp [B, h, T].
+pub fn forward_grouped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let Some(g) = Grouped::of(q, k, v) else {
+        return Ok(None);
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (sq, lq) = q.storage_and_layout();
+    let (sk, lk) = k.storage_and_layout();
+    let (sv, lv) = v.storage_and_layout();
+    let (Some(qs), Some(ks), Some(vs)) = (
+        f32_slice(&sq, lq.contiguous_offsets()),
+        f32_slice(&sk, lk.contiguous_offsets()),
+        f32_slice(&sv, lv.contiguous_offsets()),
+    ) else {
+        return Ok(None);
+    };
+    let (t, hd, width) = (g.t, g.hd, g.h * g.hd);
+    let mut lse = vec![0f32; g.b * g.h * t];
+    let mut scratch = Scratch::new(hd);
+    let mask = Mask { scale, window };
+    // SAFETY: every (b, head) writes its own [t, head, :] columns of out and its own lse
+    // rows; the operand views stay inside q, k and v.
+    let out = unsafe {
+        filled(g.b * t * width, |out| {
+            for (b, h) in g.pairs() {
+                let (q, k, v) = g.views((qs, ks, vs), b, h);
+                let out = out.add(b * t * width + h * hd);
+                let head = Head {
+                    q,
+                    k,
+                    v,
+                    out,
+                    out_rs: width as isize,
+                };
+                let lse = &mut lse[(b * g.h + h) * t..(b * g.h + h + 1) * t];
+                forward_head(t, hd, head, mask, lse, &mut scratch);
+            }
+        })
+    };
+    let dev = Device::Cpu;
+    let out = Tensor::from_vec(out, (g.b, t, width), &dev)?;
+    Ok(Some((out, Tensor::from_vec(lse, (g.b, g.h, t), &dev)?)))
+}
+
+/// `forward_grouped`'s backward: dq [B, h, T, hd], dk and dv [B, g, T, hd] (summed over the
+/// query heads that share them) from the gradient of the output `dout` [B, T, h hd].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_grouped(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Option<[Tensor; 3]>> {
+    let Some(g) = Grouped::of(q, k, v) else {
+        return Ok(None);
+    };
+    if ![out, lse, dout].iter().all(|x| untracked_f32(x)) {
+        return Ok(None);
+    }
+    let cont = |x: &Tensor| x.contiguous();
+    let (q, k, v, out, lse, dout) = (
+        cont(q)?,
+        cont(k)?,
+        cont(v)?,
+        cont(out)?,
+        cont(lse)?,
+        cont(dout)?,
+    );
+    let guards = [&q, &k, &v, &out, &lse, &dout].map(|x| x.storage_and_layout());
+    let slices: Vec<Option<&[f32]>> = guards
+        .iter()
+        .map(|(s, l)| f32_slice(s, l.contiguous_offsets()))
+        .collect();
+    let [Some(qs), Some(ks), Some(vs), Some(o), Some(lse), Some(dy)] = slices[..] else {
+        return Ok(None);
+    };
+    let (t, hd, width) = (g.t, g.hd, g.h * g.hd);
+    if o.len() != g.b * t * width || dy.len() != o.len() || lse.len() != g.b * g.h * t {
+        return Ok(None);
+    }
+    let mut dq = vec![0f32; qs.len()];
+    let (mut dk, mut dv) = (vec![0f32; ks.len()], vec![0f32; vs.len()]);
+    let (dqp, dkp, dvp) = (dq.as_mut_ptr(), dk.as_mut_ptr(), dv.as_mut_ptr());
+    let mut scratch = Scratch::new(hd);
+    let mask = Mask { scale, window };
+    for (b, h) in g.pairs() {
+        let view = |m: &[f32]| Mat {
+            ptr: m[b * t * width + h * hd..].as_ptr(),
+            rs: width as isize,
+            cs: 1,
+        };
+        // SAFETY: the views stay inside their tensors; dq's head rows are this head's, dk's
+        // and dv's its group's, which no operand reads.
+        unsafe {
+            let (q, k, v) = g.views((qs, ks, vs), b, h);
+            let head = Head {
+                q,
+                k,
+                v,
+                out: std::ptr::null_mut(),
+                out_rs: 0,
+            };
+            let kv = (b * g.g + h / g.per_group()) * t * hd;
+            let grads = (
+                dqp.add((b * g.h + h) * t * hd),
+                dkp.add(kv),
+                dvp.add(kv),
+                hd as isize,
+            );
+            let lse = &lse[(b * g.h + h) * t..(b * g.h + h + 1) * t];
+            backward_head(
+                t,
+                hd,
+                head,
+                (view(o), view(dy)),
+                lse,
+                grads,
+                mask,
+                &mut scratch,
+            );
+        }
+    }
+    let dev = Device::Cpu;
+    Ok(Some([
+        Tensor::from_vec(dq, (g.b, g.h, t, hd), &dev)?,
+        Tensor::from_vec(dk, (g.b, g.g, t, hd), &dev)?,
+        Tensor::from_vec(dv, (g.b, g.g, t, hd), &dev)?,
+    ]))
+}
+
+/// The sizes of a grouped-query attention.
+struct Grouped {
+    b: usize,
+    h: usize,
+    g: usize,
+    t: usize,
+    hd: usize,
+}
+
+impl Grouped {
+    /// `None` where this path does not apply: not untracked f32 CPU tensors q [B, h, T, hd],
+    /// k and v [B, g, T, hd] with g dividing h.
+    fn of(q: &Tensor, k: &Tensor, v: &Tensor) -> Option<Grouped> {
+        let (b, h, t, hd) = q.dims4().ok()?;
+        let (b2, g, t2, hd2) = k.dims4().ok()?;
+        let same = (b, t, hd) == (b2, t2, hd2) && v.dims() == k.dims();
+        let usable = [q, k, v].iter().all(|x| untracked_f32(x));
+        (same && usable && g > 0 && h % g == 0).then_some(Grouped { b, h, g, t, hd })
+    }
+
+    fn per_group(&self) -> usize {
+        self.h / self.g
+    }
+
+    fn pairs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.b).flat_map(move |b| (0..self.h).map(move |h| (b, h)))
+    }
+
+    /// Query head `h` of batch element `b` and its key/value head, [T, hd] views.
+    fn views(&self, (q, k, v): (&[f32], &[f32], &[f32]), b: usize, h: usize) -> (Mat, Mat, Mat) {
+        let (t, hd) = (self.t, self.hd);
+        let kv = (b * self.g + h / self.per_group()) * t * hd;
+        let view = |m: &[f32], at: usize| Mat {
+            ptr: m[at..].as_ptr(),
+            rs: hd as isize,
+            cs: 1,
+        };
+        (view(q, (b * self.h + h) * t * hd), view(k, kv), view(v, kv))
+    }
+}
+
+fn untracked_f32(x: &Tensor) -> bool {
+    !x.track_op() && x.dtype() == DType::F32 && x.device().is_cpu()
 }
 
 #[cfg(test)]
@@ -297,6 +606,91 @@ mod tests {
             .zip(want)
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         worst / scale
+    }
+
+    /// Grouped-query attention with and without a sliding window against candle's autograd
+    /// of the attention that holds the probabilities: the output, dq, and dk, dv summed over
+    /// the query heads that share them.
+    #[test]
+    fn grouped_heads_and_windows_equal_autograd() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        for (b, h, g, t, hd, window) in [
+            (1, 4, 2, 150, 8, None),
+            (2, 2, 1, 70, 4, Some(20)),
+            (1, 3, 3, 130, 8, Some(100)),
+        ] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            let var = |n: usize, shape: (usize, usize, usize, usize), seed: u64| {
+                Var::from_vec(values(n, seed), shape, &dev).unwrap()
+            };
+            let q = var(b * h * t * hd, (b, h, t, hd), 1);
+            let k = var(b * g * t * hd, (b, g, t, hd), 2);
+            let v = var(b * g * t * hd, (b, g, t, hd), 3);
+            let dout = Tensor::from_vec(values(b * t * h * hd, 4), (b, t, h * hd), &dev).unwrap();
+            // the reference: repeated heads, a -inf mask, softmax, all through autograd
+            let repeat = |x: &Tensor| {
+                x.unsqueeze(2)
+                    .unwrap()
+                    .broadcast_as((b, g, h / g, t, hd))
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+                    .reshape((b, h, t, hd))
+                    .unwrap()
+            };
+            let mask: Vec<f32> = (0..t * t)
+                .map(|e| {
+                    let (i, j) = (e / t, e % t);
+                    let inside = j <= i && window.is_none_or(|w| i - j < w);
+                    if inside {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, t), &dev).unwrap();
+            let scores = q
+                .as_tensor()
+                .matmul(&repeat(k.as_tensor()).t().unwrap())
+                .unwrap();
+            let scores = (scores * scale as f64)
+                .unwrap()
+                .broadcast_add(&mask)
+                .unwrap();
+            let probs = crate::kernels::primitive::softmax_last_dim(&scores).unwrap();
+            let want = probs
+                .matmul(&repeat(v.as_tensor()))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, h * hd))
+                .unwrap();
+            let grads = (&want * &dout)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let (qd, kd, vd) = (
+                q.as_tensor().detach(),
+                k.as_tensor().detach(),
+                v.as_tensor().detach(),
+            );
+            let (out, lse) = forward_grouped(&qd, &kd, &vd, scale, window)
+                .unwrap()
+                .unwrap();
+            let [dq, dk, dv] = backward_grouped((&qd, &kd, &vd), &out, &lse, &dout, scale, window)
+                .unwrap()
+                .unwrap();
+            let what = format!("b {b} h {h} g {g} t {t} window {window:?}");
+            assert!(rel(&flat(&out), &flat(&want)) < 1e-5, "{what}: output");
+            for (name, got, x) in [("dq", &dq, &q), ("dk", &dk, &k), ("dv", &dv, &v)] {
+                let want = flat(grads.get(x.as_tensor()).unwrap());
+                assert!(rel(&flat(got), &want) < 1e-5, "{what}: {name}");
+            }
+        }
     }
 
     /// Against the attention that holds the probabilities (cpu_attention.rs, itself checked

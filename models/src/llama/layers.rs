@@ -11,6 +11,7 @@
 use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
+use ds_engine::kernels::cpu_flash_attention;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::model::{
@@ -506,14 +507,21 @@ fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): Linear) -> Vec<Para
     ]
 }
 
+/// What attention's backward reads of its softmax: the probabilities [B, h, T, T], or for
+/// sequences of `cpu_flash_attention::MIN_SEQ` and more on the CPU each row's log-sum-exp
+/// [B, h, T] (the probabilities recomputed in blocks: memory linear in T).
+enum Softmax {
+    Probs(Tensor),
+    LogSumExp(Tensor),
+}
+
 /// Grouped-query causal attention's forward values, kept for its backward.
 struct Attention {
     /// Rotated queries [B, h, T, hd] and keys [B, g, T, hd], values [B, g, T, hd].
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// Probabilities [B, h, T, T].
-    probs: Tensor,
+    softmax: Softmax,
     /// Under Qwen3's per-head norms: the queries and keys before them, and their reciprocal
     /// roots.
     normed: Option<[Tensor; 4]>,
@@ -547,23 +555,74 @@ impl Attention {
         let q = rope::apply(&q, &cos, &sin)?;
         let k = rope::apply(&k, &cos, &sin)?;
         let v = heads(p.v.forward(x)?, g)?;
+        let window = layer.window.filter(|w| *w < t);
+        if t >= cpu_flash_attention::MIN_SEQ {
+            let s = layer.scale() as f32;
+            if let Some((out, lse)) = cpu_flash_attention::forward_grouped(&q, &k, &v, s, window)? {
+                let softmax = Softmax::LogSumExp(lse);
+                return Ok(Attention {
+                    q,
+                    k,
+                    v,
+                    softmax,
+                    normed,
+                    out,
+                });
+            }
+        }
         let scores = q.matmul(&repeat_heads(&k, h / g)?.t()?)?;
-        let probs = match layer.window {
-            Some(w) if w < t => window_softmax(&scores, layer.scale(), w)?,
-            _ => causal_softmax(&scores, layer.scale())?,
+        let probs = match window {
+            Some(w) => window_softmax(&scores, layer.scale(), w)?,
+            None => causal_softmax(&scores, layer.scale())?,
         };
         let out = probs
             .matmul(&repeat_heads(&v, h / g)?)?
             .transpose(1, 2)?
             .reshape((b, t, h * hd))?;
+        let softmax = Softmax::Probs(probs);
         Ok(Attention {
             q,
             k,
             v,
-            probs,
+            softmax,
             normed,
             out,
         })
+    }
+
+    /// The gradients of the rotated queries, the rotated keys and the values from `dout`.
+    fn core_backward(&self, layer: &DecoderLayer, dout: &Tensor) -> Result<[Tensor; 3]> {
+        let (b, h, t, hd) = self.q.dims4()?;
+        let n = h / self.k.dim(1)?;
+        let probs = match &self.softmax {
+            Softmax::LogSumExp(lse) => {
+                let (s, window) = (layer.scale() as f32, layer.window.filter(|w| *w < t));
+                let qkv = (&self.q, &self.k, &self.v);
+                return cpu_flash_attention::backward_grouped(
+                    qkv, &self.out, lse, dout, s, window,
+                )?
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "attention: the blockwise backward of a CPU f32 forward declined".into(),
+                    )
+                });
+            }
+            Softmax::Probs(p) => p,
+        };
+        let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
+        let (k, v) = (repeat_heads(&self.k, n)?, repeat_heads(&self.v, n)?);
+        let dprobs = dheads.matmul(&v.t()?)?;
+        let dv = sum_repeated_heads(&probs.t()?.matmul(&dheads)?, n)?;
+        let dscores = causal_softmax_backward(probs, &dprobs, layer.scale())?;
+        let dq = dscores.matmul(&k)?;
+        let dk = sum_repeated_heads(&dscores.t()?.matmul(&self.q)?, n)?;
+        Ok([dq, dk, dv])
+    }
+
+    fn softmax_bytes(&self) -> usize {
+        match &self.softmax {
+            Softmax::Probs(p) | Softmax::LogSumExp(p) => tensor_bytes(p),
+        }
     }
 
     /// The gradients of the q, k and v projections' outputs [B, T, width] from `dout`, and
@@ -574,16 +633,10 @@ impl Attention {
         p: &LayerParams,
         dout: &Tensor,
     ) -> Result<([Tensor; 3], Option<[Tensor; 2]>)> {
-        let (b, h, t, hd) = self.q.dims4()?;
-        let n = h / self.k.dim(1)?;
+        let (b, _, t, hd) = self.q.dims4()?;
         let (cos, sin) = layer.c.rope.tables(hd, 0, t, dout.dtype(), dout.device())?;
-        let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
-        let (k, v) = (repeat_heads(&self.k, n)?, repeat_heads(&self.v, n)?);
-        let dprobs = dheads.matmul(&v.t()?)?;
-        let dv = sum_repeated_heads(&self.probs.t()?.matmul(&dheads)?, n)?;
-        let dscores = causal_softmax_backward(&self.probs, &dprobs, layer.scale())?;
-        let dq = rope::apply_backward(&dscores.matmul(&k)?, &cos, &sin)?;
-        let dk = sum_repeated_heads(&dscores.t()?.matmul(&self.q)?, n)?;
+        let [dq, dk, dv] = self.core_backward(layer, dout)?;
+        let dq = rope::apply_backward(&dq, &cos, &sin)?;
         let dk = rope::apply_backward(&dk, &cos, &sin)?;
         let (dq, dk, dnorms) = match (&self.normed, &p.qk_norm) {
             (Some([q, rq, k, rk]), Some((wq, wk))) => {
@@ -632,12 +685,12 @@ impl Tape for LayerTape {
             MlpTape::Sparse(t) => t.activation_bytes(),
         };
         [
-            &self.x, &self.r1, &self.h1, &a.q, &a.k, &a.v, &a.probs, &a.out, &self.x2, &self.r2,
-            &self.h2,
+            &self.x, &self.r1, &self.h1, &a.q, &a.k, &a.v, &a.out, &self.x2, &self.r2, &self.h2,
         ]
         .into_iter()
         .map(tensor_bytes)
         .sum::<usize>()
+            + a.softmax_bytes()
             + normed
             + mlp
     }

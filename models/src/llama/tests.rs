@@ -33,6 +33,31 @@ fn taped_backward_matches_autograd() {
     }
 }
 
+/// From `cpu_flash_attention::MIN_SEQ` positions the attention keeps no probabilities and
+/// differentiates blockwise: GQA with and without a sliding window, and Qwen3's per-head
+/// norms, against candle's autograd of the attention that holds them.
+#[test]
+fn long_sequences_take_the_blockwise_attention() {
+    let t = ds_engine::kernels::cpu_flash_attention::MIN_SEQ + 30;
+    let qwen3 = LlamaConfig::from_hf_json(&json!({
+        "model_type": "qwen3_moe", "vocab_size": 24, "hidden_size": 16,
+        "intermediate_size": 12, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 10, "head_dim": 6,
+    }))
+    .unwrap();
+    let configs = [
+        small(Family::Llama, None),
+        small(Family::Mistral, Some(300)),
+        qwen3,
+    ];
+    for c in &configs {
+        let model = build(c, &Tp::none(), &Ep::none()).unwrap();
+        let what = format!("{:?} at {t} positions", c.family);
+        crate::taped_check::check_layers(&model, (1, t), c.hidden_size, c.vocab_size, &what);
+    }
+}
+
 /// The same for the mixtures of experts: Mixtral's renormalised top-2 of 4 experts, and
 /// Qwen3-MoE's top-3 without renormalising, its per-head q/k norms and a dense layer; 21
 /// tokens, so that every expert gets some and routes meet in an expert.
