@@ -193,7 +193,7 @@ fn long_sequences_activations_equal_memory_report() {
                 "zero_optimization": {{"stage": {stage}}}{extra}}}"#
             ),
         );
-        let (summary, est) = train_and_estimate(&s.path(name), &cfg, &model, nproc, 1, "");
+        let (summary, est) = train_and_estimate(&s.path(name), &cfg, model, nproc, 1, "");
         for m in summary["ranks"].as_array().unwrap() {
             let rank = m["rank"].as_u64().unwrap() as usize;
             let key = "activations_bytes";
