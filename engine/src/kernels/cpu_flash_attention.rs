@@ -14,9 +14,10 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::cpu_attention::{f32_slice, Shape};
 use super::cpu_matmul::{filled, gemm_into, Mat};
+use super::vmath;
 
 /// Query and key rows per block.
-const BLOCK: usize = 64;
+const BLOCK: usize = 128;
 
 /// The sequence length from which a model's CPU attention takes this path: below it the
 /// probabilities are small and keeping them saves backward a product.
@@ -152,22 +153,20 @@ fn online_softmax_row(
     m: &mut f32,
     l: &mut f32,
 ) -> f32 {
-    let block_max = row[seen.clone()]
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &x| a.max(x * scale));
-    let new_max = m.max(block_max);
-    if new_max == f32::NEG_INFINITY {
-        row.fill(0.0);
-        return 1.0;
-    }
-    let rescale = (*m - new_max).exp();
-    let mut block_sum = 0.0;
-    for x in &mut row[seen.clone()] {
-        *x = (*x * scale - new_max).exp();
-        block_sum += *x;
-    }
     row[..seen.start].fill(0.0);
     row[seen.end..].fill(0.0);
+    if seen.is_empty() {
+        return 1.0;
+    }
+    // exp(scale s - the block's max), then shifted to the running max
+    let (block_max, mut block_sum) = vmath::exp_shifted(&mut row[seen.clone()], scale);
+    let new_max = m.max(block_max);
+    let shift = (block_max - new_max).exp();
+    if shift != 1.0 {
+        row[seen].iter_mut().for_each(|x| *x *= shift);
+        block_sum *= shift;
+    }
+    let rescale = (*m - new_max).exp();
     *l = *l * rescale + block_sum;
     *m = new_max;
     rescale
@@ -215,12 +214,9 @@ unsafe fn backward_head(
             for (r, row) in s.a[..rows * cols].chunks_exact_mut(cols).enumerate() {
                 let i = i0 + r;
                 let seen = m.seen(i, j0, cols);
-                for (c, e) in row.iter_mut().enumerate() {
-                    *e = match seen.contains(&c) {
-                        true => (*e * m.scale - lse[i]).exp(),
-                        false => 0.0,
-                    };
-                }
+                vmath::exp_affine(&mut row[seen.clone()], m.scale, lse[i]);
+                row[..seen.start].fill(0.0);
+                row[seen.end..].fill(0.0);
             }
             let pm = Mat {
                 ptr: s.a.as_ptr(),

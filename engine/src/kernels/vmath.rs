@@ -77,6 +77,16 @@ pub fn exp_shifted(row: &mut [f32], scale: f32) -> (f32, f32) {
     exp_shifted_body(row, scale)
 }
 
+/// `row[i] = exp(scale * row[i] - shift)`, vectorised.
+pub fn exp_affine(row: &mut [f32], scale: f32, shift: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { exp_affine_avx2(row, scale, shift) };
+    }
+    exp_affine_body(row, scale, shift)
+}
+
 /// The sum of `a`'s elements.
 pub fn sum(a: &[f32]) -> f32 {
     lanes_sum(a, a, |x, _| x)
@@ -124,6 +134,19 @@ unsafe fn map2_avx2<F: Fn(f32, f32) -> f32 + Copy>(a: &[f32], b: &[f32], f: F) -
 #[target_feature(enable = "avx2")]
 unsafe fn exp_shifted_avx2(row: &mut [f32], scale: f32) -> (f32, f32) {
     exp_shifted_body(row, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn exp_affine_avx2(row: &mut [f32], scale: f32, shift: f32) {
+    exp_affine_body(row, scale, shift)
+}
+
+#[inline(always)]
+fn exp_affine_body(row: &mut [f32], scale: f32, shift: f32) {
+    for x in row {
+        *x = exp(*x * scale - shift);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
