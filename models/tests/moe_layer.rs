@@ -245,3 +245,38 @@ fn a_top_k_above_the_expert_count_is_an_error() {
         .unwrap_err()
         .contains("capacity_factor"));
 }
+
+/// Under expert parallelism no rank holds every expert: `gather_params` is an error that
+/// names it (and what writes the whole model), not a model missing its experts.
+#[test]
+fn gathering_the_parameters_under_expert_parallelism_is_an_error() {
+    use ds_engine::model::Model;
+    use ds_engine::parallel::Tp;
+    use ds_engine::{EngineOptions, Job};
+    let config = r#"{"train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "expert_parallel": {"enabled": true, "autoep_size": 2}}"#;
+    let errors = ds_comm::testkit::run_ranks(2, std::time::Duration::from_secs(60), |comm| {
+        let job = Job::join(&comm, config)?;
+        let gate = GateConfig {
+            k: 1,
+            capacity_factor: 1.0,
+            min_capacity: 1,
+            drop_tokens: true,
+            drop_policy: DropPolicy::Probs,
+        };
+        let layer = MoeLayer::new(8, 12, 4, gate, 0.01)
+            .unwrap()
+            .parallel(&Tp::none(), &job.ep())
+            .unwrap();
+        let engine = job.initialize(Model::new().layer("", layer), &EngineOptions::default())?;
+        Ok::<_, ds_engine::EngineError>(engine.gather_params().unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in errors {
+        assert!(
+            e.contains("expert parallelism (ep 2)") && e.contains("save_weights"),
+            "{e}"
+        );
+    }
+}

@@ -742,7 +742,14 @@ impl Engine {
     /// from every tensor-parallel rank's slices (a collective: all ranks call it). A
     /// replicated parameter that differs between tensor-parallel ranks (an invariant of
     /// tensor parallelism, ARCHITECTURE.md) is an error naming it.
+    /// Under expert parallelism each rank holds only its experts: an error there (the
+    /// weights file and the checkpoint of `save_weights` / `save_checkpoint` hold them all).
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        if let ep @ 2.. = self.groups.experts().ep.size() {
+            return Err(EngineError::Invalid(format!(
+                "gather_params under expert parallelism (ep {ep}) is not built: each rank holds only its experts; save_weights writes the whole model"
+            )));
+        }
         let mine = self.gather_stage_params()?;
         let Some(stage) = &self.stage else {
             return Ok(mine);
