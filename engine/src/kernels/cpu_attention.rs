@@ -4,7 +4,7 @@
 //! transpose back, and in backward the stack and permute of dq, dk, dv (five copies of the
 //! activations per block). Any other case returns `None` and the caller uses candle's ops.
 
-use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 
 use super::cpu_matmul::{filled, gemm_into, Mat};
 use super::ops::{causal_softmax_row, softmax_grad_row};
@@ -14,9 +14,9 @@ pub fn forward(qkv: &Tensor, heads: usize, scale: f32) -> Result<Option<(Tensor,
     let Some(s) = Shape::of(qkv, heads) else {
         return Ok(None);
     };
-    let qkv = qkv.contiguous()?;
-    let (storage, layout) = qkv.storage_and_layout();
-    let Some(src) = f32_slice(&storage, layout.contiguous_offsets()) else {
+    let held = contiguous([qkv])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([src]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
@@ -62,15 +62,9 @@ pub fn backward(
     {
         return Ok(None);
     }
-    let (qkv, probs, dout) = (qkv.contiguous()?, probs.contiguous()?, dout.contiguous()?);
-    let (sq, lq) = qkv.storage_and_layout();
-    let (sp, lp) = probs.storage_and_layout();
-    let (so, lo) = dout.storage_and_layout();
-    let (Some(src), Some(pr), Some(dy)) = (
-        f32_slice(&sq, lq.contiguous_offsets()),
-        f32_slice(&sp, lp.contiguous_offsets()),
-        f32_slice(&so, lo.contiguous_offsets()),
-    ) else {
+    let held = contiguous([qkv, probs, dout])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([src, pr, dy]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
@@ -160,7 +154,30 @@ fn square(ptr: *const f32, t: usize) -> Mat {
     }
 }
 
-pub(super) fn f32_slice(s: &Storage, offsets: Option<(usize, usize)>) -> Option<&[f32]> {
+/// Each tensor made contiguous (a copy only where it is not).
+pub(super) fn contiguous<const N: usize>(tensors: [&Tensor; N]) -> Result<[Tensor; N]> {
+    let all = tensors
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    Ok(all
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("N tensors in, N out")))
+}
+
+/// The f32 elements of contiguous tensors' held storages (`storage_and_layout`), or None
+/// where one is not an f32 CPU storage.
+pub(super) fn f32_slices<'a, G: std::ops::Deref<Target = Storage>, const N: usize>(
+    guards: &'a [(G, &Layout); N],
+) -> Option<[&'a [f32]; N]> {
+    let mut out: [&[f32]; N] = [&[]; N];
+    for (o, (s, l)) in out.iter_mut().zip(guards) {
+        *o = f32_slice(s, l.contiguous_offsets())?;
+    }
+    Some(out)
+}
+
+fn f32_slice(s: &Storage, offsets: Option<(usize, usize)>) -> Option<&[f32]> {
     match (s, offsets) {
         (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(&v[a..b]),
         _ => None,

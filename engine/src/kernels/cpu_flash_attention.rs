@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::cpu_attention::{f32_slice, Shape};
+use super::cpu_attention::{contiguous, f32_slices, Shape};
 use super::cpu_matmul::{filled, gemm_into, Mat};
 use super::vmath;
 
@@ -271,9 +271,9 @@ pub fn forward(qkv: &Tensor, heads: usize, scale: f32) -> Result<Option<(Tensor,
     let Some(s) = Shape::of(qkv, heads) else {
         return Ok(None);
     };
-    let qkv = qkv.contiguous()?;
-    let (storage, layout) = qkv.storage_and_layout();
-    let Some(src) = f32_slice(&storage, layout.contiguous_offsets()) else {
+    let held = contiguous([qkv])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([src]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
@@ -323,22 +323,9 @@ pub fn backward(
     if ![out, lse, dout].iter().all(|x| untracked_f32(x)) {
         return Ok(None);
     }
-    let (qkv, out, lse, dout) = (
-        qkv.contiguous()?,
-        out.contiguous()?,
-        lse.contiguous()?,
-        dout.contiguous()?,
-    );
-    let (sq, lq) = qkv.storage_and_layout();
-    let (so, lo) = out.storage_and_layout();
-    let (sl, ll) = lse.storage_and_layout();
-    let (sd, ld) = dout.storage_and_layout();
-    let (Some(src), Some(o), Some(lse), Some(dy)) = (
-        f32_slice(&sq, lq.contiguous_offsets()),
-        f32_slice(&so, lo.contiguous_offsets()),
-        f32_slice(&sl, ll.contiguous_offsets()),
-        f32_slice(&sd, ld.contiguous_offsets()),
-    ) else {
+    let held = contiguous([qkv, out, lse, dout])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([src, o, lse, dy]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
@@ -401,15 +388,9 @@ pub fn forward_grouped(
     let Some(g) = Grouped::of(q, k, v) else {
         return Ok(None);
     };
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (sq, lq) = q.storage_and_layout();
-    let (sk, lk) = k.storage_and_layout();
-    let (sv, lv) = v.storage_and_layout();
-    let (Some(qs), Some(ks), Some(vs)) = (
-        f32_slice(&sq, lq.contiguous_offsets()),
-        f32_slice(&sk, lk.contiguous_offsets()),
-        f32_slice(&sv, lv.contiguous_offsets()),
-    ) else {
+    let held = contiguous([q, k, v])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([qs, ks, vs]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, hd, width) = (g.t, g.hd, g.h * g.hd);
@@ -457,21 +438,9 @@ pub fn backward_grouped(
     if ![out, lse, dout].iter().all(|x| untracked_f32(x)) {
         return Ok(None);
     }
-    let cont = |x: &Tensor| x.contiguous();
-    let (q, k, v, out, lse, dout) = (
-        cont(q)?,
-        cont(k)?,
-        cont(v)?,
-        cont(out)?,
-        cont(lse)?,
-        cont(dout)?,
-    );
-    let guards = [&q, &k, &v, &out, &lse, &dout].map(|x| x.storage_and_layout());
-    let slices: Vec<Option<&[f32]>> = guards
-        .iter()
-        .map(|(s, l)| f32_slice(s, l.contiguous_offsets()))
-        .collect();
-    let [Some(qs), Some(ks), Some(vs), Some(o), Some(lse), Some(dy)] = slices[..] else {
+    let held = contiguous([q, k, v, out, lse, dout])?;
+    let guards = held.each_ref().map(|t| t.storage_and_layout());
+    let Some([qs, ks, vs, o, lse, dy]) = f32_slices(&guards) else {
         return Ok(None);
     };
     let (t, hd, width) = (g.t, g.hd, g.h * g.hd);
