@@ -18,6 +18,7 @@ pub struct Groups {
     dp: Group,
     tp: Group,
     pp: Group,
+    sp: Group,
     experts: ExpertGroups,
 }
 
@@ -43,10 +44,15 @@ impl Groups {
             },
             ep => expert_groups(comm, dims, ep)?,
         };
+        // DeepSpeed-Ulysses' groups: consecutive data-parallel ranks
+        let data = grid.data_parallel_group();
+        let sp = data.chunks(dims.sp).find(|g| g.contains(&comm.rank()));
+        let sp = comm.group(sp.expect("invariant: sp divides the data-parallel ranks"))?;
         Ok(Groups {
             dims,
             world: comm.world(),
             dp,
+            sp,
             tp: comm.group(&grid.tensor_parallel_group())?,
             pp: comm.group(&grid.pipe_parallel_group())?,
             grid,
@@ -83,6 +89,16 @@ impl Groups {
     /// The stages of this rank's pipeline.
     pub fn pp(&self) -> &Group {
         &self.pp
+    }
+    /// The ranks that split the sequences of the same samples (DeepSpeed-Ulysses; this rank
+    /// alone without sequence parallelism).
+    pub fn sp(&self) -> &Group {
+        &self.sp
+    }
+    /// Which of the `dims().replicas()` sample streams this rank reads: sequence-parallel
+    /// peers read the same one.
+    pub fn replica(&self) -> usize {
+        self.grid.data_parallel_id() / self.dims.sp
     }
 
     /// This rank's DeepSpeed-MoE groups for the layout's expert-parallel size (DeepSpeed's
@@ -137,6 +153,20 @@ mod tests {
         .unwrap();
         assert_eq!(got[5], (vec![5, 7], vec![4, 5], vec![1, 5]));
         assert_eq!(got[2], (vec![0, 2], vec![2, 3], vec![2, 6]));
+    }
+
+    #[test]
+    fn sequence_parallel_groups_are_consecutive_data_parallel_ranks() {
+        // world 8 = dp 4 x tp 2, sp 2: data-parallel groups [0, 2, 4, 6] and [1, 3, 5, 7]
+        let got = testkit::run_ranks(8, std::time::Duration::from_secs(30), |comm| {
+            let dims = ParallelDims::new(8, 2, 1).unwrap().with_sp(2).unwrap();
+            let g = Groups::new(&comm, dims)?;
+            Ok::<_, CommError>((g.sp().global_ranks().to_vec(), g.replica()))
+        })
+        .unwrap();
+        assert_eq!(got[0], (vec![0, 2], 0));
+        assert_eq!(got[4], (vec![4, 6], 1));
+        assert_eq!(got[7], (vec![5, 7], 1));
     }
 
     #[test]

@@ -29,6 +29,12 @@ pub struct ParallelDims {
     /// `ep`, among which a mixture of experts' experts are split (1: none).
     #[serde(skip_serializing_if = "is_one")]
     pub ep: usize,
+    /// Sequence parallelism (DeepSpeed-Ulysses' `sequence_parallel_size`): the data-parallel
+    /// ranks in groups of `sp` consecutive ones, which share samples and split each one's
+    /// sequence (1: none). ZeRO shards and gradients still span every data-parallel rank;
+    /// the batch counts `dp / sp` replicas.
+    #[serde(skip_serializing_if = "is_one")]
+    pub sp: usize,
 }
 
 fn is_one(n: &usize) -> bool {
@@ -54,6 +60,7 @@ impl ParallelDims {
             tp,
             pp,
             ep: 1,
+            sp: 1,
         })
     }
 
@@ -61,6 +68,12 @@ impl ParallelDims {
     /// size (DeepSpeed's `_create_expert_and_data_parallel` asserts it); the error says
     /// which sizes, for the caller to name where `ep` came from.
     pub fn with_ep(self, ep: usize) -> std::result::Result<ParallelDims, String> {
+        if ep > 1 && self.sp > 1 {
+            return Err(format!(
+                "expert-parallel size {ep} with sequence-parallel size {}: ds-rs does not combine the two",
+                self.sp
+            ));
+        }
         if ep == 0 || !self.dp().is_multiple_of(ep) {
             return Err(format!(
                 "expert-parallel size {ep} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
@@ -73,8 +86,44 @@ impl ParallelDims {
         Ok(ParallelDims { ep, ..self })
     }
 
+    /// The same layout with sequence-parallel size `sp`, which must divide the data-parallel
+    /// size (DeepSpeed's `initialize_sequence_parallel` asserts it of the world); the error
+    /// says which sizes.
+    pub fn with_sp(self, sp: usize) -> std::result::Result<ParallelDims, String> {
+        if sp > 1 && self.pp > 1 {
+            return Err(format!(
+                "sequence-parallel size {sp} with {} pipeline stages: Ulysses splits a stage's attention heads, and ds-rs does not combine it with pipeline parallelism (use pp 1)",
+                self.pp
+            ));
+        }
+        if sp > 1 && self.ep > 1 {
+            return Err(format!(
+                "sequence-parallel size {sp} with expert-parallel size {}: ds-rs does not combine the two",
+                self.ep
+            ));
+        }
+        if sp == 0 || !self.dp().is_multiple_of(sp) {
+            return Err(format!(
+                "sequence-parallel size {sp} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
+                self.dp(),
+                self.world_size,
+                self.tp,
+                self.pp
+            ));
+        }
+        Ok(ParallelDims { sp, ..self })
+    }
+
+    /// The data-parallel ranks: where gradients are averaged and ZeRO shards the states
+    /// (DeepSpeed's sequence-data-parallel group under Ulysses).
     pub fn dp(&self) -> usize {
         self.world_size / (self.tp * self.pp)
+    }
+
+    /// The model replicas that read different samples: the data-parallel ranks over `sp`
+    /// (the batch rule's data-parallel size).
+    pub fn replicas(&self) -> usize {
+        self.dp() / self.sp
     }
 
     /// The ranks holding the same experts: the data-parallel size over `ep`.
@@ -89,6 +138,9 @@ impl std::fmt::Display for ParallelDims {
         write!(f, "dp {} x tp {} x pp {}", self.dp(), self.tp, self.pp)?;
         if self.ep > 1 {
             write!(f, " (ep {})", self.ep)?;
+        }
+        if self.sp > 1 {
+            write!(f, " (sp {})", self.sp)?;
         }
         Ok(())
     }
@@ -126,7 +178,27 @@ pub fn parallel_dims(
         Some(pp) => pp,
         None => pipeline_stages(doc)?,
     };
-    ParallelDims::new(world, tp, pp)
+    let dims = ParallelDims::new(world, tp, pp)?;
+    match sequence_parallel_size(doc)? {
+        1 => Ok(dims),
+        sp => dims
+            .with_sp(sp)
+            .map_err(|e| ConfigError::conflict("sequence_parallel_size", e)),
+    }
+}
+
+/// `sequence_parallel_size`: a positive integer (absent: 1).
+fn sequence_parallel_size(doc: &Value) -> Result<usize> {
+    let Value::Dict(root) = doc else {
+        return Ok(1);
+    };
+    let Some(v) = root.get("sequence_parallel_size") else {
+        return Ok(1);
+    };
+    v.as_f64()
+        .filter(|n| *n >= 1.0 && n.fract() == 0.0 && *n <= u32::MAX as f64)
+        .map(|n| n as usize)
+        .ok_or_else(|| ConfigError::invalid("sequence_parallel_size", v, "a positive integer"))
 }
 
 /// `pipeline.stages`: a positive integer, or "auto" (one stage).
@@ -579,4 +651,84 @@ fn finish(mut c: Config, root: &Dict, notes: Notes) -> Result<Config> {
     c.auto_filled = notes.autos;
     c.document = Value::Dict(root.clone()).to_json();
     Ok(c)
+}
+
+#[cfg(test)]
+mod sequence_parallel_tests {
+    use super::*;
+    use crate::hjson;
+
+    fn dims(json: &str, world: usize, tp: usize) -> Result<ParallelDims> {
+        parallel_dims(&hjson::parse(json).unwrap(), world, Some(tp), None)
+    }
+
+    /// `sequence_parallel_size` groups the data-parallel ranks; the batch counts the
+    /// replicas that read different samples (DeepSpeed's world / sp).
+    #[test]
+    fn the_sequence_parallel_size_divides_the_data_parallel_ranks() {
+        let d = dims(r#"{"sequence_parallel_size": 2}"#, 8, 2).unwrap();
+        assert_eq!((d.dp(), d.sp, d.replicas()), (4, 2, 2));
+        let cfg = crate::resolve(
+            &hjson::parse(r#"{"train_micro_batch_size_per_gpu": 3, "sequence_parallel_size": 2}"#)
+                .unwrap(),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(cfg.train_batch_size, crate::batch::PyNum::Int(6));
+        assert_eq!(dims("{}", 8, 2).unwrap().sp, 1);
+    }
+
+    #[test]
+    fn a_sequence_parallel_size_that_does_not_fit_is_named() {
+        for (json, world, tp, says) in [
+            (
+                r#"{"sequence_parallel_size": 3}"#,
+                4,
+                1,
+                "does not divide the data-parallel size 4",
+            ),
+            (
+                r#"{"sequence_parallel_size": 4}"#,
+                4,
+                2,
+                "does not divide the data-parallel size 2",
+            ),
+            (
+                r#"{"sequence_parallel_size": 0}"#,
+                4,
+                1,
+                "a positive integer",
+            ),
+            (
+                r#"{"sequence_parallel_size": 1.5}"#,
+                4,
+                1,
+                "a positive integer",
+            ),
+            (
+                r#"{"sequence_parallel_size": "2"}"#,
+                4,
+                1,
+                "a positive integer",
+            ),
+        ] {
+            let e = dims(json, world, tp).unwrap_err().to_string();
+            assert!(
+                e.contains("sequence_parallel_size") && e.contains(says),
+                "{json}: {e}"
+            );
+        }
+        let piped = parallel_dims(
+            &hjson::parse(r#"{"sequence_parallel_size": 2}"#).unwrap(),
+            4,
+            None,
+            Some(2),
+        );
+        assert!(piped.unwrap_err().to_string().contains("pipeline stages"));
+        let d = dims(r#"{"sequence_parallel_size": 2}"#, 4, 1).unwrap();
+        assert!(d
+            .with_ep(2)
+            .unwrap_err()
+            .contains("sequence-parallel size 2"));
+    }
 }

@@ -152,13 +152,14 @@ fn allreduce_op(root: &Dict) -> Result<String> {
 
 /// The data-parallel size the batch rule uses.
 ///
-/// With tp or pp > 1, DeepSpeed gets it from the model-parallel unit: world / (tp * pp). Without,
+/// With tp or pp > 1, DeepSpeed gets it from the model-parallel unit: world / (tp * pp), and
+/// ds-rs divides that by the sequence-parallel size as the Ulysses rule below does. Without,
 /// it is the world size, divided by `sequence_parallel_size` when the config has that key (a
 /// true division: it can be a float, and DeepSpeed then does float batch arithmetic), or
 /// `data_parallel_size` when both keys are present (DeepSpeed builds a device mesh).
 pub fn data_parallel_size(root: &Dict, dims: &ParallelDims) -> Result<PyNum> {
     if dims.tp > 1 || dims.pp > 1 {
-        return Ok(PyNum::Int(dims.dp() as i64));
+        return Ok(PyNum::Int(dims.replicas() as i64));
     }
     let Some(sp) = root.get("sequence_parallel_size") else {
         return Ok(PyNum::Int(dims.world_size as i64));

@@ -48,16 +48,12 @@ impl fmt::Display for NotImplemented {
 impl Config {
     /// The settings of this config that ds-rs cannot carry out yet: partitioned activation
     /// checkpoints under tensor parallelism, AutoEP's expert parallelism folded over
-    /// tensor-parallel lanes, DeepSpeed-Ulysses sequence parallelism.
+    /// tensor-parallel lanes.
     pub fn not_implemented(&self) -> Vec<NotImplemented> {
-        [
-            self.partition_activations(),
-            self.autoep_folding(),
-            self.ulysses(),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        [self.partition_activations(), self.autoep_folding()]
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Err naming every setting of `not_implemented`, on one line.
@@ -80,21 +76,6 @@ impl Config {
             value: size.to_string(),
             feature: "AutoEP's expert parallelism folded over the tensor-parallel lanes (`--ep`, DeepSpeed-MoE's layout, combines with tensor parallelism)",
             issue: 37,
-            off: "1",
-        })
-    }
-
-    /// `sequence_parallel_size` above 1: DeepSpeed-Ulysses splits each sample's sequence over
-    /// that many ranks (the batch rule already divides by it); ds-rs would train every rank
-    /// on whole samples.
-    fn ulysses(&self) -> Option<NotImplemented> {
-        let sp = self.document.get("sequence_parallel_size")?;
-        let above_one = sp.as_f64().is_some_and(|n| n > 1.0);
-        above_one.then(|| NotImplemented {
-            path: "sequence_parallel_size",
-            value: sp.to_string(),
-            feature: "DeepSpeed-Ulysses sequence parallelism",
-            issue: 38,
             off: "1",
         })
     }
@@ -155,18 +136,6 @@ mod tests {
             r#", "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#,
         ] {
             assert!(paths(&format!("{{{BATCH}{extra}}}")).is_empty(), "{extra}");
-        }
-    }
-
-    #[test]
-    fn ulysses_sequence_parallelism_is_refused_above_one() {
-        for (sp, refused) in [("1", false), ("2", true)] {
-            let json = format!(r#"{{{BATCH}, "sequence_parallel_size": {sp}}}"#);
-            assert_eq!(
-                paths(&json).contains(&"sequence_parallel_size"),
-                refused,
-                "{sp}"
-            );
         }
     }
 

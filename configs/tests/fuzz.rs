@@ -113,6 +113,7 @@ fn dims() -> impl Strategy<Value = ParallelDims> {
         tp,
         pp,
         ep: 1,
+        sp: 1,
     })
 }
 

@@ -13,6 +13,9 @@ pub struct DataLoader {
     order: SampleOrder,
     /// (step, counted targets in its global batch), for data with a loss mask.
     counted: Arc<Mutex<Option<(u64, u64)>>>,
+    /// (this rank's index, the group's size) when sequence-parallel ranks split the samples'
+    /// positions.
+    shard: Option<(usize, usize)>,
 }
 
 impl DataLoader {
@@ -43,7 +46,24 @@ impl DataLoader {
             samples,
             order,
             counted: Arc::default(),
+            shard: None,
         })
+    }
+
+    /// Each micro-batch as sequence-parallel rank `index` of `sp` reads it: its slice of
+    /// every sample's positions (`Batch::sequence_shard`, DeepSpeed's
+    /// `UlyssesSPDataLoaderAdapter`). The order's rank and world are the replica's: the
+    /// group's ranks read the same samples.
+    pub fn with_sequence_shard(mut self, index: usize, sp: usize) -> Result<DataLoader> {
+        let seq = self.order.seq();
+        if sp == 0 || index >= sp || !seq.is_multiple_of(sp) {
+            return Err(DataError::Invalid(format!(
+                "{}: a sequence of {seq} positions does not split over {sp} sequence-parallel ranks",
+                self.samples.name()
+            )));
+        }
+        self.shard = (sp > 1).then_some((index, sp));
+        Ok(self)
     }
 
     /// This rank's micro-batch `micro` (< grad_accum) of optimizer step `step`. Where some
@@ -61,7 +81,10 @@ impl DataLoader {
                 n => (batch.counted() as f64 * per_step as f64 / n as f64) as f32,
             };
         }
-        Ok(batch)
+        Ok(match self.shard {
+            Some((index, sp)) => batch.sequence_shard(index, sp),
+            None => batch,
+        })
     }
 
     /// The counted targets of `step`'s global batch, computed once per step.

@@ -36,6 +36,36 @@ impl Batch {
         }
     }
 
+    /// Sequence-parallel rank `index` of `sp`'s part (DeepSpeed's
+    /// `UlyssesSPDataLoaderAdapter`): positions `index T/sp .. (index+1) T/sp` of every row,
+    /// `seq` a multiple of `sp`. Each rank's loss is the mean over its counted targets times
+    /// its weight, and the engine averages the ranks' losses; so its weight is the batch's
+    /// times `sp x counted here / counted in the batch`, and the group's losses average to
+    /// the batch's (the weight is unchanged when every target counts).
+    pub fn sequence_shard(&self, index: usize, sp: usize) -> Batch {
+        let local = self.seq / sp;
+        let part = |v: &[u32]| -> Vec<u32> {
+            v.chunks(self.seq.max(1))
+                .flat_map(|row| row[index * local..(index + 1) * local].to_vec())
+                .collect()
+        };
+        let mut shard = Batch {
+            inputs: part(&self.inputs),
+            targets: part(&self.targets),
+            batch: self.batch,
+            seq: local,
+            loss_weight: self.loss_weight,
+        };
+        let (here, all) = (shard.counted(), self.counted());
+        if here * sp != all {
+            shard.loss_weight = match all {
+                0 => 0.0,
+                _ => (f64::from(self.loss_weight) * (here * sp) as f64 / all as f64) as f32,
+            };
+        }
+        shard
+    }
+
     /// The number of targets that count.
     pub fn counted(&self) -> usize {
         self.targets.iter().filter(|&&t| t != IGNORE).count()
@@ -173,5 +203,44 @@ impl Targets {
             weight: 1.0,
             counted: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rows of four positions over two ranks: each gets its half of every row, and the
+    /// two losses (mean over counted targets times weight) average to the mean over all five
+    /// counted targets: 1 x 0.4 and 4 x 1.6 / 4 targets' worth, i.e. each target weighs 1/5.
+    #[test]
+    fn a_shard_holds_its_positions_of_every_row_and_weighs_its_counted_targets() {
+        let batch = Batch {
+            inputs: vec![10, 11, 12, 13, 20, 21, 22, 23],
+            targets: vec![1, IGNORE, 2, 3, IGNORE, IGNORE, 4, 5],
+            batch: 2,
+            seq: 4,
+            loss_weight: 1.0,
+        };
+        let first = batch.sequence_shard(0, 2);
+        assert_eq!(first.inputs, [10, 11, 20, 21]);
+        assert_eq!(first.targets, [1, IGNORE, IGNORE, IGNORE]);
+        assert_eq!((first.batch, first.seq), (2, 2));
+        let second = batch.sequence_shard(1, 2);
+        assert_eq!(second.inputs, [12, 13, 22, 23]);
+        assert_eq!(second.targets, [2, 3, 4, 5]);
+        assert!(
+            (first.loss_weight - 0.4).abs() < 1e-7,
+            "{}",
+            first.loss_weight
+        );
+        assert!(
+            (second.loss_weight - 1.6).abs() < 1e-7,
+            "{}",
+            second.loss_weight
+        );
+        let whole = Batch::from_windows(&[vec![1, 2, 3, 4, 5]]);
+        assert_eq!(whole.sequence_shard(1, 2).loss_weight, 1.0);
+        assert_eq!(whole.sequence_shard(1, 2).inputs, [3, 4]);
     }
 }

@@ -12,7 +12,7 @@ use ds_comm::{Communicator, Groups};
 use ds_config::Config;
 
 use crate::model::Model;
-use crate::parallel::{Ep, Tp};
+use crate::parallel::{Ep, Parallel, Tp};
 use crate::{Engine, EngineError, EngineOptions, Result};
 
 /// This process's place in the job (its groups: data, tensor and pipeline parallel) and the
@@ -68,6 +68,12 @@ impl Job {
     /// The tensor-parallel group, for a model's layers that split (`parallel::Tp`).
     pub fn tp(&self) -> Tp {
         Tp::new(self.groups.tp().clone())
+    }
+
+    /// The whole layout as a model's layers see it (tensor, expert and sequence parallelism),
+    /// for a model built with every split at once (`ds_models::ModelSpec::build_with`).
+    pub fn parallel(&self) -> Parallel {
+        Parallel::of(&self.groups, self.config.sequence_parallel)
     }
 
     /// The expert-parallel group, for a mixture of experts' layers (`parallel::Ep`).

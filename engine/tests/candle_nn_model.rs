@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use ds_comm::testkit::run_ranks;
 use ds_comm::{Communicator, ReduceOp};
-use ds_engine::parallel::Ep;
 use ds_engine::{EngineOptions, Job};
 use support::{ds_models_config, lm_micro_step, markov_loader, model};
 
@@ -68,7 +67,7 @@ fn candle_nn_losses(comm: Communicator, cfg: &str, init: &Path) -> R<Vec<f32>> {
 fn ds_models_losses(comm: Communicator, init: &Path, write_init: bool) -> R<Vec<f32>> {
     let c = model::Config::tiny();
     let job = Job::join(&comm, &config(0, 1))?;
-    let build = || ds_models::llama::build(&ds_models_config(&c), &job.tp(), &Ep::none());
+    let build = || ds_models::llama::build(&ds_models_config(&c), &job.parallel());
     if write_init {
         let seeded = job.initialize(build()?, &EngineOptions::default())?;
         seeded.save_weights(init)?;

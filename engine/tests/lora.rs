@@ -17,7 +17,6 @@ use candle_core::Device;
 use ds_comm::testkit::run_ranks;
 use ds_comm::ReduceOp;
 use ds_engine::model::LoraConfig;
-use ds_engine::parallel::Ep;
 use ds_engine::{Engine, EngineOptions, Job, MemoryReport};
 use support::{data_err, ds_models_config, lm_micro_step, markov_loader, model};
 
@@ -58,7 +57,7 @@ fn finetune(world: usize, stage: u8, base: Arc<PathBuf>, taped: bool) -> Vec<Run
         let job = Job::join(&comm, &config(stage))?;
         let m = match taped {
             false => model::build(c, job.tp())?,
-            true => ds_models::llama::build(&ds_models_config(&c), &job.tp(), &Ep::none())
+            true => ds_models::llama::build(&ds_models_config(&c), &job.parallel())
                 .map_err(ds_engine::EngineError::Invalid)?,
         };
         let opts = EngineOptions {

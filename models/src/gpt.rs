@@ -21,7 +21,7 @@ use ds_engine::kernels::{cpu_attention, cpu_flash_attention};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{row_parallel_linear, vocab, Ep, Tp};
+use ds_engine::parallel::{row_parallel_linear, vocab, Parallel, Sp, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -245,20 +245,34 @@ impl GptConfig {
 
     /// The model of variant `v` (Hugging Face's GPT-2 with its names, MLP width and epsilon).
     pub fn build_variant(&self, tp: &Tp, v: &GptVariant) -> std::result::Result<Model, String> {
-        self.build_with(tp, &Ep::none(), v)
+        self.build_with(&Parallel::tensor(tp.clone()), v)
     }
 
-    /// The model of variant `v`, its mixtures' experts split over `ep`.
-    pub fn build_with(
-        &self,
-        tp: &Tp,
-        ep: &Ep,
-        v: &GptVariant,
-    ) -> std::result::Result<Model, String> {
+    /// Whether sequence parallelism of size `sp` (Ulysses) can split this model at tensor
+    /// parallelism `tp`: each rank's heads split again over sp, and no mixture (its capacity
+    /// and load-balancing loss count the tokens of one rank).
+    pub fn check_sp(&self, sp: usize, tp: usize) -> std::result::Result<(), String> {
+        if sp == 1 {
+            return Ok(());
+        }
+        if self.moe.is_some() {
+            return Err(format!(
+                "sequence-parallel size {sp}: the MoE GPT's experts do not combine with sequence parallelism"
+            ));
+        }
+        crate::check_sp_divides(sp, tp, &[("heads H", self.H)])
+    }
+
+    /// The model of variant `v` in layout `p`: its layers split over `p.tp`, its mixtures'
+    /// experts over `p.ep`, its sequences over `p.sp`.
+    pub fn build_with(&self, p: &Parallel, v: &GptVariant) -> std::result::Result<Model, String> {
+        let (tp, ep) = (&p.tp, &p.ep);
         self.check_tp_of(tp.size(), v)?;
         self.check_ep(ep.size())?;
+        self.check_sp(p.sp.size(), tp.size())?;
         let top = if v.hf_names { "transformer" } else { "" };
-        let mut m = Model::new().layer(top, Embeddings(*self, tp.clone()));
+        let embeddings = Embeddings(*self, tp.clone(), p.sp.clone());
+        let mut m = Model::new().layer(top, embeddings);
         let mut elsewhere = Vec::new();
         for i in 0..self.L {
             let moe = match self.moe.filter(|moe| moe.holds_experts(i)) {
@@ -272,6 +286,7 @@ impl GptConfig {
             let block = Block {
                 c: *self,
                 tp: tp.clone(),
+                sp: p.sp.clone(),
                 v: *v,
                 moe,
             };
@@ -288,24 +303,33 @@ impl GptConfig {
 }
 
 /// `wte` + `wpe`: token ids [B, T] to activations [B, T, d]. `wte` is split by rows
-/// (vocabulary-parallel).
-struct Embeddings(GptConfig, Tp);
+/// (vocabulary-parallel); under sequence parallelism the ids are this rank's positions.
+struct Embeddings(GptConfig, Tp, Sp);
+
+impl Embeddings {
+    /// The rows of wpe of this rank's positions among `t` (each of sp ranks holds t).
+    fn positions(tp: &Tp, sp: &Sp, t: usize) -> std::ops::Range<usize> {
+        let (pos, offset) = (tp.positions(t), sp.offset(t));
+        pos.start + offset..pos.end + offset
+    }
+}
 
 impl Embeddings {
     fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
         let c = self.0;
         let (_, t) = ids.dims2()?;
-        if t > c.T {
+        let (tp, sp) = (&self.1, &self.2);
+        if t * sp.size() > c.T {
             candle_core::bail!(
-                "sequence of {t} tokens is longer than the model's T = {}",
+                "sequence of {} tokens is longer than the model's T = {}",
+                t * sp.size(),
                 c.T
             );
         }
-        let tp = &self.1;
         let wte = vb.get((c.V / tp.size(), c.d), "wte.weight")?;
         let rows = vocab::embed(tp, &wte, ids)?.reshape((ids.dim(0)?, t, c.d))?;
         let tokens = tp.reduce(&rows)?;
-        let pos = tp.positions(t);
+        let pos = Embeddings::positions(tp, sp, t);
         let wpe = vb
             .get((c.T, c.d), "wpe.weight")?
             .narrow(0, pos.start, pos.len())?;
@@ -313,6 +337,7 @@ impl Embeddings {
         let tape = EmbeddingsTape {
             c,
             tp: tp.clone(),
+            sp: sp.clone(),
             ids: ids.flatten_all()?,
         };
         Ok(Taped {
@@ -348,6 +373,7 @@ impl Layer for Embeddings {
 struct EmbeddingsTape {
     c: GptConfig,
     tp: Tp,
+    sp: Sp,
     /// The token ids, flattened.
     ids: Tensor,
 }
@@ -366,7 +392,7 @@ impl Tape for EmbeddingsTape {
         let rows = whole.reshape((b * t, d))?;
         let wte = vb.get((c.V / tp.size(), d), "wte.weight")?;
         let dwte = vocab::embed_backward(tp, &wte, &self.ids, &rows)?;
-        let pos = tp.positions(t);
+        let pos = Embeddings::positions(tp, &self.sp, t);
         let dwpe = dy.sum(0)?.pad_with_zeros(0, pos.start, c.T - pos.end)?;
         let mut dwpe = tp.sum_partial_grads(vec![dwpe])?;
         Ok(Grads {
@@ -384,6 +410,7 @@ impl Tape for EmbeddingsTape {
 struct Block {
     c: GptConfig,
     tp: Tp,
+    sp: Sp,
     v: GptVariant,
     moe: Option<MoeLayer>,
 }
@@ -435,6 +462,7 @@ struct BlockTape {
     c: GptConfig,
     v: GptVariant,
     tp: Tp,
+    sp: Sp,
     moe: Option<MoeLayer>,
     x: Tensor,
     h1: Tensor,
@@ -458,7 +486,7 @@ impl Block {
         // Note [gather and reduce]: x, h1, x2, h2 and the output are this rank's positions
         // under sequence parallelism, whole otherwise
         let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, v.ln_eps)?;
-        let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn)?;
+        let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn, &self.sp)?;
         let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
         let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, v.ln_eps)?;
         let whole = tp.gather(&h2)?;
@@ -482,6 +510,7 @@ impl Block {
             c,
             v,
             tp: tp.clone(),
+            sp: self.sp.clone(),
             moe: self.moe.clone(),
             x,
             h1,
@@ -587,7 +616,7 @@ impl Layer for Block {
     /// sequence (2 T d per token); a mixture's router and routes instead of the MLP.
     /// Normalisation and activations are left out.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        let (d, seq) = (self.c.d as u64, *shape.get(1)? as u64);
+        let (d, seq) = (self.c.d as u64, (*shape.get(1)? * self.sp.size()) as u64);
         let (tp, m) = (self.tp.size() as u64, self.v.mlp as u64);
         let attention = 2 * rows(shape) as u64 * (4 * d * d + 2 * seq * d) / tp;
         let mlp = match &self.moe {
@@ -609,6 +638,7 @@ impl Tape for BlockTape {
             .into_iter()
             .map(tensor_bytes)
             .sum::<usize>()
+            + a.heads_out.as_ref().map_or(0, tensor_bytes)
             + a.softmax_bytes()
             + mlp
     }
@@ -625,6 +655,7 @@ impl Tape for BlockTape {
             c,
             v,
             tp,
+            sp,
             moe,
             x,
             h1,
@@ -668,7 +699,7 @@ impl Tape for BlockTape {
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
         let aproj = linear_backward(&attn.out, &p.attn_proj.0, &tp.gather(&dx2)?)?;
-        let dqkv = attn.backward(c.H / tp.size(), &aproj.dx)?;
+        let dqkv = attn.backward(c.H / tp.size(), &aproj.dx, &sp)?;
         let qkv = linear_backward(&tp.gather(&h1)?, &p.c_attn.0, &dqkv)?;
         let dh1 = tp.reduce(&qkv.dx)?;
         let (dx_ln, dln_1w, dln_1b) =
@@ -711,12 +742,19 @@ impl Tape for BlockTape {
 }
 
 /// Causal self-attention with the fused q|k|v projection, and what its backward reads.
+/// Under sequence parallelism (Note [ulysses]) the projections hold this rank's positions
+/// of all its heads, attention itself whole sequences of a part of them.
 struct Attention {
-    /// The fused projection's output [B, T, 3d]: q, k and v side by side.
+    /// The fused projection's output [B, T, 3d], q, k and v side by side: attention's input
+    /// (whole sequences, this rank's part of the heads under sequence parallelism).
     qkv: Tensor,
     softmax: Softmax,
-    /// The heads' outputs side by side [B, T, d], before the output projection.
+    /// The heads' outputs side by side [B, T, d], before the output projection (this
+    /// rank's positions).
     out: Tensor,
+    /// Under sequence parallelism, attention's own output: whole sequences, the rank's part
+    /// of the heads.
+    heads_out: Option<Tensor>,
 }
 
 /// What attention's backward reads of its softmax: the probabilities [B, H, T, T], or for
@@ -728,9 +766,27 @@ enum Softmax {
 }
 
 impl Attention {
-    /// `h` heads (this rank's, under tensor parallelism) of `x`'s q|k|v projection.
-    fn forward(h: usize, x: &Tensor, c_attn: &(Tensor, Tensor)) -> Result<Attention> {
+    /// `h` heads (this rank's, under tensor parallelism) of `x`'s q|k|v projection, their
+    /// sequences split over `sp`.
+    fn forward(h: usize, x: &Tensor, c_attn: &(Tensor, Tensor), sp: &Sp) -> Result<Attention> {
         let qkv = linear(x, &c_attn.0, Some(&c_attn.1))?;
+        if sp.size() == 1 {
+            return Attention::whole(h, qkv);
+        }
+        let (b, t, d3) = qkv.dims3()?;
+        let hd = d3 / 3 / h;
+        let n = h / sp.size();
+        let qkv = sp.to_heads(&qkv.reshape((b, t, 3, h, hd))?)?;
+        let whole_t = qkv.dim(1)?;
+        let mut a = Attention::whole(n, qkv.reshape((b, whole_t, 3 * n * hd))?)?;
+        let heads_out = a.out.reshape((b, whole_t, 1, n, hd))?;
+        a.out = sp.to_sequence(&heads_out)?.reshape((b, t, h * hd))?;
+        a.heads_out = Some(heads_out.reshape((b, whole_t, n * hd))?);
+        Ok(a)
+    }
+
+    /// `h` heads of whole sequences' q|k|v [B, T, 3 h hd].
+    fn whole(h: usize, qkv: Tensor) -> Result<Attention> {
         let (b, t, d3) = qkv.dims3()?;
         let d = d3 / 3;
         let hd = d / h;
@@ -738,18 +794,27 @@ impl Attention {
         if t >= cpu_flash_attention::MIN_SEQ {
             if let Some((out, lse)) = cpu_flash_attention::forward(&qkv, h, s)? {
                 let softmax = Softmax::LogSumExp(lse);
-                return Ok(Attention { qkv, softmax, out });
+                return Ok(Attention::of(qkv, softmax, out));
             }
         }
         if let Some((probs, out)) = cpu_attention::forward(&qkv, h, s)? {
             let softmax = Softmax::Probs(probs);
-            return Ok(Attention { qkv, softmax, out });
+            return Ok(Attention::of(qkv, softmax, out));
         }
         let (q, k, v) = heads(h, &qkv)?;
         let probs = causal_softmax(&q.matmul(&k.t()?)?, scale(hd))?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         let softmax = Softmax::Probs(probs);
-        Ok(Attention { qkv, softmax, out })
+        Ok(Attention::of(qkv, softmax, out))
+    }
+
+    fn of(qkv: Tensor, softmax: Softmax, out: Tensor) -> Attention {
+        Attention {
+            qkv,
+            softmax,
+            out,
+            heads_out: None,
+        }
     }
 
     /// Bytes of what backward reads besides the projection and the output.
@@ -759,20 +824,37 @@ impl Attention {
         }
     }
 
-    /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`.
-    fn backward(&self, h: usize, dout: &Tensor) -> Result<Tensor> {
+    /// The gradient of the q|k|v projection's output [B, T, 3d] from that of `out`, through
+    /// the exchanges of the forward under sequence parallelism.
+    fn backward(&self, h: usize, dout: &Tensor, sp: &Sp) -> Result<Tensor> {
+        let Some(heads_out) = &self.heads_out else {
+            return self.core_backward(h, &self.out, dout);
+        };
+        let (b, t, d) = dout.dims3()?;
+        let (hd, n) = (d / h, h / sp.size());
+        let dheads = sp.to_heads(&dout.reshape((b, t, 1, h, hd))?)?;
+        let whole_t = dheads.dim(1)?;
+        let dheads = dheads.reshape((b, whole_t, n * hd))?;
+        let dqkv = self.core_backward(n, heads_out, &dheads)?;
+        let dqkv = sp.to_sequence(&dqkv.reshape((b, whole_t, 3, n, hd))?)?;
+        dqkv.reshape((b, t, 3 * d))
+    }
+
+    /// The gradient of attention's input [B, T, 3d] from that of its output `out`.
+    fn core_backward(&self, h: usize, out: &Tensor, dout: &Tensor) -> Result<Tensor> {
         let (b, t, d) = dout.dims3()?;
         let hd = d / h;
         let s = scale(hd) as f32;
         let probs = match &self.softmax {
             Softmax::LogSumExp(lse) => {
-                return cpu_flash_attention::backward(&self.qkv, &self.out, lse, dout, h, s)?
-                    .ok_or_else(|| {
+                return cpu_flash_attention::backward(&self.qkv, out, lse, dout, h, s)?.ok_or_else(
+                    || {
                         candle_core::Error::Msg(
                             "attention: the blockwise backward of a CPU f32 forward declined"
                                 .into(),
                         )
-                    })
+                    },
+                )
             }
             Softmax::Probs(p) => p,
         };

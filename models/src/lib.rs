@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use crate::gpt::GptConfig;
 use ds_engine::model::weights;
 use ds_engine::model::Model;
-use ds_engine::parallel::{Ep, Tp};
+use ds_engine::parallel::{Parallel, Tp};
 
 pub use fields::ConfigProblem;
 pub use gpt2::Gpt2Config;
@@ -253,18 +253,36 @@ impl ModelSpec {
         }
     }
 
-    /// The model's layers, split over `tp`.
-    pub fn build(&self, tp: &Tp) -> Result<Model, String> {
-        self.build_with(tp, &Ep::none())
+    /// Whether sequence parallelism of size `sp` (Ulysses) can split the model's sequences
+    /// of `seq_len` positions and its attention heads at tensor-parallel degree `tp`.
+    pub fn check_sp(&self, sp: usize, tp: usize) -> Result<(), String> {
+        if sp == 0 || !self.seq_len.is_multiple_of(sp) {
+            return Err(format!(
+                "sequence-parallel size {sp} does not divide the sequence length {} (--seq-len)",
+                self.seq_len
+            ));
+        }
+        match &self.arch {
+            Arch::Gpt(c) => c.check_sp(sp, tp),
+            Arch::Gpt2(c) => c.gpt.check_sp(sp, tp),
+            Arch::Llama(c) => c.check_sp(sp, tp),
+        }
     }
 
-    /// The model's layers, split over `tp`, a mixture of experts' experts over `ep`.
-    pub fn build_with(&self, tp: &Tp, ep: &Ep) -> Result<Model, String> {
-        self.check_ep(ep.size())?;
+    /// The model's layers, split over `tp`.
+    pub fn build(&self, tp: &Tp) -> Result<Model, String> {
+        self.build_with(&Parallel::tensor(tp.clone()))
+    }
+
+    /// The model's layers in layout `p`: split over its tensor-parallel group, a mixture of
+    /// experts' experts over its expert-parallel group, the sequences over its
+    /// sequence-parallel group.
+    pub fn build_with(&self, p: &Parallel) -> Result<Model, String> {
+        self.check_ep(p.ep.size())?;
         match &self.arch {
-            Arch::Gpt(c) => c.build_with(tp, ep, &gpt::GptVariant::peer(c)),
-            Arch::Gpt2(c) => c.gpt.build_variant(tp, &c.variant),
-            Arch::Llama(c) => llama::build(c, tp, ep),
+            Arch::Gpt(c) => c.build_with(p, &gpt::GptVariant::peer(c)),
+            Arch::Gpt2(c) => c.gpt.build_with(p, &c.variant),
+            Arch::Llama(c) => llama::build(c, p),
         }
     }
 
@@ -335,6 +353,27 @@ pub(crate) fn check_tp_divides(tp: usize, sizes: &[(&str, usize)]) -> Result<(),
         true => Ok(()),
         false => Err(format!(
             "tensor-parallel degree {tp} does not divide the model's {}",
+            bad.join(", ")
+        )),
+    }
+}
+
+/// Whether sequence parallelism of `sp` splits the attention heads each of `tp` ranks holds;
+/// the error names the sizes that do not divide.
+pub(crate) fn check_sp_divides(
+    sp: usize,
+    tp: usize,
+    sizes: &[(&str, usize)],
+) -> Result<(), String> {
+    let bad: Vec<String> = sizes
+        .iter()
+        .filter(|(_, n)| !n.is_multiple_of(sp * tp))
+        .map(|(what, n)| format!("{what} = {n}"))
+        .collect();
+    match bad.is_empty() {
+        true => Ok(()),
+        false => Err(format!(
+            "sequence-parallel size {sp} x tensor-parallel degree {tp} does not divide the model's {} (each rank attends with whole heads)",
             bad.join(", ")
         )),
     }

@@ -53,6 +53,10 @@ pub struct TrainBenchArgs {
     /// enabled, else 1).
     #[arg(long)]
     ep: Option<usize>,
+    /// With --config: the sequence-parallel size (default: the config's
+    /// sequence_parallel_size, else 1).
+    #[arg(long)]
+    sp: Option<usize>,
     #[command(flatten)]
     training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -83,6 +87,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         tp: args.tp,
         pp: args.pp,
         ep: args.ep,
+        sp: args.sp,
     };
     let cfg = crate::train::read_config(Some(&args.config), env.world_size, layout, &fill)?;
     cfg.check_filled().with_context(name)?;
@@ -93,7 +98,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let comm = init(&env).context("joining the job")?;
     let groups = Groups::new(&comm, dims)?;
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let rank = comm.rank();
     let opts = EngineOptions {
         init: args.init.clone(),
         device: args.device.open()?,
@@ -111,13 +116,23 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         SyntheticTokens::PEER_SEED,
     )?;
     let source = Windows::new(std::sync::Arc::new(source), model.seq_len)?;
-    // tensor-parallel peers train on the same samples
-    let (replica, dp) = (groups.grid().data_parallel_id(), dims.dp());
-    let order = SampleOrder::new(model.seq_len, s.micro_batch, s.grad_accum, replica, dp)?;
+    // tensor- and sequence-parallel peers train on the same samples
+    let (replica, replicas) = (groups.replica(), dims.replicas());
+    let order = SampleOrder::new(
+        model.seq_len,
+        s.micro_batch,
+        s.grad_accum,
+        replica,
+        replicas,
+    )?;
+    let sp = groups.sp();
     let mut m = Measured::default();
     for step in 0..(args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
-            .map(|k| order.micro_batch(&source, step, k))
+            .map(|k| {
+                let b = order.micro_batch(&source, step, k)?;
+                Ok::<_, ds_data::DataError>(b.sequence_shard(sp.rank(), sp.size()))
+            })
             .collect::<Result<_, _>>()?;
         let t0 = Instant::now();
         let (loss, _) = engine.train_batch(|k| Ok(batches[k].clone()))?;
@@ -128,7 +143,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
     let bubble = measured_bubble(&comm.world(), &groups, args.warmup, &m)?;
     if rank == 0 {
-        report(args, &s, world, dp, &model, &m);
+        report(args, &s, dims, &model, &m);
         if dims.pp > 1 {
             let whole = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
             let layout = ds_engine::pipeline_layout(&cfg, &whole)?;
@@ -205,8 +220,7 @@ struct Measured {
 fn report(
     args: &TrainBenchArgs,
     s: &ds_engine::Settings,
-    world: usize,
-    dp: usize,
+    dims: ds_config::ParallelDims,
     model: &ModelSpec,
     m: &Measured,
 ) {
@@ -224,7 +238,7 @@ fn report(
     let mut timed = times[args.warmup.min(times.len())..].to_vec();
     timed.sort_by(f64::total_cmp);
     let median = timed.get(timed.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens = (dp * s.micro_batch * s.grad_accum * model.seq_len) as f64;
+    let tokens = (dims.replicas() * s.micro_batch * s.grad_accum * model.seq_len) as f64;
     // NVMe offload's I/O per timed step, and its rate while reading or writing
     let mut swap = ds_engine::IoTotals::default();
     for t in &parts[args.warmup.min(parts.len())..] {
@@ -233,7 +247,7 @@ fn report(
     let per_step = |b: u64| b as f64 / (1u64 << 20) as f64 / args.steps.max(1) as f64;
     let row = serde_json::json!({
         "preset": args.model, "config": args.config.display().to_string(),
-        "zero_stage": u8::from(s.zero.stage), "nproc": world, "dp": dp, "tp": world / dp,
+        "zero_stage": u8::from(s.zero.stage), "nproc": dims.world_size, "dp": dims.dp(), "tp": dims.tp, "sp": dims.sp,
         "step_ms_median": 1e3 * median,
         "step_ms_min": 1e3 * timed.first().copied().unwrap_or(f64::NAN),
         "step_ms_max": 1e3 * timed.last().copied().unwrap_or(f64::NAN),

@@ -39,6 +39,10 @@ pub struct EstimateArgs {
     /// expert_parallel.autoep_size when enabled, else 1).
     #[arg(long)]
     ep: Option<usize>,
+    /// With --config: the sequence-parallel size (default: the config's
+    /// sequence_parallel_size, else 1).
+    #[arg(long)]
+    sp: Option<usize>,
     /// With --config: rows per micro-batch (default: the config's
     /// train_micro_batch_size_per_gpu).
     #[arg(long)]
@@ -77,6 +81,7 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
         tp: args.tp,
         pp: args.pp,
         ep: args.ep,
+        sp: args.sp,
     };
     let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
     model

@@ -83,15 +83,21 @@ pub struct Layout {
     pub seq: usize,
     pub micro_batch: usize,
     pub grad_accum: usize,
+    /// The replica's index and how many: the sample streams.
     pub rank: usize,
     pub world: usize,
+    /// This rank's place among the sequence-parallel ranks that split the replica's samples,
+    /// and how many they are.
+    pub sp_rank: usize,
+    pub sp: usize,
     pub vocab: usize,
     pub seed: u64,
 }
 
 impl Layout {
-    /// This rank's place in the job's data: tensor-parallel and pipeline peers read the same
-    /// samples, so the order follows the data-parallel replica.
+    /// This rank's place in the job's data: tensor-parallel, pipeline and sequence-parallel
+    /// peers read the same samples, so the order follows the replica; sequence-parallel
+    /// peers each take their positions of them.
     pub fn of(
         model: &ds_models::ModelSpec,
         s: &ds_engine::Settings,
@@ -102,8 +108,10 @@ impl Layout {
             seq: model.seq_len,
             micro_batch: s.micro_batch,
             grad_accum: s.grad_accum,
-            rank: groups.grid().data_parallel_id(),
-            world: groups.dims().dp(),
+            rank: groups.replica(),
+            world: groups.dims().replicas(),
+            sp_rank: groups.sp().rank(),
+            sp: groups.dims().sp,
             vocab: model.vocab_size(),
             seed,
         }
@@ -165,8 +173,10 @@ pub fn open(a: &DataArgs, l: &Layout) -> anyhow::Result<Data> {
     // layout evaluates the same samples.
     Ok(Data {
         train: DataLoader::new(train, order, l.vocab)
+            .and_then(|d| d.with_sequence_shard(l.sp_rank, l.sp))
             .with_context(|| format!("--data {}", a.data))?,
         eval: DataLoader::new(eval, order, l.vocab)
+            .and_then(|d| d.with_sequence_shard(l.sp_rank, l.sp))
             .with_context(|| format!("--eval-data {}", a.eval_data.unwrap_or(a.data)))?,
         name,
         floor,

@@ -21,7 +21,7 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::{load, parallel_dims, Config};
 use ds_engine::monitor::Monitor;
-use ds_engine::parallel::{Ep, Tp};
+use ds_engine::parallel::{Parallel, Tp};
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
@@ -140,6 +140,12 @@ pub struct TrainArgs {
     /// data-parallel size and the number of experts.
     #[arg(long)]
     pub(crate) ep: Option<usize>,
+    /// Sequence-parallel size (DeepSpeed-Ulysses' sequence_parallel_size; default: the
+    /// config's, else 1): the data-parallel ranks in groups of this many, which read the same
+    /// samples and split each one's positions; it divides the data-parallel size, the
+    /// sequence length and the attention heads.
+    #[arg(long)]
+    pub(crate) sp: Option<usize>,
     #[command(flatten)]
     pub(crate) training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -167,6 +173,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
         tp: args.tp,
         pp: args.pp,
         ep: args.ep,
+        sp: args.sp,
     };
     let cfg = read_config(args.config.as_deref(), world, layout, &fill)?;
     let name = || config_name(args.config.as_deref());
@@ -177,6 +184,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
         .check_tp(cfg.dims.tp)
         .and_then(|_| model.check_ep(cfg.dims.ep))
         .and_then(|_| model.check_pp(cfg.dims.pp))
+        .and_then(|_| model.check_sp(cfg.dims.sp, cfg.dims.tp))
         .and_then(|_| {
             // DeepSpeed reads the section only when it is enabled
             let ep = Some(&cfg.expert_parallel).filter(|e| e.enabled);
@@ -208,9 +216,8 @@ pub(crate) fn start_engine(
     mut opts: EngineOptions,
 ) -> anyhow::Result<Engine> {
     opts.init = opts.init.or_else(|| model.weights.clone());
-    let tp = Tp::new(groups.tp().clone()).with_sequence_parallel(cfg.sequence_parallel);
-    let ep = Ep::new(groups.experts().ep.clone());
-    let layers = model.build_with(&tp, &ep).map_err(anyhow::Error::msg)?;
+    let parallel = Parallel::of(groups, cfg.sequence_parallel);
+    let layers = model.build_with(&parallel).map_err(anyhow::Error::msg)?;
     Ok(Engine::initialize(layers, cfg, groups, &opts)?)
 }
 
@@ -308,7 +315,7 @@ impl Run<'_> {
     ) -> anyhow::Result<ExitCode> {
         let rank0 = comm.rank() == 0;
         let s = engine.settings().clone();
-        let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.dp()) as f64;
+        let samples = (s.micro_batch * s.grad_accum * self.cfg.dims.replicas()) as f64;
         let tokens = samples * self.model.seq_len as f64;
         let flops_per_token = self.model.flops_per_token();
         let start = self.resume(engine, data, rank0)?;
@@ -469,7 +476,7 @@ impl Run<'_> {
             &flops::ProfileInput {
                 step,
                 world: self.cfg.dims.world_size,
-                dp: self.cfg.dims.dp(),
+                dp: self.cfg.dims.replicas(),
                 micro_batch: s.micro_batch,
                 grad_accum: s.grad_accum,
                 layers: &layers,
@@ -498,12 +505,13 @@ pub(crate) struct Fill {
     pub run_steps: Option<u64>,
 }
 
-/// The parallel degrees the command line asks for (`--tp`, `--pp`, `--ep`).
+/// The parallel degrees the command line asks for (`--tp`, `--pp`, `--ep`, `--sp`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Layout {
     pub tp: Option<usize>,
     pub pp: Option<usize>,
     pub ep: Option<usize>,
+    pub sp: Option<usize>,
 }
 
 /// The config resolved for its layout (`--tp`, else the config's own degree), its "auto"
@@ -511,17 +519,20 @@ pub(crate) struct Layout {
 pub(crate) fn read_config(
     path: Option<&Path>,
     world: usize,
-    Layout { tp, pp, ep }: Layout,
+    Layout { tp, pp, ep, sp }: Layout,
     fill: &Fill,
 ) -> anyhow::Result<Config> {
-    let doc = match path {
+    let mut doc = match path {
         Some(p) => load(p)?,
         None => ds_config::hjson::parse(DEFAULT_CONFIG)
             .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
     };
+    if let Some(sp) = sp {
+        with_sp(&mut doc, sp, &config_name(path))?;
+    }
     let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
     let ctx = ds_config::FillContext {
-        data_parallel: dims.dp() as i64,
+        data_parallel: dims.replicas() as i64,
         hidden_size: Some(fill.hidden_size as i64),
         run_steps: fill.run_steps.map(|n| n as i64),
     };
@@ -529,6 +540,20 @@ pub(crate) fn read_config(
         .and_then(Config::with_expert_parallel)
         .with_context(|| config_name(path))?;
     with_ep(cfg, ep, &config_name(path))
+}
+
+/// `doc` with `sequence_parallel_size` `sp` (`--sp`), which a size the config names must
+/// agree with; `name` names the config.
+fn with_sp(doc: &mut ds_config::Value, sp: usize, name: &str) -> anyhow::Result<()> {
+    let ds_config::Value::Dict(root) = doc else {
+        return Ok(());
+    };
+    let said = root.get("sequence_parallel_size").and_then(|v| v.as_f64());
+    if let Some(n) = said.filter(|&n| n != sp as f64) {
+        anyhow::bail!("--sp {sp} and {name}'s sequence_parallel_size {n} disagree");
+    }
+    root.insert("sequence_parallel_size", ds_config::Value::Int(sp as i64));
+    Ok(())
 }
 
 /// `cfg` at expert-parallel size `ep` (`--ep`) when given, else the config's AutoEP size

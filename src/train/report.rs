@@ -9,7 +9,7 @@ use super::{chart, data, Run};
 impl Run<'_> {
     pub(super) fn announce(&self, data: &data::Data, comm: &Communicator, s: &ds_engine::Settings) {
         println!(
-            "ds-rs train: {} {} ({} parameters{}), {} ranks (dp {} x tp {}), ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
+            "ds-rs train: {} {} ({} parameters{}), {} ranks ({}), ZeRO stage {}, {:?}, micro-batch {} x {} accumulation steps, {} steps on {}",
             self.model.architecture(),
             self.args.model,
             self.model.n_params(),
@@ -18,8 +18,7 @@ impl Run<'_> {
                 None => "",
             },
             comm.world_size(),
-            self.cfg.dims.dp(),
-            self.cfg.dims.tp,
+            self.cfg.dims,
             s.zero.stage,
             s.precision,
             s.micro_batch,
@@ -109,7 +108,7 @@ impl Run<'_> {
                      "epochs": records.last().map(|r| data.train.epochs(r.step + 1)),
                      "samples_per_epoch": data.train.samples().len(),
                      "gap_to_floor_nats": data.floor.zip(final_loss).map(|(f, l)| l - f)},
-            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp, "ep": s.dims.ep,
+            "layout": {"world_size": comm.world_size(), "dp": s.dims.dp(), "tp": s.dims.tp, "pp": s.dims.pp, "ep": s.dims.ep, "sp": s.dims.sp,
                        "zero_stage": s.zero_stage() as u8,
                        "micro_batch": records.first().map(|_| s.train_micro_batch_size_per_gpu.to_string()),
                        "gradient_accumulation_steps": s.gradient_accumulation_steps.to_string(),

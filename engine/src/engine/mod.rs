@@ -324,7 +324,7 @@ impl Engine {
             Precision::BF16 => Core::Bf16(Trainer::new(parts, inits, updater, expert_optimizer)?),
             Precision::F16 => Core::F16(Trainer::new(parts, inits, updater, expert_optimizer)?),
         };
-        let samples = settings.micro_batch * settings.grad_accum * config.dims.dp();
+        let samples = settings.micro_batch * settings.grad_accum * config.dims.replicas();
         let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
         Ok(Engine {
             core,

@@ -15,6 +15,7 @@ fn fp16(section: Json) -> Fp16Config {
         tp: 1,
         pp: 1,
         ep: 1,
+        sp: 1,
     };
     ds_config::resolve(&doc, &dims).unwrap().fp16
 }

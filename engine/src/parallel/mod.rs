@@ -1,5 +1,6 @@
 //! Tensor parallelism's building blocks (Megatron-LM's scheme), for the built-in GPT and for
-//! a user's own layers, and expert parallelism's (`Ep`, DeepSpeed-MoE's): the tensor-parallel group as layers see it (`Tp`), the collectives
+//! a user's own layers, expert parallelism's (`Ep`, DeepSpeed-MoE's) and sequence
+//! parallelism's (`Sp`, DeepSpeed-Ulysses'): the tensor-parallel group as layers see it (`Tp`), the collectives
 //! between regions (`mappings`), and the vocabulary-parallel embedding and cross-entropy
 //! (`vocab`). Column- and row-parallel linears need no type of their own: a column-parallel
 //! linear is an ordinary `linear` over the rank's rows whose input gradient goes through
@@ -12,12 +13,14 @@
 mod experts;
 mod mappings;
 mod partition_config;
+mod sequence;
 pub mod vocab;
 
 pub use ds_partition::{local_shape, Split, TpRank};
 pub use experts::Ep;
 pub use mappings::Tp;
 pub use partition_config::PartitionConfig;
+pub use sequence::Sp;
 pub use vocab::vocab_parallel_cross_entropy;
 
 use candle_core::{Result, Tensor};
@@ -33,4 +36,37 @@ pub fn row_parallel_linear(tp: &Tp, x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
         return linear(x, w, Some(b));
     }
     tp.reduce(&linear(x, w, None)?)?.broadcast_add(b)
+}
+
+/// The layout as a model's layers see it: the groups its layers split over, given to the
+/// model when it is built (`Parallel::of` from the job's groups).
+#[derive(Clone, Default)]
+pub struct Parallel {
+    pub tp: Tp,
+    pub ep: Ep,
+    pub sp: Sp,
+}
+
+impl Parallel {
+    /// One process: nothing split.
+    pub fn none() -> Parallel {
+        Parallel::default()
+    }
+
+    /// Tensor parallelism alone.
+    pub fn tensor(tp: Tp) -> Parallel {
+        Parallel {
+            tp,
+            ..Parallel::default()
+        }
+    }
+
+    /// This rank's layout in `groups`, Megatron's sequence parallelism as `megatron_sp`.
+    pub fn of(groups: &ds_comm::Groups, megatron_sp: bool) -> Parallel {
+        Parallel {
+            tp: Tp::new(groups.tp().clone()).with_sequence_parallel(megatron_sp),
+            ep: Ep::new(groups.experts().ep.clone()),
+            sp: Sp::new(groups.sp().clone()),
+        }
+    }
 }

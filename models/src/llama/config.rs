@@ -436,6 +436,31 @@ impl LlamaConfig {
         }
     }
 
+    /// Whether sequence parallelism of size `sp` (Ulysses) can split the model at tensor
+    /// parallelism `tp`: each rank's query heads split again over sp; its key/value heads too,
+    /// or, fewer than sp, copied so that each rank gets one (DeepSpeed's rule); no mixture
+    /// (its load-balancing loss counts the tokens of one rank).
+    pub fn check_sp(&self, sp: usize, tp: usize) -> Result<(), String> {
+        if sp == 1 {
+            return Ok(());
+        }
+        if self.moe.is_some() {
+            return Err(format!(
+                "sequence-parallel size {sp}: {}'s experts do not combine with sequence parallelism",
+                self.family.architecture()
+            ));
+        }
+        crate::check_sp_divides(sp, tp, &[("num_attention_heads", self.num_attention_heads)])?;
+        let kv = self.num_key_value_heads / tp;
+        match kv.is_multiple_of(sp) || sp.is_multiple_of(kv) {
+            true => Ok(()),
+            false => Err(format!(
+                "sequence-parallel size {sp}: the {kv} key/value heads of each tensor-parallel rank neither split over it nor divide it (num_key_value_heads = {})",
+                self.num_key_value_heads
+            )),
+        }
+    }
+
     /// Whether tensor parallelism of degree `tp` can split the model: whole query and key/value
     /// heads per rank, the MLP width and the vocabulary in equal parts.
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {

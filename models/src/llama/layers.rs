@@ -17,7 +17,7 @@ use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{vocab, Ep, Tp};
+use ds_engine::parallel::{vocab, Ep, Parallel, Sp, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
 use super::ops::{
@@ -30,10 +30,13 @@ use super::sparse::{self, Experts, RouterLoss, SparseTape};
 /// The embedding's name, which a tied LM head reads.
 pub const EMBED: &str = "model.embed_tokens.weight";
 
-/// The model as layers, split over `tp`, its experts over `ep`.
-pub fn build(c: &LlamaConfig, tp: &Tp, ep: &Ep) -> std::result::Result<Model, String> {
+/// The model as layers in layout `p`: split over its tensor-parallel group, the experts over
+/// its expert-parallel group, the sequences over its sequence-parallel group.
+pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String> {
+    let (tp, ep) = (&p.tp, &p.ep);
     c.check_tp(tp.size())?;
     c.check_ep(ep.size())?;
+    c.check_sp(p.sp.size(), tp.size())?;
     let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
     let mut elsewhere = Vec::new();
     let sparse_layers = (0..c.num_hidden_layers).filter(|i| c.sparse_layer(*i).is_some());
@@ -57,6 +60,7 @@ pub fn build(c: &LlamaConfig, tp: &Tp, ep: &Ep) -> std::result::Result<Model, St
         let layer = DecoderLayer {
             c: c.clone(),
             tp: tp.clone(),
+            sp: p.sp.clone(),
             window: c.windows[i],
             sparse: c.sparse_layer(i).cloned(),
             ep: ep.clone(),
@@ -213,6 +217,7 @@ impl Tape for EmbeddingTape {
 struct DecoderLayer {
     c: LlamaConfig,
     tp: Tp,
+    sp: Sp,
     window: Option<usize>,
     sparse: Option<SparseMlp>,
     /// Where the experts are (a sparse layer's).
@@ -417,6 +422,7 @@ impl DecoderLayer {
             layer: DecoderLayer {
                 c: c.clone(),
                 tp: tp.clone(),
+                sp: self.sp.clone(),
                 window: self.window,
                 sparse: self.sparse.clone(),
                 ep: self.ep.clone(),
@@ -475,7 +481,7 @@ impl Layer for DecoderLayer {
     /// and the router) and attention's scores and weighted sums.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
         let c = &self.c;
-        let seq = *shape.get(1)? as u64;
+        let seq = (*shape.get(1)? * self.sp.size()) as u64;
         let d = c.hidden_size as u64;
         let (q, kv) = (c.q_width() as u64, c.kv_width() as u64);
         let mlp = match &self.sparse {
@@ -525,8 +531,11 @@ struct Attention {
     /// Under Qwen3's per-head norms: the queries and keys before them, and their reciprocal
     /// roots.
     normed: Option<[Tensor; 4]>,
-    /// The heads side by side [B, T, h hd], o_proj's input.
+    /// The heads side by side [B, T, h hd], o_proj's input (this rank's positions).
     out: Tensor,
+    /// Under sequence parallelism, attention's own output: whole sequences, this rank's part
+    /// of the heads (Note [ulysses]).
+    heads_out: Option<Tensor>,
 }
 
 impl Attention {
@@ -538,12 +547,16 @@ impl Attention {
             c.num_key_value_heads / tp,
             c.head_dim,
         );
-        let (b, t, _) = x.dims3()?;
-        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
-            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
-        };
+        let sp = &layer.sp;
+        let r = kv_replicas(g, sp.size());
+        let (q, k) = (
+            split_heads(sp, &p.q.forward(x)?, h, hd, 1)?,
+            split_heads(sp, &p.k.forward(x)?, g, hd, r)?,
+        );
+        // the heads attention runs here: all of them, or this rank's part of the sequences'
+        let (b, h, t, _) = q.dims4()?;
+        let g = k.dim(1)?;
         let (cos, sin) = c.rope.tables(hd, 0, t, x.dtype(), x.device())?;
-        let (q, k) = (heads(p.q.forward(x)?, h)?, heads(p.k.forward(x)?, g)?);
         let (q, k, normed) = match &p.qk_norm {
             Some((wq, wk)) => {
                 let (qn, rq) = rms_norm(&q, wq, c.rms_norm_eps)?;
@@ -554,20 +567,13 @@ impl Attention {
         };
         let q = rope::apply(&q, &cos, &sin)?;
         let k = rope::apply(&k, &cos, &sin)?;
-        let v = heads(p.v.forward(x)?, g)?;
+        let v = split_heads(sp, &p.v.forward(x)?, c.num_key_value_heads / tp, hd, r)?;
         let window = layer.window.filter(|w| *w < t);
         if t >= cpu_flash_attention::MIN_SEQ {
             let s = layer.scale() as f32;
             if let Some((out, lse)) = cpu_flash_attention::forward_grouped(&q, &k, &v, s, window)? {
                 let softmax = Softmax::LogSumExp(lse);
-                return Ok(Attention {
-                    q,
-                    k,
-                    v,
-                    softmax,
-                    normed,
-                    out,
-                });
+                return Attention::joined(sp, [q, k, v], softmax, normed, out);
             }
         }
         let scores = q.matmul(&repeat_heads(&k, h / g)?.t()?)?;
@@ -580,6 +586,23 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, t, h * hd))?;
         let softmax = Softmax::Probs(probs);
+        Attention::joined(sp, [q, k, v], softmax, normed, out)
+    }
+
+    /// The forward's values, attention's output `out` [B, T, h hd] back at this rank's
+    /// positions under sequence parallelism.
+    fn joined(
+        sp: &Sp,
+        [q, k, v]: [Tensor; 3],
+        softmax: Softmax,
+        normed: Option<[Tensor; 4]>,
+        out: Tensor,
+    ) -> Result<Attention> {
+        let (h, hd) = (q.dim(1)?, q.dim(3)?);
+        let (out, heads_out) = match sp.size() {
+            1 => (out, None),
+            n => (join_heads(sp, &out, h * n, hd, 1)?, Some(out)),
+        };
         Ok(Attention {
             q,
             k,
@@ -587,6 +610,7 @@ impl Attention {
             softmax,
             normed,
             out,
+            heads_out,
         })
     }
 
@@ -598,14 +622,14 @@ impl Attention {
             Softmax::LogSumExp(lse) => {
                 let (s, window) = (layer.scale() as f32, layer.window.filter(|w| *w < t));
                 let qkv = (&self.q, &self.k, &self.v);
-                return cpu_flash_attention::backward_grouped(
-                    qkv, &self.out, lse, dout, s, window,
-                )?
-                .ok_or_else(|| {
-                    candle_core::Error::Msg(
-                        "attention: the blockwise backward of a CPU f32 forward declined".into(),
-                    )
-                });
+                let out = self.heads_out.as_ref().unwrap_or(&self.out);
+                return cpu_flash_attention::backward_grouped(qkv, out, lse, dout, s, window)?
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(
+                            "attention: the blockwise backward of a CPU f32 forward declined"
+                                .into(),
+                        )
+                    });
             }
             Softmax::Probs(p) => p,
         };
@@ -633,9 +657,18 @@ impl Attention {
         p: &LayerParams,
         dout: &Tensor,
     ) -> Result<([Tensor; 3], Option<[Tensor; 2]>)> {
-        let (b, _, t, hd) = self.q.dims4()?;
+        let (b, h, t, hd) = self.q.dims4()?;
+        let sp = &layer.sp;
         let (cos, sin) = layer.c.rope.tables(hd, 0, t, dout.dtype(), dout.device())?;
-        let [dq, dk, dv] = self.core_backward(layer, dout)?;
+        let dout = match sp.size() {
+            1 => dout.clone(),
+            n => {
+                let (_, local, _) = dout.dims3()?;
+                let whole = sp.to_heads(&dout.reshape((b, local, 1, h * n, hd))?)?;
+                whole.reshape((b, t, h * hd))?
+            }
+        };
+        let [dq, dk, dv] = self.core_backward(layer, &dout)?;
         let dq = rope::apply_backward(&dq, &cos, &sin)?;
         let dk = rope::apply_backward(&dk, &cos, &sin)?;
         let (dq, dk, dnorms) = match (&self.normed, &p.qk_norm) {
@@ -650,8 +683,58 @@ impl Attention {
             let heads = g.dim(1)?;
             g.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * hd))
         };
-        Ok(([flat(dq)?, flat(dk)?, flat(dv)?], dnorms))
+        let (tp, c) = (layer.tp.size(), &layer.c);
+        let (kv, r) = (
+            c.num_key_value_heads / tp,
+            kv_replicas(c.num_key_value_heads / tp, sp.size()),
+        );
+        let dq = join_heads(sp, &flat(dq)?, h * sp.size(), hd, 1)?;
+        let dk = join_heads(sp, &flat(dk)?, kv, hd, r)?;
+        let dv = join_heads(sp, &flat(dv)?, kv, hd, r)?;
+        Ok(([dq, dk, dv], dnorms))
     }
+}
+
+/// Copies of each of `kv` key/value heads before the sequence-parallel exchange: 1 when
+/// `sp` splits them, else `sp / kv` (DeepSpeed's Ulysses repeats them so that each rank has
+/// the one its queries read).
+fn kv_replicas(kv: usize, sp: usize) -> usize {
+    match kv.is_multiple_of(sp) {
+        true => 1,
+        false => sp / kv,
+    }
+}
+
+/// A projection's output [B, t, n hd] at this rank's positions as heads [B, m, T, hd] of
+/// whole sequences (Note [ulysses]): each head first copied `replicas` times, then this
+/// rank's n replicas / sp of them. Without sequence parallelism: its n heads.
+fn split_heads(sp: &Sp, y: &Tensor, n: usize, hd: usize, replicas: usize) -> Result<Tensor> {
+    let (b, t, _) = y.dims3()?;
+    let y = y.reshape((b, t, n, 1, hd))?;
+    let y = match replicas {
+        1 => y,
+        r => y.broadcast_as((b, t, n, r, hd))?.contiguous()?,
+    };
+    let y = sp.to_heads(&y.reshape((b, t, 1, n * replicas, hd))?)?;
+    let (_, whole, _, m, _) = y.dims5()?;
+    y.reshape((b, whole, m, hd))?.transpose(1, 2)?.contiguous()
+}
+
+/// The inverse of `split_heads` for [B, T, m hd] (heads side by side): back at this rank's
+/// positions [B, t, n hd], the copies of each head summed (a gradient's).
+fn join_heads(sp: &Sp, y: &Tensor, n: usize, hd: usize, replicas: usize) -> Result<Tensor> {
+    if sp.size() == 1 {
+        return Ok(y.clone());
+    }
+    let (b, whole, width) = y.dims3()?;
+    let y = sp.to_sequence(&y.reshape((b, whole, 1, width / hd, hd))?)?;
+    let t = y.dim(1)?;
+    let y = y.reshape((b, t, n, replicas, hd))?;
+    let y = match replicas {
+        1 => y,
+        _ => y.sum_keepdim(3)?,
+    };
+    y.reshape((b, t, n * hd))
 }
 
 struct LayerTape {
@@ -690,6 +773,7 @@ impl Tape for LayerTape {
         .into_iter()
         .map(tensor_bytes)
         .sum::<usize>()
+            + a.heads_out.as_ref().map_or(0, tensor_bytes)
             + a.softmax_bytes()
             + normed
             + mlp

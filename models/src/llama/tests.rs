@@ -1,4 +1,4 @@
-use ds_engine::parallel::{Ep, Tp};
+use ds_engine::parallel::Parallel;
 use serde_json::json;
 
 use super::*;
@@ -52,7 +52,7 @@ fn long_sequences_take_the_blockwise_attention() {
         qwen3,
     ];
     for c in &configs {
-        let model = build(c, &Tp::none(), &Ep::none()).unwrap();
+        let model = build(c, &Parallel::none()).unwrap();
         let what = format!("{:?} at {t} positions", c.family);
         crate::taped_check::check_layers(&model, (1, t), c.hidden_size, c.vocab_size, &what);
     }
@@ -86,7 +86,7 @@ fn taped_experts_match_autograd() {
 }
 
 fn check_layers(c: &LlamaConfig) {
-    let model = build(c, &Tp::none(), &Ep::none()).unwrap();
+    let model = build(c, &Parallel::none()).unwrap();
     let what = format!("{:?}", c.family);
     crate::taped_check::check_layers(&model, (3, 7), c.hidden_size, c.vocab_size, &what);
 }
@@ -94,7 +94,7 @@ fn check_layers(c: &LlamaConfig) {
 #[test]
 fn parameter_counts_follow_the_declared_tensors() {
     for p in presets() {
-        let declared: usize = build(&p.config, &Tp::none(), &Ep::none())
+        let declared: usize = build(&p.config, &Parallel::none())
             .unwrap()
             .params()
             .iter()
