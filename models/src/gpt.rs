@@ -10,7 +10,9 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::gpt_moe::GptMoe;
-use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
+use crate::loss::{
+    tiled_cross_entropy, tiles, CrossEntropyLoss, TiledLoss, VocabParallelCrossEntropy,
+};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
@@ -270,6 +272,7 @@ impl GptConfig {
         self.check_tp_of(tp.size(), v)?;
         self.check_ep(ep.size())?;
         self.check_sp(p.sp.size(), tp.size())?;
+        crate::check_tile(p.tile, tp.size())?;
         let top = if v.hf_names { "transformer" } else { "" };
         let embeddings = Embeddings(*self, tp.clone(), p.sp.clone());
         let mut m = Model::new().layer(top, embeddings);
@@ -287,16 +290,19 @@ impl GptConfig {
                 c: *self,
                 tp: tp.clone(),
                 sp: p.sp.clone(),
+                tile: p.tile,
                 v: *v,
                 moe,
             };
             m = m.layer(&prefix, block);
         }
         let m = m
-            .layer("", Head(*self, tp.clone(), *v))
+            .layer("", Head(*self, tp.clone(), *v, p.tile))
             .held_elsewhere(elsewhere);
-        Ok(match tp.size() {
-            1 => m.layer("", CrossEntropyLoss),
+        // a tiled head computes the loss itself
+        Ok(match (tp.size(), p.tile) {
+            (_, Some(_)) => m,
+            (1, None) => m.layer("", CrossEntropyLoss),
             _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
         })
     }
@@ -411,6 +417,8 @@ struct Block {
     c: GptConfig,
     tp: Tp,
     sp: Sp,
+    /// Note [tiles]: the MLP `tile` positions at a time.
+    tile: Option<usize>,
     v: GptVariant,
     moe: Option<MoeLayer>,
 }
@@ -472,9 +480,11 @@ struct BlockTape {
     mlp: MlpTape,
 }
 
-/// The MLP's pre-activation and its GELU, or the mixture's tape.
+/// The MLP's pre-activation and its GELU, or nothing of a tiled MLP (Note [tiles]: computed
+/// again in backward), or the mixture's tape.
 enum MlpTape {
     Dense { f: Tensor, g: Tensor },
+    Tiled(usize),
     Moe(MoeTape),
 }
 
@@ -496,6 +506,20 @@ impl Block {
                 let (out, aux, tape) = moe.run(&vb.pp("mlp"), &xs, cx.evaluating())?;
                 cx.add_loss(aux)?;
                 (tp.reduce(&out.reshape(whole.shape())?)?, MlpTape::Moe(tape))
+            }
+            None if self.tile.is_some() => {
+                let tile = self.tile.expect("invariant: matched");
+                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let (b, t, d) = whole.dims3()?;
+                let rows = whole.reshape((b * t, d))?;
+                let mut parts = Vec::new();
+                for r in tiles(b * t, tile) {
+                    let f = linear(&rows.narrow(0, r.start, r.len())?, &c_fc.0, Some(&c_fc.1))?;
+                    parts.push(linear(&gelu(&f)?, &c_proj.0, None)?);
+                }
+                let partial = Tensor::cat(&parts, 0)?.reshape((b, t, d))?;
+                let out = tp.reduce(&partial)?.broadcast_add(&c_proj.1)?;
+                (out, MlpTape::Tiled(tile))
             }
             None => {
                 let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
@@ -632,6 +656,7 @@ impl Tape for BlockTape {
         let a = &self.attn;
         let mlp = match &self.mlp {
             MlpTape::Dense { f, g } => tensor_bytes(f) + tensor_bytes(g),
+            MlpTape::Tiled(_) => 0,
             MlpTape::Moe(t) => t.activation_bytes(),
         };
         [&self.x, &self.h1, &a.qkv, &a.out, &self.x2, &self.h2]
@@ -667,17 +692,31 @@ impl Tape for BlockTape {
         // the MLP branch: y = x2 + mlp(ln_2(x2))
         let (dh2, mlp_grads, proj_bias) = match (mlp, &moe) {
             (MlpTape::Dense { f, g }, _) => {
-                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
-                let proj = linear_backward(&g, &c_proj.0, &tp.gather(dy)?)?;
-                let df = gelu_backward(&f, &proj.dx)?;
-                let fc = linear_backward(&tp.gather(&h2)?, &c_fc.0, &df)?;
+                let mlp = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let (dx, grads) =
+                    mlp_backward(&tp.gather(&h2)?, &tp.gather(dy)?, &mlp, Some((&f, &g)))?;
                 // a column-parallel input's gradient: the sum of every rank's part
-                let grads = vec![fc.dw, bias_backward(&df, &c_fc.1)?, proj.dw];
-                (
-                    tp.reduce(&fc.dx)?,
-                    grads,
-                    Some(bias_backward(dy, &c_proj.1)?),
-                )
+                let proj_bias = bias_backward(dy, &mlp[1].1)?;
+                (tp.reduce(&dx)?, grads.to_vec(), Some(proj_bias))
+            }
+            (MlpTape::Tiled(tile), _) => {
+                let mlp = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let (h, dout) = (tp.gather(&h2)?, tp.gather(dy)?);
+                let (b, t, d) = h.dims3()?;
+                let (h, dout) = (h.reshape((b * t, d))?, dout.reshape((b * t, d))?);
+                let (mut dx, mut grads) = (Vec::new(), None::<[Tensor; 3]>);
+                for r in tiles(b * t, tile) {
+                    let rows = |x: &Tensor| x.narrow(0, r.start, r.len());
+                    let (dxr, g) = mlp_backward(&rows(&h)?, &rows(&dout)?, &mlp, None)?;
+                    dx.push(dxr);
+                    grads = Some(match grads {
+                        None => g,
+                        Some([a, b, c]) => [(a + &g[0])?, (b + &g[1])?, (c + &g[2])?],
+                    });
+                }
+                let dx = Tensor::cat(&dx, 0)?.reshape((b, t, d))?;
+                let grads = grads.expect("invariant: at least one position").to_vec();
+                (tp.reduce(&dx)?, grads, Some(bias_backward(dy, &mlp[1].1)?))
             }
             (MlpTape::Moe(t), Some(moe)) => {
                 let whole = tp.gather(dy)?;
@@ -739,6 +778,30 @@ impl Tape for BlockTape {
             params,
         })
     }
+}
+
+/// The dense MLP's backward from its input `h` [.., d] and its output's gradient `dy`: the
+/// input's gradient (this rank's part under tensor parallelism) and those of c_fc's weight
+/// and bias and c_proj's weight. Its pre-activation and GELU `kept` from forward, else
+/// computed again (Note [tiles]).
+fn mlp_backward(
+    h: &Tensor,
+    dy: &Tensor,
+    [c_fc, c_proj]: &[(Tensor, Tensor); 2],
+    kept: Option<(&Tensor, &Tensor)>,
+) -> Result<(Tensor, [Tensor; 3])> {
+    let (f, g) = match kept {
+        Some((f, g)) => (f.clone(), g.clone()),
+        None => {
+            let f = linear(h, &c_fc.0, Some(&c_fc.1))?;
+            let g = gelu(&f)?;
+            (f, g)
+        }
+    };
+    let proj = linear_backward(&g, &c_proj.0, dy)?;
+    let df = gelu_backward(&f, &proj.dx)?;
+    let fc = linear_backward(h, &c_fc.0, &df)?;
+    Ok((fc.dx, [fc.dw, bias_backward(&df, &c_fc.1)?, proj.dw]))
 }
 
 /// Causal self-attention with the fused q|k|v projection, and what its backward reads.
@@ -895,14 +958,23 @@ fn scale(hd: usize) -> f64 {
 
 /// Final LayerNorm and lm_head (tied to wte with `tie_embeddings`): [B, T, d] to logits [B, T, V]; under tensor
 /// parallelism lm_head is split by vocabulary rows and a rank's logits are its V/tp columns.
-struct Head(GptConfig, Tp, GptVariant);
+/// With a tile size (Note [tiles]) the head ends in the loss: the logits are computed a tile
+/// at a time and never whole.
+struct Head(GptConfig, Tp, GptVariant, Option<usize>);
 
 struct HeadTape {
     c: GptConfig,
     v: GptVariant,
     tp: Tp,
     x: Tensor,
-    h: Tensor,
+    h: HeadKept,
+}
+
+/// What the head's backward reads besides its input: the normed input (lm_head's), or the
+/// tiled loss's tape when the head computes the loss.
+enum HeadKept {
+    Normed(Tensor),
+    Loss(TiledLoss),
 }
 
 impl Head {
@@ -922,12 +994,21 @@ impl Head {
 }
 
 impl Head {
-    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
         let (c, tp, v) = (self.0, self.1.clone(), self.2);
         let (ln_f, lm_head) = Head::params(c, &v, &tp, vb)?;
         let x = x.contiguous()?;
         let h = layer_norm(&x, &ln_f.0, &ln_f.1, v.ln_eps)?;
-        let output = linear(&tp.gather(&h)?, &lm_head, None)?;
+        let (output, h) = match self.3 {
+            Some(tile) => {
+                let (loss, tape) = tiled_cross_entropy(&h, &lm_head, cx.targets()?, tile)?;
+                (loss, HeadKept::Loss(tape))
+            }
+            None => (
+                linear(&tp.gather(&h)?, &lm_head, None)?,
+                HeadKept::Normed(h),
+            ),
+        };
         let tape = HeadTape { c, v, tp, x, h };
         Ok(Taped {
             output,
@@ -950,12 +1031,12 @@ impl Layer for Head {
         ]
     }
 
-    fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x)?.output)
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, x, cx)?.output)
     }
 
-    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x).map(Some)
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x, cx).map(Some)
     }
 
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
@@ -965,22 +1046,35 @@ impl Layer for Head {
 
 impl Tape for HeadTape {
     fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.x) + tensor_bytes(&self.h)
+        let h = match &self.h {
+            HeadKept::Normed(h) => tensor_bytes(h),
+            HeadKept::Loss(loss) => loss.bytes(),
+        };
+        tensor_bytes(&self.x) + h
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let (ln_f, lm_head) = Head::params(self.c, &self.v, &self.tp, vb)?;
-        let dy = dy.to_dtype(self.h.dtype())?;
-        let head = linear_backward(&self.tp.gather(&self.h)?, &lm_head, &dy)?;
-        // lm_head is column-parallel over the vocabulary: its input gradient is summed
-        let dh = self.tp.reduce(&head.dx)?;
+        let (dh, dw_head) = match &self.h {
+            HeadKept::Loss(loss) => {
+                let seed = dy.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+                loss.backward(&lm_head, f64::from(seed))?
+            }
+            HeadKept::Normed(h) => {
+                let dy = dy.to_dtype(h.dtype())?;
+                let head = linear_backward(&self.tp.gather(h)?, &lm_head, &dy)?;
+                // lm_head is column-parallel over the vocabulary: its input gradient is
+                // summed
+                (self.tp.reduce(&head.dx)?, head.dw)
+            }
+        };
         let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, self.v.ln_eps)?;
         let mut ln_f = self.tp.sum_partial_grads(vec![dw, db])?;
         let db = ln_f.pop().expect("invariant: two gradients");
         let dw = ln_f.pop().expect("invariant: two gradients");
         Ok(Grads {
             input: Some(dx),
-            params: vec![dw, db, head.dw],
+            params: vec![dw, db, dw_head],
         })
     }
 }

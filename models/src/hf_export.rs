@@ -129,6 +129,7 @@ impl FileLayout {
             seq_len: 1,
             weights: None,
             source_config: None,
+            tile: None,
         };
         let params = spec
             .build(&ds_engine::parallel::Tp::none())

@@ -68,6 +68,8 @@ pub struct ModelSpec {
     /// The directory's config.json as read, kept for exports (its RoPE spelling and any
     /// field ds-rs does not use go out as they came in).
     pub source_config: Option<serde_json::Value>,
+    /// Positions per tile of the MLPs and the logits and loss (`--tile`, Note [tiles]).
+    pub tile: Option<usize>,
 }
 
 impl ModelSpec {
@@ -108,6 +110,7 @@ impl ModelSpec {
             seq_len,
             weights,
             source_config,
+            tile: None,
         };
         spec_ok
             .check_seq_len()
@@ -269,6 +272,17 @@ impl ModelSpec {
         }
     }
 
+    /// The same model computing its MLPs and its loss `tile` positions at a time.
+    pub fn with_tile(mut self, tile: Option<usize>) -> ModelSpec {
+        self.tile = tile;
+        self
+    }
+
+    /// Whether the model's tiles (`with_tile`) work at tensor-parallel degree `tp`.
+    pub fn check_tile(&self, tp: usize) -> Result<(), String> {
+        check_tile(self.tile, tp)
+    }
+
     /// The model's layers, split over `tp`.
     pub fn build(&self, tp: &Tp) -> Result<Model, String> {
         self.build_with(&Parallel::tensor(tp.clone()))
@@ -279,6 +293,7 @@ impl ModelSpec {
     /// sequence-parallel group.
     pub fn build_with(&self, p: &Parallel) -> Result<Model, String> {
         self.check_ep(p.ep.size())?;
+        let p = &p.clone().with_tile(p.tile.or(self.tile));
         match &self.arch {
             Arch::Gpt(c) => c.build_with(p, &gpt::GptVariant::peer(c)),
             Arch::Gpt2(c) => c.gpt.build_with(p, &c.variant),
@@ -376,6 +391,18 @@ pub(crate) fn check_sp_divides(
             "sequence-parallel size {sp} x tensor-parallel degree {tp} does not divide the model's {} (each rank attends with whole heads)",
             bad.join(", ")
         )),
+    }
+}
+
+/// Whether the MLPs and the loss can be computed `tile` positions at a time (Note [tiles]) at
+/// tensor-parallel degree `tp`.
+pub(crate) fn check_tile(tile: Option<usize>, tp: usize) -> Result<(), String> {
+    match tile {
+        Some(0) => Err("a tile of 0 positions: give at least 1".into()),
+        Some(_) if tp > 1 => Err(format!(
+            "tiled logits and loss with tensor-parallel degree {tp} are not built (the vocabulary-parallel loss splits the logits over the ranks instead)"
+        )),
+        _ => Ok(()),
     }
 }
 

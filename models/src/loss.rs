@@ -11,6 +11,7 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use ds_engine::kernels::fused_norm_loss::{cross_entropy_backward, cross_entropy_with_probs};
+use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
 use ds_engine::parallel::{vocab, Tp};
@@ -27,8 +28,8 @@ struct Rows {
 }
 
 impl Rows {
-    /// The counted rows of `logits` [.., v] as [k, v], and the rows; None when nothing in
-    /// the micro-batch counts.
+    /// The counted rows of `logits` [.., v] as [k, v] (or of any per-position tensor), and
+    /// the rows; None when nothing in the micro-batch counts.
     fn of(logits: &Tensor, t: &Targets) -> Result<Option<(Tensor, Rows)>> {
         let v = logits.dim(D::Minus1)?;
         let (logits, targets) = (logits.reshape(((), v))?, t.ids.flatten_all()?);
@@ -104,6 +105,100 @@ impl Tape for ZeroTape {
             params: Vec::new(),
         })
     }
+}
+
+/// Note [tiles]: the logits [n, V] and their softmax are the largest activations of a small
+/// model at long sequences (V/d times the hidden states). Computed a tile of positions at a
+/// time from the normed hidden states and lm_head's weight (DeepSpeed's
+/// `TiledFusedLogitsLoss`), the loss keeps only the hidden states; backward computes each
+/// tile's logits again, its softmax and its gradients, adding up lm_head's. The MLPs tile the
+/// same way (`TiledMLP`): each tile's hidden activations live only while it is computed.
+pub struct TiledLoss {
+    /// The normed hidden states of the counted positions [k, d], and the rows; None when
+    /// nothing counts.
+    counted: Option<(Tensor, Rows)>,
+    shape: Vec<usize>,
+    tile: usize,
+}
+
+/// The weighted mean cross-entropy of the logits `h W^T` [.., V] against the targets, computed
+/// `tile` positions at a time (Note [tiles]); `h` [.., d] are the normed hidden states, `w`
+/// [V, d] lm_head's weight. Returns the loss and what backward reads.
+pub fn tiled_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    t: &Targets,
+    tile: usize,
+) -> Result<(Tensor, TiledLoss)> {
+    let shape = h.dims().to_vec();
+    let Some((h, rows)) = Rows::of(h, t)? else {
+        let loss = Tensor::zeros((), DType::F32, h.device())?;
+        let counted = None;
+        return Ok((
+            loss,
+            TiledLoss {
+                counted,
+                shape,
+                tile,
+            },
+        ));
+    };
+    let mut sum = 0f64;
+    for r in tiles(h.dim(0)?, tile) {
+        let logits = linear(&h.narrow(0, r.start, r.len())?, w, None)?.to_dtype(DType::F32)?;
+        let (mean, _) =
+            cross_entropy_with_probs(&logits, &rows.targets.narrow(0, r.start, r.len())?)?;
+        sum += f64::from(mean.to_scalar::<f32>()?) * r.len() as f64;
+    }
+    let k = h.dim(0)?;
+    let loss = Tensor::new((sum / k as f64) as f32, h.device())?;
+    let loss = rows.weighted(loss)?;
+    let counted = Some((h, rows));
+    Ok((
+        loss,
+        TiledLoss {
+            counted,
+            shape,
+            tile,
+        },
+    ))
+}
+
+impl TiledLoss {
+    pub fn bytes(&self) -> usize {
+        self.counted
+            .as_ref()
+            .map_or(0, |(h, r)| tensor_bytes(h) + tensor_bytes(&r.targets))
+    }
+
+    /// The gradients of the hidden states [.., d] (zero at positions that do not count) and
+    /// of lm_head's weight [V, d], at loss seed `seed`.
+    pub fn backward(&self, w: &Tensor, seed: f64) -> Result<(Tensor, Tensor)> {
+        let Some((all, r)) = &self.counted else {
+            let dh = Tensor::zeros(self.shape.clone(), w.dtype(), w.device())?;
+            return Ok((dh, w.zeros_like()?));
+        };
+        let scale = r.scale(seed);
+        let (mut dh, mut dw) = (Vec::new(), w.zeros_like()?);
+        for p in tiles(all.dim(0)?, self.tile) {
+            let h = all.narrow(0, p.start, p.len())?;
+            let targets = r.targets.narrow(0, p.start, p.len())?;
+            let logits = linear(&h, w, None)?.to_dtype(DType::F32)?;
+            let (_, probs) = cross_entropy_with_probs(&logits, &targets)?;
+            let dlogits = cross_entropy_backward(&probs, &targets, scale)?.to_dtype(h.dtype())?;
+            let g = linear_backward(&h, w, &dlogits)?;
+            dw = (dw + g.dw)?;
+            dh.push(g.dx);
+        }
+        let dh = Tensor::cat(&dh, 0)?;
+        Ok((r.scatter(dh)?.reshape(self.shape.clone())?, dw))
+    }
+}
+
+/// The ranges of `tile` consecutive rows (the last shorter) that cover `n` rows.
+pub fn tiles(n: usize, tile: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let tile = tile.max(1);
+    (0..n).step_by(tile).map(move |s| s..(s + tile).min(n))
 }
 
 /// Mean cross-entropy of the logits against the next tokens, over the counted positions.
@@ -300,6 +395,34 @@ mod tests {
     fn close(got: (f64, Vec<Vec<f32>>), want: (f64, Vec<Vec<f64>>)) -> bool {
         let grads = got.1.iter().flatten().zip(want.1.iter().flatten());
         (got.0 - want.0).abs() < 1e-6 && grads.map(|(g, w)| (*g as f64 - w).abs()).all(|d| d < 1e-6)
+    }
+
+    /// The tiled loss (tiles of 4 and 2 rows) of hidden states h = the logits and lm_head =
+    /// the identity is the float64 reference's loss, its hidden states' gradient the
+    /// reference's gradient of the logits, lm_head's that gradient transposed times h.
+    #[test]
+    fn the_tiled_loss_is_the_reference_in_tiles() {
+        let ids = [1, 4, 0, 2, 3, 1];
+        let counted = [0u32, 1, 2, 4, 5];
+        let t = targets(ids, &counted, 0.5);
+        let h = logits().reshape((1, 6, 5)).unwrap();
+        let w = Tensor::eye(5, DType::F32, &Device::Cpu).unwrap();
+        let (loss, tape) = tiled_cross_entropy(&h, &w, &t, 4).unwrap();
+        let (dh, dw) = tape.backward(&w, 1.0).unwrap();
+        let got = (
+            loss.to_scalar::<f32>().unwrap() as f64,
+            dh.reshape((6, 5)).unwrap().to_vec2().unwrap(),
+        );
+        let want = reference(ids, &[0, 1, 2, 4, 5], 0.5);
+        let x: Vec<Vec<f32>> = logits().to_vec2().unwrap();
+        let dw: Vec<Vec<f32>> = dw.to_vec2().unwrap();
+        for (i, row) in dw.iter().enumerate() {
+            for (j, g) in row.iter().enumerate() {
+                let w: f64 = (0..6).map(|r| want.1[r][i] * x[r][j] as f64).sum();
+                assert!((*g as f64 - w).abs() < 1e-6, "dw[{i}][{j}] {g} vs {w}");
+            }
+        }
+        assert!(close(got, want));
     }
 
     #[test]

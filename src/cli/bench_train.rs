@@ -57,6 +57,9 @@ pub struct TrainBenchArgs {
     /// sequence_parallel_size, else 1).
     #[arg(long)]
     sp: Option<usize>,
+    /// Positions per tile of the MLPs and the logits and loss (train's --tile).
+    #[arg(long)]
+    tile: Option<usize>,
     #[command(flatten)]
     training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -73,7 +76,7 @@ pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
-    let model = ModelSpec::resolve(&args.model, args.seq_len)?;
+    let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
     let name = || format!("{}", args.config.display());
@@ -95,6 +98,8 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     model
         .check_tp(dims.tp)
         .and_then(|_| model.check_ep(dims.ep))
+        .and_then(|_| model.check_sp(dims.sp, dims.tp))
+        .and_then(|_| model.check_tile(dims.tp))
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let comm = init(&env).context("joining the job")?;
     let groups = Groups::new(&comm, dims)?;

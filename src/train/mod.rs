@@ -146,6 +146,12 @@ pub struct TrainArgs {
     /// sequence length and the attention heads.
     #[arg(long)]
     pub(crate) sp: Option<usize>,
+    /// Compute the MLPs and the logits and loss this many positions at a time, their
+    /// activations computed again in backward (DeepSpeed's TiledMLP and
+    /// TiledFusedLogitsLoss): their memory then no longer grows with the sequence. Off by
+    /// default; with tensor parallelism the vocabulary-parallel loss is not tiled (an error).
+    #[arg(long)]
+    pub(crate) tile: Option<usize>,
     #[command(flatten)]
     pub(crate) training: crate::cli::TrainingArgsCli,
     #[command(flatten)]
@@ -160,7 +166,7 @@ const DEFAULT_STEPS: u64 = 300;
 /// calls it too, so a bad combination is one error line before anything starts): the model,
 /// the resolved config and its layout, checked against each other.
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config)> {
-    let model = ModelSpec::resolve(&args.model, args.seq_len)?;
+    let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let fill = Fill {
         args: args.training.to_args()?,
         hidden_size: model.hidden_size(),
@@ -185,6 +191,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config
         .and_then(|_| model.check_ep(cfg.dims.ep))
         .and_then(|_| model.check_pp(cfg.dims.pp))
         .and_then(|_| model.check_sp(cfg.dims.sp, cfg.dims.tp))
+        .and_then(|_| model.check_tile(cfg.dims.tp))
         .and_then(|_| {
             // DeepSpeed reads the section only when it is enabled
             let ep = Some(&cfg.expert_parallel).filter(|e| e.enabled);

@@ -45,6 +45,10 @@ pub struct Parallel {
     pub tp: Tp,
     pub ep: Ep,
     pub sp: Sp,
+    /// Positions per tile of the MLPs and of the logits and loss (DeepSpeed's `TiledMLP` and
+    /// `TiledFusedLogitsLoss`): their activations then no longer grow with the sequence.
+    /// None: whole sequences at once.
+    pub tile: Option<usize>,
 }
 
 impl Parallel {
@@ -61,12 +65,19 @@ impl Parallel {
         }
     }
 
+    /// The same layout computing the MLPs and the loss `tile` positions at a time.
+    pub fn with_tile(mut self, tile: Option<usize>) -> Parallel {
+        self.tile = tile;
+        self
+    }
+
     /// This rank's layout in `groups`, Megatron's sequence parallelism as `megatron_sp`.
     pub fn of(groups: &ds_comm::Groups, megatron_sp: bool) -> Parallel {
         Parallel {
             tp: Tp::new(groups.tp().clone()).with_sequence_parallel(megatron_sp),
             ep: Ep::new(groups.experts().ep.clone()),
             sp: Sp::new(groups.sp().clone()),
+            tile: None,
         }
     }
 }

@@ -8,7 +8,7 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
+use crate::loss::{tiled_cross_entropy, CrossEntropyLoss, TiledLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_engine::kernels::cpu_flash_attention;
@@ -37,6 +37,7 @@ pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String
     c.check_tp(tp.size())?;
     c.check_ep(ep.size())?;
     c.check_sp(p.sp.size(), tp.size())?;
+    crate::check_tile(p.tile, tp.size())?;
     let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
     let mut elsewhere = Vec::new();
     let sparse_layers = (0..c.num_hidden_layers).filter(|i| c.sparse_layer(*i).is_some());
@@ -61,6 +62,7 @@ pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String
             c: c.clone(),
             tp: tp.clone(),
             sp: p.sp.clone(),
+            tile: p.tile,
             window: c.windows[i],
             sparse: c.sparse_layer(i).cloned(),
             ep: ep.clone(),
@@ -69,7 +71,15 @@ pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String
         m = m.layer(&prefix, layer);
     }
     let m = m.held_elsewhere(elsewhere);
-    let m = m.layer("", Head(c.clone(), tp.clone()));
+    let head = Head(c.clone(), tp.clone(), p.tile);
+    if p.tile.is_some() {
+        // a tiled head computes the loss itself
+        return Ok(match router_loss {
+            None => m.layer("", head),
+            Some(loss) => m.layer("", WithRouterLoss(head, loss)),
+        });
+    }
+    let m = m.layer("", head);
     Ok(match (tp.size(), router_loss) {
         (1, None) => m.layer("", CrossEntropyLoss),
         (_, None) => m.layer("", VocabParallelCrossEntropy(tp.clone())),
@@ -218,6 +228,8 @@ struct DecoderLayer {
     c: LlamaConfig,
     tp: Tp,
     sp: Sp,
+    /// Note [tiles]: the dense MLP `tile` positions at a time.
+    tile: Option<usize>,
     window: Option<usize>,
     sparse: Option<SparseMlp>,
     /// Where the experts are (a sparse layer's).
@@ -350,24 +362,75 @@ impl DecoderLayer {
     fn dense_mlp_backward(
         &self,
         vb: &VarBuilder,
-        [gate, up, act]: [&Tensor; 3],
+        kept: [&Tensor; 3],
         h2g: &Tensor,
         dyg: &Tensor,
         named: &mut Vec<(String, Tensor)>,
     ) -> Result<Tensor> {
         let w = self.load_mlp(vb)?;
-        let down = linear_backward(act, &w.down.w, dyg)?;
-        named.push(("mlp.down_proj.weight".into(), down.dw));
-        let (dgate, dup) = swiglu_backward(gate, up, &down.dx)?;
-        let gate = linear_backward(h2g, &w.gate.w, &dgate)?;
-        let up = linear_backward(h2g, &w.up.w, &dup)?;
-        named.push(("mlp.gate_proj.weight".into(), gate.dw));
-        named.push(("mlp.up_proj.weight".into(), up.dw));
-        if let (Some(bg), Some(bu)) = (&w.gate.b, &w.up.b) {
-            named.push(("mlp.gate_proj.bias".into(), bias_backward(&dgate, bg)?));
-            named.push(("mlp.up_proj.bias".into(), bias_backward(&dup, bu)?));
+        let dx = dense_mlp_grads(&w, kept, h2g, dyg, named)?;
+        self.tp.reduce(&dx)
+    }
+
+    /// The dense MLP's output [B, T, d] from its gathered input, `tile` positions at a time
+    /// (Note [tiles]): nothing of it kept.
+    fn tiled_mlp(&self, vb: &VarBuilder, h2g: &Tensor, tile: usize) -> Result<Tensor> {
+        let w = self.load_mlp(vb)?;
+        let (b, t, d) = h2g.dims3()?;
+        let rows = h2g.reshape((b * t, d))?;
+        let mut parts = Vec::new();
+        for r in crate::loss::tiles(b * t, tile) {
+            let h = rows.narrow(0, r.start, r.len())?;
+            let act = swiglu(&w.gate.forward(&h)?, &w.up.forward(&h)?)?;
+            parts.push(linear(&act, &w.down.w, None)?);
         }
-        self.tp.reduce(&(gate.dx + up.dx)?)
+        let y = self
+            .tp
+            .reduce(&Tensor::cat(&parts, 0)?.reshape((b, t, d))?)?;
+        match &w.down.b {
+            Some(bias) => y.broadcast_add(bias),
+            None => Ok(y),
+        }
+    }
+
+    /// `dense_mlp_backward` of a tiled MLP: each tile's products computed again, its weights'
+    /// gradients added up.
+    fn tiled_mlp_backward(
+        &self,
+        vb: &VarBuilder,
+        h2g: &Tensor,
+        dyg: &Tensor,
+        tile: usize,
+        named: &mut Vec<(String, Tensor)>,
+    ) -> Result<Tensor> {
+        let w = self.load_mlp(vb)?;
+        let (b, t, d) = h2g.dims3()?;
+        let (h2g, dyg) = (h2g.reshape((b * t, d))?, dyg.reshape((b * t, d))?);
+        let (mut dx, mut sums) = (Vec::new(), Vec::<(String, Tensor)>::new());
+        for r in crate::loss::tiles(b * t, tile) {
+            let h = h2g.narrow(0, r.start, r.len())?;
+            let (gate, up) = (w.gate.forward(&h)?, w.up.forward(&h)?);
+            let act = swiglu(&gate, &up)?;
+            let mut grads = Vec::new();
+            let dyr = dyg.narrow(0, r.start, r.len())?;
+            dx.push(dense_mlp_grads(
+                &w,
+                [&gate, &up, &act],
+                &h,
+                &dyr,
+                &mut grads,
+            )?);
+            sums = match sums.is_empty() {
+                true => grads,
+                false => sums
+                    .into_iter()
+                    .zip(grads)
+                    .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
+                    .collect::<Result<_>>()?,
+            };
+        }
+        named.extend(sums);
+        self.tp.reduce(&Tensor::cat(&dx, 0)?.reshape((b, t, d))?)
     }
 
     /// The dense MLP's replicated down bias, where it has one.
@@ -404,6 +467,10 @@ impl DecoderLayer {
         let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
         let h2g = tp.gather(&h2)?;
         let (y, mlp) = match &self.sparse {
+            None if self.tile.is_some() => {
+                let tile = self.tile.expect("invariant: matched");
+                (self.tiled_mlp(vb, &h2g, tile)?, MlpTape::Tiled(tile))
+            }
             None => {
                 let w = self.load_mlp(vb)?;
                 let gate = w.gate.forward(&h2g)?;
@@ -423,6 +490,7 @@ impl DecoderLayer {
                 c: c.clone(),
                 tp: tp.clone(),
                 sp: self.sp.clone(),
+                tile: self.tile,
                 window: self.window,
                 sparse: self.sparse.clone(),
                 ep: self.ep.clone(),
@@ -695,6 +763,30 @@ impl Attention {
     }
 }
 
+/// The dense MLP's backward from the products its forward kept (`gate`, `up`, `act`), its
+/// gathered input `h2g` and output gradient `dyg`: its weights' (and column biases')
+/// gradients into `named`, and this rank's part of its input's gradient.
+fn dense_mlp_grads(
+    w: &MlpParams,
+    [gate, up, act]: [&Tensor; 3],
+    h2g: &Tensor,
+    dyg: &Tensor,
+    named: &mut Vec<(String, Tensor)>,
+) -> Result<Tensor> {
+    let down = linear_backward(act, &w.down.w, dyg)?;
+    named.push(("mlp.down_proj.weight".into(), down.dw));
+    let (dgate, dup) = swiglu_backward(gate, up, &down.dx)?;
+    let gate = linear_backward(h2g, &w.gate.w, &dgate)?;
+    let up = linear_backward(h2g, &w.up.w, &dup)?;
+    named.push(("mlp.gate_proj.weight".into(), gate.dw));
+    named.push(("mlp.up_proj.weight".into(), up.dw));
+    if let (Some(bg), Some(bu)) = (&w.gate.b, &w.up.b) {
+        named.push(("mlp.gate_proj.bias".into(), bias_backward(&dgate, bg)?));
+        named.push(("mlp.up_proj.bias".into(), bias_backward(&dup, bu)?));
+    }
+    gate.dx + up.dx
+}
+
 /// Copies of each of `kv` key/value heads before the sequence-parallel exchange: 1 when
 /// `sp` splits them, else `sp / kv` (DeepSpeed's Ulysses repeats them so that each rank has
 /// the one its queries read).
@@ -756,6 +848,8 @@ enum MlpTape {
         up: Tensor,
         act: Tensor,
     },
+    /// Nothing: computed again in backward (Note [tiles]).
+    Tiled(usize),
     Sparse(SparseTape),
 }
 
@@ -765,6 +859,7 @@ impl Tape for LayerTape {
         let normed = a.normed.iter().flatten().map(tensor_bytes).sum::<usize>();
         let mlp = match &self.mlp {
             MlpTape::Dense { gate, up, act } => [gate, up, act].map(tensor_bytes).iter().sum(),
+            MlpTape::Tiled(_) => 0,
             MlpTape::Sparse(t) => t.activation_bytes(),
         };
         [
@@ -791,6 +886,9 @@ impl Tape for LayerTape {
                 self.layer
                     .dense_mlp_backward(vb, [&gate, &up, &act], &h2g, &dyg, &mut named)?
             }
+            MlpTape::Tiled(tile) => self
+                .layer
+                .tiled_mlp_backward(vb, &h2g, &dyg, tile, &mut named)?,
             MlpTape::Sparse(t) => {
                 let m = self
                     .layer
@@ -877,14 +975,23 @@ fn qkv_name(which: &str, kind: &str) -> &'static str {
 
 /// The final norm and `lm_head` (tied to the embedding with `tie_word_embeddings`): [B, T, d]
 /// to logits [B, T, V/tp], split by vocabulary rows.
-struct Head(LlamaConfig, Tp);
+/// With a tile size (Note [tiles]) the head ends in the loss: the logits are computed a tile
+/// at a time and never whole.
+struct Head(LlamaConfig, Tp, Option<usize>);
 
 struct HeadTape {
     c: LlamaConfig,
     tp: Tp,
     x: Tensor,
     r: Tensor,
-    h: Tensor,
+    h: HeadKept,
+}
+
+/// What the head's backward reads besides its input and the norm's roots: the normed input
+/// (lm_head's), or the tiled loss's tape when the head computes the loss.
+enum HeadKept {
+    Normed(Tensor),
+    Loss(TiledLoss),
 }
 
 impl Head {
@@ -895,12 +1002,21 @@ impl Head {
         ))
     }
 
-    fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
+    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
         let (c, tp) = (&self.0, &self.1);
         let (norm, lm_head) = Head::weights(c, tp, vb)?;
         let x = x.contiguous()?;
         let (h, r) = rms_norm(&x, &norm, c.rms_norm_eps)?;
-        let output = linear(&tp.gather(&h)?, &lm_head, None)?;
+        let (output, h) = match self.2 {
+            Some(tile) => {
+                let (loss, tape) = tiled_cross_entropy(&h, &lm_head, cx.targets()?, tile)?;
+                (loss, HeadKept::Loss(tape))
+            }
+            None => (
+                linear(&tp.gather(&h)?, &lm_head, None)?,
+                HeadKept::Normed(h),
+            ),
+        };
         let tape = HeadTape {
             c: c.clone(),
             tp: tp.clone(),
@@ -933,12 +1049,12 @@ impl Layer for Head {
         ]
     }
 
-    fn forward(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x)?.output)
+    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        Ok(self.taped(vb, x, cx)?.output)
     }
 
-    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x).map(Some)
+    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
+        self.taped(vb, x, cx).map(Some)
     }
 
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
@@ -949,19 +1065,31 @@ impl Layer for Head {
 
 impl Tape for HeadTape {
     fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.x) + tensor_bytes(&self.r) + tensor_bytes(&self.h)
+        let h = match &self.h {
+            HeadKept::Normed(h) => tensor_bytes(h),
+            HeadKept::Loss(loss) => loss.bytes(),
+        };
+        tensor_bytes(&self.x) + tensor_bytes(&self.r) + h
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let (norm, lm_head) = Head::weights(&self.c, &self.tp, vb)?;
-        let dy = dy.to_dtype(self.h.dtype())?;
-        let head = linear_backward(&self.tp.gather(&self.h)?, &lm_head, &dy)?;
-        let dh = self.tp.reduce(&head.dx)?;
+        let (dh, dw_head) = match &self.h {
+            HeadKept::Loss(loss) => {
+                let seed = dy.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+                loss.backward(&lm_head, f64::from(seed))?
+            }
+            HeadKept::Normed(h) => {
+                let dy = dy.to_dtype(h.dtype())?;
+                let head = linear_backward(&self.tp.gather(h)?, &lm_head, &dy)?;
+                (self.tp.reduce(&head.dx)?, head.dw)
+            }
+        };
         let (dx, dnorm) = rms_norm_backward(&self.x, &self.r, &norm, &dh)?;
         let dnorm = self.tp.sum_partial_grads(vec![dnorm])?.remove(0);
         Ok(Grads {
             input: Some(dx),
-            params: vec![dnorm, head.dw],
+            params: vec![dnorm, dw_head],
         })
     }
 }
