@@ -192,3 +192,22 @@ fn presets_round_trip_through_config_json() {
         assert_eq!(back, p.config, "{}", p.name);
     }
 }
+
+/// Ulysses splits each tensor-parallel rank's query heads over sp, and its key/value heads
+/// too, or copies them when there are fewer than sp that divide it (DeepSpeed's rule).
+#[test]
+fn sequence_parallelism_needs_heads_that_split() {
+    let mut c = presets()
+        .into_iter()
+        .find(|p| p.name == "llama-tiny")
+        .unwrap()
+        .config;
+    (c.num_attention_heads, c.num_key_value_heads) = (12, 6);
+    assert!(c.check_sp(2, 1).is_ok(), "6 kv heads split over 2");
+    assert!(c.check_sp(3, 2).is_ok(), "3 kv heads a rank split over 3");
+    assert!(c.check_sp(6, 2).is_ok(), "3 kv heads a rank, copied to 6");
+    let e = c.check_sp(4, 1).unwrap_err();
+    assert!(e.contains("6 key/value heads"), "{e}");
+    let e = c.check_sp(8, 1).unwrap_err();
+    assert!(e.contains("num_attention_heads = 12"), "{e}");
+}
