@@ -21,10 +21,56 @@ pub struct LayerActivations {
 #[derive(Debug, Clone, Copy)]
 pub struct MicroBatch {
     pub rows: u64,
-    /// Tensor-parallel degree (heads, MLP width and vocabulary split; no sequence parallelism).
+    /// Tensor-parallel degree (heads, MLP width and vocabulary split; no Megatron sequence
+    /// parallelism).
     pub tp: u64,
+    /// Ulysses' sequence-parallel size: a rank holds 1/sp of each sequence's positions, and
+    /// attention whole sequences of 1/sp of its heads.
+    pub sp: u64,
+    /// Positions per tile of the MLPs and the logits and loss (Note [tiles]), if tiled.
+    pub tile: Option<u64>,
     /// Bytes of the compute dtype.
     pub dtype: u64,
+}
+
+impl MicroBatch {
+    /// A rank's positions: rows x seq / sp.
+    fn tokens(&self, seq: usize) -> u64 {
+        self.rows * seq as u64 / self.sp
+    }
+
+    /// Attention's output at this rank's positions and, under sequence parallelism, again as
+    /// whole sequences of its heads: `width` is the heads' output width on a tensor rank.
+    fn attention_out(&self, seq: usize, width: u64) -> u64 {
+        let once = self.tokens(seq) * width * self.dtype;
+        match self.sp {
+            1 => once,
+            _ => 2 * once,
+        }
+    }
+
+    /// The last layers: ln_f/norm + lm_head keeping `head` bytes, and the loss; or, tiled,
+    /// the head computing the loss with `head` plus the normed positions and their targets.
+    fn head_and_loss(&self, seq: usize, d: u64, v: u64, head: u64) -> Vec<LayerActivations> {
+        let tokens = self.tokens(seq);
+        let hidden = tokens * d * self.dtype;
+        match self.tile {
+            Some(_) => vec![LayerActivations {
+                input: hidden,
+                tape: head + hidden + tokens * 4,
+            }],
+            None => vec![
+                LayerActivations {
+                    input: hidden,
+                    tape: head + hidden,
+                },
+                LayerActivations {
+                    input: tokens * v / self.tp * self.dtype,
+                    tape: loss_tape(tokens, v, *self),
+                },
+            ],
+        }
+    }
 }
 
 /// The model's layers in model order, at its sequence length.
@@ -61,18 +107,19 @@ fn loss_tape(tokens: u64, v: u64, m: MicroBatch) -> u64 {
 /// heads' outputs, the residual, Qwen3's q and k before their norms with f32 roots; then
 /// gate, up and their product, or a mixture of experts' tape), the norm + head, the loss.
 fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
-    let (b, t, d, v) = (
-        m.rows,
-        seq as u64,
-        c.hidden_size as u64,
-        c.vocab_size as u64,
-    );
+    let (b, d, v) = (m.rows, c.hidden_size as u64, c.vocab_size as u64);
     let (tp, e) = (m.tp, m.dtype);
-    let tokens = b * t;
+    let tokens = m.tokens(seq);
     let hidden = tokens * d * e;
     let (q, kv) = (c.q_width() as u64 / tp, c.kv_width() as u64 / tp);
+    // key/value heads fewer than sp are copied so that each rank gets one
+    let kv_heads = c.num_key_value_heads as u64 / tp;
+    let kv_held = match kv_heads % m.sp {
+        0 => kv,
+        _ => kv * (m.sp / kv_heads),
+    };
     let f = c.intermediate_size as u64 / tp;
-    let probs = softmax_bytes(b * (c.num_attention_heads as u64 / tp), seq, e);
+    let probs = softmax_bytes(b * (c.num_attention_heads as u64 / tp / m.sp), seq, e);
     let heads = (c.num_attention_heads + c.num_key_value_heads) as u64 / tp;
     let qk_norm = match c.qk_norm {
         true => tokens * (q + kv) * e + tokens * heads * 4,
@@ -80,10 +127,14 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
     };
     let attention = 4 * hidden // x, h1, x2, h2
         + 2 * tokens * 4 // the reciprocal roots
-        + tokens * (2 * q + 2 * kv) * e // q, k, v, the heads' outputs
+        + tokens * (q + 2 * kv_held) * e // q, k, v
+        + m.attention_out(seq, q)
         + probs
         + qk_norm;
-    let dense = attention + 3 * tokens * f * e; // gate, up, their product
+    let dense = match m.tile {
+        Some(_) => attention,
+        None => attention + 3 * tokens * f * e, // gate, up, their product
+    };
     let mut layers = vec![LayerActivations {
         input: tokens * 4,
         tape: tokens * 4,
@@ -95,14 +146,7 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
             None => dense,
         },
     }));
-    layers.push(LayerActivations {
-        input: hidden,
-        tape: 2 * hidden + tokens * 4,
-    });
-    layers.push(LayerActivations {
-        input: tokens * v / tp * e,
-        tape: loss_tape(tokens, v, m),
-    });
+    layers.extend(m.head_and_loss(seq, d, v, hidden + tokens * 4));
     layers
 }
 
@@ -147,17 +191,19 @@ fn moe_tape(moe: &GptMoe, tokens: u64, d: u64, mlp: u64, m: MicroBatch) -> u64 {
 
 /// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.
 fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
-    let (b, t, d, v) = (m.rows, seq as u64, c.d as u64, c.V as u64);
+    let (b, d, v) = (m.rows, c.d as u64, c.V as u64);
     let (tp, e) = (m.tp, m.dtype);
-    let tokens = b * t;
+    let tokens = m.tokens(seq);
     let hidden = tokens * d * e;
-    let probs = softmax_bytes(b * (c.H as u64 / tp), seq, e);
+    let probs = softmax_bytes(b * (c.H as u64 / tp / m.sp), seq, e);
     let attention = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
         + tokens * 3 * d / tp * e // q|k|v
         + probs
-        + tokens * d / tp * e; // the heads' outputs
-    let mlp = 2 * tokens * var.mlp as u64 / tp * e; // the MLP's pre-activation and GELU
-    let loss = loss_tape(tokens, v, m);
+        + m.attention_out(seq, d / tp); // the heads' outputs
+    let mlp = match m.tile {
+        Some(_) => 0,
+        None => 2 * tokens * var.mlp as u64 / tp * e, // the MLP's pre-activation and GELU
+    };
     let mut layers = vec![LayerActivations {
         input: tokens * 4,
         tape: tokens * 4,
@@ -169,14 +215,7 @@ fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec
             None => attention + mlp,
         },
     }));
-    layers.push(LayerActivations {
-        input: hidden,
-        tape: 2 * hidden,
-    });
-    layers.push(LayerActivations {
-        input: tokens * v / tp * e,
-        tape: loss,
-    });
+    layers.extend(m.head_and_loss(seq, d, v, hidden));
     layers
 }
 

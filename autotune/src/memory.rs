@@ -110,6 +110,8 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
     let micro = MicroBatch {
         rows: run.micro_batch.unwrap_or(settings.micro_batch) as u64,
         tp: tp as u64,
+        sp: dims.sp as u64,
+        tile: run.model.tile.map(|t| t as u64),
         dtype,
     };
     let layers = layers(run.model, micro);
@@ -205,8 +207,12 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
         };
         let layer_bytes = (largest.max(graphs) + largest) * dtype;
         let comm = comm_buffers(&settings, &numel, shard as usize, padded as usize) as u64 * dtype;
-        let logits_grad =
-            micro.rows * run.model.seq_len as u64 * (run.model.vocab_size() / tp) as u64 * dtype;
+        // whole, or a tile's logits, softmax (f32) and their gradient (Note [tiles])
+        let vocab = (run.model.vocab_size() / tp) as u64;
+        let logits_grad = match micro.tile {
+            None => micro.rows * (run.model.seq_len / dims.sp) as u64 * vocab * dtype,
+            Some(tile) => tile * vocab * (2 * dtype + 4),
+        };
         let mut transient = logits_grad;
         let mut optimizer_states = owned * (4 + per_element);
         let mut offloaded = 0;

@@ -43,6 +43,10 @@ pub struct EstimateArgs {
     /// sequence_parallel_size, else 1).
     #[arg(long)]
     sp: Option<usize>,
+    /// With --config: positions per tile of the MLPs and the logits and loss (train's
+    /// --tile).
+    #[arg(long)]
+    tile: Option<usize>,
     /// With --config: rows per micro-batch (default: the config's
     /// train_micro_batch_size_per_gpu).
     #[arg(long)]
@@ -71,7 +75,7 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
 
 /// ds-rs's own model of the config's layout: one line (or JSON object) per rank.
 fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let model = ds_models::ModelSpec::resolve(&args.model, args.seq_len)?;
+    let model = ds_models::ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let fill = crate::train::Fill {
         args: ds_config::TrainingArgs::default(),
         hidden_size: model.hidden_size(),
@@ -86,6 +90,8 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
     let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
     model
         .check_ep(config.dims.ep)
+        .and_then(|_| model.check_sp(config.dims.sp, config.dims.tp))
+        .and_then(|_| model.check_tile(config.dims.tp))
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
     let ranks = estimate(&Run {
         config: &config,
