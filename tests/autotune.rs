@@ -492,3 +492,47 @@ fn the_expert_parallel_size_is_tuned() {
     ran.sort();
     assert_eq!(ran, vec![(1, 1), (1, 2), (2, 1)], "{records}");
 }
+
+/// `sequence_parallel_size` as a list is a dimension of the search: each trial's config takes
+/// one size, and its batch counts the replicas (ranks over sp), as the trial's `train` does.
+#[test]
+fn the_sequence_parallel_size_is_tuned() {
+    let s = Scratch::new("autotune-sp");
+    let model = s.write("m.json", r#"{"V": 512, "T": 32, "d": 64, "H": 2, "L": 2}"#);
+    let (results, exps) = (s.path("results"), s.path("exps"));
+    let cfg = s.write(
+        "cfg.json",
+        &config(
+            &dirs(&results, &exps),
+            r#", "zero_optimization": {"stage": 1}, "sequence_parallel_size": [1, 2]"#,
+        )
+        .replace(
+            r#""train_micro_batch_size_per_gpu": 1"#,
+            r#""train_micro_batch_size_per_gpu": [2]"#,
+        ),
+    );
+    let cmd = format!(
+        "launch --autotuning tune --nproc_per_node 2 --memory_per_rank 1G --config {} train --model {}",
+        cfg.display(),
+        model.display()
+    );
+    let f = run(&cmd, LIMIT);
+    assert!(f.status.success(), "{cmd}: {}\n{}", f.stdout, f.stderr);
+    let records = json(&results.join("records.json"));
+    let mut ran = Vec::new();
+    for r in records.as_array().unwrap() {
+        let e = &r["experiment"];
+        let sp = e["layout"]["sp"].as_u64().unwrap();
+        assert!(r["outcome"].get("ran").is_some(), "{r}");
+        let config = json(
+            &results
+                .join(e["name"].as_str().unwrap())
+                .join("ds_config.json"),
+        );
+        assert_eq!(config["sequence_parallel_size"], sp, "{config}");
+        assert_eq!(config["train_batch_size"], 2 * 2 / sp, "{config}");
+        ran.push(sp);
+    }
+    ran.sort();
+    assert_eq!(ran, vec![1, 2], "{records}");
+}

@@ -90,7 +90,7 @@ pub fn step_cost(
 ) -> anyhow::Result<StepCost> {
     let s = Settings::from_config(config, false)?;
     let dims = config.dims;
-    let (dp, tp, pp) = (dims.dp(), dims.tp, dims.pp);
+    let (dp, tp, pp, sp) = (dims.dp(), dims.tp, dims.pp, dims.sp);
     let micro = micro_batch as f64;
     let gas = s.grad_accum as f64;
     // recomputation runs each checkpointed forward twice: 8 instead of 6 FLOPs per parameter
@@ -98,16 +98,17 @@ pub fn step_cost(
     let flops = micro * gas * work.flops_per_sample;
     // 1F1B: (m + p - 1) micro-batch slots for m micro-batches
     let bubble = (gas + pp as f64 - 1.0) / gas;
-    let compute_s = flops * recompute / (tp * pp) as f64 / rates.flops_per_s * bubble;
+    let compute_s = flops * recompute / (tp * pp * sp) as f64 / rates.flops_per_s * bubble;
     let width = match s.precision {
         Precision::F32 => 4.0,
         Precision::BF16 | Precision::F16 => 2.0,
     };
     let elements = work.params / (tp * pp) as f64;
-    let activation = micro * work.boundary_elements_per_sample * width;
+    let activation = micro * work.boundary_elements_per_sample * width / sp as f64;
     let comm_s = data_parallel_s(&s, dp, elements, width, gas, rates)
         + tensor_parallel_s(tp, work.layers, activation, gas, rates)
-        + pipeline_s(pp, activation, gas, rates);
+        + pipeline_s(pp, activation, gas, rates)
+        + sequence_parallel_s(sp, tp, work.layers, activation, gas, rates);
     let owned = match s.zero.stage {
         ZeroStage::Disabled => elements,
         _ => elements / dp as f64,
@@ -118,8 +119,8 @@ pub fn step_cost(
         compute_s,
         comm_s,
         optimizer_s,
-        samples: micro * gas * dp as f64,
-        flops: flops * dp as f64,
+        samples: micro * gas * dims.replicas() as f64,
+        flops: flops * dims.replicas() as f64,
     })
 }
 
@@ -172,6 +173,24 @@ fn data_parallel_s(
 fn tensor_parallel_s(tp: usize, layers: usize, activation: f64, gas: f64, rates: &Rates) -> f64 {
     let calls = (4 * layers + 2) as f64;
     gas * calls * ring_s(activation, tp, activation, false, rates)
+}
+
+/// Ulysses: per block, q|k|v (three of the rank's `activation` bytes over its tp share) and
+/// the output (one) go from positions to heads and back by all-to-all in forward, their
+/// gradients in backward; each rank keeps 1/sp of what it sends.
+fn sequence_parallel_s(
+    sp: usize,
+    tp: usize,
+    layers: usize,
+    activation: f64,
+    gas: f64,
+    rates: &Rates,
+) -> f64 {
+    if sp <= 1 {
+        return 0.0;
+    }
+    let bytes = 2.0 * 4.0 * activation / tp as f64 * (sp - 1) as f64 / sp as f64;
+    gas * layers as f64 * (bytes / rates.bus_bytes_per_s + 4.0 * rates.collective_s)
 }
 
 /// A stage sends its output forward and receives the gradient back, every micro-batch.

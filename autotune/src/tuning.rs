@@ -86,12 +86,13 @@ impl TunerKind {
 }
 
 /// A parallel layout of a trial's ranks: tensor- and pipeline-parallel degrees, and the
-/// expert-parallel size within the data-parallel ranks.
+/// expert- and sequence-parallel sizes within the data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Layout {
     pub tp: usize,
     pub pp: usize,
     pub ep: usize,
+    pub sp: usize,
 }
 
 /// A ZeRO setting the search varies: its key in `zero_optimization` and the values tried.
@@ -106,8 +107,9 @@ pub struct Dimension {
 pub struct Space {
     /// ZeRO stages: the config's stage, a list of them, or all four for "all".
     pub stages: Vec<u8>,
-    /// Tensor-, pipeline- and expert-parallel degrees (lists in `tensor_parallel.autotp_size`,
-    /// `pipeline.stages`, `expert_parallel.autoep_size`).
+    /// Tensor-, pipeline-, expert- and sequence-parallel degrees (lists in
+    /// `tensor_parallel.autotp_size`, `pipeline.stages`, `expert_parallel.autoep_size`,
+    /// `sequence_parallel_size`).
     pub layouts: Vec<Layout>,
     /// `train_micro_batch_size_per_gpu` as a list: exactly these are tried.
     pub micro_batches: Option<Vec<usize>>,
@@ -165,11 +167,15 @@ impl Experiment {
         if space.layouts.iter().any(|l| l.ep > 1) {
             name += &format!("_ep{}", layout.ep);
         }
+        if space.layouts.iter().any(|l| l.sp > 1) {
+            name += &format!("_sp{}", layout.sp);
+        }
         name += &format!("_gas{gas}_tmbspg{micro_batch}");
         for (key, value) in &settings {
             name += &format!("_{}{}", abbreviation(key), compact(value));
         }
-        let dp = (space.ranks / (layout.tp * layout.pp)).max(1);
+        // sequence-parallel ranks share samples
+        let dp = (space.ranks / (layout.tp * layout.pp * layout.sp)).max(1);
         Experiment {
             name,
             stage,
@@ -697,6 +703,7 @@ mod tests {
                 tp: 1,
                 pp: 1,
                 ep: 1,
+                sp: 1,
             }],
             micro_batches: None,
             min_micro_batch: 1,

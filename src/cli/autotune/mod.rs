@@ -129,7 +129,7 @@ struct Tuner {
     /// Where trials run, and the ranks of one.
     groups: Vec<Group>,
     ranks: usize,
-    /// The degrees the train command fixes (`--tp`, `--pp`, `--ep`).
+    /// The degrees the train command fixes (`--tp`, `--pp`, `--ep`, `--sp`).
     fixed: space::Fixed,
     rates: Rates,
 }
@@ -153,6 +153,7 @@ impl Tuner {
                 tp: t.tp,
                 pp: t.pp,
                 ep: t.ep,
+                sp: t.sp,
             });
         let (mut groups, ranks) = cluster::groups(args)?;
         let at = &user["autotuning"];
@@ -263,11 +264,12 @@ impl Tuner {
         }
         match first {
             Some((layout, e)) => Err(e.context(format!(
-                "{}: autotuning a layout of tp {} x pp {} (ep {}) over {} ranks",
+                "{}: autotuning a layout of tp {} x pp {} (ep {}, sp {}) over {} ranks",
                 name(),
                 layout.tp,
                 layout.pp,
                 layout.ep,
+                layout.sp,
                 self.ranks
             ))),
             None => Ok(()),
@@ -299,6 +301,9 @@ impl Tuner {
             {
                 ep["autoep_size"] = json!(e.layout.ep);
             }
+            if e.layout.sp > 1 || o.contains_key("sequence_parallel_size") {
+                o.insert("sequence_parallel_size".into(), json!(e.layout.sp));
+            }
         }
         let zero = o.entry("zero_optimization").or_insert_with(|| json!({}));
         zero["stage"] = json!(e.stage);
@@ -324,7 +329,7 @@ impl Tuner {
         let dims = ds_config::parallel_dims(&doc, self.ranks, tp, pp)?;
         // "auto" values as the trial's `train` fills them (its batch is in the config)
         let ctx = ds_config::FillContext {
-            data_parallel: dims.dp() as i64,
+            data_parallel: dims.replicas() as i64,
             hidden_size: self.workload.hidden_size().map(|h| h as i64),
             run_steps: Some(self.end_profile_step as i64),
         };

@@ -39,12 +39,13 @@ pub fn write(t: &Tuner, records: &[Record], took: Duration) -> anyhow::Result<()
             _ => "-".into(),
         };
         summary += &format!(
-            "| {i} | {} | {} | {}x{} (ep {}) | {} | {} | {} | {:.3} | {measured} | {} |\n",
+            "| {i} | {} | {} | {}x{} (ep {}, sp {}) | {} | {} | {} | {:.3} | {measured} | {} |\n",
             e.name,
             e.stage,
             e.layout.tp,
             e.layout.pp,
             e.layout.ep,
+            e.layout.sp,
             e.micro_batch,
             e.gas,
             r.predicted_peak_bytes >> 20,
@@ -89,10 +90,10 @@ fn heading(t: &Tuner) -> String {
     let places: Vec<&str> = t.groups.iter().map(|g| g.place.as_str()).collect();
     format!(
         "ds-rs autotuning ({mode}, metric {}): {}, {} ranks a trial, {} MiB per rank\n\
-         tuning space: ZeRO stages {:?}, tp x pp (ep) {:?}, micro-batches {}, ZeRO settings {}\n\
+         tuning space: ZeRO stages {:?}, tp x pp (ep, sp) {:?}, micro-batches {}, ZeRO settings {}\n\
          trials side by side: {} ({})\n\
          time model rates per rank: {:.1} GFLOP/s, memory {:.1} GB/s, all-reduce {:.2} GB/s + {:.0} us a call\n\n\
-         | # | experiment | stage | tp x pp (ep) | micro-batch | gas | predicted peak MiB | predicted step s | measured step s | result |\n\
+         | # | experiment | stage | tp x pp (ep, sp) | micro-batch | gas | predicted peak MiB | predicted step s | measured step s | result |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         s.metric.name(),
         t.workload.describe(&t.user_program),
@@ -101,7 +102,7 @@ fn heading(t: &Tuner) -> String {
         s.stages,
         s.layouts
             .iter()
-            .map(|l| format!("{}x{} ({})", l.tp, l.pp, l.ep))
+            .map(|l| format!("{}x{} ({}, {})", l.tp, l.pp, l.ep, l.sp))
             .collect::<Vec<_>>(),
         match &s.micro_batches {
             Some(list) => format!("{list:?}"),

@@ -158,10 +158,11 @@ pub struct Fixed {
     pub tp: Option<usize>,
     pub pp: Option<usize>,
     pub ep: Option<usize>,
+    pub sp: Option<usize>,
 }
 
-/// Tensor- x pipeline- x expert-parallel degrees: the train command's flags, else the
-/// config's integers or lists (the expert-parallel size where its section is enabled).
+/// Tensor- x pipeline- x expert- x sequence-parallel degrees: the train command's flags, else
+/// the config's integers or lists (the expert-parallel size where its section is enabled).
 fn layouts(user: &Json, fixed: Fixed, name: &dyn Fn() -> String) -> anyhow::Result<Vec<Layout>> {
     let degrees = |flag: Option<usize>, pointer: &str| -> anyhow::Result<Vec<usize>> {
         if let Some(n) = flag {
@@ -186,10 +187,13 @@ fn layouts(user: &Json, fixed: Fixed, name: &dyn Fn() -> String) -> anyhow::Resu
         Some(Json::Bool(true)) => degrees(fixed.ep, "/expert_parallel/autoep_size")?,
         _ => vec![fixed.ep.unwrap_or(1)],
     };
+    let sps = degrees(fixed.sp, "/sequence_parallel_size")?;
     let mut all = Vec::new();
     for &pp in &pps {
         for &tp in &tps {
-            all.extend(eps.iter().map(|&ep| Layout { tp, pp, ep }));
+            for &ep in &eps {
+                all.extend(sps.iter().map(|&sp| Layout { tp, pp, ep, sp }));
+            }
         }
     }
     Ok(all)
