@@ -160,6 +160,7 @@ fn refused(cmd: &str, needles: &[&str]) {
 /// ranks, pipelines, tiles with tensor parallelism's loss, a size the config contradicts.
 #[test]
 fn bad_sequence_parallel_layouts_are_refused_before_any_rank_starts() {
+    let s = Scratch::new("ulysses-bad");
     let launch = |n: usize, args: &str| {
         format!("launch --nproc_per_node {n} train --model tiny --seq-len 64 --steps 1 {args}")
     };
@@ -180,18 +181,29 @@ fn bad_sequence_parallel_layouts_are_refused_before_any_rank_starts() {
     );
     refused(
         &launch(6, "--sp 4"),
+        &["--sp 4", "does not divide the data-parallel size 6"],
+    );
+    refused(
+        &launch(4, "--sp 2 --pp 2"),
+        &["--sp 2", "with 2 pipeline stages"],
+    );
+    let cfg6 = s.write(
+        "sp4.json",
+        r#"{"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 4}"#,
+    );
+    refused(
+        &launch(6, "").replace("train", &format!("--config {} train", cfg6.display())),
         &[
+            "sp4.json",
             "sequence_parallel_size",
             "does not divide the data-parallel size 6",
         ],
     );
-    refused(&launch(4, "--sp 2 --pp 2"), &["with 2 pipeline stages"]);
     refused(
         &launch(2, "--tp 2 --tile 16"),
         &["tiled logits and loss with tensor-parallel degree 2"],
     );
     refused(&launch(1, "--tile 0"), &["a tile of 0 positions"]);
-    let s = Scratch::new("ulysses-bad");
     let cfg = s.write(
         "sp.json",
         r#"{"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}"#,

@@ -101,6 +101,9 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         .and_then(|_| model.check_sp(dims.sp, dims.tp))
         .and_then(|_| model.check_tile(dims.tp))
         .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    // DeepSpeed's comms logger times every collective of rank 0 (its table printed after the
+    // result)
+    env.comms_logger = cfg.comms_logger.clone().filter(|c| c.enabled);
     let comm = init(&env).context("joining the job")?;
     let groups = Groups::new(&comm, dims)?;
     let rank = comm.rank();
@@ -149,6 +152,9 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let bubble = measured_bubble(&comm.world(), &groups, args.warmup, &m)?;
     if rank == 0 {
         report(args, &s, dims, &model, &m);
+        if let Some(table) = comm.comms_summary() {
+            println!("{table}");
+        }
         if dims.pp > 1 {
             let whole = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
             let layout = ds_engine::pipeline_layout(&cfg, &whole)?;

@@ -537,7 +537,13 @@ pub(crate) fn read_config(
     if let Some(sp) = sp {
         with_sp(&mut doc, sp, &config_name(path))?;
     }
-    let dims = parallel_dims(&doc, world, tp, pp).with_context(|| config_name(path))?;
+    let dims = parallel_dims(&doc, world, tp, pp).map_err(|e| {
+        // a size --sp wrote into the document is the flag's
+        match (sp, e.path()) {
+            (Some(n), Some("sequence_parallel_size")) => anyhow::anyhow!("--sp {n}: {e}"),
+            _ => anyhow::Error::new(e).context(config_name(path)),
+        }
+    })?;
     let ctx = ds_config::FillContext {
         data_parallel: dims.replicas() as i64,
         hidden_size: Some(fill.hidden_size as i64),

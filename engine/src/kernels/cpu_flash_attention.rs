@@ -11,6 +11,7 @@
 //! [B, T, 3d], the output in heads-side-by-side [B, T, d]. Any other case returns `None`.
 
 use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
 
 use super::cpu_attention::{contiguous, f32_slices, Shape};
 use super::cpu_matmul::{filled, gemm_into, Mat};
@@ -82,6 +83,30 @@ impl Scratch {
             sum: vec![0.0; BLOCK],
         }
     }
+}
+
+/// A buffer the workers of one kernel call write, each only its own heads' part.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+
+// SAFETY: the kernels below hand each worker disjoint parts of the buffer.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The buffer's element `at` (a method, so closures capture the whole `Shared`).
+    fn at(self, at: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer
+        unsafe { self.0.add(at) }
+    }
+}
+
+/// `each(item, scratch)` for every item, on the rayon pool (the rank's threads, its size the
+/// launcher's RAYON_NUM_THREADS), one scratch space per worker: heads are independent.
+fn par_each<I: Sync>(items: &[I], hd: usize, each: impl Fn(&I, &mut Scratch) + Sync + Send) {
+    items
+        .par_iter()
+        .for_each_init(|| Scratch::new(hd), |scratch, item| each(item, scratch));
 }
 
 /// One head's forward over `t` positions: its output rows, and each row's log-sum-exp in
@@ -278,28 +303,29 @@ pub fn forward(qkv: &Tensor, heads: usize, scale: f32) -> Result<Option<(Tensor,
     };
     let (t, d, hd) = (s.t, s.d, s.hd);
     let mut lse = vec![0f32; s.b * heads * t];
-    let mut scratch = Scratch::new(hd);
+    let rows = Shared(lse.as_mut_ptr());
     let mask = Mask {
         scale,
         window: None,
     };
+    let pairs: Vec<(usize, usize)> = s.pairs().collect();
     // SAFETY: every (b, h) writes its own [t, h, :] columns of out (each row once) and its
     // own lse rows; operand views stay inside qkv.
     let out = unsafe {
         filled(s.b * t * d, |out| {
-            for (b, h) in s.pairs() {
+            let out = Shared(out);
+            par_each(&pairs, hd, |&(b, h), scratch| {
                 let (q, k, v) = s.qkv(src.as_ptr(), b, h);
-                let out = out.add(b * t * d + h * hd);
                 let head = Head {
                     q,
                     k,
                     v,
-                    out,
+                    out: out.at(b * t * d + h * hd),
                     out_rs: d as isize,
                 };
-                let lse = &mut lse[(b * heads + h) * t..(b * heads + h + 1) * t];
-                forward_head(t, hd, head, mask, lse, &mut scratch);
-            }
+                let lse = std::slice::from_raw_parts_mut(rows.at((b * heads + h) * t), t);
+                forward_head(t, hd, head, mask, lse, scratch);
+            })
         })
     };
     let dev = Device::Cpu;
@@ -334,13 +360,13 @@ pub fn backward(
     }
     // dq, dk and dv accumulate over blocks: zeros first
     let mut dqkv = vec![0f32; s.b * t * 3 * d];
-    let g = dqkv.as_mut_ptr();
-    let mut scratch = Scratch::new(hd);
+    let g = Shared(dqkv.as_mut_ptr());
     let mask = Mask {
         scale,
         window: None,
     };
-    for (b, h) in s.pairs() {
+    let pairs: Vec<(usize, usize)> = s.pairs().collect();
+    par_each(&pairs, hd, |&(b, h), scratch| {
         let view = |m: &[f32]| Mat {
             ptr: m[b * t * d + h * hd..].as_ptr(),
             rs: d as isize,
@@ -357,21 +383,12 @@ pub fn backward(
                 out: std::ptr::null_mut(),
                 out_rs: 0,
             };
-            let at = |part: usize| g.add(b * t * 3 * d + part * d + h * hd);
+            let at = |part: usize| g.at(b * t * 3 * d + part * d + h * hd);
             let grads = (at(0), at(1), at(2), 3 * d as isize);
             let lse = &lse[(b * heads + h) * t..(b * heads + h + 1) * t];
-            backward_head(
-                t,
-                hd,
-                head,
-                (view(o), view(dy)),
-                lse,
-                grads,
-                mask,
-                &mut scratch,
-            );
+            backward_head(t, hd, head, (view(o), view(dy)), lse, grads, mask, scratch);
         }
-    }
+    });
     Ok(Some(Tensor::from_vec(dqkv, (s.b, t, 3 * d), &Device::Cpu)?))
 }
 
@@ -395,25 +412,26 @@ pub fn forward_grouped(
     };
     let (t, hd, width) = (g.t, g.hd, g.h * g.hd);
     let mut lse = vec![0f32; g.b * g.h * t];
-    let mut scratch = Scratch::new(hd);
+    let rows = Shared(lse.as_mut_ptr());
     let mask = Mask { scale, window };
+    let pairs: Vec<(usize, usize)> = g.pairs().collect();
     // SAFETY: every (b, head) writes its own [t, head, :] columns of out and its own lse
     // rows; the operand views stay inside q, k and v.
     let out = unsafe {
         filled(g.b * t * width, |out| {
-            for (b, h) in g.pairs() {
+            let out = Shared(out);
+            par_each(&pairs, hd, |&(b, h), scratch| {
                 let (q, k, v) = g.views((qs, ks, vs), b, h);
-                let out = out.add(b * t * width + h * hd);
                 let head = Head {
                     q,
                     k,
                     v,
-                    out,
+                    out: out.at(b * t * width + h * hd),
                     out_rs: width as isize,
                 };
-                let lse = &mut lse[(b * g.h + h) * t..(b * g.h + h + 1) * t];
-                forward_head(t, hd, head, mask, lse, &mut scratch);
-            }
+                let lse = std::slice::from_raw_parts_mut(rows.at((b * g.h + h) * t), t);
+                forward_head(t, hd, head, mask, lse, scratch);
+            })
         })
     };
     let dev = Device::Cpu;
@@ -449,46 +467,47 @@ pub fn backward_grouped(
     }
     let mut dq = vec![0f32; qs.len()];
     let (mut dk, mut dv) = (vec![0f32; ks.len()], vec![0f32; vs.len()]);
-    let (dqp, dkp, dvp) = (dq.as_mut_ptr(), dk.as_mut_ptr(), dv.as_mut_ptr());
-    let mut scratch = Scratch::new(hd);
+    let (dqp, dkp, dvp) = (
+        Shared(dq.as_mut_ptr()),
+        Shared(dk.as_mut_ptr()),
+        Shared(dv.as_mut_ptr()),
+    );
     let mask = Mask { scale, window };
-    for (b, h) in g.pairs() {
-        let view = |m: &[f32]| Mat {
-            ptr: m[b * t * width + h * hd..].as_ptr(),
-            rs: width as isize,
-            cs: 1,
-        };
-        // SAFETY: the views stay inside their tensors; dq's head rows are this head's, dk's
-        // and dv's its group's, which no operand reads.
-        unsafe {
-            let (q, k, v) = g.views((qs, ks, vs), b, h);
-            let head = Head {
-                q,
-                k,
-                v,
-                out: std::ptr::null_mut(),
-                out_rs: 0,
+    // the query heads of a key/value head add into its gradients: one worker per group
+    let groups: Vec<(usize, usize)> = (0..g.b)
+        .flat_map(|b| (0..g.g).map(move |kv| (b, kv)))
+        .collect();
+    let per = g.per_group();
+    par_each(&groups, hd, |&(b, kv), scratch| {
+        for h in kv * per..(kv + 1) * per {
+            let view = |m: &[f32]| Mat {
+                ptr: m[b * t * width + h * hd..].as_ptr(),
+                rs: width as isize,
+                cs: 1,
             };
-            let kv = (b * g.g + h / g.per_group()) * t * hd;
-            let grads = (
-                dqp.add((b * g.h + h) * t * hd),
-                dkp.add(kv),
-                dvp.add(kv),
-                hd as isize,
-            );
-            let lse = &lse[(b * g.h + h) * t..(b * g.h + h + 1) * t];
-            backward_head(
-                t,
-                hd,
-                head,
-                (view(o), view(dy)),
-                lse,
-                grads,
-                mask,
-                &mut scratch,
-            );
+            // SAFETY: the views stay inside their tensors; dq's head rows are this head's, dk's
+            // and dv's its group's (this worker's alone), which no operand reads.
+            unsafe {
+                let (q, k, v) = g.views((qs, ks, vs), b, h);
+                let head = Head {
+                    q,
+                    k,
+                    v,
+                    out: std::ptr::null_mut(),
+                    out_rs: 0,
+                };
+                let group = (b * g.g + kv) * t * hd;
+                let grads = (
+                    dqp.at((b * g.h + h) * t * hd),
+                    dkp.at(group),
+                    dvp.at(group),
+                    hd as isize,
+                );
+                let lse = &lse[(b * g.h + h) * t..(b * g.h + h + 1) * t];
+                backward_head(t, hd, head, (view(o), view(dy)), lse, grads, mask, scratch);
+            }
         }
-    }
+    });
     let dev = Device::Cpu;
     Ok(Some([
         Tensor::from_vec(dq, (g.b, g.h, t, hd), &dev)?,
