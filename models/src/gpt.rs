@@ -10,9 +10,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 
 use crate::gpt_moe::GptMoe;
-use crate::loss::{
-    tiled_cross_entropy, tiles, CrossEntropyLoss, TiledLoss, VocabParallelCrossEntropy,
-};
+use crate::loss::{tiles, CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
@@ -970,13 +968,6 @@ struct HeadTape {
     h: HeadKept,
 }
 
-/// What the head's backward reads besides its input: the normed input (lm_head's), or the
-/// tiled loss's tape when the head computes the loss.
-enum HeadKept {
-    Normed(Tensor),
-    Loss(TiledLoss),
-}
-
 impl Head {
     /// ln_f's (weight, bias) and this rank's rows of lm_head's weight.
     fn params(
@@ -999,16 +990,7 @@ impl Head {
         let (ln_f, lm_head) = Head::params(c, &v, &tp, vb)?;
         let x = x.contiguous()?;
         let h = layer_norm(&x, &ln_f.0, &ln_f.1, v.ln_eps)?;
-        let (output, h) = match self.3 {
-            Some(tile) => {
-                let (loss, tape) = tiled_cross_entropy(&h, &lm_head, cx.targets()?, tile)?;
-                (loss, HeadKept::Loss(tape))
-            }
-            None => (
-                linear(&tp.gather(&h)?, &lm_head, None)?,
-                HeadKept::Normed(h),
-            ),
-        };
+        let (output, h) = HeadKept::forward(&tp, h, &lm_head, cx, self.3)?;
         let tape = HeadTape { c, v, tp, x, h };
         Ok(Taped {
             output,
@@ -1046,28 +1028,12 @@ impl Layer for Head {
 
 impl Tape for HeadTape {
     fn activation_bytes(&self) -> usize {
-        let h = match &self.h {
-            HeadKept::Normed(h) => tensor_bytes(h),
-            HeadKept::Loss(loss) => loss.bytes(),
-        };
-        tensor_bytes(&self.x) + h
+        tensor_bytes(&self.x) + self.h.bytes()
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let (ln_f, lm_head) = Head::params(self.c, &self.v, &self.tp, vb)?;
-        let (dh, dw_head) = match &self.h {
-            HeadKept::Loss(loss) => {
-                let seed = dy.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-                loss.backward(&lm_head, f64::from(seed))?
-            }
-            HeadKept::Normed(h) => {
-                let dy = dy.to_dtype(h.dtype())?;
-                let head = linear_backward(&self.tp.gather(h)?, &lm_head, &dy)?;
-                // lm_head is column-parallel over the vocabulary: its input gradient is
-                // summed
-                (self.tp.reduce(&head.dx)?, head.dw)
-            }
-        };
+        let (dh, dw_head) = self.h.backward(&self.tp, &lm_head, dy)?;
         let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, self.v.ln_eps)?;
         let mut ln_f = self.tp.sum_partial_grads(vec![dw, db])?;
         let db = ln_f.pop().expect("invariant: two gradients");

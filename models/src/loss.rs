@@ -195,6 +195,62 @@ impl TiledLoss {
     }
 }
 
+/// What a model's head keeps of lm_head: its input, the normed positions; or, when the head
+/// computes the loss itself in tiles (Note [tiles]), the tiled loss's tape.
+pub(crate) enum HeadKept {
+    Normed(Tensor),
+    Loss(TiledLoss),
+}
+
+impl HeadKept {
+    /// lm_head over the normed positions `h`: the logits (this rank's vocabulary columns
+    /// under tensor parallelism), or with a `tile` the loss against the context's targets.
+    pub(crate) fn forward(
+        tp: &Tp,
+        h: Tensor,
+        lm_head: &Tensor,
+        cx: &Context,
+        tile: Option<usize>,
+    ) -> Result<(Tensor, HeadKept)> {
+        Ok(match tile {
+            Some(tile) => {
+                let (loss, tape) = tiled_cross_entropy(&h, lm_head, cx.targets()?, tile)?;
+                (loss, HeadKept::Loss(tape))
+            }
+            None => (linear(&tp.gather(&h)?, lm_head, None)?, HeadKept::Normed(h)),
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            HeadKept::Normed(h) => tensor_bytes(h),
+            HeadKept::Loss(loss) => loss.bytes(),
+        }
+    }
+
+    /// The gradients of the normed positions (summed over the tensor-parallel group: lm_head
+    /// is column-parallel over the vocabulary) and of lm_head's weight, from `dy`, the
+    /// logits' gradient or the loss seed.
+    pub(crate) fn backward(
+        &self,
+        tp: &Tp,
+        lm_head: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        match self {
+            HeadKept::Loss(loss) => {
+                let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                loss.backward(lm_head, f64::from(seed))
+            }
+            HeadKept::Normed(h) => {
+                let dy = dy.to_dtype(h.dtype())?;
+                let head = linear_backward(&tp.gather(h)?, lm_head, &dy)?;
+                Ok((tp.reduce(&head.dx)?, head.dw))
+            }
+        }
+    }
+}
+
 /// The ranges of `tile` consecutive rows (the last shorter) that cover `n` rows.
 pub fn tiles(n: usize, tile: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let tile = tile.max(1);

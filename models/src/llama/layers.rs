@@ -8,7 +8,7 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::loss::{tiled_cross_entropy, CrossEntropyLoss, TiledLoss, VocabParallelCrossEntropy};
+use crate::loss::{CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_engine::kernels::cpu_flash_attention;
@@ -987,13 +987,6 @@ struct HeadTape {
     h: HeadKept,
 }
 
-/// What the head's backward reads besides its input and the norm's roots: the normed input
-/// (lm_head's), or the tiled loss's tape when the head computes the loss.
-enum HeadKept {
-    Normed(Tensor),
-    Loss(TiledLoss),
-}
-
 impl Head {
     fn weights(c: &LlamaConfig, tp: &Tp, vb: &VarBuilder) -> Result<(Tensor, Tensor)> {
         Ok((
@@ -1007,16 +1000,7 @@ impl Head {
         let (norm, lm_head) = Head::weights(c, tp, vb)?;
         let x = x.contiguous()?;
         let (h, r) = rms_norm(&x, &norm, c.rms_norm_eps)?;
-        let (output, h) = match self.2 {
-            Some(tile) => {
-                let (loss, tape) = tiled_cross_entropy(&h, &lm_head, cx.targets()?, tile)?;
-                (loss, HeadKept::Loss(tape))
-            }
-            None => (
-                linear(&tp.gather(&h)?, &lm_head, None)?,
-                HeadKept::Normed(h),
-            ),
-        };
+        let (output, h) = HeadKept::forward(tp, h, &lm_head, cx, self.2)?;
         let tape = HeadTape {
             c: c.clone(),
             tp: tp.clone(),
@@ -1065,26 +1049,12 @@ impl Layer for Head {
 
 impl Tape for HeadTape {
     fn activation_bytes(&self) -> usize {
-        let h = match &self.h {
-            HeadKept::Normed(h) => tensor_bytes(h),
-            HeadKept::Loss(loss) => loss.bytes(),
-        };
-        tensor_bytes(&self.x) + tensor_bytes(&self.r) + h
+        tensor_bytes(&self.x) + tensor_bytes(&self.r) + self.h.bytes()
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
         let (norm, lm_head) = Head::weights(&self.c, &self.tp, vb)?;
-        let (dh, dw_head) = match &self.h {
-            HeadKept::Loss(loss) => {
-                let seed = dy.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-                loss.backward(&lm_head, f64::from(seed))?
-            }
-            HeadKept::Normed(h) => {
-                let dy = dy.to_dtype(h.dtype())?;
-                let head = linear_backward(&self.tp.gather(h)?, &lm_head, &dy)?;
-                (self.tp.reduce(&head.dx)?, head.dw)
-            }
-        };
+        let (dh, dw_head) = self.h.backward(&self.tp, &lm_head, dy)?;
         let (dx, dnorm) = rms_norm_backward(&self.x, &self.r, &norm, &dh)?;
         let dnorm = self.tp.sum_partial_grads(vec![dnorm])?.remove(0);
         Ok(Grads {
