@@ -29,7 +29,8 @@ fn two_hosts_with_two_ranks_each_train_like_one_process() {
     let f = finish(start_args(&args), Duration::from_secs(240));
     assert!(f.status.success(), "{}", f.stderr);
     assert!(
-        f.stdout.contains("4 ranks (dp 4 x tp 1 x pp 1), ZeRO stage 3"),
+        f.stdout
+            .contains("4 ranks (dp 4 x tp 1 x pp 1), ZeRO stage 3"),
         "{}",
         f.stdout
     );

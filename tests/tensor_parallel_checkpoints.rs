@@ -105,7 +105,12 @@ impl Job {
         let cmd = self.command(l, steps, metrics, extra);
         let f = run(&cmd, LIMIT);
         assert!(f.status.success(), "{}: {cmd}: {}", l.name, f.stderr);
-        let layout = format!("{} ranks (dp {} x tp {} x pp ", l.ranks, l.ranks / l.tp, l.tp);
+        let layout = format!(
+            "{} ranks (dp {} x tp {} x pp ",
+            l.ranks,
+            l.ranks / l.tp,
+            l.tp
+        );
         assert!(f.stdout.contains(&layout), "{}: {}", l.name, f.stdout);
         f
     }
