@@ -113,11 +113,7 @@ fn llama_layers(c: &LlamaConfig, seq: usize, m: MicroBatch) -> Vec<LayerActivati
     let hidden = tokens * d * e;
     let (q, kv) = (c.q_width() as u64 / tp, c.kv_width() as u64 / tp);
     // key/value heads fewer than sp are copied so that each rank gets one
-    let kv_heads = c.num_key_value_heads as u64 / tp;
-    let kv_held = match kv_heads % m.sp {
-        0 => kv,
-        _ => kv * (m.sp / kv_heads),
-    };
+    let kv_held = kv * c.kv_copies(tp as usize, m.sp as usize) as u64;
     let f = c.intermediate_size as u64 / tp;
     let probs = softmax_bytes(b * (c.num_attention_heads as u64 / tp / m.sp), seq, e);
     let heads = (c.num_attention_heads + c.num_key_value_heads) as u64 / tp;

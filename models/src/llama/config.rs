@@ -461,6 +461,17 @@ impl LlamaConfig {
         }
     }
 
+    /// Copies of each key/value head a tensor-parallel rank makes before Ulysses' exchange
+    /// (Note [ulysses]) at sequence-parallel size `sp`: 1 when sp splits the rank's kv heads,
+    /// else sp / kv (DeepSpeed repeats them so that each rank has the one its queries read).
+    pub fn kv_copies(&self, tp: usize, sp: usize) -> usize {
+        let kv = self.num_key_value_heads / tp;
+        match kv.is_multiple_of(sp) {
+            true => 1,
+            false => sp / kv,
+        }
+    }
+
     /// Whether tensor parallelism of degree `tp` can split the model: whole query and key/value
     /// heads per rank, the MLP width and the vocabulary in equal parts.
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {

@@ -616,7 +616,7 @@ impl Attention {
             c.head_dim,
         );
         let sp = &layer.sp;
-        let r = kv_replicas(g, sp.size());
+        let r = c.kv_copies(tp, sp.size());
         let (q, k) = (
             split_heads(sp, &p.q.forward(x)?, h, hd, 1)?,
             split_heads(sp, &p.k.forward(x)?, g, hd, r)?,
@@ -752,10 +752,7 @@ impl Attention {
             g.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * hd))
         };
         let (tp, c) = (layer.tp.size(), &layer.c);
-        let (kv, r) = (
-            c.num_key_value_heads / tp,
-            kv_replicas(c.num_key_value_heads / tp, sp.size()),
-        );
+        let (kv, r) = (c.num_key_value_heads / tp, c.kv_copies(tp, sp.size()));
         let dq = join_heads(sp, &flat(dq)?, h * sp.size(), hd, 1)?;
         let dk = join_heads(sp, &flat(dk)?, kv, hd, r)?;
         let dv = join_heads(sp, &flat(dv)?, kv, hd, r)?;
@@ -785,16 +782,6 @@ fn dense_mlp_grads(
         named.push(("mlp.up_proj.bias".into(), bias_backward(&dup, bu)?));
     }
     gate.dx + up.dx
-}
-
-/// Copies of each of `kv` key/value heads before the sequence-parallel exchange: 1 when
-/// `sp` splits them, else `sp / kv` (DeepSpeed's Ulysses repeats them so that each rank has
-/// the one its queries read).
-fn kv_replicas(kv: usize, sp: usize) -> usize {
-    match kv.is_multiple_of(sp) {
-        true => 1,
-        false => sp / kv,
-    }
 }
 
 /// A projection's output [B, t, n hd] at this rank's positions as heads [B, m, T, hd] of
