@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The longer run of the fuzz tests: every parser of outside bytes (ds_config, hostfiles and
 # --include/--exclude, the store's and a rank's peer port, checkpoint manifests and shard
-# headers, --init weights files, token files) with PROPTEST_CASES cases per property instead of
+# headers, --init weights files, token files, DeepSpeed checkpoints and their pickles) with PROPTEST_CASES cases per property instead of
 # the few hundred `cargo test` runs. PROPTEST_CASES=N scripts/fuzz.sh sets the count.
 set -euo pipefail
 cd "$(dirname "$0")/.."

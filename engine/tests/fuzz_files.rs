@@ -1,6 +1,8 @@
 //! Hostile files: checkpoint manifests and shard headers (`checkpoint::verify`, `consolidate`,
 //! as `checkpoint inspect` and `checkpoint consolidate` call them), weights files (`--init`,
-//! `WeightsFile`) and token files (`TokenFile`, `TextBytes`). Each must end in `Ok` or one
+//! `WeightsFile`), token files (`TokenFile`, `TextBytes`), and DeepSpeed's checkpoints
+//! (`DeepSpeedCheckpoint`, the pickles of PyTorch files) as `checkpoint import-deepspeed` reads
+//! them. Each must end in `Ok` or one
 //! error, never a panic, a hang, or an allocation sized by a number in the file: a counting
 //! allocator records this binary's largest allocation.
 //!
@@ -14,6 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use ds_comm::testkit::LargestAlloc;
 use ds_data::{TextBytes, TokenFile, TokenSource, TokenWidth};
 use ds_engine::checkpoint;
+use ds_engine::checkpoint::deepspeed::{DeepSpeedCheckpoint, Part};
+use ds_engine::checkpoint::torch::pickle;
 use ds_engine::model::weights::{self, WeightsFile};
 use ds_engine::model::{Init, ParamSpec};
 use proptest::prelude::*;
@@ -454,6 +458,109 @@ proptest! {
     }
 }
 
+/// DeepSpeed's own ZeRO-2 and ZeRO-3 checkpoints (tests/fixtures/deepspeed/make.sh).
+fn deepspeed_tag(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../tests/fixtures/deepspeed/{case}/global_step5"))
+}
+
+/// A copy of a DeepSpeed tag with file `which` (in name order) given to `change`.
+fn deepspeed_copy(
+    dir: &Path,
+    case: &str,
+    which: usize,
+    mut change: impl FnMut(&mut Vec<u8>),
+) -> PathBuf {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(deepspeed_tag(case))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let which = which % files.len();
+    for (i, f) in files.iter().enumerate() {
+        let mut bytes = std::fs::read(f).unwrap();
+        if i == which {
+            change(&mut bytes);
+        }
+        std::fs::write(dir.join(f.file_name().unwrap()), bytes).unwrap();
+    }
+    dir.to_path_buf()
+}
+
+/// Opens a DeepSpeed tag and reads every parameter's values: Ok, or one error naming a file
+/// of the tag.
+fn read_deepspeed(dir: &Path) {
+    let read = DeepSpeedCheckpoint::open(dir).and_then(|ck| {
+        for i in 0..ck.params.len() {
+            ck.read(i, Part::Master)?;
+            for b in 0..ck.buffers.len() {
+                ck.read(i, Part::Buffer(b))?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = read {
+        assert!(
+            e.to_string().contains(dir.to_str().unwrap()),
+            "unnamed: {e}"
+        );
+    }
+    check_allocations();
+}
+
+/// The data.pkl of rank 0's optimizer states in the ZeRO-3 fixture.
+fn deepspeed_pickle() -> Vec<u8> {
+    let path = deepspeed_tag("zero3_fp32").join("zero_pp_rank_0_mp_rank_00_optim_states.pt");
+    let mut zip = zip::ZipArchive::new(std::fs::File::open(path).unwrap()).unwrap();
+    let name = zip
+        .file_names()
+        .map(|n| n.unwrap().into_owned())
+        .find(|n| n.ends_with("/data.pkl"))
+        .unwrap();
+    let mut data = Vec::new();
+    std::io::Read::read_to_end(&mut zip.by_name(&name).unwrap(), &mut data).unwrap();
+    data
+}
+
+proptest! {
+    #![proptest_config(config(64))]
+
+    #[test]
+    fn deepspeed_files_cut_or_altered(
+        zero3 in any::<bool>(),
+        which in any::<usize>(),
+        at in any::<usize>(),
+        byte in any::<u8>(),
+        cut in any::<bool>(),
+    ) {
+        let dir = TempDir::new();
+        let case = if zero3 { "zero3_fp32" } else { "zero2_fp32" };
+        let tag = deepspeed_copy(&dir.0, case, which, |b| {
+            let at = at % b.len();
+            if cut { b.truncate(at) } else { b[at] = byte }
+        });
+        read_deepspeed(&tag);
+    }
+
+    #[test]
+    fn pickles_with_bytes_changed(edits in prop::collection::vec((any::<usize>(), any::<u8>()), 1..4), cut in any::<usize>()) {
+        let mut data = deepspeed_pickle();
+        for (at, byte) in edits {
+            let at = at % data.len();
+            data[at] = byte;
+        }
+        data.truncate(cut % (data.len() + 1));
+        let _ = pickle::parse(&data);
+        check_allocations();
+    }
+
+    #[test]
+    fn pickles_of_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let _ = pickle::parse(&bytes);
+        check_allocations();
+    }
+}
+
 /// The fixtures above are what the engine writes: the unchanged ones load.
 #[test]
 fn unchanged_fixtures_load() {
@@ -475,4 +582,10 @@ fn unchanged_fixtures_load() {
     let mut b = [0f32; 4];
     f.read(1, 0, &mut b).unwrap();
     assert_eq!(b, [2.0; 4]);
+    for case in ["zero2_fp32", "zero3_fp32"] {
+        let ck = DeepSpeedCheckpoint::open(&deepspeed_tag(case))
+            .expect("DeepSpeed's own checkpoint opens");
+        assert_eq!((ck.world, ck.params.len()), (2, 17), "{case}");
+        pickle::parse(&deepspeed_pickle()).expect("and its pickles parse");
+    }
 }

@@ -39,6 +39,11 @@ pub struct TrainBenchArgs {
     /// Write the initial weights (safetensors, the model's parameter names) here first.
     #[arg(long)]
     save_init: Option<PathBuf>,
+    /// Before training, load the newest checkpoint of this directory (a ds-rs one, or a
+    /// DeepSpeed one imported by `ds-rs checkpoint import-deepspeed`) and go on from its
+    /// step, the data where it stopped (the peer's --load-dir).
+    #[arg(long)]
+    load_dir: Option<PathBuf>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -134,8 +139,17 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         replicas,
     )?;
     let sp = groups.sp();
+    let start = match &args.load_dir {
+        Some(dir) => {
+            engine
+                .load_checkpoint(dir, None)?
+                .with_context(|| format!("{}: no checkpoint (no `latest`)", dir.display()))?;
+            engine.global_steps()
+        }
+        None => 0,
+    };
     let mut m = Measured::default();
-    for step in 0..(args.warmup + args.steps) as u64 {
+    for step in start..start + (args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
             .map(|k| {
                 let b = order.micro_batch(&source, step, k)?;

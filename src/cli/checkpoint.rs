@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ds_engine::checkpoint::{self, Manifest};
+use ds_engine::checkpoint::{self, deepspeed, Manifest};
 use ds_engine::model::weights;
 
 #[derive(clap::Subcommand, Debug)]
@@ -17,6 +17,21 @@ pub enum CheckpointCommand {
     /// Write a Hugging Face model directory (config.json, safetensors) from a checkpoint of
     /// a Llama-family model, a tensor at a time.
     ExportHf(ExportHfArgs),
+    /// Convert a DeepSpeed ZeRO checkpoint (stage 1-3, any data-parallel size) into a ds-rs
+    /// checkpoint that resumes in any layout: weights, Adam's moments and step, the step
+    /// counters, the scheduler's position and the loss scaler.
+    ImportDeepspeed(ImportArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ImportArgs {
+    /// The DeepSpeed checkpoint directory (engine.save_checkpoint's save_dir, with `latest`).
+    src: PathBuf,
+    /// The ds-rs checkpoint directory to write (a run's --save-dir).
+    dst: PathBuf,
+    /// The DeepSpeed tag (default: the one `latest` names); the ds-rs tag is the same.
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -60,6 +75,7 @@ pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
         CheckpointCommand::Consolidate(a) => consolidate(a),
         CheckpointCommand::Inspect(a) => inspect(&a.dir),
         CheckpointCommand::ExportHf(a) => export_hf(a),
+        CheckpointCommand::ImportDeepspeed(a) => import_deepspeed(a),
     }
 }
 
@@ -108,6 +124,22 @@ fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
         d => anyhow::bail!("--dtype {d}: expected fp32 or bf16"),
     };
     let dir = tag_dir(&a.dir, a.tag.as_deref())?;
+    if deepspeed::is_deepspeed(&dir) {
+        let ck = deepspeed::DeepSpeedCheckpoint::open(&dir)?;
+        deepspeed::write_weights(&ck, &a.out, dtype)?;
+        println!(
+            "{}: {} parameters ({} tensors) of a DeepSpeed ZeRO-{} checkpoint (dp {}) at step {} -> {} ({})",
+            dir.display(),
+            ck.params.iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>(),
+            ck.params.len(),
+            ck.stage,
+            ck.world,
+            ck.counters.global_steps,
+            a.out.display(),
+            a.dtype
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let m = checkpoint::write_weights(&dir, &a.out, dtype)?;
     println!(
         "{}: {} parameters ({} tensors) of {} at step {} -> {} ({})",
@@ -118,6 +150,35 @@ fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
         m.global_steps,
         a.out.display(),
         a.dtype
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn import_deepspeed(a: &ImportArgs) -> anyhow::Result<ExitCode> {
+    let dir = tag_dir(&a.src, a.tag.as_deref())?;
+    let tag = dir
+        .file_name()
+        .map(|t| t.to_string_lossy().into_owned())
+        .with_context(|| format!("{}: no tag", dir.display()))?;
+    let ck = deepspeed::DeepSpeedCheckpoint::open(&dir)?;
+    let client_state = serde_json::json!({
+        "step": ck.counters.global_steps,
+        "imported_from": {
+            "deepspeed": dir.display().to_string(),
+            "lr_scheduler": ck.lr_scheduler,
+        },
+    });
+    let out = deepspeed::import(&ck, &a.dst, &tag, client_state)?;
+    let m = Manifest::read(&out)?;
+    println!(
+        "{}: DeepSpeed ZeRO-{} {} checkpoint of dp {} at step {} -> {} ({})",
+        dir.display(),
+        ck.stage,
+        ck.dtype,
+        ck.world,
+        ck.counters.global_steps,
+        out.display(),
+        describe(&m)
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -11,8 +11,10 @@
 //! manifest, renames the directory to `<tag>` and only then replaces `latest` (write, fsync,
 //! rename). A crash at any moment leaves `latest` naming a complete checkpoint.
 
+pub mod deepspeed;
 mod files;
 pub mod manifest;
+pub mod torch;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -359,6 +361,54 @@ fn commit(
     Ok(())
 }
 
+/// Writes checkpoint `dir/tag` of one process's state without a job (an import): the files,
+/// the manifest and the publication of `save`, nothing left behind on failure.
+pub(crate) fn write_single(
+    dir: &Path,
+    tag: &str,
+    state: &RankState,
+    desc: Description,
+) -> Result<PathBuf> {
+    check_tag(tag)?;
+    let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
+    if final_dir.exists() {
+        return Err(EngineError::file(
+            &final_dir,
+            "this checkpoint tag exists already; nothing was overwritten",
+        ));
+    }
+    std::fs::create_dir_all(dir)
+        .and_then(|_| match partial.exists() {
+            true => std::fs::remove_dir_all(&partial),
+            false => Ok(()),
+        })
+        .and_then(|_| std::fs::create_dir(&partial))
+        .map_err(|e| EngineError::file(&partial, e))?;
+    let store = Store {
+        stage: 0,
+        ep_rank: None,
+    };
+    let file = shard_name(0, store);
+    let written = write_shard(&partial.join(&file), state, &desc).and_then(|(bytes, crc32c)| {
+        let shard = ShardEntry {
+            file,
+            rank: 0,
+            tp_rank: 0,
+            stage: 0,
+            ep_rank: None,
+            start: state.owned.start,
+            end: state.owned.end,
+            bytes,
+            crc32c,
+        };
+        commit(dir, tag, &partial, &final_dir, desc, state, vec![shard])
+    });
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    written.map(|_| final_dir)
+}
+
 /// The tag `latest` names in `dir`, if any.
 pub fn latest(dir: &Path) -> Result<Option<String>> {
     let path = dir.join(LATEST);
@@ -438,11 +488,9 @@ pub fn load_stores(dir: &Path, expects: &[Expect]) -> Result<(Manifest, Vec<Rank
 
 /// Reads the parts of an open checkpoint that cover `expect.owned` into `out`.
 fn read_range(files: &mut Files, m: &Manifest, expect: &Expect, out: &mut Target) -> Result<()> {
-    let same_place = m
-        .params
-        .iter()
-        .zip(expect.params)
-        .all(|(a, b)| a.split == b.split && a.stage == b.stage && a.ep_rank == b.ep_rank);
+    let same_place = m.params.iter().zip(expect.params).all(|(a, b)| {
+        a.name == b.name && a.split == b.split && a.stage == b.stage && a.ep_rank == b.ep_rank
+    });
     if m.layout.tp == expect.tp.size && same_place {
         // the same buffers: the range is the same range of the same store's same slices
         let numel = local_index(&m.params, expect.store(), expect.tp)?.numel();
@@ -681,19 +729,36 @@ impl<'a> Files<'a> {
     }
 }
 
+/// The checkpoint holds this model's parameters: the same names with the same shapes, in
+/// any order (an imported DeepSpeed checkpoint keeps DeepSpeed's), and the optimizer state
+/// this run keeps.
 fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
     let path = dir.join(MANIFEST);
-    let same = |a: &ParamEntry, b: &ParamEntry| a.name == b.name && a.shape == b.shape;
-    if let Some((saved, now)) = m.params.iter().zip(e.params).find(|(a, b)| !same(a, b)) {
-        return Err(EngineError::file(
-            &path,
-            format!(
-            "parameter {} {:?} does not match this model's {} {:?}: a checkpoint of another model",
-            saved.name, saved.shape, now.name, now.shape
-        ),
-        ));
+    let saved: HashMap<&str, &ParamEntry> = m.params.iter().map(|p| (p.name.as_str(), p)).collect();
+    for now in e.params {
+        match saved.get(now.name.as_str()) {
+            Some(s) if s.shape == now.shape => {}
+            Some(s) => {
+                return Err(EngineError::file(
+                    &path,
+                    format!(
+                        "parameter {} {:?} does not match this model's {:?}: a checkpoint of another model",
+                        s.name, s.shape, now.shape
+                    ),
+                ))
+            }
+            None => {
+                return Err(EngineError::file(
+                    &path,
+                    format!(
+                        "no parameter {} (this model's {:?}): a checkpoint of another model",
+                        now.name, now.shape
+                    ),
+                ))
+            }
+        }
     }
-    if m.params.len() != e.params.len() {
+    if m.params.len() != e.params.len() || saved.len() != m.params.len() {
         return Err(EngineError::file(
             &path,
             format!(
@@ -712,7 +777,6 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
             ),
         ));
     }
-
     Ok(())
 }
 

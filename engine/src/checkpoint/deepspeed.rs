@@ -1,0 +1,658 @@
+//! DeepSpeed's ZeRO checkpoints (stage 1-3, fp32, bf16 and fp16 runs, any data-parallel
+//! size) read as logical tensors, as deepspeed/utils/zero_to_fp32.py reads them, and
+//! imported as a ds-rs checkpoint that resumes in any layout. Note [DeepSpeed's flat groups].
+//!
+//! Note [DeepSpeed's flat groups]: a tag directory holds the model states
+//! (`mp_rank_00_model_states.pt` at stage 1-2, `zero_pp_rank_R_mp_rank_00_model_states.pt`
+//! per rank at stage 3: `param_shapes`, one ordered name -> shape map per parameter group,
+//! the step counters, the scheduler, the ds_config) and per data-parallel rank R the
+//! optimizer states (`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`).
+//! - Stage 1-2 (and the bf16 optimizer): each group's parameters are one flat buffer, in
+//!   `param_shapes` order with no gaps, padded at the end to a multiple of the ranks; rank R
+//!   holds the R-th equal part (`single_partition_of_fp32_groups[g]`, Adam's moments in
+//!   `base_optimizer_state.state[g]`).
+//! - Stage 3: every parameter is split on its own: rank R holds elements
+//!   [R c, (R+1) c) of a parameter of n elements, c = ceil(n / ranks), zero-padded; a rank's
+//!   parts follow each other in `param_shapes` order across its `fp32_flat_groups` (its sub
+//!   groups, concatenated), the moments in `optimizer_state_dict.state[k]`.
+//!
+//! So a parameter is a list of pieces, each a range of one rank's concatenated buffers, and
+//! reading it reads those ranges from the storage records: one parameter in memory at a time.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::torch::{Obj, TensorRef, TorchFile};
+use super::{manifest, Counters, Description, RankState};
+use crate::loss_scale::LossScaleState;
+use crate::{EngineError, Result};
+
+/// No parameter has more elements than this (2^48); the sums of shapes stay far from
+/// overflowing.
+const MAX_ELEMENTS: usize = 1 << 48;
+
+/// The model states file of stage 1-2 (and the name DeepSpeed's tools look for first).
+const MODEL_STATES: &str = "mp_rank_00_model_states.pt";
+
+/// A DeepSpeed checkpoint tag, opened: what it holds and where each parameter's pieces lie.
+pub struct DeepSpeedCheckpoint {
+    pub dir: PathBuf,
+    pub stage: u8,
+    /// The data-parallel ranks that saved it.
+    pub world: usize,
+    /// The compute dtype: f32, bf16 or f16.
+    pub dtype: &'static str,
+    /// Every trainable parameter, in DeepSpeed's flat order.
+    pub params: Vec<(String, Vec<usize>)>,
+    pub counters: Counters,
+    /// Adam's step count (its bias correction).
+    pub optimizer_step: u64,
+    /// The optimizer's per-element states (exp_avg, exp_avg_sq for Adam), by DeepSpeed's names.
+    pub buffers: Vec<String>,
+    /// The scheduler's state_dict (None without a scheduler).
+    pub lr_scheduler: serde_json::Value,
+    /// The ds_config DeepSpeed ran with.
+    pub config: serde_json::Value,
+    ranks: Vec<RankFile>,
+    /// Each parameter's pieces: (rank, range of that rank's concatenated buffers).
+    pieces: Vec<Pieces>,
+}
+
+/// Where a parameter's elements lie: (rank, range of that rank's concatenated buffers), in
+/// order.
+type Pieces = Vec<(usize, Range<usize>)>;
+
+/// A parameter group's (name, shape) in flat order.
+type Group = Vec<(String, Vec<usize>)>;
+
+/// One rank's optimizer-states file and its tensors: the fp32 master buffers (one per group
+/// or sub-group, concatenated in order) and each optimizer buffer's.
+struct RankFile {
+    file: TorchFile,
+    master: Vec<TensorRef>,
+    buffers: Vec<Vec<TensorRef>>,
+}
+
+/// Which of a parameter's values to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Master,
+    /// The i-th of `buffers`.
+    Buffer(usize),
+}
+
+/// Whether `dir` (a tag's directory) is a DeepSpeed checkpoint rather than a ds-rs one.
+pub fn is_deepspeed(dir: &Path) -> bool {
+    !dir.join(manifest::MANIFEST).exists()
+        && std::fs::read_dir(dir).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with("model_states.pt"))
+        })
+}
+
+impl DeepSpeedCheckpoint {
+    /// Opens tag directory `dir`: the model states, then every rank's optimizer states.
+    pub fn open(dir: &Path) -> Result<DeepSpeedCheckpoint> {
+        refuse_other_layouts(dir)?;
+        let (optim_files, bf16_prefix) = optimizer_files(dir)?;
+        let world = optim_files.len();
+        let model_path = match dir.join(MODEL_STATES).exists() {
+            true => dir.join(MODEL_STATES),
+            false => dir.join("zero_pp_rank_0_mp_rank_00_model_states.pt"),
+        };
+        let model = TorchFile::open(&model_path)?;
+        let m = model.root();
+        let groups = param_groups(&m)?;
+        let params: Vec<(String, Vec<usize>)> = groups.iter().flatten().cloned().collect();
+        if let Some(frozen) = m.opt("frozen_param_shapes")? {
+            if !frozen.is_none() && !frozen.items()?.is_empty() {
+                return Err(frozen.error(
+                    "frozen parameters: ds-rs checkpoints hold trainable parameters only; \
+                     import the trainable ones by training without freezing",
+                ));
+            }
+        }
+        let saved_world = m.get("dp_world_size")?.usize()?;
+        if saved_world != world {
+            return Err(EngineError::file(
+                &model_path,
+                format!("dp_world_size {saved_world}, but {world} optimizer-states files"),
+            ));
+        }
+        let ranks = optim_files
+            .iter()
+            .map(|p| TorchFile::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let first = ranks[0].root().get("optimizer_state_dict")?;
+        let stage = zero_stage(&first)?;
+        let (scaler, scaled) = loss_scaler(&first.get("loss_scaler")?)?;
+        let global_steps = m.get("global_steps")?.usize()? as u64;
+        let skipped_steps = m.get("skipped_steps")?.usize()? as u64;
+        let dtype = match (scaled, bf16_prefix || bf16_enabled(&m)?) {
+            (true, _) => "f16",
+            (false, true) => "bf16",
+            (false, false) => "f32",
+        };
+        let mut ck = DeepSpeedCheckpoint {
+            dir: dir.to_path_buf(),
+            stage,
+            world,
+            dtype,
+            params,
+            counters: Counters {
+                global_steps,
+                skipped_steps,
+                loss_scaler: LossScaleState {
+                    cur_iter: scaler.cur_iter.unwrap_or(global_steps),
+                    ..scaler.state
+                },
+            },
+            optimizer_step: 0,
+            buffers: Vec::new(),
+            lr_scheduler: m.get("lr_scheduler")?.to_json()?,
+            config: m.get("ds_config")?.to_json()?,
+            ranks: Vec::new(),
+            pieces: Vec::new(),
+        };
+        ck.check_schedule()?;
+        let mut files = Vec::with_capacity(world);
+        for file in ranks {
+            let (rank, step, names) = rank_tensors(file, stage)?;
+            if files.is_empty() {
+                ck.optimizer_step = step;
+                ck.buffers = names;
+            } else if names != ck.buffers || step != ck.optimizer_step {
+                return Err(EngineError::file(
+                    rank.file.path(),
+                    format!(
+                        "optimizer state {names:?} at step {step}, rank 0's is {:?} at step {}",
+                        ck.buffers, ck.optimizer_step
+                    ),
+                ));
+            }
+            files.push(rank);
+        }
+        ck.ranks = files;
+        ck.pieces = match stage {
+            3 => {
+                let part = ck.ranks[0].master.iter().map(|t| t.numel()).sum();
+                stage3_pieces(&ck.params, world, part)
+                    .map_err(|e| EngineError::file(ck.ranks[0].file.path(), e))?
+            }
+            _ => ck.flat_pieces(&groups)?,
+        };
+        ck.check_sizes()?;
+        Ok(ck)
+    }
+
+    /// DeepSpeed steps the scheduler once per applied (not skipped) step, as ds-rs derives
+    /// the lr from the applied steps; a scheduler stepped otherwise (by the training script)
+    /// would give another lr, so it is refused.
+    fn check_schedule(&self) -> Result<()> {
+        let applied = self.counters.global_steps - self.counters.skipped_steps;
+        match self
+            .lr_scheduler
+            .get("last_batch_iteration")
+            .and_then(|v| v.as_i64())
+        {
+            Some(last) if last != applied as i64 - 1 => Err(EngineError::file(
+                self.dir.join(MODEL_STATES),
+                format!(
+                    "lr_scheduler.last_batch_iteration {last} after {applied} applied steps \
+                     (DeepSpeed's engine leaves {}): the scheduler was stepped outside the \
+                     engine, and ds-rs derives the lr from the applied steps",
+                    applied as i64 - 1
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stage 1-2: each group's flat buffer is the ranks' partitions end to end.
+    fn flat_pieces(&self, groups: &[Group]) -> Result<Vec<Pieces>> {
+        let parts: Vec<usize> = self.ranks[0].master.iter().map(|t| t.numel()).collect();
+        if parts.len() != groups.len() {
+            return Err(EngineError::file(
+                self.ranks[0].file.path(),
+                format!(
+                    "{} fp32 partitions for {} parameter groups",
+                    parts.len(),
+                    groups.len()
+                ),
+            ));
+        }
+        let mut pieces = Vec::new();
+        let mut base = 0; // where group g starts in a rank's concatenated buffers
+        for (group, &part) in groups.iter().zip(&parts) {
+            if part == 0 && group.iter().any(|(_, s)| s.iter().product::<usize>() > 0) {
+                return Err(EngineError::file(
+                    self.ranks[0].file.path(),
+                    "an empty fp32 partition for a group with parameters",
+                ));
+            }
+            let total: usize = group.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            if total > part * self.world {
+                return Err(EngineError::file(
+                    self.ranks[0].file.path(),
+                    format!(
+                        "a group of {total} elements in {} partitions of {part}: \
+                         param_shapes and the optimizer states disagree",
+                        self.world
+                    ),
+                ));
+            }
+            let mut at = 0;
+            for (_, shape) in group {
+                let n: usize = shape.iter().product();
+                let mut p = Vec::new();
+                let mut pos = at;
+                while pos < at + n {
+                    let (rank, local) = (pos / part, pos % part);
+                    let len = (part - local).min(at + n - pos);
+                    p.push((rank, base + local..base + local + len));
+                    pos += len;
+                }
+                pieces.push(p);
+                at += n;
+            }
+            base += part;
+        }
+        Ok(pieces)
+    }
+
+    /// Every rank's buffers have the same sizes, and every piece lies inside them.
+    fn check_sizes(&self) -> Result<()> {
+        let sizes = |r: &RankFile| -> Vec<usize> { r.master.iter().map(|t| t.numel()).collect() };
+        let want = sizes(&self.ranks[0]);
+        let total: usize = want.iter().sum();
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let bad_buffer = rank
+                .buffers
+                .iter()
+                .any(|b| b.iter().map(|t| t.numel()).collect::<Vec<_>>() != want);
+            if sizes(rank) != want || bad_buffer {
+                return Err(EngineError::file(
+                    rank.file.path(),
+                    format!("rank {r}'s partitions differ in size from rank 0's {want:?}"),
+                ));
+            }
+        }
+        let beyond = self.pieces.iter().zip(&self.params).find(|(p, _)| {
+            p.iter()
+                .any(|(rank, range)| *rank >= self.world || range.end > total)
+        });
+        match beyond {
+            Some((_, (name, shape))) => Err(EngineError::file(
+                &self.dir,
+                format!(
+                    "parameter {name} {shape:?} lies beyond the {} ranks' partitions of {total} elements: \
+                     param_shapes and the optimizer states disagree",
+                    self.world
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Parameter `i`'s values of `part`, whole, as f32.
+    pub fn read(&self, i: usize, part: Part) -> Result<Vec<f32>> {
+        let n: usize = self.params[i].1.iter().product();
+        let mut out = Vec::with_capacity(n);
+        for (rank, range) in &self.pieces[i] {
+            let r = &self.ranks[*rank];
+            let tensors = match part {
+                Part::Master => &r.master,
+                Part::Buffer(b) => &r.buffers[b],
+            };
+            read_concat(&r.file, tensors, range.clone(), &mut out)?;
+        }
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// The logical parameters as a ds-rs checkpoint records them: DeepSpeed's order, whole
+    /// tensors (tensor parallelism 1, one stage).
+    pub fn param_entries(&self) -> Vec<manifest::ParamEntry> {
+        let mut offset = 0;
+        self.params
+            .iter()
+            .map(|(name, shape)| {
+                let e = manifest::ParamEntry {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    offset,
+                    split: Default::default(),
+                    stage: 0,
+                    ep_rank: None,
+                };
+                offset += shape.iter().product::<usize>();
+                e
+            })
+            .collect()
+    }
+}
+
+/// Reads `range` of the concatenation of `tensors` into `out`.
+fn read_concat(
+    file: &TorchFile,
+    tensors: &[TensorRef],
+    range: Range<usize>,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let mut start = 0;
+    for t in tensors {
+        let end = start + t.numel();
+        let (lo, hi) = (range.start.max(start), range.end.min(end));
+        if lo < hi {
+            out.extend(file.read_f32(t, lo - start..hi - start)?);
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// Stage 3: parameter i of n elements is c = ceil(n / world) elements of every rank's
+/// buffers, at the same place on each; all of them must fit in a rank's `part` elements.
+fn stage3_pieces(
+    params: &[(String, Vec<usize>)],
+    world: usize,
+    part: usize,
+) -> std::result::Result<Vec<Pieces>, String> {
+    let mut at = 0usize;
+    let mut pieces = Vec::with_capacity(params.len());
+    for (name, shape) in params {
+        let n: usize = shape.iter().product();
+        let c = n.div_ceil(world);
+        if at.saturating_add(c) > part {
+            return Err(format!(
+                "parameter {name} {shape:?} lies beyond a rank's {part} elements: \
+                 param_shapes and the optimizer states disagree"
+            ));
+        }
+        pieces.push(
+            (0..world)
+                .filter(|r| r * c < n)
+                .map(|r| (r, at..at + c.min(n - r * c)))
+                .collect(),
+        );
+        at += c;
+    }
+    Ok(pieces)
+}
+
+/// Checkpoints of layouts this reader does not take apart: DeepSpeed's own tensor
+/// parallelism (`mp_rank_01`), pipelines (`layer_XX-model_states.pt`).
+fn refuse_other_layouts(dir: &Path) -> Result<()> {
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| EngineError::file(dir, e))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if let Some(n) = names.iter().find(|n| n.starts_with("layer_")) {
+        return Err(EngineError::file(
+            dir.join(n),
+            "a DeepSpeed pipeline (PipelineModule) checkpoint; ds-rs imports ZeRO checkpoints of one stage",
+        ));
+    }
+    if let Some(n) = names
+        .iter()
+        .find(|n| n.contains("mp_rank_") && !n.contains("mp_rank_00"))
+    {
+        return Err(EngineError::file(
+            dir.join(n),
+            "a model-parallel DeepSpeed checkpoint (more than one mp_rank); ds-rs imports data-parallel ZeRO checkpoints",
+        ));
+    }
+    Ok(())
+}
+
+/// Every rank's optimizer-states file, in rank order, and whether they carry the bf16
+/// optimizer's prefix.
+fn optimizer_files(dir: &Path) -> Result<(Vec<PathBuf>, bool)> {
+    for prefix in ["", "bf16_"] {
+        let name = |r: usize| {
+            dir.join(format!(
+                "{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            ))
+        };
+        let files: Vec<PathBuf> = (0..).map(name).take_while(|p| p.exists()).collect();
+        if !files.is_empty() {
+            return Ok((files, prefix == "bf16_"));
+        }
+    }
+    Err(EngineError::file(
+        dir,
+        "no zero_pp_rank_0_mp_rank_00_optim_states.pt: not a DeepSpeed ZeRO checkpoint \
+         (stage 0 keeps its optimizer in the model states, which ds-rs does not import)",
+    ))
+}
+
+/// `param_shapes`: each group's parameters, names and shapes, in flat order.
+fn param_groups(m: &Obj) -> Result<Vec<Group>> {
+    let shapes = m.get("param_shapes")?;
+    let groups = match shapes.seq() {
+        Ok(groups) => groups,
+        // older DeepSpeed: one dict for all
+        Err(_) => vec![shapes],
+    };
+    groups
+        .iter()
+        .map(|g| {
+            g.items()?
+                .into_iter()
+                .map(|(k, v)| {
+                    let shape = v.shape()?;
+                    match shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) {
+                        Some(n) if n <= MAX_ELEMENTS => Ok((k.str()?.to_string(), shape)),
+                        _ => Err(v.error(format!("shape {shape:?} is too large"))),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn zero_stage(optim: &Obj) -> Result<u8> {
+    let z = optim.get("zero_stage")?;
+    let stage = match z.enum_member() {
+        Ok((_, v)) => v,
+        Err(_) => z.int()?,
+    };
+    match stage {
+        1..=3 => Ok(stage as u8),
+        s => Err(z.error(format!("ZeRO stage {s}"))),
+    }
+}
+
+fn bf16_enabled(m: &Obj) -> Result<bool> {
+    let config = m.get("ds_config")?.to_json()?;
+    Ok(config["bf16"]["enabled"].as_bool() == Some(true)
+        || config["bfloat16"]["enabled"].as_bool() == Some(true))
+}
+
+/// A loss scaler's state as ds-rs keeps it, the iteration when DeepSpeed recorded one.
+struct Scaler {
+    state: LossScaleState,
+    cur_iter: Option<u64>,
+}
+
+/// DeepSpeed's `LossScaler` (static) or `DynamicLossScaler` object; whether it scales (fp16).
+fn loss_scaler(o: &Obj) -> Result<(Scaler, bool)> {
+    let (class, state) = o.object()?;
+    let int = |k: &str, default: i64| -> Result<i64> {
+        Ok(match state.opt(k)? {
+            Some(v) => v.int()?,
+            None => default,
+        })
+    };
+    let cur_scale = state.get("cur_scale")?.float()?;
+    let dynamic = class.ends_with("DynamicLossScaler");
+    let scaled = dynamic || cur_scale != 1.0;
+    let cur_iter = match state.opt("cur_iter")? {
+        Some(v) => Some(v.usize()? as u64),
+        None => None,
+    };
+    Ok((
+        Scaler {
+            state: LossScaleState {
+                cur_scale,
+                cur_iter: 0,
+                last_overflow_iter: int("last_overflow_iter", -1)?,
+                cur_hysteresis: int("cur_hysteresis", 0)?,
+            },
+            cur_iter,
+        },
+        scaled,
+    ))
+}
+
+/// A rank's master and buffer tensors, its optimizer step and the buffers' names.
+fn rank_tensors(file: TorchFile, stage: u8) -> Result<(RankFile, u64, Vec<String>)> {
+    let (master, states) = {
+        let o = file.root().get("optimizer_state_dict")?;
+        let (master, optimizer) = match stage {
+            3 => (o.get("fp32_flat_groups")?, o.get("optimizer_state_dict")?),
+            _ => (
+                o.get("single_partition_of_fp32_groups")?,
+                o.get("base_optimizer_state")?,
+            ),
+        };
+        let master: Vec<TensorRef> = master
+            .seq()?
+            .iter()
+            .map(|t| file.stored(t))
+            .collect::<Result<_>>()?;
+        let state = optimizer.get("state").map_err(|_| {
+            optimizer.error("not a torch optimizer state_dict (elastic_checkpoint's per-group list is not read)")
+        })?;
+        let groups = (0..master.len() as i64)
+            .map(|k| {
+                let s = state.get_int(k)?;
+                let step = step_of(&file, &s.get("step")?)?;
+                let tensors = s
+                    .items()?
+                    .into_iter()
+                    .filter(|(_, v)| v.tensor().is_ok())
+                    .map(|(k, v)| Ok((k.str()?.to_string(), file.stored(&v)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((step, tensors))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        (master, groups)
+    };
+    let names: Vec<String> = states
+        .first()
+        .map(|(_, t)| t.iter().map(|(n, _)| n.clone()).collect())
+        .unwrap_or_default();
+    let step = states.first().map_or(0, |(s, _)| *s);
+    let mut buffers = vec![Vec::new(); names.len()];
+    for (s, tensors) in &states {
+        let these: Vec<&String> = tensors.iter().map(|(n, _)| n).collect();
+        if these != names.iter().collect::<Vec<_>>() || *s != step {
+            return Err(EngineError::file(
+                file.path(),
+                format!("the optimizer's groups keep different states ({names:?} at step {step}, {these:?} at step {s})"),
+            ));
+        }
+        for (b, (_, t)) in buffers.iter_mut().zip(tensors) {
+            b.push(t.clone());
+        }
+    }
+    Ok((
+        RankFile {
+            file,
+            master,
+            buffers,
+        },
+        step,
+        names,
+    ))
+}
+
+/// Adam's `step`: an int, or a one-element tensor (torch's own optimizers).
+fn step_of(file: &TorchFile, s: &Obj) -> Result<u64> {
+    match s.usize() {
+        Ok(n) => Ok(n as u64),
+        Err(_) => {
+            let t = s.tensor()?;
+            match file.tensor_f32(&t)?[..] {
+                [v] if v >= 0.0 => Ok(v as u64),
+                _ => Err(s.error("a step that is not one count")),
+            }
+        }
+    }
+}
+
+/// Writes checkpoint `ck` as ds-rs checkpoint `out/tag` (and `out/latest`): one shard
+/// holding the whole flat model, which any layout loads (Note [resharding]).
+pub fn import(
+    ck: &DeepSpeedCheckpoint,
+    out: &Path,
+    tag: &str,
+    client_state: serde_json::Value,
+) -> Result<PathBuf> {
+    let params = ck.param_entries();
+    let numel: usize = ck
+        .params
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let mut master = Vec::with_capacity(numel);
+    let mut buffers: Vec<(String, Vec<f32>)> = ck
+        .buffers
+        .iter()
+        .map(|n| (n.clone(), Vec::with_capacity(numel)))
+        .collect();
+    for i in 0..ck.params.len() {
+        master.extend(ck.read(i, Part::Master)?);
+        for (b, (_, values)) in buffers.iter_mut().enumerate() {
+            values.extend(ck.read(i, Part::Buffer(b))?);
+        }
+    }
+    let state = RankState {
+        owned: 0..numel,
+        master,
+        optimizer_step: ck.optimizer_step,
+        buffers,
+    };
+    let desc = Description {
+        layout: manifest::Layout {
+            world_size: ck.world,
+            dp: ck.world,
+            tp: 1,
+            pp: 1,
+            zero_stage: ck.stage,
+            dtype: ck.dtype.to_string(),
+            ep: 1,
+        },
+        params,
+        numel,
+        tp_rank: 0,
+        stage: 0,
+        ep_rank: 0,
+        counters: ck.counters,
+        client_state,
+        config: ck.config.clone(),
+        frozen: None,
+    };
+    super::write_single(out, tag, &state, desc)
+}
+
+/// Writes the checkpoint's fp32 parameters as one safetensors file (zero_to_fp32's job), a
+/// parameter at a time.
+pub fn write_weights(
+    ck: &DeepSpeedCheckpoint,
+    out: &Path,
+    dtype: crate::model::weights::SaveDtype,
+) -> Result<()> {
+    let mut w = crate::model::weights::StreamingWriter::create(
+        out,
+        &ck.params,
+        dtype,
+        &[("format", "pt")],
+    )?;
+    for i in 0..ck.params.len() {
+        w.put(&ck.read(i, Part::Master)?)?;
+    }
+    w.finish()
+}
