@@ -273,3 +273,47 @@ fn a_checkpoint_of_another_shape_is_refused_on_resume() {
         "{e}"
     );
 }
+
+#[test]
+fn train_resumes_from_deepspeed_once_then_from_its_own_checkpoints() {
+    let s = Scratch::new("ds-train");
+    let (ck, metrics) = (s.path("ck"), s.path("metrics"));
+    let cmd = |steps: u64| {
+        format!(
+            "launch --nproc_per_node 2 --config {} train --model {} --data uniform --steps {steps} \
+             --save-dir {} --metrics-dir {} --resume-from-deepspeed {}",
+            fixtures().join("zero2_fp32.json").display(),
+            fixtures().join("model.json").display(),
+            ck.display(),
+            metrics.display(),
+            fixtures().join("zero2_fp32").display()
+        )
+    };
+    let f = run(&cmd(7), LIMIT);
+    ok(&f, "train");
+    assert!(
+        f.stdout
+            .contains("imported DeepSpeed's ZeRO-2 f32 checkpoint")
+            && f.stdout.contains("at step 5"),
+        "{}",
+        f.stdout
+    );
+    let steps: Vec<u64> = common::steps(&metrics)
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        [5, 6],
+        "the 6th and 7th steps (0-based) after DeepSpeed's 5"
+    );
+    // the run saved global_step7: a second start resumes from it, importing nothing
+    let f = run(&cmd(9), LIMIT);
+    ok(&f, "restart");
+    assert!(!f.stdout.contains("imported DeepSpeed"), "{}", f.stdout);
+    assert!(
+        f.stdout.contains("global_step7") && f.stdout.contains("at step 7"),
+        "{}",
+        f.stdout
+    );
+}

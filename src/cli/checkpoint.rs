@@ -156,19 +156,7 @@ fn consolidate(a: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
 
 fn import_deepspeed(a: &ImportArgs) -> anyhow::Result<ExitCode> {
     let dir = tag_dir(&a.src, a.tag.as_deref())?;
-    let tag = dir
-        .file_name()
-        .map(|t| t.to_string_lossy().into_owned())
-        .with_context(|| format!("{}: no tag", dir.display()))?;
-    let ck = deepspeed::DeepSpeedCheckpoint::open(&dir)?;
-    let client_state = serde_json::json!({
-        "step": ck.counters.global_steps,
-        "imported_from": {
-            "deepspeed": dir.display().to_string(),
-            "lr_scheduler": ck.lr_scheduler,
-        },
-    });
-    let out = deepspeed::import(&ck, &a.dst, &tag, client_state)?;
+    let (ck, out) = deepspeed::import_tag(&dir, &a.dst)?;
     let m = Manifest::read(&out)?;
     println!(
         "{}: DeepSpeed ZeRO-{} {} checkpoint of dp {} at step {} -> {} ({})",

@@ -127,6 +127,12 @@ pub struct TrainArgs {
     /// by `ds-rs launch --max_restarts`), in whatever layout it was saved.
     #[arg(long)]
     resume: bool,
+    /// Start from a DeepSpeed ZeRO checkpoint (engine.save_checkpoint's directory, with
+    /// `latest`): imported into --save-dir first, as `ds-rs checkpoint import-deepspeed`
+    /// does, then resumed in this run's layout. A --save-dir that already holds checkpoints
+    /// resumes from its own newest instead (a restart after the import).
+    #[arg(long, requires = "save_dir")]
+    resume_from_deepspeed: Option<PathBuf>,
     /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1);
     /// data parallelism takes the rest of the ranks.
     #[arg(long)]

@@ -22,14 +22,18 @@ impl Run<'_> {
         rank0: bool,
     ) -> anyhow::Result<u64> {
         let restarted = std::env::var("DS_RS_RESTART_COUNT").is_ok_and(|c| c != "0");
+        let from_deepspeed = self.args.resume_from_deepspeed.as_deref();
         let Some(dir) = self
             .args
             .save_dir
             .as_deref()
-            .filter(|_| self.args.resume || restarted)
+            .filter(|_| self.args.resume || restarted || from_deepspeed.is_some())
         else {
             return Ok(0);
         };
+        if let Some(src) = from_deepspeed {
+            import_once(engine, src, dir, rank0)?;
+        }
         let t0 = Instant::now();
         let Some(m) = engine.load_checkpoint(dir, None)? else {
             return Ok(0);
@@ -92,6 +96,47 @@ impl Run<'_> {
         }
         Ok(())
     }
+}
+
+/// Rank 0 imports DeepSpeed checkpoint `src`'s newest tag into `dir` unless `dir` has a
+/// checkpoint already; every rank learns whether it succeeded.
+fn import_once(engine: &Engine, src: &Path, dir: &Path, rank0: bool) -> anyhow::Result<()> {
+    let imported = match rank0 && checkpoint::latest(dir)?.is_none() {
+        true => import_latest(src, dir),
+        false => Ok(()),
+    };
+    let failed = engine
+        .groups()
+        .world()
+        .all_gather_u64(&[imported.is_err() as u64])?;
+    imported?;
+    anyhow::ensure!(
+        failed.iter().all(|&f| f == 0),
+        "rank 0 could not import {}; see its error",
+        src.display()
+    );
+    Ok(())
+}
+
+fn import_latest(src: &Path, dir: &Path) -> anyhow::Result<()> {
+    let tag = checkpoint::latest(src)?.with_context(|| {
+        format!(
+            "{}: no `latest` file: not a DeepSpeed save_dir",
+            src.display()
+        )
+    })?;
+    let (ck, path) = ds_engine::checkpoint::deepspeed::import_tag(&src.join(&tag), dir)
+        .with_context(|| format!("--resume-from-deepspeed {}", src.display()))?;
+    println!(
+        "imported DeepSpeed's ZeRO-{} {} checkpoint {} (dp {}, step {}) as {}",
+        ck.stage,
+        ck.dtype,
+        src.join(&tag).display(),
+        ck.world,
+        ck.counters.global_steps,
+        path.display()
+    );
+    Ok(())
 }
 
 /// What a failed save left: `latest` as it was (the save never touches it before it has

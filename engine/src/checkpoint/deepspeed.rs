@@ -583,9 +583,28 @@ fn step_of(file: &TorchFile, s: &Obj) -> Result<u64> {
     }
 }
 
+/// Imports DeepSpeed tag directory `src` as ds-rs checkpoint `out/TAG` (and `out/latest`),
+/// the same tag.
+pub fn import_tag(src: &Path, out: &Path) -> Result<(DeepSpeedCheckpoint, PathBuf)> {
+    let tag = src
+        .file_name()
+        .map(|t| t.to_string_lossy().into_owned())
+        .ok_or_else(|| EngineError::file(src, "not a checkpoint tag's directory"))?;
+    let ck = DeepSpeedCheckpoint::open(src)?;
+    let client_state = serde_json::json!({
+        "step": ck.counters.global_steps,
+        "imported_from": {
+            "deepspeed": src.display().to_string(),
+            "lr_scheduler": ck.lr_scheduler,
+        },
+    });
+    let path = import(&ck, out, &tag, client_state)?;
+    Ok((ck, path))
+}
+
 /// Writes checkpoint `ck` as ds-rs checkpoint `out/tag` (and `out/latest`): one shard
 /// holding the whole flat model, which any layout loads (Note [resharding]).
-pub fn import(
+fn import(
     ck: &DeepSpeedCheckpoint,
     out: &Path,
     tag: &str,
