@@ -1,12 +1,12 @@
 //! DeepSpeed's checkpoints in. The fixtures are DeepSpeed 0.19.8's own
 //! (tests/fixtures/deepspeed/make.sh: the peer's GPT trained 5 steps on 2 ranks, saved at
-//! ZeRO-2 and ZeRO-3 fp32 and ZeRO-1 bf16, beside zero_to_fp32.py's output, the moments
+//! ZeRO-2 and ZeRO-3 fp32 and ZeRO-1 bf16, and by its pipeline engine on 2 stages, beside zero_to_fp32.py's output, the moments
 //! ds_to_universal.py extracts and the losses of 10 straight steps):
 //! - `checkpoint consolidate` gives zero_to_fp32.py's tensors, bit for bit;
 //! - `checkpoint import-deepspeed` keeps Adam's moments (ds_to_universal.py's), step and
 //!   counters;
-//! - `bench train --load-dir` resumes an import at dp 2 and tp 2 x dp 2 and trains DeepSpeed's
-//!   own steps 6-10 (within 1e-5: the peer prints its losses to 6 decimals, and one process of
+//! - `bench train --load-dir` resumes an import (of ZeRO-2, ZeRO-3, and of DeepSpeed's
+//!   pipeline engine on 2 stages) at dp 2 and tp 2 x dp 2 and trains DeepSpeed's own steps 6-10 (within 1e-5: the peer prints its losses to 6 decimals, and one process of
 //!   ds-rs agrees with DeepSpeed to ~1e-7 over 10 steps);
 //! - hostile and broken files are one clear error each, nothing run and nothing written.
 
@@ -148,7 +148,13 @@ fn an_imported_run_trains_deepspeed_s_next_steps_in_two_layouts() {
     let straight: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures().join("losses.json")).unwrap())
             .unwrap();
-    for case in ["zero2_fp32", "zero3_fp32"] {
+    // the pipeline ran 2 micro-batches of 2 on one replica: the samples of dp 2 x 2, the
+    // resumed runs' batch
+    for (case, config) in [
+        ("zero2_fp32", "zero2_fp32"),
+        ("zero3_fp32", "zero3_fp32"),
+        ("pipe2_fp32", "zero2_fp32"),
+    ] {
         let dst = s.path(case);
         let f = run(
             &format!(
@@ -163,7 +169,7 @@ fn an_imported_run_trains_deepspeed_s_next_steps_in_two_layouts() {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect();
-        let config = fixtures().join(format!("{case}.json"));
+        let config = fixtures().join(format!("{config}.json"));
         for layout in ["--nproc 2", "--nproc 4 --tp 2"] {
             let got = resumed_losses(&dst, &config, layout);
             assert_eq!(got.len(), 5);

@@ -40,6 +40,8 @@ pub struct DeepSpeedCheckpoint {
     pub stage: u8,
     /// The data-parallel ranks that saved it.
     pub world: usize,
+    /// Its pipeline stages (1 without a pipeline).
+    pub pp: usize,
     /// The compute dtype: f32, bf16 or f16.
     pub dtype: &'static str,
     /// Every trainable parameter, in DeepSpeed's flat order.
@@ -65,7 +67,7 @@ type Pieces = Vec<(usize, Range<usize>)>;
 /// A parameter group's (name, shape) in flat order.
 type Group = Vec<(String, Vec<usize>)>;
 
-/// One rank's optimizer-states file and its tensors: the fp32 master buffers (one per group
+/// One data-parallel rank's optimizer-states file (of one stage) and its tensors: the fp32 master buffers (one per group
 /// or sub-group, concatenated in order) and each optimizer buffer's.
 struct RankFile {
     file: TorchFile,
@@ -91,54 +93,49 @@ pub fn is_deepspeed(dir: &Path) -> bool {
 }
 
 impl DeepSpeedCheckpoint {
-    /// Opens tag directory `dir`: the model states, then every rank's optimizer states.
+    /// Opens tag directory `dir`: the model states, then every rank's optimizer states, of
+    /// every pipeline stage.
     pub fn open(dir: &Path) -> Result<DeepSpeedCheckpoint> {
-        refuse_other_layouts(dir)?;
-        let (optim_files, bf16_prefix) = optimizer_files(dir)?;
-        let world = optim_files.len();
-        let model_path = match dir.join(MODEL_STATES).exists() {
-            true => dir.join(MODEL_STATES),
-            false => dir.join("zero_pp_rank_0_mp_rank_00_model_states.pt"),
-        };
-        let model = TorchFile::open(&model_path)?;
+        let stage_files = model_states_files(dir)?;
+        let model = TorchFile::open(&stage_files[0])?;
         let m = model.root();
-        let groups = param_groups(&m)?;
-        let params: Vec<(String, Vec<usize>)> = groups.iter().flatten().cloned().collect();
-        if let Some(frozen) = m.opt("frozen_param_shapes")? {
-            if !frozen.is_none() && !frozen.items()?.is_empty() {
-                return Err(frozen.error(
-                    "frozen parameters: ds-rs checkpoints hold trainable parameters only; \
-                     import the trainable ones by training without freezing",
-                ));
-            }
-        }
-        let saved_world = m.get("dp_world_size")?.usize()?;
-        if saved_world != world {
-            return Err(EngineError::file(
-                &model_path,
-                format!("dp_world_size {saved_world}, but {world} optimizer-states files"),
-            ));
-        }
-        let ranks = optim_files
-            .iter()
-            .map(|p| TorchFile::open(p))
-            .collect::<Result<Vec<_>>>()?;
-        let first = ranks[0].root().get("optimizer_state_dict")?;
-        let stage = zero_stage(&first)?;
-        let (scaler, scaled) = loss_scaler(&first.get("loss_scaler")?)?;
+        let pp = pipeline_stages(&m, stage_files.len())?;
         let global_steps = m.get("global_steps")?.usize()? as u64;
         let skipped_steps = m.get("skipped_steps")?.usize()? as u64;
-        let dtype = match (scaled, bf16_prefix || bf16_enabled(&m)?) {
+        let lr_scheduler = m.get("lr_scheduler")?.to_json()?;
+        let config = m.get("ds_config")?.to_json()?;
+        let bf16 = bf16_enabled(&m)?;
+        let parts = stage_files
+            .iter()
+            .enumerate()
+            .map(|(s, path)| StagePart::open(dir, s, path))
+            .collect::<Result<Vec<_>>>()?;
+        let first = &parts[0];
+        if let Some((s, p)) = parts.iter().enumerate().find(|(_, p)| !first.agrees(p)) {
+            return Err(EngineError::file(
+                &stage_files[s],
+                format!(
+                    "pipeline stage {s}: ZeRO-{} at dp {}, Adam at step {} keeping {:?}; stage 0's: ZeRO-{} at dp {}, step {}, {:?}",
+                    p.stage, p.ranks.len(), p.step, p.buffers, first.stage, first.ranks.len(), first.step, first.buffers
+                ),
+            ));
+        }
+        let (scaler, scaled) = {
+            let optim = first.ranks[0].file.root().get("optimizer_state_dict")?;
+            loss_scaler(&optim.get("loss_scaler")?)?
+        };
+        let dtype = match (scaled, first.bf16_files || bf16) {
             (true, _) => "f16",
             (false, true) => "bf16",
             (false, false) => "f32",
         };
         let mut ck = DeepSpeedCheckpoint {
             dir: dir.to_path_buf(),
-            stage,
-            world,
+            stage: first.stage,
+            world: first.ranks.len(),
+            pp,
             dtype,
-            params,
+            params: Vec::new(),
             counters: Counters {
                 global_steps,
                 skipped_steps,
@@ -147,41 +144,27 @@ impl DeepSpeedCheckpoint {
                     ..scaler.state
                 },
             },
-            optimizer_step: 0,
-            buffers: Vec::new(),
-            lr_scheduler: m.get("lr_scheduler")?.to_json()?,
-            config: m.get("ds_config")?.to_json()?,
+            optimizer_step: first.step,
+            buffers: first.buffers.clone(),
+            lr_scheduler,
+            config,
             ranks: Vec::new(),
             pieces: Vec::new(),
         };
         ck.check_schedule()?;
-        let mut files = Vec::with_capacity(world);
-        for file in ranks {
-            let (rank, step, names) = rank_tensors(file, stage)?;
-            if files.is_empty() {
-                ck.optimizer_step = step;
-                ck.buffers = names;
-            } else if names != ck.buffers || step != ck.optimizer_step {
-                return Err(EngineError::file(
-                    rank.file.path(),
-                    format!(
-                        "optimizer state {names:?} at step {step}, rank 0's is {:?} at step {}",
-                        ck.buffers, ck.optimizer_step
-                    ),
-                ));
-            }
-            files.push(rank);
+        for part in parts {
+            let offset = ck.ranks.len();
+            ck.params.extend(part.params);
+            ck.pieces.extend(part.pieces.into_iter().map(|p| {
+                p.into_iter()
+                    .map(|(r, range)| (r + offset, range))
+                    .collect()
+            }));
+            ck.ranks.extend(part.ranks);
         }
-        ck.ranks = files;
-        ck.pieces = match stage {
-            3 => {
-                let part = ck.ranks[0].master.iter().map(|t| t.numel()).sum();
-                stage3_pieces(&ck.params, world, part)
-                    .map_err(|e| EngineError::file(ck.ranks[0].file.path(), e))?
-            }
-            _ => ck.flat_pieces(&groups)?,
-        };
-        ck.check_sizes()?;
+        if pp > 1 {
+            ck.params = pipeline_names(&ck.params).map_err(|e| EngineError::file(dir, e))?;
+        }
         Ok(ck)
     }
 
@@ -208,6 +191,127 @@ impl DeepSpeedCheckpoint {
         }
     }
 
+    /// Parameter `i`'s values of `part`, whole, as f32.
+    pub fn read(&self, i: usize, part: Part) -> Result<Vec<f32>> {
+        let n: usize = self.params[i].1.iter().product();
+        let mut out = Vec::with_capacity(n);
+        for (rank, range) in &self.pieces[i] {
+            let r = &self.ranks[*rank];
+            let tensors = match part {
+                Part::Master => &r.master,
+                Part::Buffer(b) => &r.buffers[b],
+            };
+            read_concat(&r.file, tensors, range.clone(), &mut out)?;
+        }
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// The logical parameters as a ds-rs checkpoint records them: DeepSpeed's order, whole
+    /// tensors (tensor parallelism 1, one stage).
+    pub fn param_entries(&self) -> Vec<manifest::ParamEntry> {
+        let mut offset = 0;
+        self.params
+            .iter()
+            .map(|(name, shape)| {
+                let e = manifest::ParamEntry {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    offset,
+                    split: Default::default(),
+                    stage: 0,
+                    ep_rank: None,
+                };
+                offset += shape.iter().product::<usize>();
+                e
+            })
+            .collect()
+    }
+}
+
+/// One model-parallel rank's part of a checkpoint (a pipeline stage's; the whole model
+/// without a pipeline): its parameters and its data-parallel ranks' optimizer states.
+struct StagePart {
+    params: Vec<(String, Vec<usize>)>,
+    stage: u8,
+    bf16_files: bool,
+    step: u64,
+    buffers: Vec<String>,
+    ranks: Vec<RankFile>,
+    /// Pieces of `params`, by index into `ranks`.
+    pieces: Vec<Pieces>,
+}
+
+impl StagePart {
+    /// Opens model-parallel rank `mp`'s model states (`model_path`) and optimizer states.
+    fn open(dir: &Path, mp: usize, model_path: &Path) -> Result<StagePart> {
+        let (optim_files, bf16_files) = optimizer_files(dir, mp)?;
+        let world = optim_files.len();
+        let model = TorchFile::open(model_path)?;
+        let m = model.root();
+        let groups = param_groups(&m)?;
+        if let Some(frozen) = m.opt("frozen_param_shapes")? {
+            if !frozen.is_none() && !frozen.items()?.is_empty() {
+                return Err(frozen.error(
+                    "frozen parameters: ds-rs checkpoints hold trainable parameters only; \
+                     import the trainable ones by training without freezing",
+                ));
+            }
+        }
+        let saved_world = m.get("dp_world_size")?.usize()?;
+        if saved_world != world {
+            return Err(EngineError::file(
+                model_path,
+                format!("dp_world_size {saved_world}, but {world} optimizer-states files"),
+            ));
+        }
+        let files = optim_files
+            .iter()
+            .map(|p| TorchFile::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let stage = zero_stage(&files[0].root().get("optimizer_state_dict")?)?;
+        let mut part = StagePart {
+            params: groups.iter().flatten().cloned().collect(),
+            stage,
+            bf16_files,
+            step: 0,
+            buffers: Vec::new(),
+            ranks: Vec::with_capacity(world),
+            pieces: Vec::new(),
+        };
+        for file in files {
+            let (rank, step, names) = rank_tensors(file, stage)?;
+            if part.ranks.is_empty() {
+                (part.step, part.buffers) = (step, names);
+            } else if names != part.buffers || step != part.step {
+                return Err(EngineError::file(
+                    rank.file.path(),
+                    format!(
+                        "optimizer state {names:?} at step {step}, rank 0's is {:?} at step {}",
+                        part.buffers, part.step
+                    ),
+                ));
+            }
+            part.ranks.push(rank);
+        }
+        part.pieces = match stage {
+            3 => {
+                let size = part.ranks[0].master.iter().map(|t| t.numel()).sum();
+                stage3_pieces(&part.params, world, size)
+                    .map_err(|e| EngineError::file(part.ranks[0].file.path(), e))?
+            }
+            _ => part.flat_pieces(&groups)?,
+        };
+        part.check_sizes()?;
+        Ok(part)
+    }
+
+    /// The same ZeRO stage, data-parallel size and optimizer state as `other`.
+    fn agrees(&self, other: &StagePart) -> bool {
+        (self.stage, self.ranks.len(), self.step, &self.buffers)
+            == (other.stage, other.ranks.len(), other.step, &other.buffers)
+    }
+
     /// Stage 1-2: each group's flat buffer is the ranks' partitions end to end.
     fn flat_pieces(&self, groups: &[Group]) -> Result<Vec<Pieces>> {
         let parts: Vec<usize> = self.ranks[0].master.iter().map(|t| t.numel()).collect();
@@ -231,13 +335,13 @@ impl DeepSpeedCheckpoint {
                 ));
             }
             let total: usize = group.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-            if total > part * self.world {
+            if total > part * self.ranks.len() {
                 return Err(EngineError::file(
                     self.ranks[0].file.path(),
                     format!(
                         "a group of {total} elements in {} partitions of {part}: \
                          param_shapes and the optimizer states disagree",
-                        self.world
+                        self.ranks.len()
                     ),
                 ));
             }
@@ -279,56 +383,19 @@ impl DeepSpeedCheckpoint {
         }
         let beyond = self.pieces.iter().zip(&self.params).find(|(p, _)| {
             p.iter()
-                .any(|(rank, range)| *rank >= self.world || range.end > total)
+                .any(|(rank, range)| *rank >= self.ranks.len() || range.end > total)
         });
         match beyond {
             Some((_, (name, shape))) => Err(EngineError::file(
-                &self.dir,
+                self.ranks[0].file.path(),
                 format!(
                     "parameter {name} {shape:?} lies beyond the {} ranks' partitions of {total} elements: \
                      param_shapes and the optimizer states disagree",
-                    self.world
+                    self.ranks.len()
                 ),
             )),
             None => Ok(()),
         }
-    }
-
-    /// Parameter `i`'s values of `part`, whole, as f32.
-    pub fn read(&self, i: usize, part: Part) -> Result<Vec<f32>> {
-        let n: usize = self.params[i].1.iter().product();
-        let mut out = Vec::with_capacity(n);
-        for (rank, range) in &self.pieces[i] {
-            let r = &self.ranks[*rank];
-            let tensors = match part {
-                Part::Master => &r.master,
-                Part::Buffer(b) => &r.buffers[b],
-            };
-            read_concat(&r.file, tensors, range.clone(), &mut out)?;
-        }
-        out.truncate(n);
-        Ok(out)
-    }
-
-    /// The logical parameters as a ds-rs checkpoint records them: DeepSpeed's order, whole
-    /// tensors (tensor parallelism 1, one stage).
-    pub fn param_entries(&self) -> Vec<manifest::ParamEntry> {
-        let mut offset = 0;
-        self.params
-            .iter()
-            .map(|(name, shape)| {
-                let e = manifest::ParamEntry {
-                    name: name.clone(),
-                    shape: shape.clone(),
-                    offset,
-                    split: Default::default(),
-                    stage: 0,
-                    ep_rank: None,
-                };
-                offset += shape.iter().product::<usize>();
-                e
-            })
-            .collect()
     }
 }
 
@@ -380,39 +447,98 @@ fn stage3_pieces(
     Ok(pieces)
 }
 
-/// Checkpoints of layouts this reader does not take apart: DeepSpeed's own tensor
-/// parallelism (`mp_rank_01`), pipelines (`layer_XX-model_states.pt`).
-fn refuse_other_layouts(dir: &Path) -> Result<()> {
-    let names: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| EngineError::file(dir, e))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    if let Some(n) = names.iter().find(|n| n.starts_with("layer_")) {
-        return Err(EngineError::file(
-            dir.join(n),
-            "a DeepSpeed pipeline (PipelineModule) checkpoint; ds-rs imports ZeRO checkpoints of one stage",
-        ));
+/// Each model-parallel rank's model states file, in order: `mp_rank_MM_model_states.pt`
+/// (stage 1-2, pipelines), or rank 0's `zero_pp_rank_0_mp_rank_MM_model_states.pt` (stage 3).
+fn model_states_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let file = |mp: usize| {
+        [
+            dir.join(format!("mp_rank_{mp:02}_model_states.pt")),
+            dir.join(format!("zero_pp_rank_0_mp_rank_{mp:02}_model_states.pt")),
+        ]
+        .into_iter()
+        .find(|p| p.exists())
+    };
+    let files: Vec<PathBuf> = (0..).map_while(file).collect();
+    match files.is_empty() {
+        true => Err(EngineError::file(
+            dir,
+            "no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint's tag directory",
+        )),
+        false => Ok(files),
     }
-    if let Some(n) = names
-        .iter()
-        .find(|n| n.contains("mp_rank_") && !n.contains("mp_rank_00"))
-    {
-        return Err(EngineError::file(
-            dir.join(n),
-            "a model-parallel DeepSpeed checkpoint (more than one mp_rank); ds-rs imports data-parallel ZeRO checkpoints",
-        ));
-    }
-    Ok(())
 }
 
-/// Every rank's optimizer-states file, in rank order, and whether they carry the bf16
-/// optimizer's prefix.
-fn optimizer_files(dir: &Path) -> Result<(Vec<PathBuf>, bool)> {
+/// The pipeline stages of a checkpoint with `files` model-parallel ranks: DeepSpeed's
+/// `checkpoint_parallel_dimensions` must say they are pipeline stages, not tensor slices
+/// (Megatron's model parallelism, whose slices ds-rs does not join).
+fn pipeline_stages(m: &Obj, files: usize) -> Result<usize> {
+    let dims = m.opt("checkpoint_parallel_dimensions")?;
+    let degree = |k: &str| -> Result<usize> {
+        match &dims {
+            Some(d) if !d.is_none() => match d.opt(k)? {
+                Some(v) => v.usize(),
+                None => Ok(1),
+            },
+            _ => Ok(1),
+        }
+    };
+    let (pp, tp) = (degree("pp_degree")?, degree("tp_degree")?);
+    if tp > 1 || (files > 1 && pp != files) {
+        return Err(m.error(format!(
+            "a model-parallel checkpoint (tp_degree {tp}, pp_degree {pp}, {files} mp_rank files): \
+             ds-rs imports ZeRO checkpoints of data parallelism and pipelines, not tensor slices"
+        )));
+    }
+    Ok(files)
+}
+
+/// A pipeline's parameter names ("3.attn.c_attn.weight": layer 3's) as the built-in GPT's,
+/// whose PipelineModule is the embeddings, the blocks and the head (scripts/bench/
+/// deepspeed_pipe.py): the first layer's and the last layer's parameters keep their own
+/// names (`wte.weight`, `lm_head.weight`), the layers between are the blocks `h.0.`, `h.1.`...
+fn pipeline_names(
+    params: &[(String, Vec<usize>)],
+) -> std::result::Result<Vec<(String, Vec<usize>)>, String> {
+    let split = |name: &str| -> std::result::Result<(usize, String), String> {
+        name.split_once('.')
+            .and_then(|(l, rest)| Some((l.parse().ok()?, rest.to_string())))
+            .ok_or_else(|| format!("pipeline parameter {name:?} is not LAYER.NAME"))
+    };
+    let layers: Vec<usize> = params
+        .iter()
+        .map(|(n, _)| split(n).map(|(l, _)| l))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut blocks: Vec<usize> = layers.clone();
+    blocks.sort_unstable();
+    blocks.dedup();
+    let (first, last) = (blocks.first().copied(), blocks.last().copied());
+    let mut seen = std::collections::HashSet::new();
+    params
+        .iter()
+        .map(|(name, shape)| {
+            let (layer, rest) = split(name)?;
+            let renamed = match blocks.binary_search(&layer) {
+                _ if Some(layer) == first || Some(layer) == last => rest,
+                Ok(k) => format!("h.{}.{rest}", k - 1),
+                Err(_) => unreachable!("invariant: every layer is listed"),
+            };
+            match seen.insert(renamed.clone()) {
+                true => Ok((renamed, shape.clone())),
+                false => Err(format!(
+                    "two pipeline layers hold {renamed} (tied layers are not imported)"
+                )),
+            }
+        })
+        .collect()
+}
+
+/// Model-parallel rank `mp`'s optimizer-states files, in data-parallel rank order, and
+/// whether they carry the bf16 optimizer's prefix.
+fn optimizer_files(dir: &Path, mp: usize) -> Result<(Vec<PathBuf>, bool)> {
     for prefix in ["", "bf16_"] {
         let name = |r: usize| {
             dir.join(format!(
-                "{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                "{prefix}zero_pp_rank_{r}_mp_rank_{mp:02}_optim_states.pt"
             ))
         };
         let files: Vec<PathBuf> = (0..).map(name).take_while(|p| p.exists()).collect();
@@ -422,8 +548,10 @@ fn optimizer_files(dir: &Path) -> Result<(Vec<PathBuf>, bool)> {
     }
     Err(EngineError::file(
         dir,
-        "no zero_pp_rank_0_mp_rank_00_optim_states.pt: not a DeepSpeed ZeRO checkpoint \
-         (stage 0 keeps its optimizer in the model states, which ds-rs does not import)",
+        format!(
+            "no zero_pp_rank_0_mp_rank_{mp:02}_optim_states.pt: not a DeepSpeed ZeRO checkpoint \
+             (stage 0 keeps its optimizer in the model states, which ds-rs does not import)"
+        ),
     ))
 }
 
@@ -636,10 +764,10 @@ fn import(
     };
     let desc = Description {
         layout: manifest::Layout {
-            world_size: ck.world,
+            world_size: ck.world * ck.pp,
             dp: ck.world,
             tp: 1,
-            pp: 1,
+            pp: ck.pp,
             zero_stage: ck.stage,
             dtype: ck.dtype.to_string(),
             ep: 1,
@@ -674,4 +802,54 @@ pub fn write_weights(
         w.put(&ck.read(i, Part::Master)?)?;
     }
     w.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(names: &[&str]) -> Vec<(String, Vec<usize>)> {
+        names.iter().map(|n| (n.to_string(), vec![2])).collect()
+    }
+
+    #[test]
+    fn a_pipeline_s_layers_are_the_gpt_s_embeddings_blocks_and_head() {
+        let got = pipeline_names(&params(&[
+            "0.wte.weight",
+            "1.ln_1.weight",
+            "2.ln_1.weight",
+            "3.ln_f.weight",
+            "3.lm_head.weight",
+        ]))
+        .unwrap();
+        let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "wte.weight",
+                "h.0.ln_1.weight",
+                "h.1.ln_1.weight",
+                "ln_f.weight",
+                "lm_head.weight"
+            ]
+        );
+        let e = pipeline_names(&params(&["0.wte.weight", "2.wte.weight"])).unwrap_err();
+        assert!(e.contains("two pipeline layers hold wte.weight"), "{e}");
+        let e = pipeline_names(&params(&["wte.weight"])).unwrap_err();
+        assert!(e.contains("not LAYER.NAME"), "{e}");
+    }
+
+    #[test]
+    fn stage3_parts_are_padded_to_equal_sizes() {
+        // 5 elements on 2 ranks: 3 + 2 (one padding), then 4: 2 + 2
+        let p = vec![("a".to_string(), vec![5]), ("b".to_string(), vec![2, 2])];
+        let got = stage3_pieces(&p, 2, 5).unwrap();
+        assert_eq!(
+            got,
+            vec![vec![(0, 0..3), (1, 0..2)], vec![(0, 3..5), (1, 3..5)]]
+        );
+        assert!(stage3_pieces(&p, 2, 4)
+            .unwrap_err()
+            .contains("beyond a rank's 4 elements"));
+    }
 }

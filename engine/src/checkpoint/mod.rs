@@ -842,15 +842,30 @@ pub fn each_tensor(
     dir: &Path,
     mut f: impl FnMut(&ParamEntry, &[f32]) -> Result<()>,
 ) -> Result<Manifest> {
+    each_tensor_state(dir, false, |p, master, _| f(p, master))
+}
+
+/// As `each_tensor`, with each parameter's optimizer buffers (`manifest.optimizer_buffers`,
+/// in that order) when `buffers`: what an export of the training state writes.
+pub fn each_tensor_state(
+    dir: &Path,
+    buffers: bool,
+    mut f: impl FnMut(&ParamEntry, &[f32], &[(String, Vec<f32>)]) -> Result<()>,
+) -> Result<Manifest> {
     let m = Manifest::read(dir)?;
-    on_disk(dir, &m, m.parameters())?;
+    let copies = 1 + if buffers {
+        m.optimizer_buffers.len()
+    } else {
+        0
+    };
+    on_disk(dir, &m, m.parameters().saturating_mul(copies))?;
     let whole = whole_model(&m);
     let mut files = Files::new(dir, &m);
     for p in &whole {
         let n: usize = p.shape.iter().product();
         let expect = Expect {
             params: &whole,
-            buffers: None,
+            buffers: buffers.then_some(&m.optimizer_buffers[..]),
             owned: p.offset..p.offset + n,
             tp: TpRank::WHOLE,
             stage: 0,
@@ -858,10 +873,15 @@ pub fn each_tensor(
         };
         let mut out = Target {
             master: vec![0f32; n],
-            buffers: Vec::new(),
+            buffers: expect
+                .buffers
+                .unwrap_or_default()
+                .iter()
+                .map(|b| (b.clone(), vec![0f32; n]))
+                .collect(),
         };
         read_range(&mut files, &m, &expect, &mut out)?;
-        f(p, &out.master)?;
+        f(p, &out.master, &out.buffers)?;
     }
     Ok(m)
 }

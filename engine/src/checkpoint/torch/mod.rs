@@ -4,6 +4,7 @@
 //! are read from its storage record when asked for, a range at a time.
 
 pub mod pickle;
+pub mod write;
 
 use std::collections::HashMap;
 use std::fs::File;
