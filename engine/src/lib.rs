@@ -39,7 +39,7 @@ pub mod schedule;
 /// NVMe offload's I/O between two readings (`Timings::swap`).
 pub use ds_partition::swap::IoTotals;
 pub use engine::{
-    check_optimizer, pipeline_layout, program_optimizer_line, DecayGroups, Dtype, Engine,
-    EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision, Settings, StepOutcome, Timings,
-    STEP_PIECE,
+    check_optimizer, lr_schedule, pipeline_layout, program_optimizer_line, DecayGroups, Dtype,
+    Engine, EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision, Settings, StepOutcome,
+    Timings, STEP_PIECE,
 };

@@ -44,6 +44,9 @@ pub struct TrainBenchArgs {
     /// step, the data where it stopped (the peer's --load-dir).
     #[arg(long)]
     load_dir: Option<PathBuf>,
+    /// After the last step, save a checkpoint here (tag global_stepN; the peer's --save-dir).
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -161,6 +164,14 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         m.times.push(t0.elapsed().as_secs_f64());
         m.losses.push(loss);
         m.parts.push(engine.take_timings());
+    }
+    if let Some(dir) = &args.save_dir {
+        let tag = format!("global_step{}", engine.global_steps());
+        engine.save_checkpoint(
+            dir,
+            &tag,
+            serde_json::json!({"step": engine.global_steps()}),
+        )?;
     }
     m.memory = crate::train::gather_memory(&comm.world(), &engine.memory_report())?;
     let bubble = measured_bubble(&comm.world(), &groups, args.warmup, &m)?;

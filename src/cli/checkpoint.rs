@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ds_engine::checkpoint::{self, deepspeed, Manifest};
+use ds_engine::checkpoint::{self, deepspeed, universal, Manifest};
 use ds_engine::model::weights;
 
 #[derive(clap::Subcommand, Debug)]
@@ -21,6 +21,21 @@ pub enum CheckpointCommand {
     /// checkpoint that resumes in any layout: weights, Adam's moments and step, the step
     /// counters, the scheduler's position and the loss scaler.
     ImportDeepspeed(ImportArgs),
+    /// Write a checkpoint as DeepSpeed's universal checkpoint (what ds_to_universal.py
+    /// makes), which DeepSpeed resumes in any of its layouts with
+    /// `"checkpoint": {"load_universal": true}`.
+    ExportUniversal(ExportUniversalArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExportUniversalArgs {
+    /// The checkpoint directory (the --save-dir of the run).
+    dir: PathBuf,
+    /// The directory to write (DeepSpeed's load_dir: `latest_universal` and the tag).
+    out: PathBuf,
+    /// The tag (default: the one `latest` names).
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -76,6 +91,7 @@ pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
         CheckpointCommand::Inspect(a) => inspect(&a.dir),
         CheckpointCommand::ExportHf(a) => export_hf(a),
         CheckpointCommand::ImportDeepspeed(a) => import_deepspeed(a),
+        CheckpointCommand::ExportUniversal(a) => export_universal(a),
     }
 }
 
@@ -169,6 +185,56 @@ fn import_deepspeed(a: &ImportArgs) -> anyhow::Result<ExitCode> {
         describe(&m)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn export_universal(a: &ExportUniversalArgs) -> anyhow::Result<ExitCode> {
+    let dir = tag_dir(&a.dir, a.tag.as_deref())?;
+    let m = Manifest::read(&dir)?;
+    let resume =
+        universal_resume(&m).with_context(|| format!("{}: the run's config", dir.display()))?;
+    let (m, out) = universal::export(&dir, &a.out, &resume)?;
+    println!(
+        "{}: {} parameters ({} tensors) with Adam's state at step {} -> DeepSpeed universal checkpoint {} (next lr {:e}); \
+         DeepSpeed loads it with \"checkpoint\": {{\"load_universal\": true}} and load_dir {}",
+        dir.display(),
+        m.parameters(),
+        m.params.len(),
+        m.global_steps,
+        out.display(),
+        resume.lr,
+        a.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The next step's lr, whether DeepSpeed restores a scheduler, and the global batch, from the
+/// ds_config the run resolved (kept in the manifest).
+fn universal_resume(m: &Manifest) -> anyhow::Result<universal::Resume> {
+    let c = &m.config;
+    let dim = |k: &str| c["dims"][k].as_u64().map_or(1, |v| v as usize);
+    let mut dims = ds_config::ParallelDims::new(dim("world_size"), dim("tp"), dim("pp"))?;
+    if dim("ep") > 1 {
+        dims = dims.with_ep(dim("ep")).map_err(anyhow::Error::msg)?;
+    }
+    if dim("sp") > 1 {
+        dims = dims.with_sp(dim("sp")).map_err(anyhow::Error::msg)?;
+    }
+    let document = &c["document"];
+    let scheduled = document.get("scheduler").is_some_and(|s| !s.is_null());
+    if !scheduled && !c["training"]["lr_scheduler_type"].is_null() {
+        anyhow::bail!(
+            "the lr schedule came from --lr_scheduler_type, which a DeepSpeed load does not \
+             restore (Hugging Face's Trainer steps it); give the ds_config a scheduler section"
+        );
+    }
+    let doc = ds_config::hjson::parse(&document.to_string())?;
+    let config = ds_config::resolve(&doc, &dims)?;
+    let schedule = ds_engine::lr_schedule(&config)?;
+    Ok(universal::Resume {
+        lr: schedule.lr_at(m.global_steps - m.skipped_steps),
+        scheduled,
+        batch: c["train_batch_size"].as_u64().unwrap_or(0),
+    })
 }
 
 fn inspect(dir: &Path) -> anyhow::Result<ExitCode> {

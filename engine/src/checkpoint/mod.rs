@@ -15,6 +15,7 @@ pub mod deepspeed;
 mod files;
 pub mod manifest;
 pub mod torch;
+pub mod universal;
 
 use std::collections::HashMap;
 use std::ops::Range;

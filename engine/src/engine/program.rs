@@ -86,6 +86,12 @@ fn hf_schedule(args: &TrainingArgs, base_lr: f64, total: Option<i64>) -> Result<
     )?)
 }
 
+/// The run's LR schedule (the config's scheduler, else the one its training arguments
+/// describe, else the optimizer's constant lr).
+pub fn lr_schedule(config: &Config) -> Result<LrSchedule> {
+    Ok(optimizer_and_schedule(config)?.schedule)
+}
+
 /// The run's optimizer and schedule checked without building any state, so that a command
 /// can refuse a bad section (or a missing one with no arguments) before any rank starts.
 pub fn check_optimizer(config: &Config) -> Result<()> {
