@@ -323,3 +323,110 @@ fn train_resumes_from_deepspeed_once_then_from_its_own_checkpoints() {
         f.stdout
     );
 }
+
+/// DeepSpeed's ZeRO-3 run, imported and exported again as a universal checkpoint, read back
+/// by CPython's own unpickler as torch.load(weights_only=True) reads it
+/// (fixtures/deepspeed/read_universal.py): every parameter's fp32 weights, moments and step
+/// are DeepSpeed's own (zero_to_fp32.py's, ds_to_universal.py's), and the counters those a
+/// DeepSpeed load restores. (DeepSpeed itself resuming an export of a ds-rs run is
+/// scripts/bench/deepspeed_checkpoints.sh.)
+#[test]
+fn an_export_is_deepspeed_s_universal_checkpoint_of_the_same_state() {
+    let s = Scratch::new("ds-export");
+    let (imported, universal) = (s.path("imported"), s.path("universal"));
+    for cmd in [
+        format!(
+            "checkpoint import-deepspeed {} {}",
+            fixtures().join("zero3_fp32").display(),
+            imported.display()
+        ),
+        format!(
+            "checkpoint export-universal {} {}",
+            imported.display(),
+            universal.display()
+        ),
+    ] {
+        ok(&run(&cmd, LIMIT), &cmd);
+    }
+    let out = Command::new("python3")
+        .arg(fixtures().join("read_universal.py"))
+        .arg(&universal)
+        .output()
+        .expect("python3 (the standard library only) reads the export");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(read["tag"], "global_step5");
+    let files = &read["files"];
+    let values = |v: &serde_json::Value| -> Vec<f32> {
+        v["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let (m, _) = imported_manifest(&imported);
+    let weights = read_weights(&fixtures().join("zero3_fp32.zero_to_fp32.safetensors"));
+    let moments = read_weights(&fixtures().join("zero3_fp32.moments.safetensors"));
+    let params = m["params"].as_array().unwrap();
+    for p in params {
+        let name = p["name"].as_str().unwrap();
+        for (file, want) in [
+            ("fp32", &weights[name]),
+            ("exp_avg", &moments[&format!("{name}/exp_avg")]),
+            ("exp_avg_sq", &moments[&format!("{name}/exp_avg_sq")]),
+        ] {
+            let t = &files[format!("zero/{name}/{file}.pt")]["param"];
+            assert_eq!(t["shape"], p["shape"], "{name}/{file}");
+            let got = values(t);
+            assert!(
+                got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}/{file} differs from DeepSpeed's"
+            );
+        }
+        assert_eq!(files[format!("zero/{name}/step.pt")], 5, "Adam's step");
+    }
+    // DeepSpeed loads every .pt of a parameter's directory as an optimizer state
+    let per_param = files
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.matches('/').count() == 2)
+        .count();
+    assert_eq!(per_param, params.len() * 4);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("zero3_fp32.json")).unwrap())
+            .unwrap();
+    // after the 4 warm-up steps WarmupLR holds warmup_max_lr
+    let lr = &files["zero/optimizer_state.pt"]["param_groups"][0]["lr"];
+    assert_eq!(lr, &config["scheduler"]["params"]["warmup_max_lr"]);
+    let states = &files["mp_rank_00_model_states.pt"];
+    assert_eq!(states["global_steps"], 5);
+    assert_eq!(states["skipped_steps"], 0);
+    assert_eq!(
+        states["lr_scheduler"]["last_batch_iteration"], 4,
+        "5 applied steps"
+    );
+    assert_eq!(
+        states["global_samples"],
+        5 * 2 * 2,
+        "5 steps of micro-batch 2 on 2 ranks"
+    );
+    assert_eq!(states["mp_world_size"], 1);
+    assert_eq!(states, &files["zero_pp_rank_0_mp_rank_00_model_states.pt"]);
+}
+
+fn imported_manifest(dir: &Path) -> (serde_json::Value, PathBuf) {
+    let tag = dir.join("global_step5");
+    let m =
+        serde_json::from_str(&std::fs::read_to_string(tag.join("manifest.json")).unwrap()).unwrap();
+    (m, tag)
+}

@@ -102,6 +102,9 @@ def main():
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(res) + "\n")
+    # leave together: a rank exiting while the other still talks aborts in gloo's teardown
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

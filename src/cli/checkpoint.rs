@@ -208,18 +208,23 @@ fn export_universal(a: &ExportUniversalArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// The next step's lr, whether DeepSpeed restores a scheduler, and the global batch, from the
-/// ds_config the run resolved (kept in the manifest).
+/// ds_config of the run (the manifest keeps ds-rs's resolved config, whose `document` is the
+/// file as resolved, or an imported DeepSpeed run's ds_config itself), resolved again for
+/// the layout that saved it.
 fn universal_resume(m: &Manifest) -> anyhow::Result<universal::Resume> {
     let c = &m.config;
-    let dim = |k: &str| c["dims"][k].as_u64().map_or(1, |v| v as usize);
-    let mut dims = ds_config::ParallelDims::new(dim("world_size"), dim("tp"), dim("pp"))?;
-    if dim("ep") > 1 {
-        dims = dims.with_ep(dim("ep")).map_err(anyhow::Error::msg)?;
+    let document = match c.get("document") {
+        Some(d) => d,
+        None => c,
+    };
+    let l = &m.layout;
+    let mut dims = ds_config::ParallelDims::new(l.world_size, l.tp, l.pp)?;
+    if l.ep > 1 {
+        dims = dims.with_ep(l.ep).map_err(anyhow::Error::msg)?;
     }
-    if dim("sp") > 1 {
-        dims = dims.with_sp(dim("sp")).map_err(anyhow::Error::msg)?;
+    if let Some(sp) = c["dims"]["sp"].as_u64().filter(|&sp| sp > 1) {
+        dims = dims.with_sp(sp as usize).map_err(anyhow::Error::msg)?;
     }
-    let document = &c["document"];
     let scheduled = document.get("scheduler").is_some_and(|s| !s.is_null());
     if !scheduled && !c["training"]["lr_scheduler_type"].is_null() {
         anyhow::bail!(
@@ -233,7 +238,11 @@ fn universal_resume(m: &Manifest) -> anyhow::Result<universal::Resume> {
     Ok(universal::Resume {
         lr: schedule.lr_at(m.global_steps - m.skipped_steps),
         scheduled,
-        batch: c["train_batch_size"].as_u64().unwrap_or(0),
+        batch: config
+            .train_batch_size
+            .to_json()
+            .as_f64()
+            .map_or(0, |b| b as u64),
     })
 }
 
