@@ -3,8 +3,8 @@
 //! ZeRO-2 and ZeRO-3 fp32 and ZeRO-1 bf16, and by its pipeline engine on 2 stages, beside zero_to_fp32.py's output, the moments
 //! ds_to_universal.py extracts and the losses of 10 straight steps):
 //! - `checkpoint consolidate` gives zero_to_fp32.py's tensors, bit for bit;
-//! - `checkpoint import-deepspeed` keeps Adam's moments (ds_to_universal.py's), step and
-//!   counters;
+//! - `checkpoint import-deepspeed` keeps Adam's moments (ds_to_universal.py's), step,
+//!   counters and an fp16 run's dynamic loss scaler (DeepSpeed's own object);
 //! - `bench train --load-dir` resumes an import (of ZeRO-2, ZeRO-3, and of DeepSpeed's
 //!   pipeline engine on 2 stages) at dp 2 and tp 2 x dp 2 and trains DeepSpeed's own steps 6-10 (within 1e-5: the peer prints its losses to 6 decimals, and one process of
 //!   ds-rs agrees with DeepSpeed to ~1e-7 over 10 steps);
@@ -118,6 +118,29 @@ fn an_import_keeps_adam_s_moments_step_and_counters() {
             );
         }
     }
+}
+
+#[test]
+fn an_fp16_run_s_loss_scaler_is_imported() {
+    // DeepSpeed's DynamicLossScaler as make.sh set it: scale 2^15, 5 updates, the last
+    // overflow at iteration 2, one overflow of hysteresis left
+    let s = Scratch::new("ds-fp16");
+    let dst = s.path("imported");
+    let f = run(
+        &format!(
+            "checkpoint import-deepspeed {} {}",
+            fixtures().join("zero2_fp16").display(),
+            dst.display()
+        ),
+        LIMIT,
+    );
+    ok(&f, "import");
+    let (m, _) = imported(&dst);
+    assert_eq!(m["layout"]["dtype"], "f16");
+    assert_eq!(
+        m["loss_scaler"],
+        serde_json::json!({"cur_scale": 32768.0, "cur_iter": 5, "last_overflow_iter": 2, "cur_hysteresis": 1})
+    );
 }
 
 /// `bench train`'s losses after resuming `dir` at `layout` for 5 steps.
