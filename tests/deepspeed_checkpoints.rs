@@ -63,6 +63,16 @@ fn consolidation_gives_zero_to_fp32_s_tensors_bit_for_bit() {
     }
 }
 
+/// `checkpoint import-deepspeed` of fixture `case` into `dst`.
+fn import_fixture(case: &str, dst: &Path) {
+    let cmd = format!(
+        "checkpoint import-deepspeed {} {}",
+        fixtures().join(case).display(),
+        dst.display()
+    );
+    ok(&run(&cmd, LIMIT), &cmd);
+}
+
 /// The imported checkpoint's one shard: its manifest and its tensors by name.
 fn imported(
     dir: &Path,
@@ -83,15 +93,7 @@ fn imported(
 fn an_import_keeps_adam_s_moments_step_and_counters() {
     let s = Scratch::new("ds-import");
     let dst = s.path("imported");
-    let f = run(
-        &format!(
-            "checkpoint import-deepspeed {} {}",
-            fixtures().join("zero3_fp32").display(),
-            dst.display()
-        ),
-        LIMIT,
-    );
-    ok(&f, "import");
+    import_fixture("zero3_fp32", &dst);
     let (m, shard) = imported(&dst);
     assert_eq!(m["global_steps"], 5);
     assert_eq!(m["optimizer_step"], 5, "DeepSpeed's Adam took 5 steps");
@@ -126,15 +128,7 @@ fn an_fp16_run_s_loss_scaler_is_imported() {
     // overflow at iteration 2, one overflow of hysteresis left
     let s = Scratch::new("ds-fp16");
     let dst = s.path("imported");
-    let f = run(
-        &format!(
-            "checkpoint import-deepspeed {} {}",
-            fixtures().join("zero2_fp16").display(),
-            dst.display()
-        ),
-        LIMIT,
-    );
-    ok(&f, "import");
+    import_fixture("zero2_fp16", &dst);
     let (m, _) = imported(&dst);
     assert_eq!(m["layout"]["dtype"], "f16");
     assert_eq!(
@@ -179,15 +173,7 @@ fn an_imported_run_trains_deepspeed_s_next_steps_in_two_layouts() {
         ("pipe2_fp32", "zero2_fp32"),
     ] {
         let dst = s.path(case);
-        let f = run(
-            &format!(
-                "checkpoint import-deepspeed {} {}",
-                fixtures().join(case).display(),
-                dst.display()
-            ),
-            LIMIT,
-        );
-        ok(&f, case);
+        import_fixture(case, &dst);
         let want: Vec<f64> = straight[case].as_array().unwrap()[5..]
             .iter()
             .map(|v| v.as_f64().unwrap())
@@ -273,15 +259,7 @@ fn hostile_and_broken_files_are_one_error_each_with_nothing_run_or_written() {
 fn a_checkpoint_of_another_shape_is_refused_on_resume() {
     let s = Scratch::new("ds-shape");
     let dst = s.path("imported");
-    let f = run(
-        &format!(
-            "checkpoint import-deepspeed {} {}",
-            fixtures().join("zero2_fp32").display(),
-            dst.display()
-        ),
-        LIMIT,
-    );
-    ok(&f, "import");
+    import_fixture("zero2_fp32", &dst);
     // the fixture's model with 16 positions: wpe.weight is [16, 16], the checkpoint's [8, 16]
     let model = s.write(
         "model.json",
@@ -356,21 +334,14 @@ fn train_resumes_from_deepspeed_once_then_from_its_own_checkpoints() {
 #[test]
 fn an_export_is_deepspeed_s_universal_checkpoint_of_the_same_state() {
     let s = Scratch::new("ds-export");
-    let (imported, universal) = (s.path("imported"), s.path("universal"));
-    for cmd in [
-        format!(
-            "checkpoint import-deepspeed {} {}",
-            fixtures().join("zero3_fp32").display(),
-            imported.display()
-        ),
-        format!(
-            "checkpoint export-universal {} {}",
-            imported.display(),
-            universal.display()
-        ),
-    ] {
-        ok(&run(&cmd, LIMIT), &cmd);
-    }
+    let (dst, universal) = (s.path("imported"), s.path("universal"));
+    import_fixture("zero3_fp32", &dst);
+    let cmd = format!(
+        "checkpoint export-universal {} {}",
+        dst.display(),
+        universal.display()
+    );
+    ok(&run(&cmd, LIMIT), &cmd);
     let out = Command::new("python3")
         .arg(fixtures().join("read_universal.py"))
         .arg(&universal)
@@ -392,7 +363,7 @@ fn an_export_is_deepspeed_s_universal_checkpoint_of_the_same_state() {
             .map(|x| x.as_f64().unwrap() as f32)
             .collect()
     };
-    let (m, _) = imported_manifest(&imported);
+    let (m, _) = imported(&dst);
     let weights = read_weights(&fixtures().join("zero3_fp32.zero_to_fp32.safetensors"));
     let moments = read_weights(&fixtures().join("zero3_fp32.moments.safetensors"));
     let params = m["params"].as_array().unwrap();
@@ -445,11 +416,4 @@ fn an_export_is_deepspeed_s_universal_checkpoint_of_the_same_state() {
     );
     assert_eq!(states["mp_world_size"], 1);
     assert_eq!(states, &files["zero_pp_rank_0_mp_rank_00_model_states.pt"]);
-}
-
-fn imported_manifest(dir: &Path) -> (serde_json::Value, PathBuf) {
-    let tag = dir.join("global_step5");
-    let m =
-        serde_json::from_str(&std::fs::read_to_string(tag.join("manifest.json")).unwrap()).unwrap();
-    (m, tag)
 }
