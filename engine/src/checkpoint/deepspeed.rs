@@ -23,7 +23,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::torch::{Obj, TensorRef, TorchFile};
-use super::{manifest, Counters, Description, RankState};
+use super::{manifest, Counters, Description};
 use crate::loss_scale::LossScaleState;
 use crate::{EngineError, Result};
 
@@ -744,23 +744,17 @@ fn import(
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
-    let mut master = Vec::with_capacity(numel);
-    let mut buffers: Vec<(String, Vec<f32>)> = ck
-        .buffers
-        .iter()
-        .map(|n| (n.clone(), Vec::with_capacity(numel)))
-        .collect();
-    for i in 0..ck.params.len() {
-        master.extend(ck.read(i, Part::Master)?);
-        for (b, (_, values)) in buffers.iter_mut().enumerate() {
-            values.extend(ck.read(i, Part::Buffer(b))?);
-        }
-    }
-    let state = RankState {
-        owned: 0..numel,
-        master,
-        optimizer_step: ck.optimizer_step,
-        buffers,
+    // tensor 0 is the master copy, 1 + b the optimizer's buffer b: a parameter at a time
+    let fill = |t: usize, sink: &mut dyn FnMut(&[f32]) -> Result<()>| {
+        let part = match t {
+            0 => Part::Master,
+            b => Part::Buffer(b - 1),
+        };
+        (0..ck.params.len()).try_for_each(|i| sink(&ck.read(i, part)?))
+    };
+    let optimizer = super::Optimizer {
+        buffers: ck.buffers.clone(),
+        step: ck.optimizer_step,
     };
     let desc = Description {
         layout: manifest::Layout {
@@ -782,7 +776,7 @@ fn import(
         config: ck.config.clone(),
         frozen: None,
     };
-    super::write_single(out, tag, &state, desc)
+    super::write_single(out, tag, desc, optimizer, fill)
 }
 
 /// Writes the checkpoint's fp32 parameters as one safetensors file (zero_to_fp32's job), a

@@ -40,6 +40,18 @@ pub fn write_tensors_atomic(
     tensors: &[(&str, &[f32])],
     metadata: &[(&str, String)],
 ) -> Result<(u64, u32)> {
+    let sizes: Vec<(&str, usize)> = tensors.iter().map(|(n, v)| (*n, v.len())).collect();
+    write_tensors_streaming(path, &sizes, metadata, |i, sink| sink(tensors[i].1))
+}
+
+/// As `write_tensors_atomic`, with tensor i's `len` values given by `fill(i, sink)` through
+/// `sink`, in as many pieces as it likes: nothing of a tensor need be in memory at once.
+pub fn write_tensors_streaming(
+    path: &Path,
+    tensors: &[(&str, usize)],
+    metadata: &[(&str, String)],
+    mut fill: impl FnMut(usize, &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()>,
+) -> Result<(u64, u32)> {
     let tmp = path.with_extension("partial");
     let err = |e: std::io::Error| EngineError::file(&tmp, e);
     let mut header = serde_json::Map::new();
@@ -49,10 +61,10 @@ pub fn write_tensors_atomic(
         .collect();
     header.insert("__metadata__".into(), meta.into());
     let mut at = 0usize;
-    for (name, v) in tensors {
-        let len = v.len() * 4;
+    for (name, n) in tensors {
+        let len = n * 4;
         let entry =
-            serde_json::json!({"dtype": "F32", "shape": [v.len()], "data_offsets": [at, at + len]});
+            serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [at, at + len]});
         header.insert(name.to_string(), entry);
         at += len;
     }
@@ -67,11 +79,22 @@ pub fn write_tensors_atomic(
         .map_err(err)?;
     out.write_all(&text).map_err(err)?;
     let mut chunk = Vec::with_capacity(1 << 16);
-    for (_, v) in tensors {
-        for part in v.chunks(1 << 14) {
-            chunk.clear();
-            chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));
-            out.write_all(&chunk).map_err(err)?;
+    for (i, (name, n)) in tensors.iter().enumerate() {
+        let mut written = 0usize;
+        fill(i, &mut |values: &[f32]| {
+            for part in values.chunks(1 << 14) {
+                chunk.clear();
+                chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+                out.write_all(&chunk).map_err(err)?;
+            }
+            written += values.len();
+            Ok(())
+        })?;
+        if written != *n {
+            return Err(EngineError::file(
+                &tmp,
+                format!("tensor {name}: {written} values written, its header says {n}"),
+            ));
         }
     }
     let (crc, bytes) = (out.crc, out.bytes);

@@ -156,10 +156,9 @@ fn write_and_commit(
         0 => commit(
             dir,
             tag,
-            partial,
-            final_dir,
+            (partial, final_dir),
             desc,
-            shares.dense.state,
+            Optimizer::of(shares.dense.state),
             entries,
         ),
         _ => Ok(()),
@@ -326,14 +325,28 @@ fn gather_entries(group: &Group, written: &[Option<Written>]) -> Result<Vec<Shar
         .collect())
 }
 
+/// What the manifest says of the optimizer: its buffers' names and its step.
+pub(crate) struct Optimizer {
+    pub buffers: Vec<String>,
+    pub step: u64,
+}
+
+impl Optimizer {
+    fn of(s: &RankState) -> Optimizer {
+        Optimizer {
+            buffers: s.buffers.iter().map(|(n, _)| n.clone()).collect(),
+            step: s.optimizer_step,
+        }
+    }
+}
+
 /// Rank 0: the manifest, the rename that makes the tag visible, then `latest`.
 fn commit(
     dir: &Path,
     tag: &str,
-    partial: &Path,
-    final_dir: &Path,
+    (partial, final_dir): (&Path, &Path),
     d: Description,
-    s: &RankState,
+    optimizer: Optimizer,
     shards: Vec<ShardEntry>,
 ) -> Result<()> {
     let manifest = Manifest {
@@ -345,8 +358,8 @@ fn commit(
         layout: d.layout,
         params: d.params,
         numel: d.numel,
-        optimizer_buffers: s.buffers.iter().map(|(n, _)| n.clone()).collect(),
-        optimizer_step: s.optimizer_step,
+        optimizer_buffers: optimizer.buffers,
+        optimizer_step: optimizer.step,
         shards,
         client_state: d.client_state,
         config: d.config,
@@ -362,13 +375,16 @@ fn commit(
     Ok(())
 }
 
-/// Writes checkpoint `dir/tag` of one process's state without a job (an import): the files,
-/// the manifest and the publication of `save`, nothing left behind on failure.
+/// Writes checkpoint `dir/tag` of one process's whole flat model without a job (an import):
+/// the files, the manifest and the publication of `save`, nothing left behind on failure.
+/// `fill(0, sink)` gives the master copy's `numel` values, `fill(1 + b, sink)` buffer b's, in
+/// pieces (one parameter at a time).
 pub(crate) fn write_single(
     dir: &Path,
     tag: &str,
-    state: &RankState,
     desc: Description,
+    optimizer: Optimizer,
+    fill: impl FnMut(usize, &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()>,
 ) -> Result<PathBuf> {
     check_tag(tag)?;
     let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
@@ -390,20 +406,39 @@ pub(crate) fn write_single(
         ep_rank: None,
     };
     let file = shard_name(0, store);
-    let written = write_shard(&partial.join(&file), state, &desc).and_then(|(bytes, crc32c)| {
-        let shard = ShardEntry {
-            file,
-            rank: 0,
-            tp_rank: 0,
-            stage: 0,
-            ep_rank: None,
-            start: state.owned.start,
-            end: state.owned.end,
-            bytes,
-            crc32c,
-        };
-        commit(dir, tag, &partial, &final_dir, desc, state, vec![shard])
-    });
+    let numel = desc.numel;
+    let names: Vec<&str> = std::iter::once("master")
+        .chain(optimizer.buffers.iter().map(|b| b.as_str()))
+        .collect();
+    let sizes: Vec<(&str, usize)> = names.iter().map(|n| (*n, numel)).collect();
+    let meta = [
+        ("start", "0".to_string()),
+        ("end", numel.to_string()),
+        ("global_steps", desc.counters.global_steps.to_string()),
+    ];
+    let path = partial.join(&file);
+    let written =
+        files::write_tensors_streaming(&path, &sizes, &meta, fill).and_then(|(bytes, crc32c)| {
+            let shard = ShardEntry {
+                file,
+                rank: 0,
+                tp_rank: 0,
+                stage: 0,
+                ep_rank: None,
+                start: 0,
+                end: numel,
+                bytes,
+                crc32c,
+            };
+            commit(
+                dir,
+                tag,
+                (&partial, &final_dir),
+                desc,
+                optimizer,
+                vec![shard],
+            )
+        });
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&partial);
     }
