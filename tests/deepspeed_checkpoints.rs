@@ -5,8 +5,8 @@
 //! - `checkpoint consolidate` gives zero_to_fp32.py's tensors, bit for bit;
 //! - `checkpoint import-deepspeed` keeps Adam's moments (ds_to_universal.py's), step,
 //!   counters and an fp16 run's dynamic loss scaler (DeepSpeed's own object);
-//! - `bench train --load-dir` resumes an import (of ZeRO-2, ZeRO-3, and of DeepSpeed's
-//!   pipeline engine on 2 stages) at dp 2 and tp 2 x dp 2 and trains DeepSpeed's own steps 6-10 (within 1e-5: the peer prints its losses to 6 decimals, and one process of
+//! - `bench train --load-dir` resumes an import (of ZeRO-2, ZeRO-3, of DeepSpeed's pipeline
+//!   engine on 2 stages, and of transformers' Llama by its Hugging Face names) at dp 2 and tp 2 x dp 2 and trains DeepSpeed's own steps 6-10 (within 1e-5: the peer prints its losses to 6 decimals, and one process of
 //!   ds-rs agrees with DeepSpeed to ~1e-7 over 10 steps);
 //! - hostile and broken files are one clear error each, nothing run and nothing written.
 
@@ -137,12 +137,12 @@ fn an_fp16_run_s_loss_scaler_is_imported() {
     );
 }
 
-/// `bench train`'s losses after resuming `dir` at `layout` for 5 steps.
-fn resumed_losses(dir: &Path, config: &Path, layout: &str) -> Vec<f64> {
+/// `bench train`'s losses after resuming `dir` at `layout` for 5 steps (`model`: the
+/// `--model` and `--seq-len` arguments).
+fn resumed_losses(dir: &Path, model: &str, config: &Path, layout: &str) -> Vec<f64> {
     let f = run(
         &format!(
-            "bench train --model {} --config {} {layout} --warmup 0 --steps 5 --load-dir {} --json",
-            fixtures().join("model.json").display(),
+            "bench train {model} --config {} {layout} --warmup 0 --steps 5 --load-dir {} --json",
             config.display(),
             dir.display()
         ),
@@ -167,10 +167,19 @@ fn an_imported_run_trains_deepspeed_s_next_steps_in_two_layouts() {
             .unwrap();
     // the pipeline ran 2 micro-batches of 2 on one replica: the samples of dp 2 x 2, the
     // resumed runs' batch
-    for (case, config) in [
-        ("zero2_fp32", "zero2_fp32"),
-        ("zero3_fp32", "zero3_fp32"),
-        ("pipe2_fp32", "zero2_fp32"),
+    let gpt = format!("--model {}", fixtures().join("model.json").display());
+    // transformers' Llama of the ds-rs Llama fixture, by its Hugging Face names
+    let llama = format!(
+        "--model {} --seq-len 16",
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/tests/fixtures/hf/llama")
+            .display()
+    );
+    for (case, model, config) in [
+        ("zero2_fp32", &gpt, "zero2_fp32"),
+        ("zero3_fp32", &gpt, "zero3_fp32"),
+        ("pipe2_fp32", &gpt, "zero2_fp32"),
+        ("llama_zero2", &llama, "zero2_fp32"),
     ] {
         let dst = s.path(case);
         import_fixture(case, &dst);
@@ -180,7 +189,7 @@ fn an_imported_run_trains_deepspeed_s_next_steps_in_two_layouts() {
             .collect();
         let config = fixtures().join(format!("{config}.json"));
         for layout in ["--nproc 2", "--nproc 4 --tp 2"] {
-            let got = resumed_losses(&dst, &config, layout);
+            let got = resumed_losses(&dst, model, &config, layout);
             assert_eq!(got.len(), 5);
             for (step, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(

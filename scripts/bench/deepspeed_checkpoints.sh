@@ -3,7 +3,8 @@
 # ../shared/bench/setup.sh), on the peer's tiny GPT (V 4096, T 128, d 256, H 4, L 4) and token
 # stream, 2 ranks, micro-batch 4, AdamW + WarmupLR:
 # 1. DeepSpeed trains 5 steps at ZeRO 1, 2, 3 in fp32 and bf16 (and its pipeline engine on 2
-#    stages, ZeRO-1 fp32) from gpt.py's initial weights and saves; ds-rs imports each
+#    stages, ZeRO-1 fp32) from gpt.py's initial weights and saves, and trains transformers'
+#    Llama of the ds-rs Llama fixture at ZeRO-2 (scripts/bench/hf_peer.py); ds-rs imports each
 #    (`checkpoint import-deepspeed`) and trains 5 more steps at dp 2 and at tp 2 x dp 2
 #    (`bench train --load-dir`); each loss is set beside DeepSpeed's own 10 straight steps.
 # 2. `checkpoint consolidate` of the ZeRO-3 checkpoint against zero_to_fp32.py, tensor by tensor.
@@ -40,9 +41,11 @@ peer() { # OUT-TAG ARGS...: train_ds.py on 2 ranks
     --model "$model" --warmup 0 --tag "$tag" --out "$work/peer.jsonl" "$@" > "$work/$tag.log" 2>&1 \
     || { tail -20 "$work/$tag.log"; exit 1; }
 }
-ours() { # OUT-TAG ARGS...: bench train, its losses into ours.jsonl
+ours() { # OUT-TAG ARGS...: bench train (of --model "$model" unless ARGS name one), its losses into ours.jsonl
   local tag=$1; shift
-  timeout 900 "$dsrs" bench train --model "$model" --warmup 0 --json "$@" 2> "$work/$tag.err" \
+  local which=(--model "$model")
+  [[ " $* " == *" --model "* ]] && which=()
+  timeout 900 "$dsrs" bench train "${which[@]}" --warmup 0 --json "$@" 2> "$work/$tag.err" \
     | tail -1 | python3 -c 'import json, sys; r = json.load(sys.stdin); print(json.dumps({"tag": sys.argv[1], "losses": r["losses"]}))' "$tag" \
     >> "$work/ours.jsonl" || { tail -20 "$work/$tag.err"; exit 1; }
 }
@@ -72,6 +75,26 @@ pipe --steps 10 --tag pipe2_fp32.straight
 "$dsrs" checkpoint import-deepspeed "$work/pipe2_fp32.ds" "$work/pipe2_fp32.imported"
 ours pipe2_fp32.dp2 --config "$work/zero1_fp32.json" --nproc 2 --steps 5 --load-dir "$work/pipe2_fp32.imported"
 ours pipe2_fp32.tp2dp2 --config "$work/zero1_fp32.json" --nproc 4 --tp 2 --steps 5 --load-dir "$work/pipe2_fp32.imported"
+
+# transformers' Llama (the ds-rs Llama fixture's directory), by its Hugging Face names, ZeRO-2
+llama="$root/models/tests/fixtures/hf/llama"
+tokens=$(python3 -c "import sys; sys.path.insert(0, '$bench'); from make_tokens import ensure_tokens; print(ensure_tokens(64))")
+hf() { # OUT-TAG ARGS...: hf_peer.py on 2 ranks
+  local tag=$1; shift
+  timeout 900 python -m torch.distributed.run --standalone --nproc_per_node 2 "$root/scripts/bench/hf_peer.py" \
+    --model "$llama" --seq-len 16 --ds-config "$work/zero2_fp32.json" --tokens "$tokens" --warmup 0 "$@" 2> "$work/$tag.log" \
+    | grep '^{' | python3 -c 'import json, sys; r = json.load(sys.stdin); r["tag"] = sys.argv[1]; print(json.dumps(r))' "$tag" \
+    >> "$work/peer.jsonl" || { tail -20 "$work/$tag.log"; exit 1; }
+}
+rm -rf "$work/llama_zero2.ds" "$work/llama_zero2.imported"
+hf llama_zero2.save --steps 5 --save-dir "$work/llama_zero2.ds"
+hf llama_zero2.straight --steps 10
+"$dsrs" checkpoint import-deepspeed "$work/llama_zero2.ds" "$work/llama_zero2.imported"
+for layout in dp2:"--nproc 2" tp2dp2:"--nproc 4 --tp 2"; do
+  # shellcheck disable=SC2086
+  ours "llama_zero2.${layout%%:*}" --model "$llama" --seq-len 16 --config "$work/zero2_fp32.json" ${layout#*:} \
+    --steps 5 --load-dir "$work/llama_zero2.imported"
+done
 
 echo "== 2. consolidate vs zero_to_fp32.py (ZeRO-3)"
 rm -rf "$work/z2f"
@@ -113,7 +136,8 @@ def table(title, want, gots):
     for name, got in gots:
         diff = max(abs(a - b) for a, b in zip(got, want))
         print(f"  {name:>34}: " + " ".join(f"{v:.6f}" for v in got) + f"   max |diff| {diff:.1e}")
-for case in ("zero1_fp32", "zero2_fp32", "zero3_fp32", "zero1_bf16", "zero2_bf16", "zero3_bf16", "pipe2_fp32"):
+for case in ("zero1_fp32", "zero2_fp32", "zero3_fp32", "zero1_bf16", "zero2_bf16", "zero3_bf16", "pipe2_fp32",
+             "llama_zero2"):
     want = rows[f"{case}.straight"][5:]
     table(f"{case}: DeepSpeed's straight steps 6-10 vs ds-rs resumed from DeepSpeed's step-5 checkpoint",
           want, [(f"ds-rs dp 2", rows[f"{case}.dp2"]), (f"ds-rs tp 2 x dp 2", rows[f"{case}.tp2dp2"])])

@@ -8,7 +8,8 @@ ranks as ds-rs splits them.
   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 \
       scripts/bench/hf_peer.py --model DIR --seq-len 256 --ds-config cfg.json
 
-Prints one JSON line: median tokens/s over the timed steps, losses, peak RSS per rank.
+Prints one JSON line: median tokens/s over the timed steps, the losses (mean over the ranks),
+peak RSS per rank. --save-dir / --load-dir save and resume DeepSpeed checkpoints (as train_ds.py).
 """
 import argparse
 import json
@@ -36,6 +37,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--save-dir", default=None, help="after the last step, save a DeepSpeed checkpoint here")
+    ap.add_argument("--load-dir", default=None, help="first load the newest DeepSpeed checkpoint here and go on from its step")
     a = ap.parse_args()
     with open(a.ds_config) as f:
         ds_config = json.load(f)
@@ -50,8 +53,13 @@ def main():
     t = a.seq_len
     tokens = np.fromfile(a.tokens, dtype="<u2").astype(np.int64)
     windows = len(tokens) // (t + 1)
+    start = 0
+    if a.load_dir:
+        path, _ = engine.load_checkpoint(a.load_dir)
+        assert path is not None, f"no DeepSpeed checkpoint in {a.load_dir}"
+        start = engine.global_steps
     times, losses = [], []
-    for step in range(a.warmup + a.steps):
+    for step in range(start, start + a.warmup + a.steps):
         first = (step * world * mb + rank * mb) % (windows - mb)
         x = torch.from_numpy(tokens[first * (t + 1):(first + mb) * (t + 1)].reshape(mb, t + 1))
         t0 = time.perf_counter()
@@ -60,15 +68,19 @@ def main():
         engine.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+    if a.save_dir:
+        engine.save_checkpoint(a.save_dir)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gathered = [None] * world
-    dist.all_gather_object(gathered, dict(rss=rss, times=times))
+    dist.all_gather_object(gathered, dict(rss=rss, times=times, losses=losses))
+    # the global batch's loss: the mean over the ranks (as train_ds.py and ds-rs report it)
+    losses = [sum(g["losses"][i] for g in gathered) / world for i in range(len(losses))]
     if rank == 0:
         step_s = statistics.median(max(g["times"][i] for g in gathered) for i in range(a.warmup, len(times)))
         print(json.dumps(dict(impl="deepspeed", model=a.model, world=world, micro_batch=mb, seq_len=t,
                               zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
                               tokens_per_s=world * mb * t / step_s, step_ms_median=1e3 * step_s,
-                              losses=[round(v, 5) for v in losses],
+                              losses=[round(v, 7) for v in losses],
                               peak_rss_mib_per_rank=[round(g["rss"], 1) for g in gathered])))
     sys.stdout.flush()
 
