@@ -95,6 +95,17 @@ fn an_import_keeps_adam_s_moments_step_and_counters() {
     let dst = s.path("imported");
     import_fixture("zero3_fp32", &dst);
     let (m, shard) = imported(&dst);
+    // a second import into the same directory would replace its `latest`: refused
+    let again = run(
+        &format!(
+            "checkpoint import-deepspeed {} {}",
+            fixtures().join("zero2_fp32").display(),
+            dst.display()
+        ),
+        LIMIT,
+    );
+    let e = failed(&again, "a second import");
+    assert!(e.contains("holds checkpoints already"), "{e}");
     assert_eq!(m["global_steps"], 5);
     assert_eq!(m["optimizer_step"], 5, "DeepSpeed's Adam took 5 steps");
     assert_eq!(m["layout"]["dp"], 2);

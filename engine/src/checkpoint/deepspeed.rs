@@ -549,8 +549,10 @@ fn optimizer_files(dir: &Path, mp: usize) -> Result<(Vec<PathBuf>, bool)> {
     Err(EngineError::file(
         dir,
         format!(
-            "no zero_pp_rank_0_mp_rank_{mp:02}_optim_states.pt: not a DeepSpeed ZeRO checkpoint \
-             (stage 0 keeps its optimizer in the model states, which ds-rs does not import)"
+            "no zero_pp_rank_0_mp_rank_{mp:02}_optim_states.pt: not a DeepSpeed ZeRO checkpoint. \
+             Stage 0 keeps its optimizer in the model states, which ds-rs does not import: \
+             DeepSpeed 0.19.8 records Adam's step there as 0 (fp32) or one past the steps taken \
+             (bf16), so the bias correction could not go on as it was"
         ),
     ))
 }
@@ -718,6 +720,14 @@ pub fn import_tag(src: &Path, out: &Path) -> Result<(DeepSpeedCheckpoint, PathBu
         .file_name()
         .map(|t| t.to_string_lossy().into_owned())
         .ok_or_else(|| EngineError::file(src, "not a checkpoint tag's directory"))?;
+    if let Some(latest) = super::latest(out)? {
+        return Err(EngineError::file(
+            out,
+            format!(
+                "holds checkpoints already (`latest` names {latest}); import into a new directory"
+            ),
+        ));
+    }
     let ck = DeepSpeedCheckpoint::open(src)?;
     let client_state = serde_json::json!({
         "step": ck.counters.global_steps,
