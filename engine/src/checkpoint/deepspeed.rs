@@ -31,9 +31,6 @@ use crate::{EngineError, Result};
 /// overflowing.
 const MAX_ELEMENTS: usize = 1 << 48;
 
-/// The model states file of stage 1-2 (and the name DeepSpeed's tools look for first).
-const MODEL_STATES: &str = "mp_rank_00_model_states.pt";
-
 /// A DeepSpeed checkpoint tag, opened: what it holds and where each parameter's pieces lie.
 pub struct DeepSpeedCheckpoint {
     pub dir: PathBuf,
@@ -151,7 +148,7 @@ impl DeepSpeedCheckpoint {
             ranks: Vec::new(),
             pieces: Vec::new(),
         };
-        ck.check_schedule()?;
+        ck.check_schedule(&stage_files[0])?;
         for part in parts {
             let offset = ck.ranks.len();
             ck.params.extend(part.params);
@@ -171,7 +168,8 @@ impl DeepSpeedCheckpoint {
     /// DeepSpeed steps the scheduler once per applied (not skipped) step, as ds-rs derives
     /// the lr from the applied steps; a scheduler stepped otherwise (by the training script)
     /// would give another lr, so it is refused.
-    fn check_schedule(&self) -> Result<()> {
+    /// `model_states`: the file that holds the scheduler's state.
+    fn check_schedule(&self, model_states: &Path) -> Result<()> {
         let applied = self.counters.global_steps - self.counters.skipped_steps;
         match self
             .lr_scheduler
@@ -179,7 +177,7 @@ impl DeepSpeedCheckpoint {
             .and_then(|v| v.as_i64())
         {
             Some(last) if last != applied as i64 - 1 => Err(EngineError::file(
-                self.dir.join(MODEL_STATES),
+                model_states,
                 format!(
                     "lr_scheduler.last_batch_iteration {last} after {applied} applied steps \
                      (DeepSpeed's engine leaves {}): the scheduler was stepped outside the \

@@ -35,26 +35,6 @@ impl Py {
     pub fn dict<'a>(items: impl IntoIterator<Item = (&'a str, Py)>) -> Py {
         Py::Dict(items.into_iter().map(|(k, v)| (Py::str(k), v)).collect())
     }
-
-    /// A JSON value as Python's json.load would give it (a ds_config).
-    pub fn from_json(v: &serde_json::Value) -> Py {
-        use serde_json::Value;
-        match v {
-            Value::Null => Py::None,
-            Value::Bool(b) => Py::Bool(*b),
-            Value::Number(n) => match n.as_i64() {
-                Some(i) => Py::Int(i),
-                None => Py::Float(n.as_f64().unwrap_or(f64::NAN)),
-            },
-            Value::String(s) => Py::Str(s.clone()),
-            Value::Array(a) => Py::List(a.iter().map(Py::from_json).collect()),
-            Value::Object(o) => Py::Dict(
-                o.iter()
-                    .map(|(k, v)| (Py::Str(k.clone()), Py::from_json(v)))
-                    .collect(),
-            ),
-        }
-    }
 }
 
 /// A tensor to write: its shape and values.
