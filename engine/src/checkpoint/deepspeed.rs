@@ -94,18 +94,22 @@ impl DeepSpeedCheckpoint {
     /// every pipeline stage.
     pub fn open(dir: &Path) -> Result<DeepSpeedCheckpoint> {
         let stage_files = model_states_files(dir)?;
-        let model = TorchFile::open(&stage_files[0])?;
-        let m = model.root();
+        // every stage's model states, each opened and parsed once
+        let models = stage_files
+            .iter()
+            .map(|p| TorchFile::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let m = models[0].root();
         let pp = pipeline_stages(&m, stage_files.len())?;
         let global_steps = m.get("global_steps")?.usize()? as u64;
         let skipped_steps = m.get("skipped_steps")?.usize()? as u64;
         let lr_scheduler = m.get("lr_scheduler")?.to_json()?;
         let config = m.get("ds_config")?.to_json()?;
         let bf16 = bf16_enabled(&m)?;
-        let parts = stage_files
+        let parts = models
             .iter()
             .enumerate()
-            .map(|(s, path)| StagePart::open(dir, s, path))
+            .map(|(s, model)| StagePart::open(dir, s, model))
             .collect::<Result<Vec<_>>>()?;
         let first = &parts[0];
         if let Some((s, p)) = parts.iter().enumerate().find(|(_, p)| !first.agrees(p)) {
@@ -241,11 +245,11 @@ struct StagePart {
 }
 
 impl StagePart {
-    /// Opens model-parallel rank `mp`'s model states (`model_path`) and optimizer states.
-    fn open(dir: &Path, mp: usize, model_path: &Path) -> Result<StagePart> {
+    /// Opens model-parallel rank `mp`'s optimizer states, beside its model states `model`.
+    fn open(dir: &Path, mp: usize, model: &TorchFile) -> Result<StagePart> {
         let (optim_files, bf16_files) = optimizer_files(dir, mp)?;
         let world = optim_files.len();
-        let model = TorchFile::open(model_path)?;
+        let model_path = model.path();
         let m = model.root();
         let groups = param_groups(&m)?;
         if let Some(frozen) = m.opt("frozen_param_shapes")? {
