@@ -1,9 +1,29 @@
-//! With the `cuda` feature: kernels/adam.cu to PTX (build-support/ptx.rs). Without: nothing.
+//! kernels/emu: the fused kernels built for the host, which the CPU tests run (Note [kernels
+//! on the host] in src/kernels/gpu/mod.rs). With the `cuda` feature also kernels/adam.cu and
+//! kernels/fused.cu to PTX (build-support/ptx.rs).
 include!("../build-support/ptx.rs");
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    for f in [
+        "kernels/fused.cu",
+        "kernels/emu/cuda_emu.h",
+        "kernels/emu/emu.cpp",
+        "kernels/emu/scheduler.cpp",
+    ] {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .opt_level(2)
+        .warnings(true)
+        .extra_warnings(true)
+        .file("kernels/emu/emu.cpp")
+        .file("kernels/emu/scheduler.cpp")
+        .compile("ds_kernels_emu");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         compile_ptx("kernels/adam.cu", "adam.ptx");
+        compile_ptx("kernels/fused.cu", "fused.ptx");
     }
 }

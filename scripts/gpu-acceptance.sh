@@ -7,7 +7,8 @@
 #
 #   --bundle DIR  built artifacts, made here by scripts/gpu-bundle.sh (default target/gpu-bundle,
 #                 or $DS_GPU_BUNDLE): nccl_device[.gz], the ds-comm NCCL smoke test binary;
-#                 ds-rs[.gz], the cuda build; gpu_buffers.gz, the GPU buffers' kernel test.
+#                 ds-rs[.gz], the cuda build; gpu_buffers.gz, the GPU buffers' kernel test;
+#                 gpu_kernels.gz, the fused kernels' test.
 #   --bench DIR   the peer benchmarks (train_torch.py, gpt.py, make_tokens.py; default
 #                 ../shared/bench beside the repo, or $DS_BENCH_DIR). Copied to a temp dir first.
 #   $PYTHON       the Python with PyTorch (default python3); $TORCH_VENV (default
@@ -132,6 +133,31 @@ gpu_buffers() {
     done
     test_row "gpu copies" tensors_and_gpu_buffers_copy_on_the_device "$log" \
         "parameters from a GPU buffer, gradients into one, device to device"
+}
+
+# engine/tests/gpu_kernels.rs: the fused kernels (kernels/fused.cu) on the GPU against the CPU
+# kernels at GPT-2's sizes, f32/bf16/f16; a row per test, then one per kernel and dtype with the
+# largest difference it printed.
+gpu_kernels() {
+    local bin=$work/gpu_kernels log=$logs/gpu-kernels.log t what dtype diff bound missing
+    if [ ! -f "$bundle/gpu_kernels.gz" ]; then
+        row "fused kernels" skip "no gpu_kernels.gz in $bundle (scripts/gpu-bundle.sh)"
+        return
+    fi
+    gunzip -c "$bundle/gpu_kernels.gz" >"$bin"
+    chmod +x "$bin"
+    missing=$(ldd "$bin" 2>&1 | grep 'not found')
+    [ -n "$missing" ] && { row "fused kernels" FAIL "ldd: $missing"; return; }
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 180 "$bin" --test-threads 1 --show-output >"$log" 2>&1
+    cat "$log"
+    for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
+        causal_softmax_forward_and_backward cross_entropy_and_its_gradient; do
+        test_row "fused ${t%%_and_*}" "$t" "$log" "GPU = CPU kernel within the bounds below"
+    done
+    # "kernel NAME DTYPE: ok, largest difference D (bound B)"
+    while read -r _ what dtype _ _ _ diff _ bound; do
+        row "  $what ${dtype%:}" ok "largest difference $diff (bound ${bound%)})"
+    done < <(grep '^kernel ' "$log")
 }
 
 # A libtest line "test NAME ... ok" makes the row ok; else the panic message says why.
@@ -365,6 +391,7 @@ cuda_libs
 gpu_info
 nccl_smoke
 gpu_buffers
+gpu_kernels
 torch_info
 torch_eager small
 torch_eager gpt2

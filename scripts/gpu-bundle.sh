@@ -44,13 +44,16 @@ rm -rf "$out"
 mkdir -p "$out/bench"
 gzip -9 -c "$bin" >"$out/nccl_device.gz"
 # ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time),
-# and the GPU buffers' test against their host side (engine/tests/gpu_buffers.rs) built beside it.
+# and the GPU buffers' and fused kernels' tests against their host side (engine/tests/gpu_buffers.rs,
+# gpu_kernels.rs) built beside it.
 cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
 if [ -x "$cuda_bin" ]; then
     gzip -9 -c "$cuda_bin" >"$out/ds-rs.gz"
     eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
-    buffers=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary ds-engine cuda gpu_buffers)
-    [ -n "$buffers" ] && gzip -9 -c "$buffers" >"$out/gpu_buffers.gz"
+    for t in gpu_buffers gpu_kernels; do
+        b=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary ds-engine cuda $t)
+        [ -n "$b" ] && gzip -9 -c "$b" >"$out/$t.gz"
+    done
 else
     echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2
 fi

@@ -10,7 +10,9 @@
 use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use ds_engine::kernels::fused_norm_loss::{cross_entropy_backward, cross_entropy_with_probs};
+use ds_engine::kernels::fused_norm_loss::{
+    cross_entropy_backward, cross_entropy_grad, cross_entropy_with_probs,
+};
 use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
@@ -143,16 +145,14 @@ pub fn tiled_cross_entropy(
             },
         ));
     };
-    let mut sum = 0f64;
+    // The tiles' sum stays on the device: no host round trip per tile.
+    let mut sum = Tensor::zeros((), DType::F32, h.device())?;
     for r in tiles(h.dim(0)?, tile) {
-        let logits = linear(&h.narrow(0, r.start, r.len())?, w, None)?.to_dtype(DType::F32)?;
-        let (mean, _) =
-            cross_entropy_with_probs(&logits, &rows.targets.narrow(0, r.start, r.len())?)?;
-        sum += f64::from(mean.to_scalar::<f32>()?) * r.len() as f64;
+        let logits = linear(&h.narrow(0, r.start, r.len())?, w, None)?;
+        let mean = cross_entropy(&logits, &rows.targets.narrow(0, r.start, r.len())?)?;
+        sum = (sum + (mean * r.len() as f64)?)?;
     }
-    let k = h.dim(0)?;
-    let loss = Tensor::new((sum / k as f64) as f32, h.device())?;
-    let loss = rows.weighted(loss)?;
+    let loss = rows.weighted((sum / h.dim(0)? as f64)?)?;
     let counted = Some((h, rows));
     Ok((
         loss,
@@ -184,8 +184,7 @@ impl TiledLoss {
             let h = all.narrow(0, p.start, p.len())?;
             let targets = r.targets.narrow(0, p.start, p.len())?;
             let logits = linear(&h, w, None)?.to_dtype(DType::F32)?;
-            let (_, probs) = cross_entropy_with_probs(&logits, &targets)?;
-            let dlogits = cross_entropy_backward(&probs, &targets, scale)?.to_dtype(h.dtype())?;
+            let dlogits = cross_entropy_grad(&logits, &targets, scale)?.to_dtype(h.dtype())?;
             let g = linear_backward(&h, w, &dlogits)?;
             dw = (dw + g.dw)?;
             dh.push(g.dx);

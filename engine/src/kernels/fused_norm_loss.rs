@@ -3,9 +3,14 @@
 //! [tokens, vocab] temporaries; each is one or two passes here.
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu_storage::{f32_slice, from_f32, map_rows, to_f32};
+use super::gpu::fused_on;
+#[cfg(feature = "cuda")]
+use super::gpu::{self, cuda};
 use super::primitive::{by_autograd, layer_norm_primitive, softmax_last_dim};
 use super::vmath::{self, exp_shifted};
 
@@ -30,7 +35,7 @@ pub fn layer_norm_backward(
     dy: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    if !x.device().is_cpu() {
+    if !fused_on(x.device()) {
         let f = |t: &[Tensor]| layer_norm_primitive(&t[0], &t[1], &t[2], eps);
         let [dx, dw, db]: [Tensor; 3] = by_autograd(&[x, w, b], dy, f)?
             .try_into()
@@ -51,7 +56,7 @@ pub fn layer_norm_backward(
 /// The mean cross-entropy of `logits` [n, vocab] (f32) against `targets` [n] (u32), and the
 /// rows' softmax, which is all its backward needs.
 pub fn cross_entropy_with_probs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    if !logits.device().is_cpu() {
+    if !fused_on(logits.device()) {
         let loss = candle_nn::loss::cross_entropy(logits, targets)?;
         return Ok((loss, softmax_last_dim(logits)?));
     }
@@ -63,9 +68,23 @@ pub fn cross_entropy_with_probs(logits: &Tensor, targets: &Tensor) -> Result<(Te
     Ok((loss, packed.narrow(0, 0, n)?.reshape(logits.shape())?))
 }
 
+/// The cross-entropy's gradient straight from f32 `logits` [n, vocab]:
+/// (softmax(logits) - onehot(targets)) * scale, in one pass, the softmax never in memory.
+pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, scale: f64) -> Result<Tensor> {
+    if !fused_on(logits.device()) {
+        return cross_entropy_backward_primitive(&softmax_last_dim(logits)?, targets, scale);
+    }
+    let grad = CrossEntropyGrad {
+        scale: scale as f32,
+    };
+    logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &grad)
+}
+
 /// The cross-entropy's gradient from the softmax `probs`: (probs - onehot(targets)) * scale.
 pub fn cross_entropy_backward(probs: &Tensor, targets: &Tensor, scale: f64) -> Result<Tensor> {
-    if !probs.device().is_cpu() {
+    if !fused_on(probs.device()) {
         return cross_entropy_backward_primitive(probs, targets, scale);
     }
     let grad = ProbsGrad {
@@ -138,6 +157,23 @@ impl CustomOp3 for LayerNorm {
         });
         Ok((from_f32(s1.dtype(), y), l1.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n, d) = (s1.dtype(), l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let y = cuda::with_output(&s1.device, dtype, n, &inputs, |k, a, y| {
+            gpu::layer_norm(k, dtype, [a[0], a[1], a[2]], y, n / d.max(1), d, self.eps)
+        })?;
+        Ok((y, l1.shape().clone()))
+    }
     fn bwd(
         &self,
         x: &Tensor,
@@ -196,6 +232,24 @@ impl CustomOp3 for LayerNormGrad {
         // dx keeps x's dtype; dw and db are converted by the caller to the weight's dtype.
         Ok((from_f32(dtype, out), Shape::from(n)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n, d) = (s1.dtype(), l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let out = cuda::with_output(&s1.device, dtype, n + 2 * d, &inputs, |k, a, out| {
+            gpu::layer_norm_backward(k, dtype, [a[0], a[1], a[2]], out, n / d.max(1), d, self.eps)
+        })?;
+        Ok((out, Shape::from(n + 2 * d)))
+    }
 }
 
 impl CustomOp2 for CrossEntropy {
@@ -219,6 +273,21 @@ impl CustomOp2 for CrossEntropy {
         }
         let loss = (total / targets.len().max(1) as f64) as f32;
         Ok((from_f32(s1.dtype(), vec![loss]), Shape::from(())))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2)];
+        let loss = cuda::with_output(&s1.device, DType::F32, 1, &inputs, |k, a, out| {
+            gpu::cross_entropy(k, [a[0], a[1]], out, rows, n / rows.max(1))
+        })?;
+        Ok((loss, Shape::from(())))
     }
     fn bwd(
         &self,
@@ -256,6 +325,22 @@ impl CustomOp2 for CrossEntropyGrad {
         }
         Ok((from_f32(s1.dtype(), logits), l1.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2)];
+        let grad = cuda::with_output(&s1.device, DType::F32, n, &inputs, |k, a, out| {
+            let v = n / rows.max(1);
+            gpu::cross_entropy_grad(k, DType::F32, [a[0], a[1]], out, rows, v, self.scale)
+        })?;
+        Ok((grad, l1.shape().clone()))
+    }
 }
 
 impl CustomOp2 for CrossEntropyProbs {
@@ -291,6 +376,22 @@ impl CustomOp2 for CrossEntropyProbs {
         out[n - 1] = (total / targets.len().max(1) as f64) as f32;
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2)];
+        let out = cuda::with_output(&s1.device, DType::F32, n + 1, &inputs, |k, a, out| {
+            gpu::cross_entropy_probs(k, [a[0], a[1]], out, rows, n / rows.max(1))
+        })?;
+        Ok((out, Shape::from(n + 1)))
+    }
 }
 
 impl CustomOp2 for ProbsGrad {
@@ -311,6 +412,23 @@ impl CustomOp2 for ProbsGrad {
             row[t as usize] -= self.scale;
         }
         Ok((from_f32(s1.dtype(), g), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n, rows) = (s1.dtype(), l1.shape().elem_count(), l2.shape().elem_count());
+        let inputs = [(s1, l1), (s2, l2)];
+        let out = cuda::with_output(&s1.device, dtype, n, &inputs, |k, a, out| {
+            let v = n / rows.max(1);
+            gpu::cross_entropy_backward(k, dtype, [a[0], a[1]], out, rows, v, self.scale)
+        })?;
+        Ok((out, l1.shape().clone()))
     }
 }
 

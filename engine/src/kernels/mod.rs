@@ -15,6 +15,7 @@ pub mod cpu_flash_attention;
 mod cpu_matmul;
 mod cpu_storage;
 pub mod fused_norm_loss;
+mod gpu;
 pub mod grad;
 pub mod nn;
 pub mod ops;

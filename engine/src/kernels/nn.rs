@@ -10,6 +10,7 @@ use candle_nn::{Init, VarBuilder};
 
 pub use super::autograd::{rms_norm, rope, softmax_last_dim};
 use super::fused_norm_loss;
+use super::gpu::fused_on;
 use super::grad::linear;
 use super::primitive::layer_norm_primitive;
 
@@ -59,9 +60,9 @@ impl Module for RmsNorm {
     }
 }
 
-/// LayerNorm over the last dimension: the fused kernel on CPU, primitives elsewhere.
+/// LayerNorm over the last dimension: the fused kernel on CPU and CUDA, primitives elsewhere.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    match x.device().is_cpu() {
+    match fused_on(x.device()) {
         true => fused_norm_loss::layer_norm(x, weight, bias, eps),
         false => layer_norm_primitive(x, weight, bias, eps),
     }
@@ -107,7 +108,7 @@ impl Module for Linear {
 /// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32), in f32.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logits = logits.to_dtype(DType::F32)?;
-    match logits.device().is_cpu() {
+    match fused_on(logits.device()) {
         true => fused_norm_loss::cross_entropy(&logits, targets),
         false => candle_nn::loss::cross_entropy(&logits, targets),
     }

@@ -4,15 +4,20 @@
 //! one pass. On other devices the primitive composition runs instead (same function).
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 
 use super::cpu_storage::{f32_slice, from_f32, map_rows};
+use super::gpu::fused_on;
+#[cfg(feature = "cuda")]
+use super::gpu::{self, cuda};
 use super::primitive::{by_autograd, softmax_last_dim};
 use super::vmath::{self, exp_shifted, tanh};
 
 /// tanh-approximated GELU, as torch's `gelu(approximate="tanh")`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    match x.device().is_cpu() {
+    match fused_on(x.device()) {
         true => x.apply_op1(Gelu),
         false => x.gelu(),
     }
@@ -21,7 +26,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// Softmax over the last dimension of square [.., T, T] scores times `scale`, where row i only
 /// sees columns 0..=i (later columns get probability 0, as with a -inf mask).
 pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
-    if x.device().is_cpu() {
+    if fused_on(x.device()) {
         return x.contiguous()?.apply_op1(CausalSoftmax {
             scale: scale as f32,
         });
@@ -54,7 +59,7 @@ pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 /// The sum of the rows of `dy` [n, k], shaped and typed like `like` (k elements): a bias
 /// gradient.
 pub fn column_sum(dy: &Tensor, like: &Tensor) -> Result<Tensor> {
-    match dy.device().is_cpu() {
+    match fused_on(dy.device()) {
         true => dy.contiguous()?.apply_op2_no_bwd(like, &ColumnSum),
         false => dy.sum(0)?.reshape(like.shape())?.to_dtype(like.dtype()),
     }
@@ -62,7 +67,7 @@ pub fn column_sum(dy: &Tensor, like: &Tensor) -> Result<Tensor> {
 
 /// GELU's backward: `dy * gelu'(x)`.
 pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    match x.device().is_cpu() {
+    match fused_on(x.device()) {
         true => x
             .contiguous()?
             .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad),
@@ -72,7 +77,7 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 
 /// The causal softmax's backward from its output `y`: `scale * y * (dy - sum(dy * y))` per row.
 pub fn causal_softmax_backward(y: &Tensor, dy: &Tensor, scale: f64) -> Result<Tensor> {
-    if y.device().is_cpu() {
+    if fused_on(y.device()) {
         let grad = CausalSoftmaxGrad {
             scale: scale as f32,
         };
@@ -139,6 +144,21 @@ impl CustomOp2 for ColumnSum {
         }
         Ok((from_f32(s2.dtype(), sum), l2.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, k) = (s2.dtype(), l2.shape().elem_count());
+        let rows = l1.shape().elem_count() / k.max(1);
+        let sum = cuda::with_output(&s1.device, dtype, k, &[(s1, l1)], |g, a, out| {
+            gpu::column_sum(g, dtype, a[0], out, rows, k)
+        })?;
+        Ok((sum, l2.shape().clone()))
+    }
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -175,6 +195,14 @@ impl CustomOp1 for Gelu {
         let y = vmath::map1(&x, gelu_at);
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n) = (s.dtype(), l.shape().elem_count());
+        let y = cuda::with_output(&s.device, dtype, n, &[(s, l)], |k, a, y| {
+            gpu::gelu(k, dtype, a[0], y, n)
+        })?;
+        Ok((y, l.shape().clone()))
+    }
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(gelu_backward(x, dy)?))
     }
@@ -195,6 +223,20 @@ impl CustomOp2 for GeluGrad {
         let dx = vmath::map2(&x, &dy, gelu_grad_at);
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n) = (s1.dtype(), l1.shape().elem_count());
+        let dx = cuda::with_output(&s1.device, dtype, n, &[(s1, l1), (s2, l2)], |k, a, dx| {
+            gpu::gelu_backward(k, dtype, [a[0], a[1]], dx, n)
+        })?;
+        Ok((dx, l1.shape().clone()))
+    }
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -209,6 +251,14 @@ impl CustomOp1 for CausalSoftmax {
             r += 1;
         });
         Ok((from_f32(s.dtype(), y), l.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (dtype, t, n) = (s.dtype(), square_last_dims(l)?, l.shape().elem_count());
+        let y = cuda::with_output(&s.device, dtype, n, &[(s, l)], |k, a, y| {
+            gpu::causal_softmax(k, dtype, a[0], y, n / t.max(1), t, self.scale)
+        })?;
+        Ok((y, l.shape().clone()))
     }
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(causal_softmax_backward(y, dy, self.scale as f64)?))
@@ -235,6 +285,20 @@ impl CustomOp2 for CausalSoftmaxGrad {
             softmax_grad_row(yr, gr, self.scale);
         });
         Ok((from_f32(s1.dtype(), dx), l1.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, t, n) = (s1.dtype(), square_last_dims(l1)?, l1.shape().elem_count());
+        let dx = cuda::with_output(&s1.device, dtype, n, &[(s1, l1), (s2, l2)], |k, a, dx| {
+            gpu::softmax_backward(k, dtype, [a[0], a[1]], dx, n / t.max(1), t, self.scale)
+        })?;
+        Ok((dx, l1.shape().clone()))
     }
 }
 

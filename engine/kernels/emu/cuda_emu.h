@@ -1,0 +1,132 @@
+// The CUDA C subset of engine/kernels/*.cu on the host (Note [kernels on the host] in
+// engine/src/kernels/gpu/mod.rs): a kernel's source, unchanged, compiled by g++ and run by
+// this header's scheduler, so the CPU tests run the very code the GPU runs, with the launch
+// the engine computes.
+//
+// Each CUDA thread of a block is a fiber (ucontext) on the calling OS thread; the blocks of a
+// grid run one after another. A fiber runs until it reaches a barrier (__syncthreads, or the
+// warp barrier inside a shuffle) and hands over to the next; a barrier opens when every thread
+// of its block (or warp) has reached it. Warps run one after another as far as each can, in
+// order or reversed (the tests run both), so a missing __syncthreads shows as a wrong result,
+// and a barrier some threads never reach is reported.
+// __shared__ is a function-local static: one copy per OS thread (thread_local), shared by the
+// fibers of the block running there, so tests may run in parallel.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+namespace cuda_emu {
+
+struct Launch;
+// The launch running on this OS thread, and the current fiber's index within its block.
+extern thread_local Launch *current;
+extern thread_local unsigned lane_slot;
+
+void syncthreads();
+void syncwarp();
+// The current thread's 8-byte exchange slot in its warp, and lane `src`'s.
+uint64_t *my_slot();
+uint64_t slot_of(unsigned src);
+unsigned lane();
+
+// Runs `body` for every thread of `grid` x `block`, warps and lanes in order or `reversed`.
+// Returns false and prints why when the kernel deadlocks on a barrier.
+bool launch(dim3 grid, dim3 block, bool reversed, const std::function<void()> &body);
+
+}  // namespace cuda_emu
+
+extern thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+static const int warpSize = 32;
+
+inline void __syncthreads() { cuda_emu::syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emu::syncwarp(); }
+
+template <typename T>
+T emu_shfl(unsigned mask, T v, unsigned src) {
+    static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+    if (mask != 0xffffffffu) {
+        std::fprintf(stderr, "cuda_emu: shuffles need the full warp mask\n");
+        std::abort();
+    }
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    *cuda_emu::my_slot() = bits;
+    cuda_emu::syncwarp();
+    uint64_t got = cuda_emu::slot_of(src);
+    cuda_emu::syncwarp();  // every lane has read before a later shuffle writes
+    T r;
+    std::memcpy(&r, &got, sizeof(T));
+    return r;
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    unsigned l = cuda_emu::lane();
+    unsigned src = l ^ (unsigned)lane_mask;
+    if ((src & ~(unsigned)(width - 1)) != (l & ~(unsigned)(width - 1))) src = l;
+    return emu_shfl(mask, v, src);
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    unsigned l = cuda_emu::lane();
+    unsigned base = l & ~(unsigned)(width - 1);
+    unsigned src = (l - base) + delta < (unsigned)width ? l + delta : l;
+    return emu_shfl(mask, v, src);
+}
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    unsigned l = cuda_emu::lane();
+    unsigned base = l & ~(unsigned)(width - 1);
+    return emu_shfl(mask, v, base + ((unsigned)src_lane % (unsigned)width));
+}
+
+// The device math the kernels use, as the host's libm (the GPU's differ by a few ulp; the
+// tests' tolerances say so).
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+template <typename T>
+inline T __ldg(const T *p) { return *p; }
+
+// bf16 and fp16 storage types, converted with round-to-nearest-even as cuda_bf16.h and
+// cuda_fp16.h do.
+struct __nv_bfloat16 {
+    uint16_t x;
+};
+inline float __bfloat162float(__nv_bfloat16 h) {
+    uint32_t u = (uint32_t)h.x << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return {(uint16_t)(u >> 16)};
+}
+struct __half {
+    _Float16 x;
+};
+inline float __half2float(__half h) { return (float)h.x; }
+inline __half __float2half(float f) { return {(_Float16)f}; }

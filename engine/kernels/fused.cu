@@ -1,0 +1,291 @@
+// The fused kernels of a layer's forward and backward on a GPU (issue 35): LayerNorm, tanh-GELU,
+// the causal softmax and the softmax cross-entropy, each the CPU fast path's arithmetic
+// (src/kernels/fused_norm_loss.rs, ops.rs) in one pass over memory where the primitive chain
+// takes five to twenty. src/kernels/gpu/launch.rs computes every launch and documents each
+// kernel's arguments; gpu/cuda.rs launches them on candle's stream; the CPU tests run this
+// same source under kernels/emu (Note [kernels on the host]).
+//
+// Storage is f32, bf16 or f16 (the _f32/_bf16/_f16 entry points); arithmetic is f32, rounded
+// once on the store, as the CPU kernels do. Rows are one block each, with the block's threads
+// striding over the row; a block is whole warps, at most 1024 threads.
+#ifndef CUDA_EMU
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#endif
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ void store(float *p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16 *p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void store(__half *p, float v) { *p = __float2half(v); }
+
+struct Sum {
+    __device__ __forceinline__ static float op(float a, float b) { return a + b; }
+    __device__ __forceinline__ static float identity() { return 0.0f; }
+};
+struct Max {
+    __device__ __forceinline__ static float op(float a, float b) { return fmaxf(a, b); }
+    __device__ __forceinline__ static float identity() { return -INFINITY; }
+};
+
+template <typename R>
+__device__ __forceinline__ float warp_reduce(float v) {
+    for (int o = 16; o > 0; o /= 2) v = R::op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// `v` reduced over the block; every thread gets the result. The first barrier keeps a previous
+// call's readers of `part` ahead of this call's writers.
+template <typename R>
+__device__ float block_reduce(float v) {
+    __shared__ float part[32];
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    v = warp_reduce<R>(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < blockDim.x / 32 ? part[lane] : R::identity();
+    return warp_reduce<R>(v);
+}
+
+// The row's mean and 1/sqrt(var + eps), two passes as the CPU's `moments`.
+template <typename T>
+__device__ void row_moments(const T *x, uint32_t d, float eps, float &mean, float &rstd) {
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) s += to_f(x[c]);
+    mean = block_reduce<Sum>(s) / (float)d;
+    float q = 0.0f;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+        float e = to_f(x[c]) - mean;
+        q += e * e;
+    }
+    rstd = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
+}
+
+// y = (x - mean) * rstd * w + b over rows of d; grid: one block per row.
+template <typename T>
+__device__ void layer_norm_fwd(const T *x, const T *w, const T *b, T *y, uint32_t d, float eps) {
+    size_t at = (size_t)blockIdx.x * d;
+    float mean, rstd;
+    row_moments(x + at, d, eps, mean, rstd);
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x)
+        store(&y[at + c], (to_f(x[at + c]) - mean) * rstd * to_f(w[c]) + to_f(b[c]));
+}
+
+// LayerNorm's backward, first pass: dx per row, and each block's share of dw and db (the rows
+// blockIdx.x, + gridDim.x, ...) into partial[blockIdx.x] = [dw (d), db (d)] in f32, each column
+// owned by one thread. sum_partials adds the blocks' shares.
+// With xhat = (x - mean) * rstd and g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g xhat)).
+template <typename T>
+__device__ void layer_norm_bwd(const T *x, const T *w, const T *dy, T *dx, float *partial,
+                               uint32_t rows, uint32_t d, float eps) {
+    float *pw = partial + (size_t)blockIdx.x * 2 * d, *pb = pw + d;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) pw[c] = pb[c] = 0.0f;
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        size_t at = (size_t)r * d;
+        float mean, rstd;
+        row_moments(x + at, d, eps, mean, rstd);
+        float sg = 0.0f, sgx = 0.0f;
+        for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+            float xhat = (to_f(x[at + c]) - mean) * rstd, gy = to_f(dy[at + c]);
+            float g = gy * to_f(w[c]);
+            sg += g;
+            sgx += g * xhat;
+            pw[c] += gy * xhat;
+            pb[c] += gy;
+        }
+        float g_mean = block_reduce<Sum>(sg) / (float)d;
+        float gx_mean = block_reduce<Sum>(sgx) / (float)d;
+        for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+            float xhat = (to_f(x[at + c]) - mean) * rstd;
+            float g = to_f(dy[at + c]) * to_f(w[c]);
+            store(&dx[at + c], rstd * (g - g_mean - xhat * gx_mean));
+        }
+    }
+}
+
+// out[c] = the sum over `blocks` of partial[k][c], c < width: one thread a column. The second
+// pass of every column reduction here (LayerNorm's dweight and dbias, a bias gradient).
+template <typename T>
+__device__ void sum_partials(const float *partial, T *out, uint32_t blocks, uint32_t width) {
+    uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    float s = 0.0f;
+    for (uint32_t k = 0; k < blocks; k++) s += partial[(size_t)k * width + c];
+    store(&out[c], s);
+}
+
+// A bias gradient's first pass: each block's share of the column sums of dy [rows, k] (rows
+// blockIdx.x, + gridDim.x, ...) into partial[blockIdx.x] (k f32), each column one thread's.
+template <typename T>
+__device__ void column_sum_pass(const T *dy, float *partial, uint32_t rows, uint32_t k) {
+    float *p = partial + (size_t)blockIdx.x * k;
+    for (uint32_t c = threadIdx.x; c < k; c += blockDim.x) {
+        float s = 0.0f;
+        for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) s += to_f(dy[(size_t)r * k + c]);
+        p[c] = s;
+    }
+}
+
+#define SQRT_2_OVER_PI 0.7978846f
+#define GELU_C 0.044715f
+
+// tanh-GELU and its backward, elementwise over n (grid-stride).
+template <typename T>
+__device__ void gelu_fwd(const T *x, T *y, uint64_t n) {
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)blockDim.x * gridDim.x) {
+        float v = to_f(x[i]);
+        store(&y[i], 0.5f * v * (1.0f + tanhf(SQRT_2_OVER_PI * (v + GELU_C * v * v * v))));
+    }
+}
+
+template <typename T>
+__device__ void gelu_bwd(const T *x, const T *dy, T *dx, uint64_t n) {
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)blockDim.x * gridDim.x) {
+        float v = to_f(x[i]), g = to_f(dy[i]);
+        float t = tanhf(SQRT_2_OVER_PI * (v + GELU_C * v * v * v));
+        float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_C * v * v);
+        store(&dx[i], g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
+    }
+}
+
+// Softmax of the scaled scores [.., t, t]: row r sees columns 0..=r % t, later ones get 0.
+template <typename T>
+__device__ void causal_softmax_fwd(const T *x, T *y, uint32_t t, float scale) {
+    size_t at = (size_t)blockIdx.x * t;
+    uint32_t seen = blockIdx.x % t + 1;
+    float m = -INFINITY;
+    for (uint32_t c = threadIdx.x; c < seen; c += blockDim.x) m = fmaxf(m, to_f(x[at + c]) * scale);
+    m = block_reduce<Max>(m);
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < seen; c += blockDim.x) s += expf(to_f(x[at + c]) * scale - m);
+    float inv = 1.0f / block_reduce<Sum>(s);
+    for (uint32_t c = threadIdx.x; c < t; c += blockDim.x)
+        store(&y[at + c], c < seen ? expf(to_f(x[at + c]) * scale - m) * inv : 0.0f);
+}
+
+// The softmax's backward from its output: dx = scale * y * (dy - sum(dy * y)) per row of n.
+template <typename T>
+__device__ void softmax_bwd(const T *y, const T *dy, T *dx, uint32_t n, float scale) {
+    size_t at = (size_t)blockIdx.x * n;
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < n; c += blockDim.x) s += to_f(y[at + c]) * to_f(dy[at + c]);
+    float dot = block_reduce<Sum>(s);
+    for (uint32_t c = threadIdx.x; c < n; c += blockDim.x)
+        store(&dx[at + c], scale * to_f(y[at + c]) * (to_f(dy[at + c]) - dot));
+}
+
+// Cross-entropy of f32 logits [rows, v] against u32 targets, one block a row: its loss,
+// log(sum exp(x - max)) + max - x[target], into row_loss (NaN for a target outside the
+// vocabulary: the host learns of it from the loss, with no sync here), and the row's softmax
+// into probs unless probs is null.
+__device__ void cross_entropy_fwd(const float *logits, const uint32_t *targets, float *probs,
+                                  float *row_loss, uint32_t v) {
+    size_t at = (size_t)blockIdx.x * v;
+    float m = -INFINITY;
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, logits[at + c]);
+    m = block_reduce<Max>(m);
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) s += expf(logits[at + c] - m);
+    s = block_reduce<Sum>(s);
+    float inv = 1.0f / s;
+    if (probs)
+        for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
+            probs[at + c] = expf(logits[at + c] - m) * inv;
+    if (threadIdx.x == 0) {
+        uint32_t t = targets[blockIdx.x];
+        row_loss[blockIdx.x] = t < v ? logf(s) + m - logits[at + t] : NAN;
+    }
+}
+
+// The cross-entropy's gradient straight from f32 logits, one block a row, without the softmax
+// in memory (llm.c's fused classifier): (softmax(x) - onehot(target)) * scale, into T.
+template <typename T>
+__device__ void cross_entropy_grad(const float *logits, const uint32_t *targets, T *dlogits,
+                                   uint32_t v, float scale) {
+    size_t at = (size_t)blockIdx.x * v;
+    uint32_t t = targets[blockIdx.x];
+    float m = -INFINITY;
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, logits[at + c]);
+    m = block_reduce<Max>(m);
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) s += expf(logits[at + c] - m);
+    float k = scale / block_reduce<Sum>(s);
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
+        store(&dlogits[at + c], expf(logits[at + c] - m) * k - (c == t ? scale : 0.0f));
+}
+
+// The mean of n row losses into *mean: one block, the sum in f32 lanes then across them.
+__device__ void mean_of_rows(const float *row_loss, float *mean, uint32_t n) {
+    float s = 0.0f;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) s += row_loss[i];
+    s = block_reduce<Sum>(s);
+    if (threadIdx.x == 0) *mean = n > 0 ? s / (float)n : 0.0f;
+}
+
+// The cross-entropy's gradient from the softmax: (probs - onehot(target)) * scale, one block a
+// row of v, into T.
+template <typename T>
+__device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T *dlogits,
+                                  uint32_t v, float scale) {
+    size_t at = (size_t)blockIdx.x * v;
+    uint32_t t = targets[blockIdx.x];
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
+        store(&dlogits[at + c], probs[at + c] * scale - (c == t ? scale : 0.0f));
+}
+
+#define FUSED(T, S)                                                                            \
+    extern "C" __global__ void layer_norm_fwd_##S(const T *x, const T *w, const T *b, T *y,    \
+                                                  uint32_t d, float eps) {                     \
+        layer_norm_fwd(x, w, b, y, d, eps);                                                    \
+    }                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_##S(const T *x, const T *w, const T *dy, T *dx,  \
+                                                  float *partial, uint32_t rows, uint32_t d,   \
+                                                  float eps) {                                 \
+        layer_norm_bwd(x, w, dy, dx, partial, rows, d, eps);                                   \
+    }                                                                                          \
+    extern "C" __global__ void sum_partials_##S(const float *partial, T *out, uint32_t blocks,  \
+                                                uint32_t width) {                              \
+        sum_partials(partial, out, blocks, width);                                             \
+    }                                                                                          \
+    extern "C" __global__ void column_sum_pass_##S(const T *dy, float *partial, uint32_t rows, \
+                                                   uint32_t k) {                               \
+        column_sum_pass(dy, partial, rows, k);                                                 \
+    }                                                                                          \
+    extern "C" __global__ void cross_entropy_grad_##S(const float *logits,                     \
+                                                      const uint32_t *targets, T *dlogits,     \
+                                                      uint32_t v, float scale) {               \
+        cross_entropy_grad(logits, targets, dlogits, v, scale);                                \
+    }                                                                                          \
+    extern "C" __global__ void gelu_fwd_##S(const T *x, T *y, uint64_t n) { gelu_fwd(x, y, n); } \
+    extern "C" __global__ void gelu_bwd_##S(const T *x, const T *dy, T *dx, uint64_t n) {      \
+        gelu_bwd(x, dy, dx, n);                                                                \
+    }                                                                                          \
+    extern "C" __global__ void causal_softmax_fwd_##S(const T *x, T *y, uint32_t t,            \
+                                                      float scale) {                           \
+        causal_softmax_fwd(x, y, t, scale);                                                    \
+    }                                                                                          \
+    extern "C" __global__ void softmax_bwd_##S(const T *y, const T *dy, T *dx, uint32_t n,     \
+                                               float scale) {                                  \
+        softmax_bwd(y, dy, dx, n, scale);                                                      \
+    }                                                                                          \
+    extern "C" __global__ void cross_entropy_bwd_##S(const float *probs, const uint32_t *targets, \
+                                                     T *dlogits, uint32_t v, float scale) {    \
+        cross_entropy_bwd(probs, targets, dlogits, v, scale);                                  \
+    }
+
+FUSED(float, f32)
+FUSED(__nv_bfloat16, bf16)
+FUSED(__half, f16)
+
+extern "C" __global__ void cross_entropy_fwd_f32(const float *logits, const uint32_t *targets,
+                                                 float *probs, float *row_loss, uint32_t v) {
+    cross_entropy_fwd(logits, targets, probs, row_loss, v);
+}
+extern "C" __global__ void mean_of_rows_f32(const float *row_loss, float *mean, uint32_t n) {
+    mean_of_rows(row_loss, mean, n);
+}

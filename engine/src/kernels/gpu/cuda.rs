@@ -1,0 +1,130 @@
+//! The fused kernels on candle's CUDA stream: fused.cu's PTX (built by build.rs) loaded once per
+//! device as candle's custom module, the custom ops' `cuda_fwd` storage in and out.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::{DType, Layout, Result};
+use half::{bf16, f16};
+
+use super::launch::Launch;
+use super::{Arg, Launcher};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+/// The module's name in candle's cache of custom modules.
+const MODULE: &str = "ds_fused";
+
+/// Launches on `dev`'s stream, where candle runs everything else, so no event is needed
+/// between the kernels and the ops around them.
+pub(crate) struct Cuda<'a> {
+    dev: &'a CudaDevice,
+}
+
+impl Launcher for Cuda<'_> {
+    type Scratch = CudaSlice<f32>;
+    fn scratch(&self, len: usize) -> Result<(CudaSlice<f32>, u64)> {
+        // SAFETY: the kernels write scratch before they read it.
+        let s = unsafe { self.dev.alloc::<f32>(len.max(1)) }?;
+        let stream = self.dev.cuda_stream();
+        let at = s.device_ptr(&stream).0;
+        Ok((s, at))
+    }
+    fn launch(&self, kernel: &str, at: Launch, args: &[Arg]) -> Result<()> {
+        let f = self.dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
+        let mut b = f.builder();
+        for a in args {
+            match a {
+                Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
+                Arg::U32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (at.grid, 1, 1),
+            block_dim: (at.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `args` match `kernel`'s parameters in fused.cu (the emulator tests check the
+        // calls), and every address is a live allocation of the sizes the calls give.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// A new storage of `len` elements of `dtype` on `dev`, filled by `call` (given the launcher,
+/// the inputs' addresses and the output's), with `inputs` converted to `dtype` first where
+/// they differ (u32 inputs stay u32).
+pub(crate) fn with_output(
+    dev: &CudaDevice,
+    dtype: DType,
+    len: usize,
+    inputs: &[(&CudaStorage, &Layout)],
+    call: impl FnOnce(&Cuda, &[u64], u64) -> Result<()>,
+) -> Result<CudaStorage> {
+    let converted: Vec<Option<CudaStorage>> = inputs
+        .iter()
+        .map(|(s, l)| match s.dtype() {
+            DType::U32 => Ok(None),
+            d if d == dtype => Ok(None),
+            _ => s.to_dtype(l, dtype).map(Some),
+        })
+        .collect::<Result<_>>()?;
+    let out = alloc(dev, dtype, len)?;
+    let stream = dev.cuda_stream();
+    // The guards record the stream's use of each buffer when they drop, after the launches.
+    let mut guards = Vec::with_capacity(inputs.len() + 1);
+    let mut addresses = Vec::with_capacity(inputs.len());
+    for ((s, l), c) in inputs.iter().zip(&converted) {
+        let (at, g) = match c {
+            // a conversion is a new contiguous storage from element 0
+            Some(c) => address(c, 0, &stream)?,
+            None => address(s, start(l)?, &stream)?,
+        };
+        addresses.push(at);
+        guards.push(g);
+    }
+    let (y, g) = address(&out, 0, &stream)?;
+    guards.push(g);
+    call(&Cuda { dev }, &addresses, y)?;
+    drop(guards);
+    Ok(out)
+}
+
+/// The first element of a contiguous layout.
+fn start(l: &Layout) -> Result<usize> {
+    match l.contiguous_offsets() {
+        Some((a, _)) => Ok(a),
+        None => candle_core::bail!("fused kernel: input must be contiguous"),
+    }
+}
+
+/// The address of element `at` of `s`, and the guard that records the stream's use of it.
+fn address<'a>(
+    s: &'a CudaStorage,
+    at: usize,
+    stream: &'a std::sync::Arc<CudaStream>,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let (base, guard) = match &s.slice {
+        CudaStorageSlice::F32(v) => v.device_ptr(stream),
+        CudaStorageSlice::BF16(v) => v.device_ptr(stream),
+        CudaStorageSlice::F16(v) => v.device_ptr(stream),
+        CudaStorageSlice::U32(v) => v.device_ptr(stream),
+        _ => candle_core::bail!("fused kernel: unsupported dtype {:?}", s.dtype()),
+    };
+    Ok((base + (at * s.dtype().size_in_bytes()) as u64, guard))
+}
+
+fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
+    let len = len.max(1);
+    // SAFETY (each): the caller's kernels write every element the result exposes.
+    Ok(match dtype {
+        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len) }?, dev.clone()),
+        DType::BF16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<bf16>(len) }?, dev.clone())
+        }
+        DType::F16 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f16>(len) }?, dev.clone()),
+        other => candle_core::bail!("fused kernel: unsupported dtype {other:?}"),
+    })
+}

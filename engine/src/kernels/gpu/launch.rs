@@ -1,0 +1,147 @@
+//! The launch arithmetic of kernels/fused.cu: how many blocks of how many threads each kernel
+//! runs with, and the sizes that follow from them. Plain integers, so the CPU tests check them
+//! (and run them, under the emulator) without a GPU.
+
+use candle_core::Result;
+
+/// A one-dimensional launch: `grid` blocks of `block` threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: u32,
+    pub block: u32,
+}
+
+/// The most threads a block may have on every GPU since compute capability 2.0.
+const MAX_BLOCK: u32 = 1024;
+/// CUDA's limit on a grid's x dimension.
+const MAX_GRID: usize = (1 << 31) - 1;
+/// Threads per block of the elementwise kernels, and their grid's cap (they stride over the
+/// rest): 65,536 blocks of 256 keep every SM of an H100 busy many times over.
+const ELEMENTWISE_BLOCK: u32 = 256;
+const ELEMENTWISE_GRID: usize = 1 << 16;
+/// Blocks of a column reduction's first pass (LayerNorm's dweight and dbias, a bias
+/// gradient): each keeps its share in a scratch row, so the count trades parallelism against
+/// that scratch and the second pass's work; 512 is about four blocks per SM on an H100.
+const COLUMN_REDUCE_BLOCKS: usize = 512;
+
+/// Threads per block for a row of `width` elements: about four elements a thread, whole warps,
+/// a power of two from 32 to 1024 (the reductions halve it).
+pub fn row_block(width: usize) -> u32 {
+    let want = width.div_ceil(4).clamp(32, MAX_BLOCK as usize);
+    want.next_power_of_two() as u32
+}
+
+/// One block per row: `rows` rows of `width`.
+pub fn per_row(rows: usize, width: usize) -> Result<Launch> {
+    if rows > MAX_GRID {
+        candle_core::bail!("fused kernel: {rows} rows exceed a grid's {MAX_GRID} blocks");
+    }
+    if width > u32::MAX as usize {
+        candle_core::bail!("fused kernel: rows of {width} elements exceed u32");
+    }
+    Ok(Launch {
+        grid: rows as u32,
+        block: row_block(width),
+    })
+}
+
+/// A grid-stride loop over `n` elements.
+pub fn elementwise(n: usize) -> Launch {
+    Launch {
+        grid: n
+            .div_ceil(ELEMENTWISE_BLOCK as usize)
+            .clamp(1, ELEMENTWISE_GRID) as u32,
+        block: ELEMENTWISE_BLOCK,
+    }
+}
+
+/// A reduction over `rows` rows of `width` into `columns` f32 sums, in two passes: `pass`,
+/// whose blocks stride over the rows, each adding its share into its own scratch row; then
+/// `sum`, a thread a column, adding the `pass.grid` rows of `scratch` (pass.grid x columns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ColumnReduce {
+    pub pass: Launch,
+    pub scratch: usize,
+    pub sum: Launch,
+}
+
+pub fn column_reduce(rows: usize, width: usize, columns: usize) -> Result<ColumnReduce> {
+    let pass = per_row(rows.clamp(1, COLUMN_REDUCE_BLOCKS), width)?;
+    Ok(ColumnReduce {
+        pass,
+        scratch: pass.grid as usize * columns,
+        sum: Launch {
+            grid: columns.div_ceil(ELEMENTWISE_BLOCK as usize).max(1) as u32,
+            block: ELEMENTWISE_BLOCK,
+        },
+    })
+}
+
+/// The mean of `n` row losses: one block.
+pub fn mean_of_rows(n: usize) -> Launch {
+    Launch {
+        grid: 1,
+        block: row_block(n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_blocks_are_whole_warps_and_powers_of_two() {
+        for (width, threads) in [
+            (1, 32),
+            (128, 32),
+            (129, 64),
+            (768, 256),
+            (1024, 256),
+            (4096, 1024),
+            (50_257, 1024),
+        ] {
+            assert_eq!(row_block(width), threads, "width {width}");
+        }
+        for width in 1..5000 {
+            let b = row_block(width);
+            assert!(
+                b.is_power_of_two() && b.is_multiple_of(32) && b <= MAX_BLOCK,
+                "{width}: {b}"
+            );
+            assert!(
+                b as usize * 4 >= width.min(4096),
+                "{width}: {b} threads too few"
+            );
+        }
+    }
+
+    #[test]
+    fn elementwise_grids_cover_or_stride() {
+        assert_eq!(elementwise(0).grid, 1);
+        assert_eq!(elementwise(256).grid, 1);
+        assert_eq!(elementwise(257).grid, 2);
+        // GPT-2's MLP activation at micro-batch 16: 16 x 1024 x 3072 elements, strided.
+        assert_eq!(
+            elementwise(16 * 1024 * 3072).grid as usize,
+            ELEMENTWISE_GRID
+        );
+    }
+
+    #[test]
+    fn column_reductions_size_their_scratch_by_their_grid() {
+        // LayerNorm's backward at GPT-2's batch: dweight and dbias, 2 x 768 columns
+        let r = column_reduce(16 * 1024, 768, 1536).unwrap();
+        assert_eq!(r.pass.grid as usize, COLUMN_REDUCE_BLOCKS);
+        assert_eq!(r.scratch, COLUMN_REDUCE_BLOCKS * 1536);
+        assert_eq!(r.sum.grid as usize * r.sum.block as usize, 1536);
+        let few = column_reduce(3, 10, 20).unwrap();
+        assert_eq!((few.pass.grid, few.scratch), (3, 60));
+        assert!(few.sum.grid as usize * few.sum.block as usize >= 20);
+    }
+
+    #[test]
+    fn too_many_rows_is_an_error_not_a_truncated_grid() {
+        let e = per_row(MAX_GRID + 1, 8).unwrap_err().to_string();
+        assert!(e.contains("exceed a grid"), "{e}");
+    }
+}

@@ -1,0 +1,336 @@
+//! The fused kernels on a GPU (kernels/fused.cu): LayerNorm, tanh-GELU, the causal softmax and
+//! the softmax cross-entropy, forward and backward, and the bias gradient's column sum, each
+//! the CPU fast path's arithmetic in one pass. This module says which kernels an operation launches, in what order, with which
+//! arguments and scratch; `launch` computes the grids; `cuda` runs the calls on candle's CUDA
+//! stream (the custom ops' `cuda_fwd`); `emu` runs them on the host for the tests.
+//!
+//! Note [kernels on the host]
+//! ~~~~~~~~~~~~~~~~~~~~~~~~~~
+//! Constraint: CI and most sessions have no GPU, yet a kernel's indexing, its barriers and the
+//! launch the engine computes for it are where its bugs live, and a GPU run is 15 scarce
+//! minutes. Solution: kernels/emu/cuda_emu.h compiles fused.cu's source, unchanged, with g++:
+//! every CUDA thread of a block is a fiber, `__syncthreads` and the warp shuffles are barriers
+//! between them, `__shared__` is a per-OS-thread static. The CPU tests (emu.rs) launch the
+//! same calls this module makes for a GPU, through the same `Launcher` trait, and compare with
+//! the CPU kernels (the host reference). Pros: the kernels' logic, their reductions and the
+//! launch arithmetic are tested in CI; a missing barrier shows as a wrong result (threads run
+//! one at a time), a barrier some threads skip as a reported deadlock. Cons: nothing about
+//! speed, memory coalescing or the GPU's math library (a few ulp from the host's libm) is
+//! tested; scripts/gpu-acceptance.sh runs the same comparisons on a GPU (engine/tests/
+//! gpu_kernels.rs) for that.
+
+// The calls serve the cuda build (cuda.rs) and the tests (emu.rs): a CPU build uses neither.
+#![cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+
+pub mod launch;
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(test)]
+mod emu;
+
+use candle_core::{DType, Device, Result};
+
+use launch::Launch;
+
+/// Whether the fused kernels run on `device`: the CPU's always, a GPU's in the cuda build.
+pub(crate) fn fused_on(device: &Device) -> bool {
+    device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda())
+}
+
+/// A kernel argument, as cuLaunchKernel takes it: a device address or a scalar.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    Ptr(u64),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+/// Where the calls run: a GPU's stream, or the host emulator.
+pub(crate) trait Launcher {
+    /// What keeps a scratch allocation alive until the kernels that use it have run.
+    type Scratch;
+    /// `len` f32 of scratch, uninitialised, and its address.
+    fn scratch(&self, len: usize) -> Result<(Self::Scratch, u64)>;
+    /// Runs `kernel` (its name in fused.cu) on `at` with `args`.
+    fn launch(&self, kernel: &str, at: Launch, args: &[Arg]) -> Result<()>;
+}
+
+/// A kernel's entry point for storage `dtype`: `NAME_f32`, `NAME_bf16` or `NAME_f16`.
+fn name(base: &str, dtype: DType) -> Result<String> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("fused kernel {base}: unsupported dtype {other:?}"),
+    };
+    Ok(format!("{base}_{suffix}"))
+}
+
+/// Launches `base` for `dtype`, unless the grid is empty (CUDA refuses a grid of 0 blocks).
+fn run<L: Launcher>(l: &L, base: &str, dtype: DType, at: Launch, args: &[Arg]) -> Result<()> {
+    match at.grid {
+        0 => Ok(()),
+        _ => l.launch(&name(base, dtype)?, at, args),
+    }
+}
+
+/// The address `elements` of `dtype` past `base`.
+fn offset(base: u64, elements: usize, dtype: DType) -> u64 {
+    base + (elements * dtype.size_in_bytes()) as u64
+}
+
+/// Rows of `d` in `x` normalised into `y`: `(x - mean) * rstd * w + b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, w, b]: [u64; 3],
+    y: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let at = launch::per_row(rows, d)?;
+    let args = [x, w, b, y].map(Arg::Ptr);
+    run(
+        l,
+        "layer_norm_fwd",
+        dtype,
+        at,
+        &[&args[..], &[Arg::U32(d as u32), Arg::F32(eps)]].concat(),
+    )
+}
+
+/// LayerNorm's gradients packed as the CPU kernel packs them: dx (rows x d), dweight (d),
+/// dbias (d), all in `dtype`, at `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, w, dy]: [u64; 3],
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let r = launch::column_reduce(rows, d, 2 * d)?;
+    let (_scratch, partial) = l.scratch(r.scratch)?;
+    let (rows32, d32) = (Arg::U32(rows as u32), Arg::U32(d as u32));
+    let args = [x, w, dy, out, partial].map(Arg::Ptr);
+    run(
+        l,
+        "layer_norm_bwd",
+        dtype,
+        r.pass,
+        &[&args[..], &[rows32, d32, Arg::F32(eps)]].concat(),
+    )?;
+    let dwdb = offset(out, rows * d, dtype);
+    sum_partials(l, dtype, r, partial, dwdb, 2 * d)
+}
+
+/// The second pass of a column reduction: the `r.pass.grid` scratch rows at `partial` added
+/// into `width` elements of `dtype` at `out`.
+fn sum_partials<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    r: launch::ColumnReduce,
+    partial: u64,
+    out: u64,
+    width: usize,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(partial),
+        Arg::Ptr(out),
+        Arg::U32(r.pass.grid),
+        Arg::U32(width as u32),
+    ];
+    run(l, "sum_partials", dtype, r.sum, &args)
+}
+
+/// The column sums of `dy` [rows, k] (a bias gradient) into `out` (k elements of `dtype`).
+pub(crate) fn column_sum<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    dy: u64,
+    out: u64,
+    rows: usize,
+    k: usize,
+) -> Result<()> {
+    let r = launch::column_reduce(rows, k, k)?;
+    let (_scratch, partial) = l.scratch(r.scratch)?;
+    let args = [
+        Arg::Ptr(dy),
+        Arg::Ptr(partial),
+        Arg::U32(rows as u32),
+        Arg::U32(k as u32),
+    ];
+    run(l, "column_sum_pass", dtype, r.pass, &args)?;
+    sum_partials(l, dtype, r, partial, out, k)
+}
+
+/// tanh-GELU of `n` elements at `x` into `y`.
+pub(crate) fn gelu<L: Launcher>(l: &L, dtype: DType, x: u64, y: u64, n: usize) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)];
+    run(l, "gelu_fwd", dtype, launch::elementwise(n), &args)
+}
+
+/// `dy * gelu'(x)` of `n` elements into `dx`.
+pub(crate) fn gelu_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, dy]: [u64; 2],
+    dx: u64,
+    n: usize,
+) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(dx), Arg::U64(n as u64)];
+    run(l, "gelu_bwd", dtype, launch::elementwise(n), &args)
+}
+
+/// The causal softmax of `rows` rows of square [.., t, t] scores times `scale`.
+pub(crate) fn causal_softmax<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    x: u64,
+    y: u64,
+    rows: usize,
+    t: usize,
+    scale: f32,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::U32(t as u32),
+        Arg::F32(scale),
+    ];
+    run(
+        l,
+        "causal_softmax_fwd",
+        dtype,
+        launch::per_row(rows, t)?,
+        &args,
+    )
+}
+
+/// A softmax's backward from its output: `scale * y * (dy - sum(dy * y))` per row of `n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn softmax_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [y, dy]: [u64; 2],
+    dx: u64,
+    rows: usize,
+    n: usize,
+    scale: f32,
+) -> Result<()> {
+    let args = [y, dy, dx].map(Arg::Ptr);
+    let scalars = [Arg::U32(n as u32), Arg::F32(scale)];
+    run(
+        l,
+        "softmax_bwd",
+        dtype,
+        launch::per_row(rows, n)?,
+        &[&args[..], &scalars].concat(),
+    )
+}
+
+/// The cross-entropy of f32 `logits` [rows, v] against u32 `targets`, packed as the CPU kernel
+/// packs it (f32): the rows' softmax (rows x v), then the mean loss (1), at `out`.
+pub(crate) fn cross_entropy_probs<L: Launcher>(
+    l: &L,
+    [logits, targets]: [u64; 2],
+    out: u64,
+    rows: usize,
+    v: usize,
+) -> Result<()> {
+    let mean = offset(out, rows * v, DType::F32);
+    cross_entropy_rows(l, [logits, targets], Some(out), mean, rows, v)
+}
+
+/// The mean cross-entropy of f32 `logits` [rows, v] against u32 `targets` into `out` (one f32).
+pub(crate) fn cross_entropy<L: Launcher>(
+    l: &L,
+    [logits, targets]: [u64; 2],
+    out: u64,
+    rows: usize,
+    v: usize,
+) -> Result<()> {
+    cross_entropy_rows(l, [logits, targets], None, out, rows, v)
+}
+
+/// The rows' losses (and their softmax into `probs`, when given), then their mean at `mean`.
+fn cross_entropy_rows<L: Launcher>(
+    l: &L,
+    [logits, targets]: [u64; 2],
+    probs: Option<u64>,
+    mean: u64,
+    rows: usize,
+    v: usize,
+) -> Result<()> {
+    let (_scratch, row_loss) = l.scratch(rows.max(1))?;
+    // a null `probs` tells the kernel to keep the softmax to itself
+    let args = [logits, targets, probs.unwrap_or(0), row_loss].map(Arg::Ptr);
+    let at = launch::per_row(rows, v)?;
+    run(
+        l,
+        "cross_entropy_fwd",
+        DType::F32,
+        at,
+        &[&args[..], &[Arg::U32(v as u32)]].concat(),
+    )?;
+    let args = [Arg::Ptr(row_loss), Arg::Ptr(mean), Arg::U32(rows as u32)];
+    run(
+        l,
+        "mean_of_rows",
+        DType::F32,
+        launch::mean_of_rows(rows),
+        &args,
+    )
+}
+
+/// The cross-entropy's gradient `(softmax(logits) - onehot(targets)) * scale` straight from
+/// f32 `logits` [rows, v], into `dlogits` in `dtype`, the softmax never in memory.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy_grad<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [logits, targets]: [u64; 2],
+    dlogits: u64,
+    rows: usize,
+    v: usize,
+    scale: f32,
+) -> Result<()> {
+    let args = [logits, targets, dlogits].map(Arg::Ptr);
+    let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
+    run(
+        l,
+        "cross_entropy_grad",
+        dtype,
+        launch::per_row(rows, v)?,
+        &[&args[..], &scalars].concat(),
+    )
+}
+
+/// The cross-entropy's gradient `(probs - onehot(targets)) * scale` from the f32 softmax
+/// `probs` [rows, v], into `dlogits` in `dtype`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [probs, targets]: [u64; 2],
+    dlogits: u64,
+    rows: usize,
+    v: usize,
+    scale: f32,
+) -> Result<()> {
+    let args = [probs, targets, dlogits].map(Arg::Ptr);
+    let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
+    run(
+        l,
+        "cross_entropy_bwd",
+        dtype,
+        launch::per_row(rows, v)?,
+        &[&args[..], &scalars].concat(),
+    )
+}
