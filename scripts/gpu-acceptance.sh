@@ -301,6 +301,7 @@ ds_rs_runs() {
     esac
     ds_speed small
     ds_speed gpt2
+    kernel_profile gpt2
     ds_offload_memory gpt2
 }
 
@@ -332,6 +333,61 @@ print(f"driver peak {u0:.0f} -> {u1:.0f} MiB ({u0 - u1:.0f} less); ds-rs's GPU b
 PY
 ) || { row "ds-rs $1 offload" FAIL "$figure"; return; }
     row "ds-rs $1 offload" ok "$figure"
+}
+
+# Where the step's time goes: preset $1's bf16 bench (the ds_speed config) and PyTorch eager's
+# train_torch.py, each under the CUPTI kernel profiler of the bundle (scripts/gpu-kernel-profile.c:
+# GPU time per kernel name); a row each with the GPU time by kernel family, the full tables in
+# kernel-profile-*.tsv.
+kernel_profile() { # preset
+    local lib=$bundle/libds_kernel_profile.so out
+    if [ ! -f "$lib" ] || [ ! -f "$bundle/libcupti.so.13.gz" ]; then
+        row "profile $1" skip "no libds_kernel_profile.so / libcupti.so.13.gz in $bundle (scripts/gpu-bundle.sh)"
+        return
+    fi
+    mkdir -p "$work/cupti"
+    gunzip -c "$bundle/libcupti.so.13.gz" >"$work/cupti/libcupti.so.13"
+    out=$logs/kernel-profile-ds-rs-$1.tsv
+    LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib DS_KERNEL_PROFILE=$out \
+        timeout 200 "$bin" bench train --preset "$1" --config "$work/bf16-speed.json" --nproc 1 \
+        --device cuda --warmup 2 --steps 5 >"$logs/profile-ds-rs-$1.log" 2>&1
+    families "profile ds-rs $1" "$out"
+    [ -f "$bench/train_torch.py" ] || return
+    out=$logs/kernel-profile-torch-$1.tsv
+    (cd "$work/bench" && LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib \
+        DS_KERNEL_PROFILE=$out timeout 150 "$python" train_torch.py --preset "$1" --device cuda \
+        --bf16 --micro-batch "$micro_batch" --warmup 2 --steps 5 --tag profile \
+        --out "$work/profile-torch.jsonl") >"$logs/profile-torch-$1.log" 2>&1
+    families "profile torch $1" "$out"
+}
+
+# A row from a kernel profile: GPU time by family (first pattern that matches a kernel's name).
+families() { # check tsv
+    if [ ! -s "$2" ]; then
+        row "$1" FAIL "no profile written (see ${2%.tsv}.log and the run's log)"
+        return
+    fi
+    row "$1" ok "$("$python" - "$2" <<'PY'
+import re, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l[0].isdigit()]
+families = [
+    ("matmul", r"gemm|xmma|cutlass|^sm\d+_|ampere|hopper|cublas|splitK|Kernel2"),
+    ("attention", r"flash|fmha|attention|sdpa|mha"),
+    ("ds-rs fused", r"^(layer_norm|gelu_|causal_softmax|softmax_bwd|cross_entropy|column_sum|sum_partials|mean_of_rows)"),
+    ("optimizer", r"^(adam_|accumulate_|scale_|sum_squares_|convert_)|adam|foreach|multi_tensor"),
+    ("copies", r"^\[memcpy|copy"),
+    ("memset/fill", r"^\[memset\]|fill"),
+    ("elementwise", r"affine|^b(add|sub|mul|div|maximum|minimum)|^u[a-z]|cast|where|elementwise|vectorized|unrolled"),
+    ("reductions", r"reduce|sum|max|min|softmax|norm"),
+]
+total = sum(float(r[0]) for r in rows) or 1.0
+by = {}
+for ms, calls, mean, name in rows:
+    fam = next((f for f, p in families if re.search(p, name, re.I)), "other")
+    by[fam] = by.get(fam, 0.0) + float(ms)
+print(f"{total:.0f} ms GPU: " + ", ".join(f"{f} {100 * t / total:.0f}%" for f, t in sorted(by.items(), key=lambda x: -x[1])))
+PY
+)"
 }
 
 # A copy of config $1 at $2 with the top-level keys of the JSON object $3 replaced.

@@ -57,6 +57,12 @@ if [ -x "$cuda_bin" ]; then
 else
     echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2
 fi
+# The kernel profiler (a CUPTI injection library, scripts/gpu-kernel-profile.c) and the CUPTI
+# library it needs, so the breakdown does not depend on what the GPU host has installed.
+eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
+gcc -shared -fPIC -O2 -Wall -I"$CUDA_HOME/include" -o "$out/libds_kernel_profile.so" \
+    scripts/gpu-kernel-profile.c -L"$CUDA_HOME/lib64" -lcupti
+gzip -9 -c "$CUDA_HOME/lib64/libcupti.so.13" >"$out/libcupti.so.13.gz"
 cp scripts/gpu-acceptance.sh "$out/"
 if [ -f "$bench/train_torch.py" ]; then
     cp "$bench"/train_torch.py "$bench"/gpt.py "$bench"/make_tokens.py "$out/bench/"

@@ -49,6 +49,7 @@ PINS=(
     nvidia-cuda-runtime==13.0.96
     nvidia-cuda-cccl==13.0.85
     nvidia-cuda-nvrtc==13.0.88
+    nvidia-cuda-cupti==13.0.85
     nvidia-cublas==13.0.2.14
     nvidia-curand==10.4.0.35
     nvidia-nccl-cu13==2.28.9
