@@ -151,7 +151,8 @@ gpu_kernels() {
     DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 180 "$bin" --test-threads 1 --show-output >"$log" 2>&1
     cat "$log"
     for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
-        causal_softmax_forward_and_backward cross_entropy_and_its_gradient; do
+        causal_softmax_forward_and_backward cross_entropy_and_its_gradient \
+        llama_rms_norm_swiglu_and_rotary; do
         test_row "fused ${t%%_and_*}" "$t" "$log" "GPU = CPU kernel within the bounds below"
     done
     # "kernel NAME DTYPE: ok, largest difference D (bound B)"

@@ -1,6 +1,7 @@
-// The fused kernels of a layer's forward and backward on a GPU (issue 35): LayerNorm, tanh-GELU,
-// the causal softmax and the softmax cross-entropy, each the CPU fast path's arithmetic
-// (src/kernels/fused_norm_loss.rs, ops.rs) in one pass over memory where the primitive chain
+// The fused kernels of a layer's forward and backward on a GPU (issue 35): LayerNorm, RMSNorm,
+// tanh-GELU, SwiGLU, rotary embeddings, the causal softmax, the softmax cross-entropy and bias
+// gradients, each the CPU fast path's arithmetic
+// (src/kernels/fused_norm_loss.rs, ops.rs, rms_swiglu.rs, rotary.rs) in one pass over memory where the primitive chain
 // takes five to twenty. src/kernels/gpu/launch.rs computes every launch and documents each
 // kernel's arguments; gpu/cuda.rs launches them on candle's stream; the CPU tests run this
 // same source under kernels/emu (Note [kernels on the host]).
@@ -126,6 +127,93 @@ __device__ void column_sum_pass(const T *dy, float *partial, uint32_t rows, uint
         float s = 0.0f;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) s += to_f(dy[(size_t)r * k + c]);
         p[c] = s;
+    }
+}
+
+// RMSNorm over rows of d: y = w * (x * root), root = 1 / sqrt(mean(x^2) + eps) into roots (f32,
+// one a row, for the backward); grid: one block per row.
+template <typename T>
+__device__ void rms_norm_fwd(const T *x, const T *w, T *y, float *roots, uint32_t d, float eps) {
+    size_t at = (size_t)blockIdx.x * d;
+    float q = 0.0f;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+        float v = to_f(x[at + c]);
+        q += v * v;
+    }
+    float root = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
+    if (threadIdx.x == 0) roots[blockIdx.x] = root;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x)
+        store(&y[at + c], to_f(w[c]) * (to_f(x[at + c]) * root));
+}
+
+// RMSNorm's backward, first pass (a column reduction as LayerNorm's): with n = x root,
+// dx = (dy w - n mean(dy w n)) root per row; each block's share of dw = sum dy n into
+// partial[blockIdx.x] (d f32).
+template <typename T>
+__device__ void rms_norm_bwd(const T *x, const float *roots, const T *w, const T *dy, T *dx,
+                             float *partial, uint32_t rows, uint32_t d) {
+    float *pw = partial + (size_t)blockIdx.x * d;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) pw[c] = 0.0f;
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        size_t at = (size_t)r * d;
+        float root = roots[r], dot = 0.0f;
+        for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+            float n = to_f(x[at + c]) * root, g = to_f(dy[at + c]);
+            pw[c] += g * n;
+            dot += g * to_f(w[c]) * n;
+        }
+        float mean = block_reduce<Sum>(dot) / (float)d;
+        for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+            float n = to_f(x[at + c]) * root;
+            store(&dx[at + c], (to_f(dy[at + c]) * to_f(w[c]) - n * mean) * root);
+        }
+    }
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// silu(gate) * up, elementwise (grid-stride).
+template <typename T>
+__device__ void swiglu_fwd(const T *gate, const T *up, T *y, uint64_t n) {
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)blockDim.x * gridDim.x) {
+        float g = to_f(gate[i]);
+        store(&y[i], g * sigmoid(g) * to_f(up[i]));
+    }
+}
+
+// SwiGLU's gradients into out = [dgate (n), dup (n)]: silu'(g) = s (1 + g (1 - s)).
+template <typename T>
+__device__ void swiglu_bwd(const T *gate, const T *up, const T *dy, T *out, uint64_t n) {
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)blockDim.x * gridDim.x) {
+        float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dy[i]), s = sigmoid(g);
+        store(&out[n + i], d * g * s);
+        store(&out[i], d * u * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
+// Rotary embeddings in the split-halves convention, x [.., t, hd] with tables [t, hd]:
+// x cos + rotate_half(x) sin, or with `transpose` its backward, dy cos + rotate_half^T(dy sin).
+template <typename T>
+__device__ void rotary(const T *x, const T *cos_t, const T *sin_t, T *y, uint64_t n, uint32_t t,
+                       uint32_t hd, uint32_t transpose) {
+    uint32_t half = hd / 2;
+    for (uint64_t e = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; e < n;
+         e += (uint64_t)blockDim.x * gridDim.x) {
+        uint32_t i = (uint32_t)(e % hd);
+        uint64_t row = e - i, tab = ((e / hd) % t) * hd;
+        float c = to_f(cos_t[tab + i]), v = to_f(x[e]), o;
+        if (i < half) {
+            float other = to_f(x[row + i + half]);
+            o = transpose ? v * c + other * to_f(sin_t[tab + i + half])
+                          : v * c - other * to_f(sin_t[tab + i]);
+        } else {
+            float other = to_f(x[row + i - half]);
+            o = transpose ? v * c - other * to_f(sin_t[tab + i - half])
+                          : v * c + other * to_f(sin_t[tab + i]);
+        }
+        store(&y[e], o);
     }
 }
 
@@ -260,6 +348,26 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
                                                       const uint32_t *targets, T *dlogits,     \
                                                       uint32_t v, float scale) {               \
         cross_entropy_grad(logits, targets, dlogits, v, scale);                                \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_fwd_##S(const T *x, const T *w, T *y, float *roots,     \
+                                                uint32_t d, float eps) {                       \
+        rms_norm_fwd(x, w, y, roots, d, eps);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_bwd_##S(const T *x, const float *roots, const T *w,    \
+                                                const T *dy, T *dx, float *partial,            \
+                                                uint32_t rows, uint32_t d) {                   \
+        rms_norm_bwd(x, roots, w, dy, dx, partial, rows, d);                                   \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_fwd_##S(const T *g, const T *u, T *y, uint64_t n) {      \
+        swiglu_fwd(g, u, y, n);                                                                \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_bwd_##S(const T *g, const T *u, const T *dy, T *out,     \
+                                              uint64_t n) {                                    \
+        swiglu_bwd(g, u, dy, out, n);                                                          \
+    }                                                                                          \
+    extern "C" __global__ void rotary_##S(const T *x, const T *c, const T *s, T *y, uint64_t n, \
+                                          uint32_t t, uint32_t hd, uint32_t transpose) {       \
+        rotary(x, c, s, y, n, t, hd, transpose);                                               \
     }                                                                                          \
     extern "C" __global__ void gelu_fwd_##S(const T *x, T *y, uint64_t n) { gelu_fwd(x, y, n); } \
     extern "C" __global__ void gelu_bwd_##S(const T *x, const T *dy, T *dx, uint64_t n) {      \

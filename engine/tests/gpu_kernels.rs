@@ -17,6 +17,7 @@ use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::kernels::ops::{
     causal_softmax, causal_softmax_backward, column_sum, gelu, gelu_backward,
 };
+use ds_engine::kernels::{rms_swiglu, rotary};
 
 fn gpu() -> Option<Device> {
     let why = match Device::new_cuda(0) {
@@ -66,11 +67,24 @@ fn compare(
     inputs: &[&Tensor],
     op: impl Fn(&[Tensor]) -> Result<Vec<Tensor>>,
 ) {
-    let on = |d: &Device| -> Vec<Tensor> {
-        let moved: Vec<Tensor> = inputs.iter().map(|t| t.to_device(d).unwrap()).collect();
-        op(&moved).unwrap()
-    };
-    let (cpu, gpu) = (on(&Device::Cpu), on(dev));
+    // The CPU side in f32 from the same values, each output rounded once to the GPU's dtype:
+    // what a kernel computing in f32 and rounding on the store gives (the CPU's Llama paths
+    // are f32 only).
+    let upcast: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| match t.dtype() {
+            DType::U32 => (*t).clone(),
+            _ => t.to_dtype(DType::F32).unwrap(),
+        })
+        .collect();
+    let moved: Vec<Tensor> = inputs.iter().map(|t| t.to_device(dev).unwrap()).collect();
+    let gpu = op(&moved).unwrap();
+    let cpu: Vec<Tensor> = op(&upcast)
+        .unwrap()
+        .iter()
+        .zip(&gpu)
+        .map(|(c, g)| c.to_dtype(g.dtype()).unwrap())
+        .collect();
     assert!(
         gpu.iter().all(|t| t.device().is_cuda()),
         "{what}: an output left the GPU"
@@ -206,4 +220,50 @@ fn cross_entropy_and_its_gradient() {
             )?])
         },
     );
+}
+
+#[test]
+fn llama_rms_norm_swiglu_and_rotary() {
+    let Some(dev) = gpu() else { return };
+    // a 1B Llama's widths: hidden 2048, MLP 5632, 32 heads of 64
+    let (rows, d, f) = (2048, 2048, 5632);
+    let fused = |o: Result<Option<(Tensor, Tensor)>>| o.map(|v| v.expect("a fused path"));
+    for dtype in DTYPES {
+        let x = values(&[rows, d], 11, 2.0, dtype);
+        let w = values(&[d], 12, 1.0, dtype);
+        let dy = values(&[rows, d], 13, 1.0, dtype);
+        compare("rms_norm", &dev, dtype, &[&x, &w], |t| {
+            let (y, r) = fused(rms_swiglu::rms_norm(&t[0], &t[1], 1e-6))?;
+            Ok(vec![y, r])
+        });
+        compare("rms_norm_backward", &dev, dtype, &[&x, &w, &dy], |t| {
+            let (_, r) = fused(rms_swiglu::rms_norm(&t[0], &t[1], 1e-6))?;
+            let (dx, dw) = fused(rms_swiglu::rms_norm_backward(&t[0], &r, &t[1], &t[2]))?;
+            Ok(vec![dx, dw])
+        });
+        let (g, u) = (
+            values(&[rows, f], 14, 5.0, dtype),
+            values(&[rows, f], 15, 2.0, dtype),
+        );
+        let dg = values(&[rows, f], 16, 1.0, dtype);
+        compare("swiglu", &dev, dtype, &[&g, &u], |t| {
+            Ok(vec![
+                rms_swiglu::swiglu(&t[0], &t[1])?.expect("a fused path")
+            ])
+        });
+        compare("swiglu_backward", &dev, dtype, &[&g, &u, &dg], |t| {
+            let (a, b) = fused(rms_swiglu::swiglu_backward(&t[0], &t[1], &t[2]))?;
+            Ok(vec![a, b])
+        });
+        let q = values(&[2, 32, 256, 64], 17, 2.0, dtype);
+        let (cos, sin) = (
+            values(&[256, 64], 18, 1.0, dtype),
+            values(&[256, 64], 19, 1.0, dtype),
+        );
+        compare("rotary", &dev, dtype, &[&q, &cos, &sin], |t| {
+            let y = rotary::apply(&t[0], &t[1], &t[2])?.expect("a fused path");
+            let back = rotary::apply_backward(&t[0], &t[1], &t[2])?.expect("a fused path");
+            Ok(vec![y, back])
+        });
+    }
 }

@@ -1,8 +1,9 @@
-//! Fused CPU paths for RMSNorm and the SwiGLU product, forward and backward, for untracked
-//! contiguous f32 tensors: each is one pass over rows or elements where candle's primitive
-//! compositions take 6-10 (each op a pass and an allocation). `None` means the path does not
-//! apply (another device or dtype, or a tensor autograd tracks) and the caller runs the
-//! primitive composition, the function these are tested against.
+//! Fused paths for RMSNorm and the SwiGLU product, forward and backward, for untracked tensors:
+//! contiguous f32 on the CPU, and in the cuda build any float dtype on a GPU (kernels/gpu, the
+//! same arithmetic in f32, rounded once on the store). Each is one pass over rows or elements
+//! where candle's primitive compositions take 6-10 (each op a pass and an allocation). `None`
+//! means the path does not apply (another device or dtype, or a tensor autograd tracks) and
+//! the caller runs the primitive composition, the function these are tested against.
 
 use candle_core::{DType, Result, Storage, Tensor};
 use rayon::prelude::*;
@@ -29,6 +30,10 @@ fn elements(t: &Tensor) -> Result<Vec<f32>> {
 /// `w * (x / sqrt(mean(x^2) + eps))` over the last dimension, and the reciprocal roots
 /// [.., 1].
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if let Some(fused) = on_gpu::rms_norm(x, w, eps)? {
+        return Ok(Some(fused));
+    }
     if !usable(&[x, w]) {
         return Ok(None);
     }
@@ -69,6 +74,10 @@ pub fn rms_norm_backward(
     w: &Tensor,
     dy: &Tensor,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if let Some(fused) = on_gpu::rms_norm_backward(x, r, w, dy)? {
+        return Ok(Some(fused));
+    }
     if !usable(&[x, r, w, dy]) {
         return Ok(None);
     }
@@ -112,6 +121,10 @@ fn sigmoid(g: f32) -> f32 {
 
 /// `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let Some(fused) = on_gpu::swiglu(gate, up)? {
+        return Ok(Some(fused));
+    }
     if !usable(&[gate, up]) {
         return Ok(None);
     }
@@ -132,6 +145,10 @@ pub fn swiglu_backward(
     up: &Tensor,
     dy: &Tensor,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if let Some(fused) = on_gpu::swiglu_backward(gate, up, dy)? {
+        return Ok(Some(fused));
+    }
     if !usable(&[gate, up, dy]) {
         return Ok(None);
     }
@@ -152,4 +169,97 @@ pub fn swiglu_backward(
         Tensor::from_vec(dg, gate.shape(), gate.device())?,
         Tensor::from_vec(du, gate.shape(), gate.device())?,
     )))
+}
+
+/// The same four on a GPU: the inputs in the activation's dtype (the weight converted to it),
+/// RMSNorm's roots in f32, and dweight returned in the weight's dtype.
+#[cfg(feature = "cuda")]
+mod on_gpu {
+    use candle_core::{DType, Result, Shape, Tensor};
+
+    use super::super::gpu::{self, cuda::on_tensors};
+
+    fn on_cuda(t: &Tensor) -> bool {
+        t.device().is_cuda() && !t.track_op()
+    }
+
+    pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<(Tensor, Tensor)>> {
+        if !on_cuda(x) {
+            return Ok(None);
+        }
+        let (dtype, d) = (x.dtype(), w.elem_count());
+        let rows = x.elem_count() / d.max(1);
+        let mut roots = x.dims().to_vec();
+        *roots.last_mut().expect("a norm input has dimensions") = 1;
+        let outputs = [(dtype, x.shape().clone()), (DType::F32, Shape::from(roots))];
+        let out = on_tensors(&[x, &w.to_dtype(dtype)?], &outputs, |k, a, o| {
+            gpu::rms_norm(k, dtype, [a[0], a[1]], [o[0], o[1]], rows, d, eps as f32)
+        })?;
+        Ok(out.map(|mut v| {
+            let r = v.pop().expect("two outputs");
+            (v.pop().expect("two outputs"), r)
+        }))
+    }
+
+    pub(super) fn rms_norm_backward(
+        x: &Tensor,
+        r: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        if !on_cuda(x) {
+            return Ok(None);
+        }
+        let (dtype, d) = (x.dtype(), w.elem_count());
+        let rows = x.elem_count() / d.max(1);
+        let (r, wt, dy) = (
+            r.to_dtype(DType::F32)?,
+            w.to_dtype(dtype)?,
+            dy.to_dtype(dtype)?,
+        );
+        let outputs = [(dtype, x.shape().clone()), (dtype, w.shape().clone())];
+        let out = on_tensors(&[x, &r, &wt, &dy], &outputs, |k, a, o| {
+            gpu::rms_norm_backward(k, dtype, [a[0], a[1], a[2], a[3]], [o[0], o[1]], rows, d)
+        })?;
+        out.map(|mut v| {
+            let dw = v.pop().expect("two outputs").to_dtype(w.dtype())?;
+            Ok((v.pop().expect("two outputs"), dw))
+        })
+        .transpose()
+    }
+
+    pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+        if !on_cuda(gate) {
+            return Ok(None);
+        }
+        let (dtype, n) = (gate.dtype(), gate.elem_count());
+        let outputs = [(dtype, gate.shape().clone())];
+        let out = on_tensors(&[gate, &up.to_dtype(dtype)?], &outputs, |k, a, o| {
+            gpu::swiglu(k, dtype, [a[0], a[1]], o[0], n)
+        })?;
+        Ok(out.map(|mut v| v.remove(0)))
+    }
+
+    pub(super) fn swiglu_backward(
+        gate: &Tensor,
+        up: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        if !on_cuda(gate) {
+            return Ok(None);
+        }
+        let (dtype, n) = (gate.dtype(), gate.elem_count());
+        let (up, dy) = (up.to_dtype(dtype)?, dy.to_dtype(dtype)?);
+        let out = on_tensors(
+            &[gate, &up, &dy],
+            &[(dtype, Shape::from(2 * n))],
+            |k, a, o| gpu::swiglu_backward(k, dtype, [a[0], a[1], a[2]], o[0], n),
+        )?;
+        out.map(|v| {
+            let both = &v[0];
+            let dg = both.narrow(0, 0, n)?.reshape(gate.shape())?;
+            Ok((dg, both.narrow(0, n, n)?.reshape(gate.shape())?))
+        })
+        .transpose()
+    }
 }

@@ -1,7 +1,8 @@
 //! The Llama block's elementwise pieces with their backward: RMSNorm (normalised in f32, as
 //! transformers' `LlamaRMSNorm`), the SwiGLU product, grouped-query heads and the
 //! sliding-window softmax. Composed of candle's ops, so they run on every device; RMSNorm
-//! and SwiGLU take ds-engine's fused CPU path where it applies (untracked f32 on the CPU).
+//! and SwiGLU take ds-engine's fused path where it applies (untracked f32 on the CPU, any
+//! float dtype on a GPU in the cuda build).
 
 use candle_core::{DType, Result, Tensor, D};
 use ds_engine::kernels::primitive::softmax_last_dim;

@@ -1,12 +1,14 @@
 //! The fused kernels on candle's CUDA stream: fused.cu's PTX (built by build.rs) loaded once per
-//! device as candle's custom module, the custom ops' `cuda_fwd` storage in and out.
+//! device as candle's custom module; storage in and out for the custom ops' `cuda_fwd`, and
+//! tensors in and out for the Llama family's fused paths (rms_swiglu.rs, rotary.rs).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
-use candle_core::{DType, Layout, Result};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::launch::Launch;
@@ -55,7 +57,7 @@ impl Launcher for Cuda<'_> {
 
 /// A new storage of `len` elements of `dtype` on `dev`, filled by `call` (given the launcher,
 /// the inputs' addresses and the output's), with `inputs` converted to `dtype` first where
-/// they differ (u32 inputs stay u32).
+/// they differ (u32 inputs stay u32): a custom op's `cuda_fwd`.
 pub(crate) fn with_output(
     dev: &CudaDevice,
     dtype: DType,
@@ -71,25 +73,85 @@ pub(crate) fn with_output(
             _ => s.to_dtype(l, dtype).map(Some),
         })
         .collect::<Result<_>>()?;
-    let out = alloc(dev, dtype, len)?;
+    let inputs: Vec<(&CudaStorage, usize)> = inputs
+        .iter()
+        .zip(&converted)
+        .map(|((s, l), c)| match c {
+            // a conversion is a new contiguous storage from element 0
+            Some(c) => Ok((c, 0)),
+            None => Ok((*s, start(l)?)),
+        })
+        .collect::<Result<_>>()?;
+    let mut out = with_outputs(dev, &inputs, &[(dtype, len)], |k, a, o| call(k, a, o[0]))?;
+    Ok(out.remove(0))
+}
+
+/// New storages of `outputs` (dtype, length) on `dev`, filled by `call` from `inputs` (each
+/// a storage and the element its data starts at).
+fn with_outputs(
+    dev: &CudaDevice,
+    inputs: &[(&CudaStorage, usize)],
+    outputs: &[(DType, usize)],
+    call: impl FnOnce(&Cuda, &[u64], &[u64]) -> Result<()>,
+) -> Result<Vec<CudaStorage>> {
+    let outs: Vec<CudaStorage> = outputs
+        .iter()
+        .map(|&(dtype, len)| alloc(dev, dtype, len))
+        .collect::<Result<_>>()?;
     let stream = dev.cuda_stream();
     // The guards record the stream's use of each buffer when they drop, after the launches.
-    let mut guards = Vec::with_capacity(inputs.len() + 1);
-    let mut addresses = Vec::with_capacity(inputs.len());
-    for ((s, l), c) in inputs.iter().zip(&converted) {
-        let (at, g) = match c {
-            // a conversion is a new contiguous storage from element 0
-            Some(c) => address(c, 0, &stream)?,
-            None => address(s, start(l)?, &stream)?,
-        };
-        addresses.push(at);
+    let mut guards = Vec::with_capacity(inputs.len() + outs.len());
+    let mut at = |s, first| -> Result<u64> {
+        let (a, g) = address(s, first, &stream)?;
         guards.push(g);
-    }
-    let (y, g) = address(&out, 0, &stream)?;
-    guards.push(g);
-    call(&Cuda { dev }, &addresses, y)?;
+        Ok(a)
+    };
+    let ins: Vec<u64> = inputs
+        .iter()
+        .map(|&(s, first)| at(s, first))
+        .collect::<Result<_>>()?;
+    let os: Vec<u64> = outs.iter().map(|s| at(s, 0)).collect::<Result<_>>()?;
+    call(&Cuda { dev }, &ins, &os)?;
     drop(guards);
-    Ok(out)
+    Ok(outs)
+}
+
+/// Runs `call` on untracked tensors on a GPU (made contiguous), into new tensors of `outputs`
+/// (dtype, shape); None where the first input is not on a GPU or autograd tracks one, so the
+/// caller's other path applies. The kernels take the inputs' dtypes as they are.
+pub(crate) fn on_tensors(
+    inputs: &[&Tensor],
+    outputs: &[(DType, Shape)],
+    call: impl FnOnce(&Cuda, &[u64], &[u64]) -> Result<()>,
+) -> Result<Option<Vec<Tensor>>> {
+    let Some(Device::Cuda(dev)) = inputs.first().map(|t| t.device()) else {
+        return Ok(None);
+    };
+    if inputs.iter().any(|t| t.track_op()) {
+        return Ok(None);
+    }
+    let contiguous: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<_>>()?;
+    let guards: Vec<_> = contiguous.iter().map(|t| t.storage_and_layout()).collect();
+    let storages: Vec<(&CudaStorage, usize)> = guards
+        .iter()
+        .map(|(s, l)| match &**s {
+            Storage::Cuda(c) => Ok((c, start(l)?)),
+            _ => candle_core::bail!("fused kernel: inputs on different devices"),
+        })
+        .collect::<Result<_>>()?;
+    let lens: Vec<(DType, usize)> = outputs.iter().map(|(d, s)| (*d, s.elem_count())).collect();
+    let outs = with_outputs(dev, &storages, &lens, call)?;
+    let tensors = outs
+        .into_iter()
+        .zip(outputs)
+        .map(|(s, (_, shape))| {
+            Tensor::from_storage(Storage::Cuda(s), shape.clone(), BackpropOp::none(), false)
+        })
+        .collect();
+    Ok(Some(tensors))
 }
 
 /// The first element of a contiguous layout.

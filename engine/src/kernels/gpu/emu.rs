@@ -119,31 +119,59 @@ impl HostBuf {
 }
 
 /// Runs `call` on the emulator with `inputs` (their host addresses) and an output of `len`
-/// elements of `dtype`, in both orders of warps; returns the output as f32, the same (bit for
-/// bit) in both: a block's result may not depend on how its warps interleave.
+/// elements of `dtype`; returns the output as f32 (see `emulate_outputs`).
 fn emulate(
     inputs: &[&Tensor],
     dtype: DType,
     len: usize,
     call: impl Fn(&Emu, &[u64], u64) -> Result<()>,
 ) -> Vec<f32> {
+    let mut outs = emulate_outputs(inputs, &[(dtype, len)], |l, a, o| call(l, a, o[0]));
+    outs.remove(0)
+}
+
+/// Runs `call` on the emulator with `inputs` and `outputs` (dtype, length), in both orders of
+/// warps; returns the outputs as f32, the same (bit for bit) in both: a block's result may not
+/// depend on how its warps interleave.
+fn emulate_outputs(
+    inputs: &[&Tensor],
+    outputs: &[(DType, usize)],
+    call: impl Fn(&Emu, &[u64], &[u64]) -> Result<()>,
+) -> Vec<Vec<f32>> {
     let bufs: Vec<HostBuf> = inputs.iter().map(|t| HostBuf::of(t)).collect();
     let addresses: Vec<u64> = bufs.iter().map(HostBuf::at).collect();
     let [forward, reversed] = [false, true].map(|reversed| {
-        let out = HostBuf::zeroed(dtype, len);
-        call(&Emu { reversed }, &addresses, out.at()).unwrap();
-        out.words
+        let outs: Vec<HostBuf> = outputs
+            .iter()
+            .map(|&(d, n)| HostBuf::zeroed(d, n))
+            .collect();
+        let at: Vec<u64> = outs.iter().map(HostBuf::at).collect();
+        call(&Emu { reversed }, &addresses, &at).unwrap();
+        outs
     });
-    assert!(
-        forward == reversed,
-        "the result depends on the order the warps run in"
-    );
-    HostBuf {
-        words: forward,
-        dtype,
-        len,
-    }
-    .to_f32()
+    let same = forward
+        .iter()
+        .zip(&reversed)
+        .all(|(a, b)| a.words == b.words);
+    assert!(same, "the result depends on the order the warps run in");
+    forward.iter().map(HostBuf::to_f32).collect()
+}
+
+/// `f` of `inputs` upcast to f32 (the CPU kernels' arithmetic), each result rounded to
+/// `dtype` once: what a kernel that computes in f32 and rounds on the store must give.
+fn reference(
+    inputs: &[&Tensor],
+    dtype: DType,
+    f: impl Fn(&[Tensor]) -> Vec<Tensor>,
+) -> Vec<Vec<f32>> {
+    let up: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    f(&up)
+        .iter()
+        .map(|t| flat(&t.to_dtype(dtype).unwrap()))
+        .collect()
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -377,4 +405,115 @@ fn no_rows_launch_nothing_and_the_mean_is_zero() {
         super::cross_entropy_probs(l, [a[0], a[1]], out, 0, 10)
     });
     assert_eq!(got, vec![0.0]);
+}
+
+#[test]
+fn rms_norm_forward_and_backward_match_the_cpu_kernels() {
+    use super::super::rms_swiglu::{rms_norm, rms_norm_backward};
+    for (rows, d) in [(5, 7), (600, 64)] {
+        for dtype in DTYPES {
+            let x = values(&[rows, d], 16, 2.0, dtype);
+            let w = values(&[d], 17, 1.0, dtype);
+            let dy = values(&[rows, d], 18, 1.0, dtype);
+            let norm = |t: &[Tensor]| rms_norm(&t[0], &t[1], 1e-6).unwrap().unwrap();
+            let want = [
+                reference(&[&x, &w], dtype, |t| vec![norm(t).0]).remove(0),
+                // the roots stay f32 whatever the storage
+                reference(&[&x, &w], DType::F32, |t| vec![norm(t).1]).remove(0),
+            ];
+            let got = emulate_outputs(
+                &[&x, &w],
+                &[(dtype, rows * d), (DType::F32, rows)],
+                |l, a, o| super::rms_norm(l, dtype, [a[0], a[1]], [o[0], o[1]], rows, d, 1e-6),
+            );
+            assert_close(&format!("rms_norm {rows}x{d}"), &got[0], &want[0], dtype);
+            assert_close("rms_norm roots", &got[1], &want[1], DType::F32);
+            // the backward from the CPU's roots of the f32 inputs, as the forward kept them
+            let roots = Tensor::from_vec(want[1].clone(), (rows, 1), &Device::Cpu).unwrap();
+            let want = reference(&[&x, &w, &dy], dtype, |t| {
+                let (dx, dw) = rms_norm_backward(&t[0], &roots, &t[1], &t[2])
+                    .unwrap()
+                    .unwrap();
+                vec![dx, dw]
+            });
+            let outputs = [(dtype, rows * d), (dtype, d)];
+            let got = emulate_outputs(&[&x, &roots, &w, &dy], &outputs, |l, a, o| {
+                super::rms_norm_backward(l, dtype, [a[0], a[1], a[2], a[3]], [o[0], o[1]], rows, d)
+            });
+            assert_close(
+                &format!("rms_norm_backward dx {rows}x{d}"),
+                &got[0],
+                &want[0],
+                dtype,
+            );
+            assert_close(
+                &format!("rms_norm_backward dw {rows}x{d}"),
+                &got[1],
+                &want[1],
+                dtype,
+            );
+        }
+    }
+}
+
+#[test]
+fn swiglu_forward_and_backward_match_the_cpu_kernels() {
+    use super::super::rms_swiglu::{swiglu, swiglu_backward};
+    let n = 2 * 256 + 9;
+    for dtype in DTYPES {
+        let (g, u) = (values(&[n], 19, 5.0, dtype), values(&[n], 20, 2.0, dtype));
+        let dy = values(&[n], 21, 1.0, dtype);
+        let want = reference(&[&g, &u], dtype, |t| {
+            vec![swiglu(&t[0], &t[1]).unwrap().unwrap()]
+        });
+        let got = emulate(&[&g, &u], dtype, n, |l, a, y| {
+            super::swiglu(l, dtype, [a[0], a[1]], y, n)
+        });
+        assert_close("swiglu", &got, &want[0], dtype);
+        let want = reference(&[&g, &u, &dy], dtype, |t| {
+            let (dg, du) = swiglu_backward(&t[0], &t[1], &t[2]).unwrap().unwrap();
+            vec![dg, du]
+        });
+        let got = emulate(&[&g, &u, &dy], dtype, 2 * n, |l, a, out| {
+            super::swiglu_backward(l, dtype, [a[0], a[1], a[2]], out, n)
+        });
+        assert_close(
+            "swiglu_backward",
+            &got,
+            &[want[0].clone(), want[1].clone()].concat(),
+            dtype,
+        );
+    }
+}
+
+#[test]
+fn rotary_forward_and_backward_match_the_cpu_kernels() {
+    use super::super::rotary::{apply, apply_backward};
+    let (b, h, t, hd) = (2, 3, 5, 8);
+    let n = b * h * t * hd;
+    for dtype in DTYPES {
+        let x = values(&[b, h, t, hd], 22, 2.0, dtype);
+        let (cos, sin) = (
+            values(&[t, hd], 23, 1.0, dtype),
+            values(&[t, hd], 24, 1.0, dtype),
+        );
+        for transpose in [false, true] {
+            let want = reference(&[&x, &cos, &sin], dtype, |a| {
+                let y = match transpose {
+                    false => apply(&a[0], &a[1], &a[2]),
+                    true => apply_backward(&a[0], &a[1], &a[2]),
+                };
+                vec![y.unwrap().unwrap()]
+            });
+            let got = emulate(&[&x, &cos, &sin], dtype, n, |l, a, y| {
+                super::rotary(l, dtype, [a[0], a[1], a[2]], y, n, (t, hd), transpose)
+            });
+            assert_close(
+                &format!("rotary transpose={transpose}"),
+                &got,
+                &want[0],
+                dtype,
+            );
+        }
+    }
 }

@@ -334,3 +334,118 @@ pub(crate) fn cross_entropy_backward<L: Launcher>(
         &[&args[..], &scalars].concat(),
     )
 }
+
+/// RMSNorm of rows of `d`: `w * (x * root)` into `y` (`dtype`) and each row's
+/// `root = 1 / sqrt(mean(x^2) + eps)` into `roots` (f32), for the backward.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_norm<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, w]: [u64; 2],
+    [y, roots]: [u64; 2],
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let args = [x, w, y, roots].map(Arg::Ptr);
+    let at = launch::per_row(rows, d)?;
+    run(
+        l,
+        "rms_norm_fwd",
+        dtype,
+        at,
+        &[&args[..], &[Arg::U32(d as u32), Arg::F32(eps)]].concat(),
+    )
+}
+
+/// RMSNorm's gradients from the input, its roots (f32) and `dy`: dx (rows x d) into `dx`,
+/// dweight (d) into `dw`, both `dtype`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_norm_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, roots, w, dy]: [u64; 4],
+    [dx, dw]: [u64; 2],
+    rows: usize,
+    d: usize,
+) -> Result<()> {
+    let r = launch::column_reduce(rows, d, d)?;
+    let (_scratch, partial) = l.scratch(r.scratch)?;
+    let args = [x, roots, w, dy, dx, partial].map(Arg::Ptr);
+    let scalars = [Arg::U32(rows as u32), Arg::U32(d as u32)];
+    run(
+        l,
+        "rms_norm_bwd",
+        dtype,
+        r.pass,
+        &[&args[..], &scalars].concat(),
+    )?;
+    sum_partials(l, dtype, r, partial, dw, d)
+}
+
+/// `silu(gate) * up` of `n` elements into `y`.
+pub(crate) fn swiglu<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [gate, up]: [u64; 2],
+    y: u64,
+    n: usize,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(gate),
+        Arg::Ptr(up),
+        Arg::Ptr(y),
+        Arg::U64(n as u64),
+    ];
+    run(l, "swiglu_fwd", dtype, launch::elementwise(n), &args)
+}
+
+/// SwiGLU's gradients of `n` elements: dgate then dup, one after the other at `out`.
+pub(crate) fn swiglu_backward<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [gate, up, dy]: [u64; 3],
+    out: u64,
+    n: usize,
+) -> Result<()> {
+    let args = [gate, up, dy, out].map(Arg::Ptr);
+    let at = launch::elementwise(n);
+    run(
+        l,
+        "swiglu_bwd",
+        dtype,
+        at,
+        &[&args[..], &[Arg::U64(n as u64)]].concat(),
+    )
+}
+
+/// Rotary embeddings of `n` elements of x [.., t, hd] with tables [t, hd] into `y`; with
+/// `transpose`, the backward.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rotary<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [x, cos, sin]: [u64; 3],
+    y: u64,
+    n: usize,
+    (t, hd): (usize, usize),
+    transpose: bool,
+) -> Result<()> {
+    if hd % 2 != 0 || t == 0 {
+        candle_core::bail!("rotary: tables of [{t}, {hd}] (the head size must be even)");
+    }
+    let args = [x, cos, sin, y].map(Arg::Ptr);
+    let scalars = [
+        Arg::U64(n as u64),
+        Arg::U32(t as u32),
+        Arg::U32(hd as u32),
+        Arg::U32(transpose as u32),
+    ];
+    run(
+        l,
+        "rotary",
+        dtype,
+        launch::elementwise(n),
+        &[&args[..], &scalars].concat(),
+    )
+}
