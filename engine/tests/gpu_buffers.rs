@@ -11,8 +11,9 @@
 
 use candle_core::{Device, Tensor};
 use ds_comm::Element;
-use ds_engine::device::{gpu_placement, stage_grads, tensor_from_buffer};
+use ds_engine::device::{gpu_placement, tensor_from_buffer, with_staged_grads};
 use ds_engine::optim::{Adam, AdamParams, Group, Optimizer, TypedGrads};
+use ds_partition::gpu::{gpu_of, Span};
 use ds_partition::{vector, FlatBuf, Placement};
 use half::{bf16, f16};
 
@@ -207,9 +208,14 @@ fn tensors_and_gpu_buffers_copy_on_the_device() {
 
     let a = Tensor::from_slice(&v[..100], (10, 10), &dev).unwrap();
     let b = Tensor::from_slice(&v[100..107], 7, &dev).unwrap();
-    let staged = stage_grads::<bf16>(&[a, b])
-        .unwrap()
-        .expect("staged on the GPU");
-    assert!(!staged.on_host());
-    assert_eq!(&staged[..], &v[..107]);
+    let (on_gpu, copied) =
+        with_staged_grads::<bf16, _>(&[a, b], |s| Ok((gpu_of(Span::of(s)).is_some(), s.to_vec())))
+            .unwrap()
+            .expect("staged on the GPU");
+    assert!(on_gpu, "the staged gradients are in GPU memory");
+    assert_eq!(copied, &v[..107]);
+    // the kept buffer serves a smaller layer next: its front only, the new values
+    let c = Tensor::from_slice(&v[200..250], 50, &dev).unwrap();
+    let again = with_staged_grads::<bf16, _>(&[c], |s| Ok(s.to_vec())).unwrap();
+    assert_eq!(again.expect("staged"), &v[200..250]);
 }

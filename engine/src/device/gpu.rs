@@ -2,6 +2,7 @@
 //! device's buffers belong to, and the copies between those buffers and candle's tensors,
 //! made on the GPU (device to device) rather than through the host.
 
+use std::any::{Any, TypeId};
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::{result, sys, DevicePtr, DevicePtrMut, DeviceRepr};
@@ -69,12 +70,59 @@ fn copy_out<U: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(dst, d.clone()))
 }
 
-/// The gradients `tensors` (contiguous, on GPU `d`, in the compute dtype) copied one after
-/// the other into a GPU buffer, which the gradient stores then add on the GPU.
-pub fn stage<T: Dtype>(tensors: &[Tensor], d: &CudaDevice) -> Result<FlatBuf<T>> {
+/// Staging buffers kept between layers and micro-steps, one per GPU (its stream) and dtype:
+/// a managed allocation per layer and micro-step would cost an allocation, a zero fill and a
+/// free, which synchronises the device, every time. Each holds the largest layer's gradients
+/// seen so far.
+static STAGING: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
+
+/// A kept staging buffer: its GPU stream, its element type, the `FlatBuf` itself.
+type Kept = (usize, TypeId, Box<dyn Any + Send>);
+
+/// A staging buffer of at least `len` elements for GPU `gpu` (cache key `key`): the kept one
+/// when it is large enough, else a new one (the smaller one freed).
+fn take_staging<T: Dtype>(gpu: Arc<Gpu>, key: usize, len: usize) -> Result<FlatBuf<T>> {
+    let mut cache = STAGING.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = cache
+        .iter()
+        .position(|(k, t, _)| *k == key && *t == TypeId::of::<T>())
+        .map(|i| cache.swap_remove(i).2.downcast::<FlatBuf<T>>());
+    drop(cache);
+    match kept {
+        Some(Ok(buf)) if buf.len() >= len => Ok(*buf),
+        _ => Ok(FlatBuf::<T>::zeroed(&Placement::Gpu(gpu), len)?),
+    }
+}
+
+fn keep_staging<T: Dtype>(key: usize, buf: FlatBuf<T>) {
+    let mut cache = STAGING.lock().unwrap_or_else(|e| e.into_inner());
+    cache.push((key, TypeId::of::<T>(), Box::new(buf)));
+}
+
+/// Calls `f` with the gradients `tensors` (contiguous, on GPU `d`, in the compute dtype)
+/// copied one after the other into a GPU staging buffer, which the gradient stores then add
+/// on the GPU. The buffer is kept for the next call.
+pub fn with_staged<T: Dtype, R>(
+    tensors: &[Tensor],
+    d: &CudaDevice,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
     let total = tensors.iter().map(|t| t.elem_count()).sum();
-    let gpu = gpu_for(d);
-    let staged = FlatBuf::<T>::zeroed(&Placement::Gpu(gpu), total)?;
+    let key = d.cuda_stream().cu_stream() as usize;
+    let staged = take_staging::<T>(gpu_for(d), key, total)?;
+    let out = copy_into(tensors, d, &staged, f);
+    keep_staging(key, staged);
+    out
+}
+
+/// `tensors` copied into the front of `staged`, then `f` of that front.
+fn copy_into<T: Dtype, R>(
+    tensors: &[Tensor],
+    d: &CudaDevice,
+    staged: &FlatBuf<T>,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    let total: usize = tensors.iter().map(|t| t.elem_count()).sum();
     let stream = d.cuda_stream();
     let mut at = 0;
     for t in tensors {
@@ -101,7 +149,7 @@ pub fn stage<T: Dtype>(tensors: &[Tensor], d: &CudaDevice) -> Result<FlatBuf<T>>
         at += n;
     }
     stream.synchronize().map_err(cuda)?;
-    Ok(staged)
+    f(&staged[..total])
 }
 
 /// The GPU address of element `offset` of a candle storage holding `U`s.

@@ -97,16 +97,18 @@ pub fn tensor_from_buffer<T: crate::engine::Dtype>(
     Ok(None)
 }
 
-/// Gradient tensors on a GPU copied into one GPU buffer (for the gradient stores to add on
-/// the GPU); None when they are not on a GPU.
-pub fn stage_grads<T: crate::engine::Dtype>(
+/// `f` of the gradient tensors copied one after the other into a GPU staging buffer (for the
+/// gradient stores to add on the GPU), when they are on a GPU; None (and `f` not called)
+/// otherwise.
+pub fn with_staged_grads<T: crate::engine::Dtype, R>(
     tensors: &[candle_core::Tensor],
-) -> Result<Option<ds_partition::FlatBuf<T>>> {
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<Option<R>> {
     #[cfg(feature = "cuda")]
     if let Some(Device::Cuda(d)) = tensors.first().map(|t| t.device()) {
-        return gpu::stage(tensors, d).map(Some);
+        return gpu::with_staged(tensors, d, f).map(Some);
     }
-    let _ = tensors;
+    let _ = (tensors, f);
     Ok(None)
 }
 

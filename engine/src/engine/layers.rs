@@ -324,20 +324,24 @@ impl<T: Dtype> LayerGrads<T> {
         }
         drop(parts);
         drop(guards);
-        let staged = match to_gpu {
-            true => crate::device::stage_grads::<T>(&self.tensors)?,
-            false => None,
-        };
-        if let Some(staged) = staged {
-            let mut parts = Vec::with_capacity(self.tensors.len());
-            let mut rest: &[T] = &staged;
-            for t in &self.tensors {
-                let (part, after) = rest.split_at(t.elem_count());
-                parts.push(part);
-                rest = after;
+        // `f` moves into the staging closure only if it is called
+        let mut f = Some(f);
+        if to_gpu {
+            let staged = crate::device::with_staged_grads::<T, R>(&self.tensors, |all| {
+                let mut parts = Vec::with_capacity(self.tensors.len());
+                let mut rest = all;
+                for t in &self.tensors {
+                    let (part, after) = rest.split_at(t.elem_count());
+                    parts.push(part);
+                    rest = after;
+                }
+                (f.take().expect("called once"))(&parts)
+            })?;
+            if let Some(r) = staged {
+                return Ok(r);
             }
-            return f(&parts);
         }
+        let f = f.expect("not taken: nothing was staged");
         let owned = self
             .tensors
             .iter()
