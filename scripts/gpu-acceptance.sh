@@ -14,6 +14,9 @@
 #   $PYTHON       the Python with PyTorch (default python3); $TORCH_VENV (default
 #                 /opt/torch/.venv) supplies the CUDA 13 and NCCL libraries.
 #   $DS_PEAK_TFLOPS  dense bf16 peak for MFU when the GPU's name is not in the table below.
+#   $DS_ACCEPTANCE_SKIP  parts to leave out, by function name (e.g. "llama_rows kernel_profile").
+# Each row is printed (and appended to $OUT/rows-so-far.txt) as it is made, so a run cut short
+# still says what it measured.
 #
 # Writes the table to $OUT/gpu-acceptance.txt and the logs beside it when $OUT is set.
 # Exit status: 0 when nothing failed (skips are not failures), 1 otherwise.
@@ -43,7 +46,17 @@ failed=0
 row() { # check result figure
     rows+=("$1|$2|$3")
     [ "$2" = FAIL ] && failed=1
-    printf '== %s: %s %s\n' "$1" "$2" "$3"
+    printf '== %s: %s %s\n' "$1" "$2" "$3" | tee -a "$logs/rows-so-far.txt"
+}
+
+# Runs a part of the checks ("$@": a function and its arguments) unless its function is named
+# in $DS_ACCEPTANCE_SKIP (space-separated), so a short GPU lease can leave parts out.
+part() {
+    if [[ " ${DS_ACCEPTANCE_SKIP:-} " == *" $1 "* ]]; then
+        row "$*" skip "in DS_ACCEPTANCE_SKIP"
+    else
+        "$@"
+    fi
 }
 
 # The CUDA 13 user-space libraries of the PyTorch venv (as shared/gpu/device-env.sh does), and
@@ -270,21 +283,21 @@ ds_rs_runs() {
     # fp32 on both: the same arithmetic but cuBLAS's summation order, so the losses of 10 steps
     # agree to about 1e-5 relative; bf16 on the GPU rounds every product's inputs to 8 bits.
     local ex=$repo/configs/examples z3=$work/zero3-2ranks.json
-    ds_equality "ds-rs tiny fp32 gpu=cpu" "$ex/zero2.json" 1e-4
-    ds_equality "ds-rs tiny bf16 gpu~cpu" "$ex/bf16.json" 3e-2
+    part ds_equality "ds-rs tiny fp32 gpu=cpu" "$ex/zero2.json" 1e-4
+    part ds_equality "ds-rs tiny bf16 gpu~cpu" "$ex/bf16.json" 3e-2
     # fp16 against fp16 on the CPU: the loss scaler skips the same overflowing steps on both.
-    ds_equality "ds-rs tiny fp16 gpu~cpu" "$ex/fp16.json" 3e-2 1 "$ex/fp16.json"
+    part ds_equality "ds-rs tiny fp16 gpu~cpu" "$ex/fp16.json" 3e-2 1 "$ex/fp16.json"
     # Two ranks sharing GPU 0 at ZeRO-3 (the built-in transport between their host buffers),
     # the same global batch of 8, against one CPU rank.
     derive "$ex/zero2.json" "$z3" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}'
-    ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
+    part ds_equality "ds-rs tiny zero3 x2 gpu=cpu" "$z3" 1e-4 2
     # NCCL between two GPUs at ZeRO-1 (device-resident buffers, NCCL all-reduce and
     # all-gather), the global batch of 8: NCCL refuses two ranks on one GPU, so it needs two.
     local z1=$work/zero1-2ranks.json gpus
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
     derive "$ex/zero2.json" "$z1" '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}'
     if [ "${gpus:-0}" -ge 2 ]; then
-        ds_equality "ds-rs tiny nccl x2 gpu=cpu" "$z1" 1e-4 2 "" nccl
+        part ds_equality "ds-rs tiny nccl x2 gpu=cpu" "$z1" 1e-4 2 "" nccl
     else
         row "ds-rs tiny nccl x2 gpu=cpu" skip "needs two GPUs ($gpus here): NCCL refuses two ranks on one"
     fi
@@ -292,7 +305,7 @@ ds_rs_runs() {
     # parameters and gradients on the GPU; against one CPU rank.
     local off=$work/offload.json
     derive "$ex/zero2.json" "$off" '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}'
-    ds_equality "ds-rs tiny offload gpu=cpu" "$off" 1e-4
+    part ds_equality "ds-rs tiny offload gpu=cpu" "$off" 1e-4
     # train's last line on a GPU: the device, its MFU and its memory in use (summary.json "gpu").
     local g
     g=$(grep -h 'gpu (rank 0): ' "$logs/ds-rs-equality.log" | tail -n 1)
@@ -300,10 +313,11 @@ ds_rs_runs() {
         *"gpu (rank 0): "*) row "ds-rs train gpu line" ok "${g#*gpu (rank 0): }" ;;
         *) row "ds-rs train gpu line" FAIL "train printed no gpu line" ;;
     esac
-    ds_speed small
-    ds_speed gpt2
-    kernel_profile gpt2
-    ds_offload_memory gpt2
+    part ds_speed small
+    part ds_speed gpt2
+    part kernel_profile gpt2
+    part ds_offload_memory gpt2
+    part llama_rows
 }
 
 # Device memory of preset $1 in bf16 at ZeRO-1 on one GPU, without and with offload_optimizer
@@ -391,6 +405,54 @@ PY
 )"
 }
 
+# Llama 3.2 1B (the llama3-1b preset, 1.24B parameters) on one GPU, bf16, micro-batch 4 of 1024
+# positions: ds-rs at ZeRO-1, and at ZeRO-3 with the optimizer offloaded to the CPU (train's
+# summary.json: median tokens/s, the driver's peak device memory), then PyTorch eager training
+# transformers' LlamaForCausalLM of the same config (scripts/bench/llama_torch.py in the bundle:
+# tokens/s, max_memory_allocated; the plain-PyTorch Llama where the host has no transformers).
+llama_rows() {
+    local d=$work/llama side zero cfg figure
+    for side in zero1 zero3-offload; do
+        case $side in
+            zero1) zero='{"stage": 1}' ;;
+            *) zero='{"stage": 3, "offload_optimizer": {"device": "cpu"}}' ;;
+        esac
+        cfg=$work/llama-$side.json
+        derive "$repo/configs/examples/bf16.json" "$cfg" "{\"train_micro_batch_size_per_gpu\": 4,
+            \"gradient_accumulation_steps\": 1, \"zero_optimization\": $zero}"
+        if ! timeout 300 "$bin" train --model llama3-1b --seq-len 1024 --steps 6 --eval-batches 1 \
+            --device cuda --config "$cfg" --metrics-dir "$d/$side" >"$logs/ds-rs-llama-$side.log" 2>&1; then
+            row "ds-rs llama3-1b $side" FAIL "$(tail -n 1 "$logs/ds-rs-llama-$side.log")"
+            continue
+        fi
+        figure=$("$python" - "$d/$side/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+g = s.get("gpu") or {}
+num = lambda k: g.get(k) or 0.0
+print(f"{s['median_tokens_per_s']:,.0f} tok/s, driver peak {num('memory_used_peak_mib'):.0f} MiB "
+      f"(ds-rs's GPU bytes {num('accounted_mib'):.0f} MiB), MFU {100 * num('mfu'):.1f}%")
+PY
+) || { row "ds-rs llama3-1b $side" FAIL "$figure"; continue; }
+        row "ds-rs llama3-1b $side" ok "$figure"
+    done
+    local script=$bundle/llama_torch.py out=$logs/torch-llama.json
+    [ -f "$script" ] || script=$repo/scripts/bench/llama_torch.py
+    if ! timeout 200 "$python" "$script" --preset llama3-1b --device cuda --micro-batch 4 \
+        --seq-len 1024 --warmup 2 --steps 5 >"$out" 2>"$logs/torch-llama.log"; then
+        row "torch eager llama3-1b" FAIL "$(tail -n 1 "$logs/torch-llama.log")"
+        return
+    fi
+    figure=$("$python" - "$out" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{r['tokens_per_s']:,.0f} tok/s ({r['impl']}), max_memory_allocated "
+      f"{r['max_memory_allocated_mib']:.0f} MiB, reserved {r['max_memory_reserved_mib']:.0f} MiB")
+PY
+) || { row "torch eager llama3-1b" FAIL "$figure"; return; }
+    row "torch eager llama3-1b" ok "$figure"
+}
+
 # A copy of config $1 at $2 with the top-level keys of the JSON object $3 replaced.
 derive() {
     "$python" -c 'import json, sys; c = json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], "w"))' "$@"
@@ -446,12 +508,12 @@ EOF
 
 cuda_libs
 gpu_info
-nccl_smoke
-gpu_buffers
-gpu_kernels
+part nccl_smoke
+part gpu_buffers
+part gpu_kernels
 torch_info
-torch_eager small
-torch_eager gpt2
+part torch_eager small
+part torch_eager gpt2
 ds_rs_runs
 
 {
