@@ -11,6 +11,15 @@ cd "$(dirname "$0")/.."
 nice -n 19 bash scripts/install-cuda-toolchain.sh >/dev/null
 eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
 CARGO_TARGET_DIR=target/cuda nice -n 19 cargo build --release -j "${JOBS:-1}" --features cuda --bin ds-rs
+# The fused kernels launch up to 1024 threads a block (src/kernels/gpu/launch.rs): each may
+# use at most 64 registers (65,536 per SM on every GPU since sm_50) and must not spill.
+regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null engine/kernels/fused.cu 2>&1)
+most=$(grep -oE 'Used [0-9]+ registers' <<<"$regs" | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')
+if [ "$most" -gt 64 ] || grep -qE '[1-9][0-9]* bytes spill' <<<"$regs"; then
+    echo "check-cuda: fused.cu needs $most registers a thread or spills; 1024-thread blocks would not launch" >&2
+    exit 1
+fi
+echo "check-cuda: fused.cu's kernels use at most $most registers a thread, no spills"
 bin=target/cuda/release/ds-rs
 out=$(LD_LIBRARY_PATH="$CUDA_HOME/stub-runtime:$CUDA_HOME/lib64" "$bin" train --device cuda --steps 1 2>&1) && {
     echo "check-cuda: --device cuda trained on a machine with no GPU?" >&2

@@ -4,7 +4,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::op::BackpropOp;
@@ -94,23 +94,26 @@ fn with_outputs(
     outputs: &[(DType, usize)],
     call: impl FnOnce(&Cuda, &[u64], &[u64]) -> Result<()>,
 ) -> Result<Vec<CudaStorage>> {
-    let outs: Vec<CudaStorage> = outputs
+    let mut outs: Vec<CudaStorage> = outputs
         .iter()
         .map(|&(dtype, len)| alloc(dev, dtype, len))
         .collect::<Result<_>>()?;
     let stream = dev.cuda_stream();
-    // The guards record the stream's use of each buffer when they drop, after the launches.
+    // The guards record the stream's reads and writes of each buffer when they drop, after
+    // the launches.
     let mut guards = Vec::with_capacity(inputs.len() + outs.len());
-    let mut at = |s, first| -> Result<u64> {
+    let mut ins = Vec::with_capacity(inputs.len());
+    for &(s, first) in inputs {
         let (a, g) = address(s, first, &stream)?;
+        ins.push(a);
         guards.push(g);
-        Ok(a)
-    };
-    let ins: Vec<u64> = inputs
-        .iter()
-        .map(|&(s, first)| at(s, first))
-        .collect::<Result<_>>()?;
-    let os: Vec<u64> = outs.iter().map(|s| at(s, 0)).collect::<Result<_>>()?;
+    }
+    let mut os = Vec::with_capacity(outs.len());
+    for s in outs.iter_mut() {
+        let (a, g) = written(s, &stream)?;
+        os.push(a);
+        guards.push(g);
+    }
     call(&Cuda { dev }, &ins, &os)?;
     drop(guards);
     Ok(outs)
@@ -176,6 +179,19 @@ fn address<'a>(
         _ => candle_core::bail!("fused kernel: unsupported dtype {:?}", s.dtype()),
     };
     Ok((base + (at * s.dtype().size_in_bytes()) as u64, guard))
+}
+
+/// The address of a new output storage, and the guard that records the stream's write to it.
+fn written<'a>(
+    s: &'a mut CudaStorage,
+    stream: &'a std::sync::Arc<CudaStream>,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    Ok(match &mut s.slice {
+        CudaStorageSlice::F32(v) => v.device_ptr_mut(stream),
+        CudaStorageSlice::BF16(v) => v.device_ptr_mut(stream),
+        CudaStorageSlice::F16(v) => v.device_ptr_mut(stream),
+        _ => candle_core::bail!("fused kernel: unsupported output dtype"),
+    })
 }
 
 fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
