@@ -282,10 +282,8 @@ impl CustomOp2 for CrossEntropy {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
-        let inputs = [(s1, l1), (s2, l2)];
-        let loss = cuda::with_output(&s1.device, DType::F32, 1, &inputs, |k, a, out| {
-            gpu::cross_entropy(k, [a[0], a[1]], out, rows, n / rows.max(1))
+        let loss = cuda_rows((s1, l1), (s2, l2), DType::F32, 1, |k, a, out, rows, v| {
+            gpu::cross_entropy(k, a, out, rows, v)
         })?;
         Ok((loss, Shape::from(())))
     }
@@ -333,11 +331,9 @@ impl CustomOp2 for CrossEntropyGrad {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
-        let inputs = [(s1, l1), (s2, l2)];
-        let grad = cuda::with_output(&s1.device, DType::F32, n, &inputs, |k, a, out| {
-            let v = n / rows.max(1);
-            gpu::cross_entropy_grad(k, DType::F32, [a[0], a[1]], out, rows, v, self.scale)
+        let n = l1.shape().elem_count();
+        let grad = cuda_rows((s1, l1), (s2, l2), DType::F32, n, |k, a, out, rows, v| {
+            gpu::cross_entropy_grad(k, DType::F32, a, out, rows, v, self.scale)
         })?;
         Ok((grad, l1.shape().clone()))
     }
@@ -385,11 +381,14 @@ impl CustomOp2 for CrossEntropyProbs {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
-        let inputs = [(s1, l1), (s2, l2)];
-        let out = cuda::with_output(&s1.device, DType::F32, n + 1, &inputs, |k, a, out| {
-            gpu::cross_entropy_probs(k, [a[0], a[1]], out, rows, n / rows.max(1))
-        })?;
+        let n = l1.shape().elem_count();
+        let out = cuda_rows(
+            (s1, l1),
+            (s2, l2),
+            DType::F32,
+            n + 1,
+            |k, a, out, rows, v| gpu::cross_entropy_probs(k, a, out, rows, v),
+        )?;
         Ok((out, Shape::from(n + 1)))
     }
 }
@@ -422,14 +421,34 @@ impl CustomOp2 for ProbsGrad {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (dtype, n, rows) = (s1.dtype(), l1.shape().elem_count(), l2.shape().elem_count());
-        let inputs = [(s1, l1), (s2, l2)];
-        let out = cuda::with_output(&s1.device, dtype, n, &inputs, |k, a, out| {
-            let v = n / rows.max(1);
-            gpu::cross_entropy_backward(k, dtype, [a[0], a[1]], out, rows, v, self.scale)
+        let (dtype, n) = (s1.dtype(), l1.shape().elem_count());
+        let out = cuda_rows((s1, l1), (s2, l2), dtype, n, |k, a, out, rows, v| {
+            gpu::cross_entropy_backward(k, dtype, a, out, rows, v, self.scale)
         })?;
         Ok((out, l1.shape().clone()))
     }
+}
+
+/// A cross-entropy op's `cuda_fwd` over rows [rows, v] (logits or their softmax) and their
+/// targets [rows]: `len` elements of `dtype`, written by `call` from the two inputs' addresses,
+/// the output's, the row count and the vocabulary.
+#[cfg(feature = "cuda")]
+fn cuda_rows(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    dtype: DType,
+    len: usize,
+    call: impl FnOnce(&cuda::Cuda, [u64; 2], u64, usize, usize) -> Result<()>,
+) -> Result<CudaStorage> {
+    let (n, rows) = (l1.shape().elem_count(), l2.shape().elem_count());
+    let v = n / rows.max(1);
+    cuda::with_output(
+        &s1.device,
+        dtype,
+        len,
+        &[(s1, l1), (s2, l2)],
+        |k, a, out| call(k, [a[0], a[1]], out, rows, v),
+    )
 }
 
 fn targets(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
