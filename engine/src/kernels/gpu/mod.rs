@@ -4,9 +4,7 @@
 //! arguments and scratch; `launch` computes the grids; `cuda` runs the calls on candle's CUDA
 //! stream (the custom ops' `cuda_fwd`); `emu` runs them on the host for the tests.
 //!
-//! Note [kernels on the host]
-//! ~~~~~~~~~~~~~~~~~~~~~~~~~~
-//! Constraint: CI and most sessions have no GPU, yet a kernel's indexing, its barriers and the
+//! Note [kernels on the host]: Constraint: CI and most sessions have no GPU, yet a kernel's indexing, its barriers and the
 //! launch the engine computes for it are where its bugs live, and a GPU run is 15 scarce
 //! minutes. Solution: kernels/emu/cuda_emu.h compiles fused.cu's source, unchanged, with g++:
 //! every CUDA thread of a block is a fiber, `__syncthreads` and the warp shuffles are barriers
