@@ -271,7 +271,8 @@ ds_rs_runs() {
         cp "$bundle/ds-rs" "$bin"
     else
         local c why="no ds-rs cuda binary in $bundle (scripts/check-cuda.sh, scripts/gpu-bundle.sh)"
-        for c in "ds-rs tiny fp32 gpu=cpu" "ds-rs tiny bf16 gpu~cpu" "ds-rs small bf16" "ds-rs gpt2 bf16"; do
+        for c in "ds-rs tiny fp32 gpu=cpu" "ds-rs tiny bf16 gpu~cpu" "ds-rs small bf16" "ds-rs gpt2 bf16" \
+            "profile gpt2" "ds-rs llama3-1b"; do
             row "$c" skip "$why"
         done
         return
@@ -362,12 +363,14 @@ kernel_profile() { # preset
     fi
     mkdir -p "$work/cupti"
     gunzip -c "$bundle/libcupti.so.13.gz" >"$work/cupti/libcupti.so.13"
+    speed_config
     out=$logs/kernel-profile-ds-rs-$1.tsv
     LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib DS_KERNEL_PROFILE=$out \
         timeout 200 "$bin" bench train --preset "$1" --config "$work/bf16-speed.json" --nproc 1 \
         --device cuda --warmup 2 --steps 5 >"$logs/profile-ds-rs-$1.log" 2>&1
     families "profile ds-rs $1" "$out"
     [ -f "$bench/train_torch.py" ] || return
+    [ -d "$work/bench" ] || { mkdir -p "$work/bench" && cp "$bench"/*.py "$work/bench/"; }
     out=$logs/kernel-profile-torch-$1.tsv
     (cd "$work/bench" && LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib \
         DS_KERNEL_PROFILE=$out timeout 150 "$python" train_torch.py --preset "$1" --device cuda \
@@ -489,14 +492,19 @@ EOF
 }
 
 # Tokens/s and MFU, bf16, the micro-batch of the PyTorch rows, one rank on GPU 0.
-ds_speed() { # preset
-    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed.jsonl figure
-    cat >"$cfg" <<EOF
+# The speed runs' ds_config (bf16, ZeRO-0, PyTorch eager's optimizer), at $work/bf16-speed.json.
+speed_config() {
+    cat >"$work/bf16-speed.json" <<EOF
 {"train_micro_batch_size_per_gpu": $micro_batch, "gradient_accumulation_steps": 1,
  "gradient_clipping": 1.0,
  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
  "bf16": {"enabled": true}, "zero_optimization": {"stage": 0}}
 EOF
+}
+
+ds_speed() { # preset
+    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed.jsonl figure
+    speed_config
     if ! timeout 300 "$bin" bench train --preset "$1" --config "$cfg" --nproc 1 --device cuda \
         --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/ds-rs-$1.log"; then
         row "ds-rs $1 bf16" FAIL "see ds-rs-$1.log: $(tail -n 1 "$logs/ds-rs-$1.log")"
