@@ -267,3 +267,35 @@ fn llama_rms_norm_swiglu_and_rotary() {
         });
     }
 }
+
+#[test]
+fn users_rms_norm_and_rope_train_on_the_gpu() {
+    use ds_engine::kernels::nn::{rms_norm, rope};
+    let Some(dev) = gpu() else { return };
+    // candle's autograd through the custom ops: the outputs and the input gradients
+    let grads = |t: &[Tensor], f: &dyn Fn(&Tensor) -> Result<Tensor>| -> Result<Vec<Tensor>> {
+        let x = candle_core::Var::from_tensor(&t[0])?;
+        let y = f(x.as_tensor())?;
+        let g = (&y * &t[1])?.sum_all()?.backward()?;
+        Ok(vec![y, g.get(x.as_tensor()).expect("x's gradient").clone()])
+    };
+    for dtype in DTYPES {
+        let (x, w) = (
+            values(&[64, 512], 20, 2.0, dtype),
+            values(&[512], 21, 1.0, dtype),
+        );
+        let up = values(&[64, 512], 22, 1.0, dtype);
+        compare("user rms_norm", &dev, dtype, &[&x, &up, &w], |t| {
+            grads(t, &|x| rms_norm(x, &t[2], 1e-6))
+        });
+        let q = values(&[2, 4, 32, 64], 23, 2.0, dtype);
+        let up = values(&[2, 4, 32, 64], 24, 1.0, dtype);
+        let (cos, sin) = (
+            values(&[32, 32], 25, 1.0, dtype),
+            values(&[32, 32], 26, 1.0, dtype),
+        );
+        compare("user rope", &dev, dtype, &[&q, &up, &cos, &sin], |t| {
+            grads(t, &|x| rope(x, &t[2], &t[3]))
+        });
+    }
+}

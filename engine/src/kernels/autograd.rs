@@ -2,9 +2,9 @@
 //! rotary embeddings in candle-nn's `rope` convention, and the last-dimension softmax.
 //! candle-nn's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward, so a model
 //! built from them cannot train; these are drop-in replacements that candle's autograd
-//! differentiates (custom ops whose `bwd` runs ds-rs's fused backward kernels on the CPU), and
-//! compositions of candle's ops elsewhere (other devices and dtypes), which are also what
-//! they are tested against.
+//! differentiates (custom ops whose `bwd` runs ds-rs's fused backward kernels on the CPU, and
+//! for RMSNorm and rope on a GPU in the cuda build), and compositions of candle's ops elsewhere
+//! (other devices and dtypes), which are also what they are tested against.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -12,17 +12,27 @@ use candle_core::{
 };
 
 use super::cpu_storage::{f32_slice, from_f32, map_rows};
+#[cfg(feature = "cuda")]
+use super::gpu::{self, cuda, Launcher};
 use super::primitive::softmax_last_dim as softmax_primitive;
 use super::{rms_swiglu, rotary, vmath};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 
 /// Whether the fused CPU path applies.
 fn fused(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
+/// Whether a fused path applies to RMSNorm and rope: the CPU's (f32), or in the cuda build a
+/// GPU's (kernels/gpu, any float dtype, rounded once).
+fn fused_here(x: &Tensor) -> bool {
+    fused(x) || (cfg!(feature = "cuda") && x.device().is_cuda())
+}
+
 /// `w * x / sqrt(mean(x^2) + eps)` over the last dimension (candle-nn's `ops::rms_norm`).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if fused(x) && fused(w) {
+    if fused_here(x) && fused_here(w) {
         return x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps });
     }
     rms_norm_primitive(x, w, eps)
@@ -55,6 +65,23 @@ impl CustomOp2 for RmsNorm {
         rms_swiglu::rms_norm_rows(&mut y, &f32_slice(s2, l2)?, self.eps);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n, d) = (s1.dtype(), l1.shape().elem_count(), l2.shape().elem_count());
+        let rows = n / d.max(1);
+        let y = cuda::with_output(&s1.device, dtype, n, &[(s1, l1), (s2, l2)], |k, a, y| {
+            // the roots are the backward's to recompute (as on the CPU)
+            let (_roots, at) = k.scratch(rows.max(1))?;
+            gpu::rms_norm(k, dtype, [a[0], a[1]], [y, at], rows, d, self.eps as f32)
+        })?;
+        Ok((y, l1.shape().clone()))
+    }
     fn bwd(
         &self,
         x: &Tensor,
@@ -78,7 +105,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         Tensor::cat(&[cos, cos], D::Minus1)?,
         Tensor::cat(&[sin, sin], D::Minus1)?,
     );
-    if fused(x) && fused(&cos) {
+    if fused_here(x) && fused_here(&cos) {
         return x
             .contiguous()?
             .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope);
@@ -116,6 +143,23 @@ impl CustomOp3 for Rope {
         let tables = l2.shape().dims2()?;
         let y = rotary::rotate_rows(&x, &cos, &sin, tables, false);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (dtype, n, tables) = (s1.dtype(), l1.shape().elem_count(), l2.shape().dims2()?);
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let y = cuda::with_output(&s1.device, dtype, n, &inputs, |k, a, y| {
+            gpu::rotary(k, dtype, [a[0], a[1], a[2]], y, n, tables, false)
+        })?;
+        Ok((y, l1.shape().clone()))
     }
     /// The tables are constants (no gradient), as in every rotary embedding.
     fn bwd(
