@@ -293,21 +293,14 @@ fn cross_entropy_rows<L: Launcher>(
 pub(crate) fn cross_entropy_grad<L: Launcher>(
     l: &L,
     dtype: DType,
-    [logits, targets]: [u64; 2],
+    inputs: [u64; 2],
     dlogits: u64,
     rows: usize,
     v: usize,
     scale: f32,
 ) -> Result<()> {
-    let args = [logits, targets, dlogits].map(Arg::Ptr);
-    let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
-    run(
-        l,
-        "cross_entropy_grad",
-        dtype,
-        launch::per_row(rows, v)?,
-        &[&args[..], &scalars].concat(),
-    )
+    let kernel = "cross_entropy_grad";
+    cross_entropy_gradient(l, kernel, dtype, inputs, dlogits, (rows, v), scale)
 }
 
 /// The cross-entropy's gradient `(probs - onehot(targets)) * scale` from the f32 softmax
@@ -316,21 +309,31 @@ pub(crate) fn cross_entropy_grad<L: Launcher>(
 pub(crate) fn cross_entropy_backward<L: Launcher>(
     l: &L,
     dtype: DType,
-    [probs, targets]: [u64; 2],
+    inputs: [u64; 2],
     dlogits: u64,
     rows: usize,
     v: usize,
     scale: f32,
 ) -> Result<()> {
-    let args = [probs, targets, dlogits].map(Arg::Ptr);
+    let kernel = "cross_entropy_bwd";
+    cross_entropy_gradient(l, kernel, dtype, inputs, dlogits, (rows, v), scale)
+}
+
+/// Either gradient kernel: one block a row of [rows, v] (logits or their softmax) and the
+/// targets, the same arguments.
+fn cross_entropy_gradient<L: Launcher>(
+    l: &L,
+    kernel: &str,
+    dtype: DType,
+    [from, targets]: [u64; 2],
+    dlogits: u64,
+    (rows, v): (usize, usize),
+    scale: f32,
+) -> Result<()> {
+    let args = [from, targets, dlogits].map(Arg::Ptr);
     let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
-    run(
-        l,
-        "cross_entropy_bwd",
-        dtype,
-        launch::per_row(rows, v)?,
-        &[&args[..], &scalars].concat(),
-    )
+    let at = launch::per_row(rows, v)?;
+    run(l, kernel, dtype, at, &[&args[..], &scalars].concat())
 }
 
 /// RMSNorm of rows of `d`: `w * (x * root)` into `y` (`dtype`) and each row's
