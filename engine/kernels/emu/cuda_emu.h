@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -28,6 +29,7 @@
 #define __restrict__ __restrict
 #define __shared__ static thread_local
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -46,6 +48,8 @@ void syncwarp();
 uint64_t *my_slot();
 uint64_t slot_of(unsigned src);
 unsigned lane();
+// The current warp's scratch for a matrix product: 512 floats.
+float *warp_scratch();
 
 // Runs `body` for every thread of `grid` x `block`, warps and lanes in order or `reversed`.
 // Returns false and prints why when the kernel deadlocks on a barrier.
@@ -106,6 +110,7 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
 template <typename T>
 inline T __ldg(const T *p) { return *p; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 
 // bf16 and fp16 storage types, converted with round-to-nearest-even as cuda_bf16.h and
 // cuda_fp16.h do.
@@ -130,3 +135,92 @@ struct __half {
 };
 inline float __half2float(__half h) { return (float)h.x; }
 inline __half __float2half(float f) { return {(_Float16)f}; }
+
+// 16-byte vectors, as the kernels copy tiles with them.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+// nvcuda::wmma's 16 x 16 x 16 tiles. A fragment's elements are spread over the warp's lanes in
+// an order CUDA leaves unspecified, so the kernels touch them only through these calls; here
+// lane l holds elements 8l .. 8l + 7 of the tile in row-major order. Every call is made by all
+// 32 lanes of a warp, as on a GPU; mma_sync gathers the operands through the warp's scratch.
+// Loads and stores are each lane's own elements with no barrier, so a kernel that reads what
+// other lanes stored without a __syncwarp between reads stale values here, as it may on a GPU.
+// Products and sums are f32 in a fixed order (a tensor core's order, and its rounding of the
+// partial sums, are its own: the GPU tests' bounds allow for them).
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "cuda_emu: 16 x 16 x 16 tiles only");
+    static const int num_elements = 8;
+    float x[8];
+};
+
+namespace detail {
+inline float as_float(float v) { return v; }
+inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+inline float as_float(__half v) { return __half2float(v); }
+// Element e of lane l's share: row and column of the tile.
+inline unsigned row(int e) { return (cuda_emu::lane() * 8 + e) / 16; }
+inline unsigned col(int e) { return (cuda_emu::lane() * 8 + e) % 16; }
+template <typename T>
+inline void load(float *x, const T *p, unsigned ldm, bool row_major) {
+    for (int e = 0; e < 8; e++)
+        x[e] = as_float(row_major ? p[row(e) * ldm + col(e)] : p[row(e) + col(e) * ldm]);
+}
+}  // namespace detail
+
+template <typename Use, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
+    static_assert(!std::is_same<Layout, void>::value, "operand fragments carry their layout");
+    detail::load(f.x, p, ldm, std::is_same<Layout, row_major>::value);
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p,
+                             unsigned ldm, layout_t layout) {
+    detail::load(f.x, p, ldm, layout == mem_row_major);
+}
+inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f,
+                              unsigned ldm, layout_t layout) {
+    for (int e = 0; e < 8; e++) {
+        unsigned r = detail::row(e), c = detail::col(e);
+        (layout == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[e];
+    }
+}
+template <typename Use, typename T, typename Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, float v) {
+    for (float &e : f.x) e = v;
+}
+// d = a b + c, over the warp: every lane publishes its share of a and b, then computes its share
+// of d from the whole tiles.
+template <typename T, typename La, typename Lb>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
+                     const fragment<matrix_a, 16, 16, 16, T, La> &a,
+                     const fragment<matrix_b, 16, 16, 16, T, Lb> &b,
+                     const fragment<accumulator, 16, 16, 16, float> &c) {
+    float *s = cuda_emu::warp_scratch();
+    for (int e = 0; e < 8; e++) {
+        s[cuda_emu::lane() * 8 + e] = a.x[e];
+        s[256 + cuda_emu::lane() * 8 + e] = b.x[e];
+    }
+    cuda_emu::syncwarp();
+    float out[8];
+    for (int e = 0; e < 8; e++) {
+        float acc = c.x[e];
+        for (unsigned k = 0; k < 16; k++)
+            acc += s[detail::row(e) * 16 + k] * s[256 + k * 16 + detail::col(e)];
+        out[e] = acc;
+    }
+    cuda_emu::syncwarp();  // every lane has read before a later product writes
+    for (int e = 0; e < 8; e++) d.x[e] = out[e];
+}
+}  // namespace wmma
+}  // namespace nvcuda

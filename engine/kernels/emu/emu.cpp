@@ -1,4 +1,4 @@
-// The fused kernels (../fused.cu) built for the host under cuda_emu.h, for the CPU tests
+// The fused kernels (../fused.cu) and the flash attention kernels (../flash.cu) built for the host under cuda_emu.h, for the CPU tests
 // (src/kernels/gpu/emu.rs): `ds_emu_launch` takes a kernel's name and its arguments as
 // cuLaunchKernel does (an array of pointers to each argument's value).
 #define CUDA_EMU
@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "../flash.cu"
 #include "../fused.cu"
 
 namespace {
@@ -34,6 +35,9 @@ const Entry kernels[] = {
     K3(cross_entropy_grad), K3(rms_norm_fwd),      K3(rms_norm_bwd),
     K3(swiglu_fwd),         K3(swiglu_bwd),        K3(rotary),
     K(cross_entropy_fwd_f32), K(mean_of_rows_f32),
+#define FLASH_K(hd, S) K(flash_fwd_hd##hd##_##S), K(flash_bwd_dkdv_hd##hd##_##S), K(flash_bwd_dq_hd##hd##_##S)
+#define FLASH_K2(S) FLASH_K(32, S), FLASH_K(64, S), FLASH_K(128, S), K(flash_bwd_dot_##S)
+    FLASH_K2(bf16), FLASH_K2(f16),
 };
 
 }  // namespace

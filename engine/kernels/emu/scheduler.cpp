@@ -31,6 +31,7 @@ struct Launch {
     Barrier block_barrier;
     std::vector<Barrier> warp_barriers;
     std::vector<uint64_t> slots;  // one shuffle slot per thread
+    std::vector<float> products;  // 512 floats per warp: wmma's operands (cuda_emu.h)
     unsigned running = 0;
 };
 
@@ -66,6 +67,7 @@ void syncwarp() { wait_at(current->warp_barriers[lane_slot / 32]); }
 uint64_t *my_slot() { return &current->slots[lane_slot]; }
 uint64_t slot_of(unsigned src) { return current->slots[(lane_slot / 32) * 32 + src]; }
 unsigned lane() { return lane_slot % 32; }
+float *warp_scratch() { return &current->products[(lane_slot / 32) * 512]; }
 
 static void fiber_main() {
     Launch &l = *current;
@@ -129,6 +131,7 @@ bool launch(dim3 grid, dim3 block, bool reversed, const std::function<void()> &b
     l.warp_barriers.resize(threads / 32);
     for (Barrier &b : l.warp_barriers) b.size = 32;
     l.slots.assign(threads, 0);
+    l.products.assign(threads / 32 * 512, 0.0f);
     Launch *outer = current;
     current = &l;
     blockDim = block;

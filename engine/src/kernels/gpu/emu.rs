@@ -22,7 +22,7 @@ extern "C" {
 
 /// The emulator as a `Launcher`: addresses are host addresses. `reversed` runs the warps and
 /// lanes of each block from the last, the other order a race could show in.
-struct Emu {
+pub(super) struct Emu {
     reversed: bool,
 }
 
@@ -133,7 +133,7 @@ fn emulate(
 /// Runs `call` on the emulator with `inputs` and `outputs` (dtype, length), in both orders of
 /// warps; returns the outputs as f32, the same (bit for bit) in both: a block's result may not
 /// depend on how its warps interleave.
-fn emulate_outputs(
+pub(super) fn emulate_outputs(
     inputs: &[&Tensor],
     outputs: &[(DType, usize)],
     call: impl Fn(&Emu, &[u64], &[u64]) -> Result<()>,
@@ -209,7 +209,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], dtype: DType) {
 }
 
 /// Deterministic values in [-scale, scale), varied enough for softmaxes and norms.
-fn values(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Tensor {
+pub(super) fn values(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let v: Vec<f32> = (0..n)

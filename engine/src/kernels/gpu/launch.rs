@@ -85,6 +85,45 @@ pub fn mean_of_rows(n: usize) -> Launch {
     }
 }
 
+/// Head sizes kernels/flash.cu is built for (its FLASH_HD instances).
+pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
+
+/// Warps per block of the flash kernels for head size `hd`, each taking 16 rows of a tile:
+/// flash.cu's warps<HD>(), 4 while their shared tiles fit 48 KiB, else 2.
+pub fn flash_warps(hd: usize) -> u32 {
+    if hd <= 64 {
+        4
+    } else {
+        2
+    }
+}
+
+/// A flash kernel over `batch` x `heads` heads of `t` rows (queries for the forward and dQ,
+/// keys for dK dV): one block per 16 x flash_warps(hd) rows of each.
+pub fn flash_tiles(batch: usize, heads: usize, t: usize, hd: usize) -> Result<Launch> {
+    let warps = flash_warps(hd);
+    let blocks = batch * heads * t.div_ceil(16 * warps as usize);
+    if blocks > MAX_GRID {
+        candle_core::bail!("flash attention: {blocks} tiles exceed a grid's {MAX_GRID} blocks");
+    }
+    Ok(Launch {
+        grid: blocks as u32,
+        block: 32 * warps,
+    })
+}
+
+/// flash_bwd_dot over `rows` output rows: a warp a row, eight a block.
+pub fn flash_dot(rows: usize) -> Result<Launch> {
+    let blocks = rows.div_ceil(8);
+    if blocks > MAX_GRID {
+        candle_core::bail!("flash attention: {rows} rows exceed a grid");
+    }
+    Ok(Launch {
+        grid: blocks as u32,
+        block: 256,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +176,21 @@ mod tests {
         let few = column_reduce(3, 10, 20).unwrap();
         assert_eq!((few.pass.grid, few.scratch), (3, 60));
         assert!(few.sum.grid as usize * few.sum.block as usize >= 20);
+    }
+
+    #[test]
+    fn flash_grids_take_a_block_per_tile_per_head() {
+        // GPT-2 at micro-batch 16: 12 heads of 64, 1024 positions, 64 rows a block
+        let at = flash_tiles(16, 12, 1024, 64).unwrap();
+        assert_eq!((at.grid, at.block), (16 * 12 * 16, 128));
+        // head size 128: two warps, 32 rows a block; a partial last tile counts
+        let at = flash_tiles(1, 8, 33, 128).unwrap();
+        assert_eq!((at.grid, at.block), (8 * 2, 64));
+        assert_eq!(flash_dot(17).unwrap().grid, 3);
+        let e = flash_tiles(1 << 20, 64, 1 << 16, 64)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("exceed a grid"), "{e}");
     }
 
     #[test]

@@ -20,12 +20,17 @@
 // The calls serve the cuda build (cuda.rs) and the tests (emu.rs): a CPU build uses neither.
 #![cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 
+pub(crate) mod flash;
 pub mod launch;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 #[cfg(test)]
 mod emu;
+#[cfg(test)]
+mod flash_emu;
+#[cfg(test)]
+mod flash_reference;
 
 use candle_core::{DType, Device, Result};
 
