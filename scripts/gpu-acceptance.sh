@@ -149,8 +149,9 @@ gpu_buffers() {
 }
 
 # engine/tests/gpu_kernels.rs: the fused kernels (kernels/fused.cu) on the GPU against the CPU
-# kernels at GPT-2's sizes, f32/bf16/f16; a row per test, then one per kernel and dtype with the
-# largest difference it printed.
+# kernels at GPT-2's sizes, f32/bf16/f16, and the flash attention kernels (kernels/flash.cu)
+# against f64 attention; a row per test, then one per kernel and dtype with the largest
+# difference it printed (for flash_*, as a fraction of each element's own bound).
 gpu_kernels() {
     local bin=$work/gpu_kernels log=$logs/gpu-kernels.log t what dtype diff bound missing
     if [ ! -f "$bundle/gpu_kernels.gz" ]; then
@@ -165,7 +166,8 @@ gpu_kernels() {
     cat "$log"
     for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
         causal_softmax_forward_and_backward cross_entropy_and_its_gradient \
-        llama_rms_norm_swiglu_and_rotary users_rms_norm_and_rope_train_on_the_gpu; do
+        llama_rms_norm_swiglu_and_rotary users_rms_norm_and_rope_train_on_the_gpu \
+        flash_attention_forward_and_backward; do
         test_row "fused ${t%%_and_*}" "$t" "$log" "GPU = CPU kernel within the bounds below"
     done
     # "kernel NAME DTYPE: ok, largest difference D (bound B)"
@@ -316,6 +318,7 @@ ds_rs_runs() {
     esac
     part ds_speed small
     part ds_speed gpt2
+    part ds_speed gpt2 matmul
     part kernel_profile gpt2
     part ds_offload_memory gpt2
     part llama_rows
@@ -391,7 +394,7 @@ rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l[0].isdigit()]
 families = [
     ("matmul", r"gemm|xmma|cutlass|^sm\d+_|ampere|hopper|cublas|splitK|Kernel2"),
     ("attention", r"flash|fmha|attention|sdpa|mha"),
-    ("ds-rs fused", r"^(layer_norm|gelu_|causal_softmax|softmax_bwd|cross_entropy|column_sum|sum_partials|mean_of_rows)"),
+    ("ds-rs fused", r"^(layer_norm|rms_norm|gelu_|swiglu|rotary|causal_softmax|softmax_bwd|cross_entropy|column_sum|sum_partials|mean_of_rows)"),
     ("optimizer", r"^(adam_|accumulate_|scale_|sum_squares_|convert_)|adam|foreach|multi_tensor"),
     ("copies", r"^\[memcpy|copy"),
     ("memset/fill", r"^\[memset\]|fill"),
@@ -502,16 +505,20 @@ speed_config() {
 EOF
 }
 
-ds_speed() { # preset
-    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed.jsonl figure
+# Attention $2: flash (the default, kernels/flash.cu) or matmul (DS_RS_ATTENTION=matmul: the
+# T x T probabilities through cuBLAS and the fused softmax), the comparison that decides it.
+ds_speed() { # preset [attention]
+    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed-$1-${2:-flash}.jsonl figure
+    local label="ds-rs $1 bf16" log=ds-rs-$1-${2:-flash}.log
+    [ "${2:-flash}" = flash ] || label="$label $2-attn"
     speed_config
-    if ! timeout 300 "$bin" bench train --preset "$1" --config "$cfg" --nproc 1 --device cuda \
-        --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/ds-rs-$1.log"; then
-        row "ds-rs $1 bf16" FAIL "see ds-rs-$1.log: $(tail -n 1 "$logs/ds-rs-$1.log")"
+    if ! DS_RS_ATTENTION=${2:-flash} timeout 300 "$bin" bench train --preset "$1" --config "$cfg" \
+        --nproc 1 --device cuda --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/$log"; then
+        row "$label" FAIL "see $log: $(tail -n 1 "$logs/$log")"
         return
     fi
-    figure=$(mfu "$1" "$out" "$work/bench") || { row "ds-rs $1 bf16" FAIL "$figure"; return; }
-    row "ds-rs $1 bf16" ok "$figure"
+    figure=$(mfu "$1" "$out" "$work/bench") || { row "$label" FAIL "$figure"; return; }
+    row "$label" ok "$figure"
 }
 
 cuda_libs

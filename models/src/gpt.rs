@@ -17,7 +17,7 @@ use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_engine::kernels::nn::layer_norm;
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
-use ds_engine::kernels::{cpu_attention, cpu_flash_attention};
+use ds_engine::kernels::{cpu_attention, flash_attention};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
@@ -819,8 +819,9 @@ struct Attention {
 }
 
 /// What attention's backward reads of its softmax: the probabilities [B, H, T, T], or for
-/// sequences of `cpu_flash_attention::MIN_SEQ` and more on the CPU each row's log-sum-exp
-/// [B, H, T] (the probabilities recomputed in blocks: memory linear in T).
+/// sequences of `cpu_flash_attention::MIN_SEQ` and more on the CPU, and always on a GPU in bf16
+/// or f16 (`flash_attention::wanted`), each row's log-sum-exp [B, H, T] (the probabilities
+/// recomputed in blocks: memory linear in T).
 enum Softmax {
     Probs(Tensor),
     LogSumExp(Tensor),
@@ -852,8 +853,8 @@ impl Attention {
         let d = d3 / 3;
         let hd = d / h;
         let s = scale(hd) as f32;
-        if t >= cpu_flash_attention::MIN_SEQ {
-            if let Some((out, lse)) = cpu_flash_attention::forward(&qkv, h, s)? {
+        if flash_attention::wanted(t, qkv.device(), qkv.dtype()) {
+            if let Some((out, lse)) = flash_attention::forward(&qkv, h, s)? {
                 let softmax = Softmax::LogSumExp(lse);
                 return Ok(Attention::of(qkv, softmax, out));
             }
@@ -908,11 +909,10 @@ impl Attention {
         let s = scale(hd) as f32;
         let probs = match &self.softmax {
             Softmax::LogSumExp(lse) => {
-                return cpu_flash_attention::backward(&self.qkv, out, lse, dout, h, s)?.ok_or_else(
+                return flash_attention::backward(&self.qkv, out, lse, dout, h, s)?.ok_or_else(
                     || {
                         candle_core::Error::Msg(
-                            "attention: the blockwise backward of a CPU f32 forward declined"
-                                .into(),
+                            "attention: the blockwise backward declined the forward it ran".into(),
                         )
                     },
                 )
@@ -1086,7 +1086,7 @@ mod tests {
     /// the attention that holds them, at and beyond a whole number of blocks.
     #[test]
     fn long_sequences_take_the_blockwise_attention() {
-        let t = cpu_flash_attention::MIN_SEQ;
+        let t = ds_engine::kernels::cpu_flash_attention::MIN_SEQ;
         let c = GptConfig {
             V: 24,
             T: t + 40,

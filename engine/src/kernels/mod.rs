@@ -14,6 +14,7 @@ pub mod cpu_attention;
 pub mod cpu_flash_attention;
 mod cpu_matmul;
 mod cpu_storage;
+pub mod flash_attention;
 pub mod fused_norm_loss;
 mod gpu;
 pub mod grad;

@@ -11,7 +11,7 @@
 use crate::loss::{CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_engine::kernels::cpu_flash_attention;
+use ds_engine::kernels::flash_attention;
 use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::model::{
@@ -582,8 +582,9 @@ fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): Linear) -> Vec<Para
 }
 
 /// What attention's backward reads of its softmax: the probabilities [B, h, T, T], or for
-/// sequences of `cpu_flash_attention::MIN_SEQ` and more on the CPU each row's log-sum-exp
-/// [B, h, T] (the probabilities recomputed in blocks: memory linear in T).
+/// what `flash_attention::wanted` sends through the blockwise path (long sequences on the CPU,
+/// bf16 and f16 on a GPU) each row's log-sum-exp [B, h, T] (the probabilities recomputed in
+/// blocks: memory linear in T).
 enum Softmax {
     Probs(Tensor),
     LogSumExp(Tensor),
@@ -637,9 +638,9 @@ impl Attention {
         let k = rope::apply(&k, &cos, &sin)?;
         let v = split_heads(sp, &p.v.forward(x)?, c.num_key_value_heads / tp, hd, r)?;
         let window = layer.window.filter(|w| *w < t);
-        if t >= cpu_flash_attention::MIN_SEQ {
+        if flash_attention::wanted(t, q.device(), q.dtype()) {
             let s = layer.scale() as f32;
-            if let Some((out, lse)) = cpu_flash_attention::forward_grouped(&q, &k, &v, s, window)? {
+            if let Some((out, lse)) = flash_attention::forward_grouped(&q, &k, &v, s, window)? {
                 let softmax = Softmax::LogSumExp(lse);
                 return Attention::joined(sp, [q, k, v], softmax, normed, out);
             }
@@ -691,11 +692,10 @@ impl Attention {
                 let (s, window) = (layer.scale() as f32, layer.window.filter(|w| *w < t));
                 let qkv = (&self.q, &self.k, &self.v);
                 let out = self.heads_out.as_ref().unwrap_or(&self.out);
-                return cpu_flash_attention::backward_grouped(qkv, out, lse, dout, s, window)?
+                return flash_attention::backward_grouped(qkv, out, lse, dout, s, window)?
                     .ok_or_else(|| {
                         candle_core::Error::Msg(
-                            "attention: the blockwise backward of a CPU f32 forward declined"
-                                .into(),
+                            "attention: the blockwise backward declined the forward it ran".into(),
                         )
                     });
             }

@@ -1,5 +1,5 @@
-//! The fused kernels on candle's CUDA stream: fused.cu's PTX (built by build.rs) loaded once per
-//! device as candle's custom module; storage in and out for the custom ops' `cuda_fwd`, and
+//! The fused kernels on candle's CUDA stream: fused.cu's and flash.cu's PTX (built by build.rs)
+//! loaded once per device as candle's custom modules; storage in and out for the custom ops' `cuda_fwd`, and
 //! tensors in and out for the Llama family's fused paths (rms_swiglu.rs, rotary.rs).
 
 use candle_core::backend::BackendStorage;
@@ -15,8 +15,16 @@ use super::launch::Launch;
 use super::{Arg, Launcher};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
-/// The module's name in candle's cache of custom modules.
-const MODULE: &str = "ds_fused";
+const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
+
+/// The module of `kernel` (its name in candle's cache of custom modules) and its PTX:
+/// flash.cu's kernels are named flash_*, the rest are fused.cu's.
+fn module(kernel: &str) -> (&'static str, &'static str) {
+    match kernel.starts_with("flash_") {
+        true => ("ds_flash", FLASH_PTX),
+        false => ("ds_fused", PTX),
+    }
+}
 
 /// Launches on `dev`'s stream, where candle runs everything else, so no event is needed
 /// between the kernels and the ops around them.
@@ -34,7 +42,8 @@ impl Launcher for Cuda<'_> {
         Ok((s, at))
     }
     fn launch(&self, kernel: &str, at: Launch, args: &[Arg]) -> Result<()> {
-        let f = self.dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
+        let (name, ptx) = module(kernel);
+        let f = self.dev.get_or_load_custom_func(kernel, name, ptx)?;
         let mut b = f.builder();
         for a in args {
             match a {

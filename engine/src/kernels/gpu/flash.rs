@@ -30,11 +30,11 @@ impl FlashShape {
         let rows_aligned = [self.q_strides, self.kv_strides]
             .iter()
             .flatten()
-            .all(|s| s % 8 == 0);
+            .all(|s| s.is_multiple_of(8));
         matches!(dtype, DType::BF16 | DType::F16)
             && launch::FLASH_HEAD_DIMS.contains(&self.hd)
             && self.kv_heads > 0
-            && self.heads % self.kv_heads == 0
+            && self.heads.is_multiple_of(self.kv_heads)
             && rows_aligned
             && self.t <= u32::MAX as usize
     }
@@ -117,4 +117,169 @@ pub(crate) fn backward<L: Launcher>(
         queries,
         &dq_args,
     )
+}
+
+/// The kernels on tensors on a GPU, for kernels/flash_attention.rs: None where they do not
+/// apply (another dtype or head size, a start that is not 16-byte aligned, autograd tracking
+/// an input), so the caller's other path runs.
+#[cfg(feature = "cuda")]
+pub(crate) mod on_gpu {
+    use candle_core::{DType, Result, Shape, Tensor};
+
+    use super::super::{cuda, offset};
+    use super::{backward, forward, FlashShape};
+
+    /// Whether the kernels may read `t` in place (or its contiguous copy, from element 0).
+    fn aligned(t: &Tensor) -> bool {
+        !t.is_contiguous() || t.layout().start_offset() % 8 == 0
+    }
+
+    /// Element strides per batch, head and position of a contiguous [B, heads, T, hd].
+    fn head_major(heads: usize, t: usize, hd: usize) -> [usize; 3] {
+        [heads * t * hd, t * hd, hd]
+    }
+
+    /// GPT's fused projection qkv [B, T, 3d]: the output [B, T, d] and the log-sum-exp.
+    pub(crate) fn fused_forward(
+        qkv: &Tensor,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (b, t, d3) = qkv.dims3()?;
+        let (d, dtype) = (d3 / 3, qkv.dtype());
+        let s = fused_shape(b, t, d, heads, scale);
+        if !s.supported(dtype) || !aligned(qkv) {
+            return Ok(None);
+        }
+        let outputs = [
+            (dtype, Shape::from((b, t, d))),
+            (DType::F32, Shape::from((b, heads, t))),
+        ];
+        let outs = cuda::on_tensors(&[qkv], &outputs, |l, a, o| {
+            let qkv = [0, d, 2 * d].map(|x| offset(a[0], x, dtype));
+            forward(l, dtype, qkv, [o[0], o[1]], &s)
+        })?;
+        Ok(outs.map(|mut v| {
+            let lse = v.pop().expect("two outputs");
+            (v.pop().expect("two outputs"), lse)
+        }))
+    }
+
+    /// The gradient [B, T, 3d] of `fused_forward`'s qkv from that of its output.
+    pub(crate) fn fused_backward(
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Option<Tensor>> {
+        let (b, t, d3) = qkv.dims3()?;
+        let (d, dtype) = (d3 / 3, qkv.dtype());
+        let s = fused_shape(b, t, d, heads, scale);
+        let dout = dout.to_dtype(dtype)?;
+        if !s.supported(dtype) || ![qkv, out, &dout].iter().all(|x| aligned(x)) {
+            return Ok(None);
+        }
+        let outs = cuda::on_tensors(
+            &[qkv, out, &dout, lse],
+            &[(dtype, qkv.shape().clone())],
+            |l, a, o| {
+                let [q, k, v] = [0, d, 2 * d].map(|x| offset(a[0], x, dtype));
+                let grads = [0, d, 2 * d].map(|x| offset(o[0], x, dtype));
+                backward(l, dtype, [q, k, v, a[1], a[2], a[3]], grads, &s)
+            },
+        )?;
+        Ok(outs.map(|mut v| v.remove(0)))
+    }
+
+    fn fused_shape(b: usize, t: usize, d: usize, heads: usize, scale: f32) -> FlashShape {
+        let strides = [t * 3 * d, d / heads, 3 * d];
+        FlashShape {
+            batch: b,
+            heads,
+            kv_heads: heads,
+            t,
+            hd: d / heads,
+            q_strides: strides,
+            kv_strides: strides,
+            scale,
+            window: 0,
+        }
+    }
+
+    fn grouped_shape(
+        q: &Tensor,
+        k: &Tensor,
+        scale: f32,
+        window: Option<usize>,
+    ) -> Result<FlashShape> {
+        let (b, h, t, hd) = q.dims4()?;
+        let g = k.dim(1)?;
+        Ok(FlashShape {
+            batch: b,
+            heads: h,
+            kv_heads: g,
+            t,
+            hd,
+            q_strides: head_major(h, t, hd),
+            kv_strides: head_major(g, t, hd),
+            scale,
+            window: window.unwrap_or(0),
+        })
+    }
+
+    /// q [B, H, T, hd], k and v [B, G, T, hd]: the output [B, T, H hd] and the log-sum-exp.
+    pub(crate) fn grouped_forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+        window: Option<usize>,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let s = grouped_shape(q, k, scale, window)?;
+        let dtype = q.dtype();
+        if !s.supported(dtype) || ![q, k, v].iter().all(|x| aligned(x) && x.dtype() == dtype) {
+            return Ok(None);
+        }
+        let outputs = [
+            (dtype, Shape::from((s.batch, s.t, s.heads * s.hd))),
+            (DType::F32, Shape::from((s.batch, s.heads, s.t))),
+        ];
+        let outs = cuda::on_tensors(&[q, k, v], &outputs, |l, a, o| {
+            forward(l, dtype, [a[0], a[1], a[2]], [o[0], o[1]], &s)
+        })?;
+        Ok(outs.map(|mut v| {
+            let lse = v.pop().expect("two outputs");
+            (v.pop().expect("two outputs"), lse)
+        }))
+    }
+
+    /// `grouped_forward`'s backward: dq, dk and dv in the shapes of q, k and v.
+    pub(crate) fn grouped_backward(
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        scale: f32,
+        window: Option<usize>,
+    ) -> Result<Option<[Tensor; 3]>> {
+        let s = grouped_shape(q, k, scale, window)?;
+        let dtype = q.dtype();
+        let dout = dout.to_dtype(dtype)?;
+        let inputs = [q, k, v, out, &dout];
+        if !s.supported(dtype) || !inputs.iter().all(|x| aligned(x) && x.dtype() == dtype) {
+            return Ok(None);
+        }
+        let shapes = [q, k, v].map(|x| (dtype, x.shape().clone()));
+        let outs = cuda::on_tensors(&[q, k, v, out, &dout, lse], &shapes, |l, a, o| {
+            let ins = [a[0], a[1], a[2], a[3], a[4], a[5]];
+            backward(l, dtype, ins, [o[0], o[1], o[2]], &s)
+        })?;
+        Ok(outs.map(|mut v| {
+            let dv = v.pop().expect("three outputs");
+            let dk = v.pop().expect("three outputs");
+            [v.pop().expect("three outputs"), dk, dv]
+        }))
+    }
 }
