@@ -131,7 +131,7 @@ pub(crate) mod on_gpu {
 
     /// Whether the kernels may read `t` in place (or its contiguous copy, from element 0).
     fn aligned(t: &Tensor) -> bool {
-        !t.is_contiguous() || t.layout().start_offset() % 8 == 0
+        !t.is_contiguous() || t.layout().start_offset().is_multiple_of(8)
     }
 
     /// Element strides per batch, head and position of a contiguous [B, heads, T, hd].
