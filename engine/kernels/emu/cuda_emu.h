@@ -5,9 +5,10 @@
 //
 // Each CUDA thread of a block is a fiber (ucontext) on the calling OS thread; the blocks of a
 // grid run one after another. A fiber runs until it reaches a barrier (__syncthreads, or the
-// warp barrier inside a shuffle) and hands over to the next; a barrier opens when every thread
-// of its block (or warp) has reached it. Warps run one after another as far as each can, in
-// order or reversed (the tests run both), so a missing __syncthreads shows as a wrong result,
+// warp barrier inside a shuffle or a tensor-core product) and hands over to the next; a
+// barrier opens when every thread of its block (or warp) has reached it. Warps run one after
+// another as far as each can, in order or reversed (the tests run both), so a missing
+// __syncthreads shows as a wrong result,
 // and a barrier some threads never reach is reported.
 // __shared__ is a function-local static: one copy per OS thread (thread_local), shared by the
 // fibers of the block running there, so tests may run in parallel.
@@ -141,86 +142,42 @@ struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 
-// nvcuda::wmma's 16 x 16 x 16 tiles. A fragment's elements are spread over the warp's lanes in
-// an order CUDA leaves unspecified, so the kernels touch them only through these calls; here
-// lane l holds elements 8l .. 8l + 7 of the tile in row-major order. Every call is made by all
-// 32 lanes of a warp, as on a GPU; mma_sync gathers the operands through the warp's scratch.
-// Loads and stores are each lane's own elements with no barrier, so a kernel that reads what
-// other lanes stored without a __syncwarp between reads stale values here, as it may on a GPU.
-// Products and sums are f32 in a fixed order (a tensor core's order, and its rounding of the
-// partial sums, are its own: the GPU tests' bounds allow for them).
-namespace nvcuda {
-namespace wmma {
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-
-template <typename Use, int M, int N, int K, typename T, typename Layout = void>
-struct fragment {
-    static_assert(M == 16 && N == 16 && K == 16, "cuda_emu: 16 x 16 x 16 tiles only");
-    static const int num_elements = 8;
-    float x[8];
-};
-
-namespace detail {
-inline float as_float(float v) { return v; }
-inline float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-inline float as_float(__half v) { return __half2float(v); }
-// Element e of lane l's share: row and column of the tile.
-inline unsigned row(int e) { return (cuda_emu::lane() * 8 + e) / 16; }
-inline unsigned col(int e) { return (cuda_emu::lane() * 8 + e) % 16; }
+// PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d += a b over the warp, a 16 x 16
+// and b 16 x 8 of T, d 16 x 8 in f32, each lane holding its share in the PTX ISA's fragment
+// layout (kernels/mma.cuh says which). Every lane publishes its elements of a and b in the
+// warp's scratch, then computes its own four of d. Products and sums are f32 in a fixed order
+// (a tensor core's order, and its rounding of the partial sums, are its own: the GPU tests'
+// bounds allow for them).
+namespace cuda_emu {
 template <typename T>
-inline void load(float *x, const T *p, unsigned ldm, bool row_major) {
-    for (int e = 0; e < 8; e++)
-        x[e] = as_float(row_major ? p[row(e) * ldm + col(e)] : p[row(e) + col(e) * ldm]);
+inline float half_of(uint32_t pair, unsigned hi) {
+    uint16_t bits = (uint16_t)(pair >> (16 * hi));
+    T v;
+    std::memcpy(&v, &bits, 2);
+    if constexpr (std::is_same<T, __nv_bfloat16>::value)
+        return __bfloat162float(v);
+    else
+        return __half2float(v);
 }
-}  // namespace detail
 
-template <typename Use, typename T, typename Layout>
-inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
-    static_assert(!std::is_same<Layout, void>::value, "operand fragments carry their layout");
-    detail::load(f.x, p, ldm, std::is_same<Layout, row_major>::value);
-}
-inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p,
-                             unsigned ldm, layout_t layout) {
-    detail::load(f.x, p, ldm, layout == mem_row_major);
-}
-inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f,
-                              unsigned ldm, layout_t layout) {
-    for (int e = 0; e < 8; e++) {
-        unsigned r = detail::row(e), c = detail::col(e);
-        (layout == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[e];
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    float *s = warp_scratch();  // a: 16 x 16 at s, b: 16 x 8 at s + 256
+    unsigned g = lane() / 4, q = lane() % 4;
+    for (unsigned r = 0; r < 4; r++)
+        for (unsigned h = 0; h < 2; h++)
+            s[(g + (r & 1) * 8) * 16 + 2 * q + h + (r >> 1) * 8] = half_of<T>(a[r], h);
+    for (unsigned r = 0; r < 2; r++)
+        for (unsigned h = 0; h < 2; h++) s[256 + (2 * q + h + r * 8) * 8 + g] = half_of<T>(b[r], h);
+    syncwarp();
+    float out[4];
+    for (unsigned i = 0; i < 4; i++) {
+        unsigned row = g + (i >> 1) * 8, col = 2 * q + (i & 1);
+        float acc = d[i];
+        for (unsigned k = 0; k < 16; k++) acc += s[row * 16 + k] * s[256 + k * 8 + col];
+        out[i] = acc;
     }
+    syncwarp();  // every lane has read before a later product writes
+    for (unsigned i = 0; i < 4; i++) d[i] = out[i];
 }
-template <typename Use, typename T, typename Layout>
-inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, float v) {
-    for (float &e : f.x) e = v;
-}
-// d = a b + c, over the warp: every lane publishes its share of a and b, then computes its share
-// of d from the whole tiles.
-template <typename T, typename La, typename Lb>
-inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
-                     const fragment<matrix_a, 16, 16, 16, T, La> &a,
-                     const fragment<matrix_b, 16, 16, 16, T, Lb> &b,
-                     const fragment<accumulator, 16, 16, 16, float> &c) {
-    float *s = cuda_emu::warp_scratch();
-    for (int e = 0; e < 8; e++) {
-        s[cuda_emu::lane() * 8 + e] = a.x[e];
-        s[256 + cuda_emu::lane() * 8 + e] = b.x[e];
-    }
-    cuda_emu::syncwarp();
-    float out[8];
-    for (int e = 0; e < 8; e++) {
-        float acc = c.x[e];
-        for (unsigned k = 0; k < 16; k++)
-            acc += s[detail::row(e) * 16 + k] * s[256 + k * 16 + detail::col(e)];
-        out[e] = acc;
-    }
-    cuda_emu::syncwarp();  // every lane has read before a later product writes
-    for (int e = 0; e < 8; e++) d.x[e] = out[e];
-}
-}  // namespace wmma
-}  // namespace nvcuda
+}  // namespace cuda_emu

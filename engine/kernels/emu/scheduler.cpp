@@ -31,7 +31,7 @@ struct Launch {
     Barrier block_barrier;
     std::vector<Barrier> warp_barriers;
     std::vector<uint64_t> slots;  // one shuffle slot per thread
-    std::vector<float> products;  // 512 floats per warp: wmma's operands (cuda_emu.h)
+    std::vector<float> products;  // 512 floats per warp: mma.sync's operands (cuda_emu.h)
     unsigned running = 0;
 };
 

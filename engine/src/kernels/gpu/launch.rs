@@ -89,7 +89,8 @@ pub fn mean_of_rows(n: usize) -> Launch {
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
 /// Warps per block of the flash kernels for head size `hd`, each taking 16 rows of a tile:
-/// flash.cu's warps<HD>(), 4 while their shared tiles fit 48 KiB, else 2.
+/// flash.cu's warps<HD>(), 4 up to 64, 2 for 128 (whose dK and dV take 128 registers a
+/// thread, and whose four tiles of 64 rows would pass the 48 KiB of shared memory).
 pub fn flash_warps(hd: usize) -> u32 {
     if hd <= 64 {
         4
