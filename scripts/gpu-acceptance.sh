@@ -274,7 +274,7 @@ ds_rs_runs() {
     else
         local c why="no ds-rs cuda binary in $bundle (scripts/check-cuda.sh, scripts/gpu-bundle.sh)"
         for c in "ds-rs tiny fp32 gpu=cpu" "ds-rs tiny bf16 gpu~cpu" "ds-rs small bf16" "ds-rs gpt2 bf16" \
-            "profile gpt2" "ds-rs llama3-1b"; do
+            "profile gpt2" "attention" "ds-rs llama3-1b"; do
             row "$c" skip "$why"
         done
         return
@@ -319,9 +319,48 @@ ds_rs_runs() {
     part ds_speed small
     part ds_speed gpt2
     part ds_speed gpt2 matmul
+    part attention_rows
     part kernel_profile gpt2
     part ds_offload_memory gpt2
     part llama_rows
+}
+
+# Causal attention alone, forward and backward, in bf16 at GPT-2's shape (B 16, H 12, T 1024,
+# hd 64) and Llama 3.2 1B's (B 4, H 32 over 8 key/value heads): ds-rs's flash kernels and its
+# T x T path (`ds-rs bench attention`) against PyTorch's SDPA in the same call
+# (scripts/bench/attention_torch.py); TFLOP/s by FlashAttention's count.
+attention_rows() {
+    local shape name args figure out=$logs/attention.jsonl script=$bundle/attention_torch.py
+    [ -f "$script" ] || script=$repo/scripts/bench/attention_torch.py
+    for shape in "gpt2|--batch 16 --heads 12 --seq-len 1024 --head-dim 64" \
+        "llama3-1b|--batch 4 --heads 32 --kv-heads 8 --seq-len 1024 --head-dim 64"; do
+        name=${shape%%|*}
+        args=${shape#*|}
+        # shellcheck disable=SC2086 # the shape's flags, split on purpose
+        if ! timeout 120 "$bin" bench attention --device cuda --dtype bf16 $args --json \
+            >"$work/attention-ds.jsonl" 2>"$logs/attention-$name.log"; then
+            row "attention $name" FAIL "$(tail -n 1 "$logs/attention-$name.log")"
+            continue
+        fi
+        # shellcheck disable=SC2086
+        timeout 120 "$python" "$script" --device cuda --dtype bf16 $args \
+            >"$work/attention-torch.jsonl" 2>>"$logs/attention-$name.log" || : >"$work/attention-torch.jsonl"
+        cat "$work/attention-ds.jsonl" "$work/attention-torch.jsonl" >>"$out"
+        figure=$("$python" - "$work/attention-ds.jsonl" "$work/attention-torch.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for p in sys.argv[1:] for l in open(p) if l.strip()]
+by = {r["path"]: r for r in rows}
+parts = [f"{p} {r['median_ms']:.2f} ms ({r['tflops']:.0f} TFLOP/s)" if "median_ms" in r
+         else f"{p} skipped" for p, r in by.items()]
+torch = by.get("torch-sdpa", {}).get("median_ms")
+for p in ("flash", "matmul"):
+    if torch and "median_ms" in by.get(p, {}):
+        parts.append(f"{p}/torch time {by[p]['median_ms'] / torch:.2f}x")
+print(", ".join(parts) if torch else ", ".join(parts) + ", torch sdpa did not run")
+PY
+) || { row "attention $name" FAIL "$figure"; continue; }
+        row "attention $name" ok "$figure"
+    done
 }
 
 # Device memory of preset $1 in bf16 at ZeRO-1 on one GPU, without and with offload_optimizer

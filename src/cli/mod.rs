@@ -2,6 +2,7 @@
 
 pub(crate) mod autotune;
 mod bench_adam;
+mod bench_attention;
 mod bench_comm;
 mod bench_train;
 mod checkpoint;
@@ -78,6 +79,8 @@ enum BenchCommand {
     Adam(bench_adam::AdamArgs),
     /// Training throughput of the built-in GPT, as the peer benchmark measures it.
     Train(Box<bench_train::TrainBenchArgs>),
+    /// Causal attention's forward and backward: the flash path against the T x T path.
+    Attention(bench_attention::AttentionArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -99,6 +102,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             command: BenchCommand::Train(args),
         } => bench_train::run(&args),
+        Command::Bench {
+            command: BenchCommand::Attention(args),
+        } => bench_attention::run(&args),
         Command::Checkpoint { command } => checkpoint::run(&command),
         Command::Data { command } => data::run(&command),
     }

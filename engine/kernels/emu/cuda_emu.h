@@ -8,8 +8,7 @@
 // warp barrier inside a shuffle or a tensor-core product) and hands over to the next; a
 // barrier opens when every thread of its block (or warp) has reached it. Warps run one after
 // another as far as each can, in order or reversed (the tests run both), so a missing
-// __syncthreads shows as a wrong result,
-// and a barrier some threads never reach is reported.
+// __syncthreads shows as a wrong result, and a barrier some threads never reach is reported.
 // __shared__ is a function-local static: one copy per OS thread (thread_local), shared by the
 // fibers of the block running there, so tests may run in parallel.
 #pragma once
