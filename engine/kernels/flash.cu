@@ -70,6 +70,24 @@ struct Mask {
     }
 };
 
+// Where a block works: the first row of its tile of `rows` rows (queries, or keys for dK dV),
+// its head and its batch; blocks take the tiles of a head in turn, the longest rows of a causal
+// mask first where `longest_first`.
+struct Place {
+    uint32_t row0, head, batch;
+};
+__device__ Place place(uint32_t t, uint32_t heads, int rows, bool longest_first) {
+    uint32_t tiles = (t + rows - 1) / rows, i = blockIdx.x % tiles;
+    return {(longest_first ? tiles - 1 - i : i) * rows, blockIdx.x / tiles % heads,
+            blockIdx.x / tiles / heads};
+}
+
+// The strides of the output and its gradient, [B, T, heads, HD].
+template <int HD>
+__device__ Strides output_strides(uint32_t t, uint32_t heads) {
+    return {(uint64_t)t * heads * HD, HD, (uint64_t)heads * HD};
+}
+
 // Rows i0 .. i0 + rows of head h of batch b from `src` into dst[rows][HD + PAD], rows past the
 // sequence as zeros; the block's threads copy 16 bytes each in turn.
 template <typename T, int HD>
@@ -147,17 +165,14 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     constexpr int W = warps<HD>(), ROWS = 16 * W;
     // keys in rows 0 .. ROWS, values in ROWS .. 2 ROWS; at first the block's queries
     __shared__ __align__(16) T kv[2 * ROWS][HD + PAD];
-    uint32_t tiles = (m.t + ROWS - 1) / ROWS;
-    uint32_t tile = tiles - 1 - blockIdx.x % tiles;  // the longest rows first
-    uint32_t h = blockIdx.x / tiles % heads, b = blockIdx.x / tiles / heads;
-    uint32_t g = h / (heads / kv_heads);
-    int warp = threadIdx.x / 32;
-    uint32_t q0 = tile * ROWS, r0 = q0 + warp * 16;
+    Place at = place(m.t, heads, ROWS, true);
+    uint32_t h = at.head, b = at.batch, g = h / (heads / kv_heads);
+    uint32_t q0 = at.row0, r0 = q0 + threadIdx.x / 32 * 16;
 
     load_rows<T, HD>(kv, q, qs, b, h, q0, ROWS, m.t);
     __syncthreads();
     FragA qf[HD / 16];
-    for (int c = 0; c < HD / 16; c++) qf[c] = load_a(&kv[warp * 16][c * 16], HD + PAD);
+    for (int c = 0; c < HD / 16; c++) qf[c] = load_a(&kv[r0 - q0][c * 16], HD + PAD);
     float o[HD / 8][4] = {};
     // the lane's two rows, g and g + 8: running maximum and sum
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
@@ -205,8 +220,7 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     float inv[2] = {1.0f / run_sum[0], 1.0f / run_sum[1]};
     for (int n = 0; n < HD / 8; n++)
         for (int e = 0; e < 4; e++) o[n][e] *= inv[e >> 1];
-    Strides os = {(uint64_t)m.t * heads * HD, HD, (uint64_t)heads * HD};
-    write_rows<T, HD>(o, 1.0f, out, os, b, h, r0, m.t);
+    write_rows<T, HD>(o, 1.0f, out, output_strides<HD>(m.t, heads), b, h, r0, m.t);
     for (int r = 0; r < 2; r++) {
         uint32_t i = r0 + quad_row() + 8 * r;
         if (i < m.t && quad_col() == 0)
@@ -262,13 +276,10 @@ __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
     __shared__ __align__(16) T qt[ROWS][HD + PAD];
     __shared__ __align__(16) T dos[ROWS][HD + PAD];
     __shared__ float lse_t[ROWS], d_t[ROWS];
-    uint32_t tiles = (m.t + ROWS - 1) / ROWS;
-    uint32_t tile = blockIdx.x % tiles;  // the first keys, seen by the most queries, first
-    uint32_t g = blockIdx.x / tiles % kv_heads, b = blockIdx.x / tiles / kv_heads;
-    uint32_t group = heads / kv_heads;
-    int warp = threadIdx.x / 32;
-    uint32_t k0 = tile * ROWS, r0 = k0 + warp * 16;
-    Strides os = {(uint64_t)m.t * heads * HD, HD, (uint64_t)heads * HD};
+    Place at = place(m.t, kv_heads, ROWS, false);  // the first keys, seen most, first
+    uint32_t g = at.head, b = at.batch, group = heads / kv_heads;
+    uint32_t k0 = at.row0, r0 = k0 + threadIdx.x / 32 * 16;
+    Strides os = output_strides<HD>(m.t, heads);
 
     load_rows<T, HD>(ks, k, kvs, b, g, k0, ROWS, m.t);
     load_rows<T, HD>(vs, v, kvs, b, g, k0, ROWS, m.t);
@@ -288,8 +299,8 @@ __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
             if (!m.any(i0, ROWS, r0, 16)) continue;
 
             float s[ROWS / 8][4], ds[ROWS / 8][4];
-            products_t<T, HD, ROWS>(s, &ks[warp * 16][0], &qt[0][0]);   // S^T = K Q^T
-            products_t<T, HD, ROWS>(ds, &vs[warp * 16][0], &dos[0][0]);  // dP^T = V dO^T
+            products_t<T, HD, ROWS>(s, &ks[r0 - k0][0], &qt[0][0]);   // S^T = K Q^T
+            products_t<T, HD, ROWS>(ds, &vs[r0 - k0][0], &dos[0][0]);  // dP^T = V dO^T
             auto col = [](int n, int e) { return tile_col(n, e); };
             probabilities_and_ds<ROWS>(
                 s, ds, m, r0, i0, true, scale, [&](int n, int e) { return lse_t[col(n, e)]; },
@@ -313,13 +324,10 @@ __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, c
     __shared__ __align__(16) T dos[ROWS][HD + PAD];
     __shared__ __align__(16) T ks[ROWS][HD + PAD];
     __shared__ __align__(16) T vs[ROWS][HD + PAD];
-    uint32_t tiles = (m.t + ROWS - 1) / ROWS;
-    uint32_t tile = tiles - 1 - blockIdx.x % tiles;  // the longest rows first
-    uint32_t h = blockIdx.x / tiles % heads, b = blockIdx.x / tiles / heads;
-    uint32_t g = h / (heads / kv_heads);
-    int warp = threadIdx.x / 32;
-    uint32_t q0 = tile * ROWS, r0 = q0 + warp * 16;
-    Strides os = {(uint64_t)m.t * heads * HD, HD, (uint64_t)heads * HD};
+    Place at = place(m.t, heads, ROWS, true);
+    uint32_t h = at.head, b = at.batch, g = h / (heads / kv_heads);
+    uint32_t q0 = at.row0, r0 = q0 + threadIdx.x / 32 * 16;
+    Strides os = output_strides<HD>(m.t, heads);
 
     load_rows<T, HD>(qt, q, qs, b, h, q0, ROWS, m.t);
     load_rows<T, HD>(dos, dout, os, b, h, q0, ROWS, m.t);
@@ -341,8 +349,8 @@ __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, c
         if (!m.any(r0, 16, j0, ROWS)) continue;
 
         float s[ROWS / 8][4], ds[ROWS / 8][4];
-        products_t<T, HD, ROWS>(s, &qt[warp * 16][0], &ks[0][0]);    // S = Q K^T
-        products_t<T, HD, ROWS>(ds, &dos[warp * 16][0], &vs[0][0]);  // dP = dO V^T
+        products_t<T, HD, ROWS>(s, &qt[r0 - q0][0], &ks[0][0]);    // S = Q K^T
+        products_t<T, HD, ROWS>(ds, &dos[r0 - q0][0], &vs[0][0]);  // dP = dO V^T
         probabilities_and_ds<ROWS>(
             s, ds, m, r0, j0, false, scale, [&](int, int e) { return lse_r[e >> 1]; },
             [&](int, int e) { return d_r[e >> 1]; });

@@ -306,58 +306,31 @@ fn users_rms_norm_and_rope_train_on_the_gpu() {
 #[path = "../src/kernels/gpu/flash_reference.rs"]
 mod flash_reference;
 
-/// One flash attention case: q|k|v `fused` as GPT's projection (g = h) or separate tensors as
-/// Llama's, with a sliding `window` (0: none).
-struct FlashCase {
-    h: usize,
-    g: usize,
-    t: usize,
-    hd: usize,
-    window: usize,
-    fused: bool,
-    dtype: DType,
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .and_then(|t| t.to_device(&Device::Cpu))
-        .and_then(|t| t.to_dtype(DType::F64))
-        .and_then(|t| t.to_vec1())
-        .unwrap()
-}
-
-/// [1, T, 3, H, hd] as three [1, H, T, hd].
-fn split_fused(qkv: &Tensor, c: &FlashCase) -> [Tensor; 3] {
-    let heads = qkv
-        .reshape((1, c.t, 3, c.h, c.hd))
-        .and_then(|t| t.permute((2, 0, 3, 1, 4)))
-        .unwrap();
-    [0, 1, 2].map(|i| heads.get(i).and_then(|t| t.contiguous()).unwrap())
-}
+use flash_reference::Case;
 
 /// The flash kernels (kernels/flash.cu) through `flash_attention` on the GPU against attention
 /// in f64 from its definition, each element within the bound its roundings allow
 /// (src/kernels/gpu/flash_reference.rs); prints the largest difference as a fraction of its
 /// element's bound.
-fn flash_case(dev: &Device, c: &FlashCase) {
+fn flash_case(dev: &Device, c: &Case) {
     use ds_engine::kernels::flash_attention as fa;
     let (d, dtype) = (c.h * c.hd, c.dtype);
-    let scale = 1.0 / (c.hd as f32).sqrt();
+    let scale = c.scale();
     let window = (c.window > 0).then_some(c.window);
     let on = |t: &Tensor| t.to_device(dev).unwrap();
-    let dout = values(&[1, c.t, d], 4, 1.0, dtype);
+    let dout = values(&[c.b, c.t, d], 4, 1.0, dtype);
     let declined = "the flash kernels declined a case they are built for";
     let (qkv, out, lse, grads) = if c.fused {
-        let qkv = values(&[1, c.t, 3 * d], 1, 2.0, dtype);
+        let qkv = values(&[c.b, c.t, 3 * d], 1, 2.0, dtype);
         let (out, lse) = fa::forward(&on(&qkv), c.h, scale).unwrap().expect(declined);
         let dqkv = fa::backward(&on(&qkv), &out, &lse, &on(&dout), c.h, scale)
             .unwrap()
             .expect(declined);
-        (split_fused(&qkv, c), out, lse, split_fused(&dqkv, c))
+        (c.split_fused(&qkv), out, lse, c.split_fused(&dqkv))
     } else {
-        let q = values(&[1, c.h, c.t, c.hd], 1, 2.0, dtype);
-        let k = values(&[1, c.g, c.t, c.hd], 2, 2.0, dtype);
-        let v = values(&[1, c.g, c.t, c.hd], 3, 1.0, dtype);
+        let q = values(&[c.b, c.h, c.t, c.hd], 1, 2.0, dtype);
+        let k = values(&[c.b, c.g, c.t, c.hd], 2, 2.0, dtype);
+        let v = values(&[c.b, c.g, c.t, c.hd], 3, 1.0, dtype);
         let (gq, gk, gv) = (on(&q), on(&k), on(&v));
         let (out, lse) = fa::forward_grouped(&gq, &gk, &gv, scale, window)
             .unwrap()
@@ -367,24 +340,7 @@ fn flash_case(dev: &Device, c: &FlashCase) {
             .expect(declined);
         ([q, k, v], out, lse, grads)
     };
-    let problem = flash_reference::Problem {
-        b: 1,
-        h: c.h,
-        g: c.g,
-        t: c.t,
-        hd: c.hd,
-        scale: scale as f64,
-        window: c.window,
-        q: f64s(&qkv[0]),
-        k: f64s(&qkv[1]),
-        v: f64s(&qkv[2]),
-        dout: f64s(&dout),
-    };
-    let u = match dtype {
-        DType::BF16 => 2f64.powi(-8),
-        _ => 2f64.powi(-11),
-    };
-    let want = flash_reference::reference(&problem, u);
+    let want = c.reference(&qkv, &dout);
     let pairs = [
         ("out", &want.out, &out),
         ("lse", &want.lse, &lse),
@@ -393,7 +349,7 @@ fn flash_case(dev: &Device, c: &FlashCase) {
         ("dv", &want.dv, &grads[2]),
     ];
     for (what, expect, got) in pairs {
-        let name = format!("flash_{what}_h{}g{}t{}hd{}", c.h, c.g, c.t, c.hd);
+        let name = c.name(&format!("flash_{what}"));
         let worst = expect.check(&name, &flat(got));
         println!(
             "kernel {name} {dtype:?}: ok, largest difference {worst:.2} (bound 1, the element's own)"
@@ -405,7 +361,8 @@ fn flash_case(dev: &Device, c: &FlashCase) {
 fn flash_attention_forward_and_backward() {
     let Some(dev) = gpu() else { return };
     // GPT-2's heads of 64 over 1024 positions, read from the fused projection
-    let gpt = FlashCase {
+    let gpt = Case {
+        b: 1,
         h: 4,
         g: 4,
         t: 1024,
@@ -416,7 +373,7 @@ fn flash_attention_forward_and_backward() {
     };
     flash_case(&dev, &gpt);
     // Llama 3.2 1B's head size and grouping (32 heads over 8), fewer heads
-    let llama = FlashCase {
+    let llama = Case {
         h: 8,
         g: 2,
         t: 512,
@@ -425,7 +382,7 @@ fn flash_attention_forward_and_backward() {
     };
     flash_case(&dev, &llama);
     // the largest heads, f16, a sliding window
-    let window = FlashCase {
+    let window = Case {
         h: 2,
         g: 1,
         t: 300,

@@ -6,40 +6,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::emu::{emulate_outputs, values};
 use super::flash::{self, FlashShape};
-use super::flash_reference::{reference, Problem};
+use super::flash_reference::Case;
 use super::offset;
-
-/// A test's shapes: q|k|v `fused` as GPT's projection [B, T, 3, H, hd] (then g = h), or
-/// separate q [B, H, T, hd] and k, v [B, G, T, hd] as Llama's.
-struct Case {
-    b: usize,
-    h: usize,
-    g: usize,
-    t: usize,
-    hd: usize,
-    window: usize,
-    fused: bool,
-    dtype: DType,
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-/// [B, T, 3, H, hd] as three [B, H, T, hd].
-fn split_fused(qkv: &Tensor, c: &Case) -> [Tensor; 3] {
-    let heads = qkv
-        .reshape((c.b, c.t, 3, c.h, c.hd))
-        .unwrap()
-        .permute((2, 0, 3, 1, 4))
-        .unwrap();
-    [0, 1, 2].map(|i| heads.get(i).unwrap().contiguous().unwrap())
-}
 
 fn from_f32(v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
     Tensor::from_vec(v.to_vec(), shape, &Device::Cpu)
@@ -53,7 +21,7 @@ fn run(c: &Case) {
     let (inputs, qkv, q_strides, kv_strides) = if c.fused {
         assert_eq!(c.g, c.h);
         let qkv = values(&[c.b, c.t, 3 * d], 1, 2.0, dtype);
-        let split = split_fused(&qkv, c);
+        let split = c.split_fused(&qkv);
         let strides = [c.t * 3 * d, c.hd, 3 * d];
         (vec![qkv], split, strides, strides)
     } else {
@@ -81,36 +49,19 @@ fn run(c: &Case) {
         hd: c.hd,
         q_strides,
         kv_strides,
-        scale: 1.0 / (c.hd as f32).sqrt(),
+        scale: c.scale(),
         window: c.window,
     };
     assert!(shape.supported(dtype));
     let dout = values(&[c.b, c.t, c.h, c.hd], 4, 1.0, dtype);
-    let problem = Problem {
-        b: c.b,
-        h: c.h,
-        g: c.g,
-        t: c.t,
-        hd: c.hd,
-        scale: shape.scale as f64,
-        window: c.window,
-        q: f64s(&qkv[0]),
-        k: f64s(&qkv[1]),
-        v: f64s(&qkv[2]),
-        dout: f64s(&dout),
-    };
-    let u = match dtype {
-        DType::BF16 => 2f64.powi(-8),
-        _ => 2f64.powi(-11),
-    };
-    let want = reference(&problem, u);
+    let want = c.reference(&qkv, &dout);
 
     let fwd_outputs = [(dtype, c.b * c.t * d), (DType::F32, c.b * c.h * c.t)];
     let input_refs: Vec<&Tensor> = inputs.iter().collect();
     let fwd = emulate_outputs(&input_refs, &fwd_outputs, |l, a, o| {
         flash::forward(l, dtype, qkv_at(a), [o[0], o[1]], &shape)
     });
-    let name = |x: &str| format!("{x} {dtype:?} {}x{}x{}x{}", c.h, c.g, c.t, c.hd);
+    let name = |x: &str| format!("{} {dtype:?}", c.name(x));
     let worst_out = want.out.check(&name("out"), &fwd[0]);
     let worst_lse = want.lse.check(&name("lse"), &fwd[1]);
 
@@ -125,7 +76,8 @@ fn run(c: &Case) {
             flash::backward(l, dtype, ptrs(qkv_at(a), &a[n..]), dqkv, &shape)
         });
         let dqkv = from_f32(&g[0], &[c.b, c.t, 3 * d], DType::F32);
-        split_fused(&dqkv, c).map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
+        c.split_fused(&dqkv)
+            .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
     } else {
         let lens = [&qkv[0], &qkv[1], &qkv[2]].map(|t| (dtype, t.elem_count()));
         let g = emulate_outputs(&bwd_inputs, &lens, |l, a, o| {

@@ -13,6 +13,74 @@
 //! - dV = sum_i P dO (P rounded), dK = scale sum_i dS q, dQ = scale sum_j dS k: the sum of the
 //!   terms' errors, and u of the result for its rounding.
 
+use candle_core::{DType, Device, Tensor};
+
+/// A test's shapes: q|k|v `fused` as GPT's projection [B, T, 3, H, hd] (then g = h), or
+/// separate q [B, H, T, hd] and k, v [B, G, T, hd] as Llama's; a sliding `window` (0: none).
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub b: usize,
+    pub h: usize,
+    pub g: usize,
+    pub t: usize,
+    pub hd: usize,
+    pub window: usize,
+    pub fused: bool,
+    pub dtype: DType,
+}
+
+impl Case {
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.hd as f32).sqrt()
+    }
+
+    /// A fused [B, T, 3, H, hd] (any float dtype, any device) as three [B, H, T, hd].
+    pub fn split_fused(&self, qkv: &Tensor) -> [Tensor; 3] {
+        let heads = qkv
+            .reshape((self.b, self.t, 3, self.h, self.hd))
+            .and_then(|t| t.permute((2, 0, 3, 1, 4)))
+            .unwrap();
+        [0, 1, 2].map(|i| heads.get(i).and_then(|t| t.contiguous()).unwrap())
+    }
+
+    /// The reference for q, k and v [B, H or G, T, hd] and the output's gradient dout
+    /// [B, T, H hd], as stored in this case's dtype.
+    pub fn reference(&self, [q, k, v]: &[Tensor; 3], dout: &Tensor) -> Reference {
+        let u = match self.dtype {
+            DType::BF16 => 2f64.powi(-8),
+            _ => 2f64.powi(-11),
+        };
+        let problem = Problem {
+            b: self.b,
+            h: self.h,
+            g: self.g,
+            t: self.t,
+            hd: self.hd,
+            scale: self.scale() as f64,
+            window: self.window,
+            q: f64s(q),
+            k: f64s(k),
+            v: f64s(v),
+            dout: f64s(dout),
+        };
+        reference(&problem, u)
+    }
+
+    /// `what` and the shape, one word: WHAT_hHgGtThdHD.
+    pub fn name(&self, what: &str) -> String {
+        let c = self;
+        format!("{what}_h{}g{}t{}hd{}", c.h, c.g, c.t, c.hd)
+    }
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .and_then(|t| t.to_device(&Device::Cpu))
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1())
+        .unwrap()
+}
+
 /// One call's inputs, as f64: q [B, H, T, hd], k and v [B, G, T, hd], dout [B, T, H, hd].
 pub struct Problem {
     pub b: usize,
