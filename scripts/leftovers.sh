@@ -12,7 +12,10 @@ state() {
     # processes by command line (their pids change); this script's own pipeline excluded
     pgrep -a -f "$root/target/" | cut -d' ' -f2- | sed 's/^/process /' | sort -u || true
     if command -v ip >/dev/null; then ip netns list | awk '{print "netns " $1}'; fi
-    awk '{print "mount " $2}' /proc/mounts
+    # /run/netns itself is iproute2's: the first `ip netns add` on a machine bind-mounts it once
+    # and for good (a fresh machine's first suite would count it); the namespaces' own mounts
+    # below it still count, as do the namespaces
+    awk '$2 != "/run/netns" {print "mount " $2}' /proc/mounts
     find /dev/shm -mindepth 1 -maxdepth 1 -printf 'shm %f\n' 2>/dev/null || true
     find "$tmp" -mindepth 1 -maxdepth 1 \( -name 'ds-*' -o -name 'ds_*' -o -name 'ompi.*' \) -printf 'scratch %p\n' 2>/dev/null || true
     find /sys/fs/cgroup -maxdepth 3 -type d -name 'ds-rs-*' -printf 'cgroup %p\n' 2>/dev/null || true
