@@ -9,6 +9,7 @@ fn main() {
         "kernels/fused.cu",
         "kernels/flash.cu",
         "kernels/common.cuh",
+        "kernels/mma.cuh",
         "kernels/emu/cuda_emu.h",
         "kernels/emu/emu.cpp",
         "kernels/emu/scheduler.cpp",
