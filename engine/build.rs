@@ -10,6 +10,7 @@ fn main() {
         "kernels/flash.cu",
         "kernels/common.cuh",
         "kernels/mma.cuh",
+        "kernels/shared_tiles.cuh",
         "kernels/emu/cuda_emu.h",
         "kernels/emu/emu.cpp",
         "kernels/emu/scheduler.cpp",

@@ -21,13 +21,13 @@ if [ "$most" -gt 64 ] || grep -qE '[1-9][0-9]* bytes spill' <<<"$regs"; then
 fi
 echo "check-cuda: fused.cu's kernels use at most $most registers a thread, no spills"
 # The flash kernels run blocks of 64 or 128 threads, so up to 255 registers a thread launch;
-# their tiles must fit the 48 KiB of static shared memory (ptxas fails the build otherwise).
-# Spills are reported (none so far).
+# their tiles are dynamic shared memory (launch.rs's flash_shared_bytes, up to 56 KiB), so
+# ptxas reports no static shared memory for them. Spills are reported (none so far).
 regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null engine/kernels/flash.cu 2>&1)
 most=$(grep -oE 'Used [0-9]+ registers' <<<"$regs" | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')
 spill=$(grep -oE '[0-9]+ bytes spill stores' <<<"$regs" | awk '{ if ($1 > m) m = $1 } END { print m + 0 }')
-smem=$(grep -oE '[0-9]+ bytes smem' <<<"$regs" | awk '{ if ($1 > m) m = $1 } END { print m + 0 }')
-echo "check-cuda: flash.cu's kernels use at most $most registers a thread, $smem bytes of shared memory a block, spill at most $spill bytes"
+smem=$({ grep -oE '[0-9]+ bytes smem' <<<"$regs" || true; } | awk '{ if ($1 > m) m = $1 } END { print m + 0 }')
+echo "check-cuda: flash.cu's kernels use at most $most registers a thread, $smem bytes of static shared memory a block, spill at most $spill bytes"
 bin=target/cuda/release/ds-rs
 out=$(LD_LIBRARY_PATH="$CUDA_HOME/stub-runtime:$CUDA_HOME/lib64" "$bin" train --device cuda --steps 1 2>&1) && {
     echo "check-cuda: --device cuda trained on a machine with no GPU?" >&2

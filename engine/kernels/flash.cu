@@ -4,7 +4,8 @@
 // blockwise attention (src/kernels/cpu_flash_attention.rs) is the same algorithm in f32.
 //
 // Forward: a block takes 16 queries per warp of one head and walks the key tiles they may see,
-// staged in shared memory. Each tile's scores S = Q K^T stay in registers, where the four lanes
+// staged in shared memory in two stages: the next tile is copied in (cp.async,
+// kernels/shared_tiles.cuh) while the warps work on this one. Each tile's scores S = Q K^T stay in registers, where the four lanes
 // of a row update its running maximum and sum; P = exp(S - max), rounded to the storage type,
 // is the next product's A operand as it lies (O += P V), and O stays in registers in f32,
 // rescaled when a row's maximum grows. Out: the output [B, T, H, hd] and each row's
@@ -20,20 +21,26 @@
 // projection [B, T, 3, H, hd] (GPT) and separate [B, H, T, hd] tensors (Llama) are read where
 // they lie. The output and its gradient are [B, T, H, hd]. src/kernels/gpu/launch.rs computes
 // the grids: blocks of warps<HD>() warps, one block per tile of 16 rows a warp per head per
-// batch; every tile, of queries or keys, has that many rows.
+// batch; every tile, of queries or keys, has that many rows. It also sizes each kernel's dynamic
+// shared memory (ForwardTiles, KeyTiles, QueryTiles below: up to 56 KiB, past the static 48).
 //
 // Rounding: scores, maxima, sums and the products' accumulation are f32; P and dS are rounded
 // to the storage type before they meet V, dO, Q or K on the tensor cores, as FlashAttention's.
 #include "mma.cuh"
+#include "shared_tiles.cuh"
 
 namespace flash {
+
+// exp(x) = exp2(x log2 e): the scores are scaled by log2 e once, so each exponential is one
+// FMA and the ex2 unit (expf's range reduction would be several instructions more).
+constexpr float LOG2E = 1.44269504088896340736f, LN2 = 0.69314718055994530942f;
 
 // Elements added to each shared row: 16 bytes, so successive rows start on different banks and
 // stay 16-byte aligned for the tile copies.
 constexpr int PAD = 8;
 
-// Warps per block for head size HD: 4 while a kernel's shared tiles and registers allow, 2 for
-// 128 (launch.rs's flash_warps). A tile has 16 rows a warp.
+// Warps per block for head size HD: 4 up to 64, 2 for 128, whose dK dV take 238 registers a
+// thread (launch.rs's flash_warps). A tile has 16 rows a warp.
 template <int HD>
 __host__ __device__ constexpr int warps() {
     return HD <= 64 ? 4 : 2;
@@ -88,31 +95,69 @@ __device__ Strides output_strides(uint32_t t, uint32_t heads) {
     return {(uint64_t)t * heads * HD, HD, (uint64_t)heads * HD};
 }
 
-// Rows i0 .. i0 + rows of head h of batch b from `src` into dst[rows][HD + PAD], rows past the
-// sequence as zeros; the block's threads copy 16 bytes each in turn.
+// A tile: `rows` rows of a head, HD elements each, padded.
 template <typename T, int HD>
-__device__ void load_rows(T (*dst)[HD + PAD], const T *src, Strides s, uint32_t b, uint32_t h,
+using Row = T[HD + PAD];
+
+// Rows i0 .. i0 + rows of head h of batch b from `src` into dst[rows][HD + PAD], rows past the
+// sequence as zeros: the block's threads issue a 16-byte asynchronous copy each in turn, which
+// lands at their wait_copies.
+template <typename T, int HD>
+__device__ void copy_rows(Row<T, HD> *dst, const T *src, Strides s, uint32_t b, uint32_t h,
                           uint32_t i0, int rows, uint32_t t) {
     constexpr int V = 16 / sizeof(T), PER_ROW = HD / V;
     for (int x = threadIdx.x; x < rows * PER_ROW; x += blockDim.x) {
         int r = x / PER_ROW, c = x % PER_ROW * V;
-        uint4 v = {0u, 0u, 0u, 0u};
-        if (i0 + r < t) v = *reinterpret_cast<const uint4 *>(src + s.at(b, h, i0 + r) + c);
-        *reinterpret_cast<uint4 *>(&dst[r][c]) = v;
+        if (i0 + r < t)
+            copy_async<16>(&dst[r][c], src + s.at(b, h, i0 + r) + c);
+        else
+            *reinterpret_cast<uint4 *>(&dst[r][c]) = uint4{0u, 0u, 0u, 0u};
     }
 }
 
-// acc[n] = X Y^T for the warp's 16 rows of X at x and the N rows of Y at y (both row-major
-// [.][HD + PAD] in shared memory): N / 8 tiles of 16 x 8.
+// Values i0 .. i0 + rows of a per-row f32 array (the log-sum-exp, D) of head h of batch b into
+// dst, past the sequence as zeros, by 4-byte asynchronous copies.
+__device__ void copy_row_values(float *dst, const float *src, uint32_t heads, uint32_t b,
+                                uint32_t h, uint32_t i0, int rows, uint32_t t) {
+    for (int x = threadIdx.x; x < rows; x += blockDim.x) {
+        if (i0 + x < t)
+            copy_async<4>(&dst[x], src + ((size_t)b * heads + h) * t + i0 + x);
+        else
+            dst[x] = 0.0f;
+    }
+}
+
+// acc[n] += A Y_c^T over N / 8 tiles of 16 x 8: a, 16 columns of the warp's X; y, those 16
+// columns of Y's N rows (row-major, leading dimension HD + PAD, shared memory).
+template <typename T, int HD, int N>
+__device__ void add_products_t(float (&acc)[N / 8][4], const FragA &a, const T *y) {
+    for (int n = 0; n < N / 8; n += 2) {
+        FragB bs[2];
+        load_b_t2(bs, y + n * 8 * (HD + PAD), HD + PAD);
+        mma<T>(acc[n], a, bs[0]);
+        mma<T>(acc[n + 1], a, bs[1]);
+    }
+}
+
+template <int N>
+__device__ void zero(float (&acc)[N][4]) {
+    for (int n = 0; n < N; n++)
+        for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
+}
+
+// acc[n] = X Y^T for the warp's 16 rows of X, held as its HD / 16 A fragments, and the N rows
+// of Y at y (row-major [.][HD + PAD] in shared memory): N / 8 tiles of 16 x 8.
+template <typename T, int HD, int N>
+__device__ void products_t(float (&acc)[N / 8][4], const FragA (&x)[HD / 16], const T *y) {
+    zero(acc);
+    for (int c = 0; c < HD / 16; c++) add_products_t<T, HD, N>(acc, x[c], y + c * 16);
+}
+// The same with X's 16 rows at x in shared memory, read a fragment at a time.
 template <typename T, int HD, int N>
 __device__ void products_t(float (&acc)[N / 8][4], const T *x, const T *y) {
-    for (int n = 0; n < N / 8; n++)
-        for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
-    for (int c = 0; c < HD / 16; c++) {
-        FragA a = load_a(x + c * 16, HD + PAD);
-        for (int n = 0; n < N / 8; n++)
-            mma<T>(acc[n], a, load_b_t(y + n * 8 * (HD + PAD) + c * 16, HD + PAD));
-    }
+    zero(acc);
+    for (int c = 0; c < HD / 16; c++)
+        add_products_t<T, HD, N>(acc, load_a(x + c * 16, HD + PAD), y + c * 16);
 }
 
 // acc[n] += P Y: P the warp's 16 x K in registers (K / 8 tiles of 16 x 8, f32, rounded to T
@@ -121,8 +166,12 @@ template <typename T, int HD, int K>
 __device__ void accumulate(float (&acc)[HD / 8][4], const float (&p)[K / 8][4], const T *y) {
     for (int c = 0; c < K / 16; c++) {
         FragA a = as_a<T>(p[2 * c], p[2 * c + 1]);
-        for (int n = 0; n < HD / 8; n++)
-            mma<T>(acc[n], a, load_b(y + c * 16 * (HD + PAD) + n * 8, HD + PAD));
+        for (int n = 0; n < HD / 8; n += 2) {
+            FragB bs[2];
+            load_b2(bs, y + c * 16 * (HD + PAD) + n * 8, HD + PAD);
+            mma<T>(acc[n], a, bs[0]);
+            mma<T>(acc[n + 1], a, bs[1]);
+        }
     }
 }
 
@@ -159,61 +208,76 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// The forward's shared memory: two stages of key and value tiles, one in use while the next
+// is copied in. The block's queries pass through k[1] on their way to registers.
+template <typename T, int HD>
+struct ForwardTiles {
+    static constexpr int ROWS = 16 * warps<HD>();
+    Row<T, HD> k[2][ROWS], v[2][ROWS];
+};
+
 template <typename T, int HD>
 __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, uint32_t heads,
                         uint32_t kv_heads, Mask m, Strides qs, Strides kvs, float scale) {
-    constexpr int W = warps<HD>(), ROWS = 16 * W;
-    // keys in rows 0 .. ROWS, values in ROWS .. 2 ROWS; at first the block's queries
-    __shared__ __align__(16) T kv[2 * ROWS][HD + PAD];
+    using Tiles = ForwardTiles<T, HD>;
+    constexpr int ROWS = Tiles::ROWS;
+    Tiles &sm = shared_tiles<Tiles>();
     Place at = place(m.t, heads, ROWS, true);
     uint32_t h = at.head, b = at.batch, g = h / (heads / kv_heads);
     uint32_t q0 = at.row0, r0 = q0 + threadIdx.x / 32 * 16;
+    uint32_t j0 = m.first_key(q0, ROWS), end = min(m.t, q0 + ROWS);  // j0 < end: q0 sees q0
 
-    load_rows<T, HD>(kv, q, qs, b, h, q0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k[1], q, qs, b, h, q0, ROWS, m.t);
+    commit_copies();
+    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, ROWS, m.t);
+    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, ROWS, m.t);
+    commit_copies();
+    wait_copies<1>();  // the queries (the first key tile may still be in flight)
     __syncthreads();
     FragA qf[HD / 16];
-    for (int c = 0; c < HD / 16; c++) qf[c] = load_a(&kv[r0 - q0][c * 16], HD + PAD);
+    for (int c = 0; c < HD / 16; c++) qf[c] = load_a(&sm.k[1][r0 - q0][c * 16], HD + PAD);
     float o[HD / 8][4] = {};
-    // the lane's two rows, g and g + 8: running maximum and sum
+    // the lane's two rows, g and g + 8: running maximum (of scores times log2 e) and sum
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+    float scale2 = scale * LOG2E;  // exp(x scale) = exp2(x scale2): one FMA and ex2
 
-    for (uint32_t j0 = m.first_key(q0, ROWS); j0 < min(m.t, q0 + ROWS); j0 += ROWS) {
-        __syncthreads();  // every warp is done with the previous tile (and the queries)
-        load_rows<T, HD>(kv, k, kvs, b, g, j0, ROWS, m.t);
-        load_rows<T, HD>(kv + ROWS, v, kvs, b, g, j0, ROWS, m.t);
+    for (int stage = 0; j0 < end; j0 += ROWS, stage ^= 1) {
+        __syncthreads();  // every warp is done with the other stage (a tile, or the queries)
+        if (j0 + ROWS < end) {
+            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, ROWS, m.t);
+            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, ROWS, m.t);
+        }
+        commit_copies();
+        wait_copies<1>();  // this tile (the next may still be in flight)
         __syncthreads();
         if (!m.any(r0, 16, j0, ROWS)) continue;  // the same for the warp's lanes
 
         float s[ROWS / 8][4];
-        for (int n = 0; n < ROWS / 8; n++)
-            for (int e = 0; e < 4; e++) s[n][e] = 0.0f;
-        for (int c = 0; c < HD / 16; c++)
-            for (int n = 0; n < ROWS / 8; n++)
-                mma<T>(s[n], qf[c], load_b_t(&kv[n * 8][c * 16], HD + PAD));
+        products_t<T, HD, ROWS>(s, qf, &sm.k[stage][0][0]);  // S = Q K^T
         float tile_max[2] = {-INFINITY, -INFINITY};
         for (int n = 0; n < ROWS / 8; n++)
             for (int e = 0; e < 4; e++) {
                 bool seen = m.seen(r0 + tile_row(e), j0 + tile_col(n, e));
-                s[n][e] = seen ? s[n][e] * scale : -INFINITY;
+                s[n][e] = seen ? s[n][e] * scale2 : -INFINITY;
                 tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
             }
         float alpha[2], sum[2] = {0.0f, 0.0f};
         for (int r = 0; r < 2; r++) {
             float new_max = fmaxf(run_max[r], quad_max(tile_max[r]));
             // a row that has seen nothing yet keeps max -inf: its p are 0, nothing rescales
-            alpha[r] = new_max == -INFINITY ? 1.0f : expf(run_max[r] - new_max);
+            alpha[r] = new_max == -INFINITY ? 1.0f : exp2f(run_max[r] - new_max);
             run_max[r] = new_max;
         }
         for (int n = 0; n < ROWS / 8; n++)
             for (int e = 0; e < 4; e++) {
                 float mx = run_max[e >> 1];
-                s[n][e] = mx == -INFINITY ? 0.0f : expf(s[n][e] - mx);
+                s[n][e] = mx == -INFINITY ? 0.0f : exp2f(s[n][e] - mx);
                 sum[e >> 1] += s[n][e];
             }
         for (int r = 0; r < 2; r++) run_sum[r] = run_sum[r] * alpha[r] + quad_sum(sum[r]);
         for (int n = 0; n < HD / 8; n++)
             for (int e = 0; e < 4; e++) o[n][e] *= alpha[e >> 1];
-        accumulate<T, HD, ROWS>(o, s, &kv[ROWS][0]);
+        accumulate<T, HD, ROWS>(o, s, &sm.v[stage][0][0]);
     }
 
     // every row inside the sequence has seen itself: run_sum >= 1
@@ -224,7 +288,7 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     for (int r = 0; r < 2; r++) {
         uint32_t i = r0 + quad_row() + 8 * r;
         if (i < m.t && quad_col() == 0)
-            lse[((size_t)b * heads + h) * m.t + i] = run_max[r] + logf(run_sum[r]);
+            lse[((size_t)b * heads + h) * m.t + i] = run_max[r] * LN2 + logf(run_sum[r]);
     }
 }
 
@@ -253,84 +317,118 @@ template <int N, typename Lse, typename D>
 __device__ void probabilities_and_ds(float (&s)[N / 8][4], float (&dp)[N / 8][4], Mask m,
                                      uint32_t row0, uint32_t col0, bool transposed, float scale,
                                      Lse lse_of, D d_of) {
+    float scale2 = scale * LOG2E;
     for (int n = 0; n < N / 8; n++)
         for (int e = 0; e < 4; e++) {
             uint32_t r = row0 + tile_row(e), c = col0 + tile_col(n, e);
             uint32_t i = transposed ? c : r, j = transposed ? r : c;
-            float p = m.seen(i, j) ? expf(s[n][e] * scale - lse_of(n, e)) : 0.0f;
+            float p = m.seen(i, j) ? exp2f(s[n][e] * scale2 - lse_of(n, e) * LOG2E) : 0.0f;
             s[n][e] = p;
             dp[n][e] = p * (dp[n][e] - d_of(n, e));
         }
 }
 
+// The shared memory of dK dV: the block's keys and values, and two stages of the query tiles
+// they meet (queries, output gradients, and those rows' log-sum-exp and D).
+template <typename T, int HD>
+struct KeyTiles {
+    static constexpr int ROWS = 16 * warps<HD>();
+    Row<T, HD> k[ROWS], v[ROWS], q[2][ROWS], dout[2][ROWS];
+    float lse[2][ROWS], d[2][ROWS];
+};
+
+// The query tiles the keys k0 .. k0 + rows meet, in order: for each query head of their group,
+// the tiles from the one holding k0 to the last that sees them.
+struct QueryWalk {
+    uint32_t first_head, first, tiles_per_head, rows;
+    __device__ uint32_t steps(uint32_t group) const { return group * tiles_per_head; }
+    __device__ uint32_t head(uint32_t n) const { return first_head + n / tiles_per_head; }
+    __device__ uint32_t row0(uint32_t n) const { return first + n % tiles_per_head * rows; }
+};
+
 // dK and dV of a tile of 16 keys per warp of one key head: over every query head of its group
 // and every query tile that sees it, dV += P^T dO and dK += dS^T Q, with P^T = exp(K Q^T - lse)
-// and dS^T = P^T * (V dO^T - D); dK is scaled once at the end.
+// and dS^T = P^T * (V dO^T - D); dK is scaled once at the end. Each query tile is copied in
+// while the warps work on the one before.
 template <typename T, int HD>
 __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
                               const float *lse, const float *d, T *dk, T *dv, uint32_t heads,
                               uint32_t kv_heads, Mask m, Strides qs, Strides kvs, float scale) {
-    constexpr int W = warps<HD>(), ROWS = 16 * W;
-    __shared__ __align__(16) T ks[ROWS][HD + PAD];
-    __shared__ __align__(16) T vs[ROWS][HD + PAD];
-    __shared__ __align__(16) T qt[ROWS][HD + PAD];
-    __shared__ __align__(16) T dos[ROWS][HD + PAD];
-    __shared__ float lse_t[ROWS], d_t[ROWS];
+    using Tiles = KeyTiles<T, HD>;
+    constexpr int ROWS = Tiles::ROWS;
+    Tiles &sm = shared_tiles<Tiles>();
     Place at = place(m.t, kv_heads, ROWS, false);  // the first keys, seen most, first
     uint32_t g = at.head, b = at.batch, group = heads / kv_heads;
     uint32_t k0 = at.row0, r0 = k0 + threadIdx.x / 32 * 16;
     Strides os = output_strides<HD>(m.t, heads);
+    uint32_t first = k0 / ROWS * ROWS;  // < query_end: key k0 sees query k0
+    QueryWalk walk{g * group, first, (m.query_end(k0, ROWS) - first + ROWS - 1) / ROWS, ROWS};
+    auto copy_tile = [&](uint32_t n, int stage) {
+        uint32_t h = walk.head(n), i0 = walk.row0(n);
+        copy_rows<T, HD>(sm.q[stage], q, qs, b, h, i0, ROWS, m.t);
+        copy_rows<T, HD>(sm.dout[stage], dout, os, b, h, i0, ROWS, m.t);
+        copy_row_values(sm.lse[stage], lse, heads, b, h, i0, ROWS, m.t);
+        copy_row_values(sm.d[stage], d, heads, b, h, i0, ROWS, m.t);
+    };
 
-    load_rows<T, HD>(ks, k, kvs, b, g, k0, ROWS, m.t);
-    load_rows<T, HD>(vs, v, kvs, b, g, k0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k, k, kvs, b, g, k0, ROWS, m.t);
+    copy_rows<T, HD>(sm.v, v, kvs, b, g, k0, ROWS, m.t);
+    copy_tile(0, 0);
+    commit_copies();
     float dkf[HD / 8][4] = {}, dvf[HD / 8][4] = {};
-    for (uint32_t h = g * group; h < (g + 1) * group; h++) {
-        for (uint32_t i0 = k0 / ROWS * ROWS; i0 < m.query_end(k0, ROWS); i0 += ROWS) {
-            __syncthreads();  // every warp is done with the previous tile
-            load_rows<T, HD>(qt, q, qs, b, h, i0, ROWS, m.t);
-            load_rows<T, HD>(dos, dout, os, b, h, i0, ROWS, m.t);
-            for (int x = threadIdx.x; x < ROWS; x += blockDim.x) {
-                bool in = i0 + x < m.t;
-                size_t at = ((size_t)b * heads + h) * m.t + i0 + x;
-                lse_t[x] = in ? lse[at] : 0.0f;
-                d_t[x] = in ? d[at] : 0.0f;
-            }
-            __syncthreads();
-            if (!m.any(i0, ROWS, r0, 16)) continue;
+    for (uint32_t n = 0, steps = walk.steps(group); n < steps; n++) {
+        int stage = n & 1;
+        __syncthreads();  // every warp is done with the other stage
+        if (n + 1 < steps) copy_tile(n + 1, stage ^ 1);
+        commit_copies();
+        wait_copies<1>();  // this tile (the next may still be in flight)
+        __syncthreads();
+        uint32_t i0 = walk.row0(n);
+        if (!m.any(i0, ROWS, r0, 16)) continue;
 
-            float s[ROWS / 8][4], ds[ROWS / 8][4];
-            products_t<T, HD, ROWS>(s, &ks[r0 - k0][0], &qt[0][0]);   // S^T = K Q^T
-            products_t<T, HD, ROWS>(ds, &vs[r0 - k0][0], &dos[0][0]);  // dP^T = V dO^T
-            auto col = [](int n, int e) { return tile_col(n, e); };
-            probabilities_and_ds<ROWS>(
-                s, ds, m, r0, i0, true, scale, [&](int n, int e) { return lse_t[col(n, e)]; },
-                [&](int n, int e) { return d_t[col(n, e)]; });
-            accumulate<T, HD, ROWS>(dvf, s, &dos[0][0]);  // dV += P^T dO
-            accumulate<T, HD, ROWS>(dkf, ds, &qt[0][0]);  // dK += dS^T Q
-        }
+        float s[ROWS / 8][4], ds[ROWS / 8][4];
+        products_t<T, HD, ROWS>(s, &sm.k[r0 - k0][0], &sm.q[stage][0][0]);      // S^T = K Q^T
+        products_t<T, HD, ROWS>(ds, &sm.v[r0 - k0][0], &sm.dout[stage][0][0]);  // dP^T = V dO^T
+        const float *lse_t = sm.lse[stage], *d_t = sm.d[stage];
+        probabilities_and_ds<ROWS>(
+            s, ds, m, r0, i0, true, scale, [&](int n, int e) { return lse_t[tile_col(n, e)]; },
+            [&](int n, int e) { return d_t[tile_col(n, e)]; });
+        accumulate<T, HD, ROWS>(dvf, s, &sm.dout[stage][0][0]);  // dV += P^T dO
+        accumulate<T, HD, ROWS>(dkf, ds, &sm.q[stage][0][0]);    // dK += dS^T Q
     }
     write_rows<T, HD>(dkf, scale, dk, kvs, b, g, r0, m.t);
     write_rows<T, HD>(dvf, 1.0f, dv, kvs, b, g, r0, m.t);
 }
 
+// The shared memory of dQ: the block's queries and output gradients, and two stages of the key
+// and value tiles they see.
+template <typename T, int HD>
+struct QueryTiles {
+    static constexpr int ROWS = 16 * warps<HD>();
+    Row<T, HD> q[ROWS], dout[ROWS], k[2][ROWS], v[2][ROWS];
+};
+
 // dQ of a tile of 16 queries per warp of one head: over the key tiles it sees, dQ += dS K with
-// dS = exp(Q K^T - lse) * (dO V^T - D), scaled once at the end.
+// dS = exp(Q K^T - lse) * (dO V^T - D), scaled once at the end. Each key tile is copied in while
+// the warps work on the one before.
 template <typename T, int HD>
 __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, const float *lse,
                             const float *d, T *dq, uint32_t heads, uint32_t kv_heads, Mask m,
                             Strides qs, Strides kvs, float scale) {
-    constexpr int W = warps<HD>(), ROWS = 16 * W;
-    __shared__ __align__(16) T qt[ROWS][HD + PAD];
-    __shared__ __align__(16) T dos[ROWS][HD + PAD];
-    __shared__ __align__(16) T ks[ROWS][HD + PAD];
-    __shared__ __align__(16) T vs[ROWS][HD + PAD];
+    using Tiles = QueryTiles<T, HD>;
+    constexpr int ROWS = Tiles::ROWS;
+    Tiles &sm = shared_tiles<Tiles>();
     Place at = place(m.t, heads, ROWS, true);
     uint32_t h = at.head, b = at.batch, g = h / (heads / kv_heads);
     uint32_t q0 = at.row0, r0 = q0 + threadIdx.x / 32 * 16;
     Strides os = output_strides<HD>(m.t, heads);
+    uint32_t j0 = m.first_key(q0, ROWS), end = min(m.t, q0 + ROWS);  // j0 < end: q0 sees q0
 
-    load_rows<T, HD>(qt, q, qs, b, h, q0, ROWS, m.t);
-    load_rows<T, HD>(dos, dout, os, b, h, q0, ROWS, m.t);
+    copy_rows<T, HD>(sm.q, q, qs, b, h, q0, ROWS, m.t);
+    copy_rows<T, HD>(sm.dout, dout, os, b, h, q0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, ROWS, m.t);
+    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, ROWS, m.t);
+    commit_copies();
     // the lane's rows g and g + 8: their log-sum-exp and D
     float lse_r[2], d_r[2];
     for (int r = 0; r < 2; r++) {
@@ -341,20 +439,24 @@ __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, c
     }
     float dqf[HD / 8][4] = {};
 
-    for (uint32_t j0 = m.first_key(q0, ROWS); j0 < min(m.t, q0 + ROWS); j0 += ROWS) {
-        __syncthreads();  // every warp is done with the previous tile (and the first one loaded)
-        load_rows<T, HD>(ks, k, kvs, b, g, j0, ROWS, m.t);
-        load_rows<T, HD>(vs, v, kvs, b, g, j0, ROWS, m.t);
+    for (int stage = 0; j0 < end; j0 += ROWS, stage ^= 1) {
+        __syncthreads();  // every warp is done with the other stage
+        if (j0 + ROWS < end) {
+            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, ROWS, m.t);
+            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, ROWS, m.t);
+        }
+        commit_copies();
+        wait_copies<1>();  // this tile (the next may still be in flight)
         __syncthreads();
         if (!m.any(r0, 16, j0, ROWS)) continue;
 
         float s[ROWS / 8][4], ds[ROWS / 8][4];
-        products_t<T, HD, ROWS>(s, &qt[r0 - q0][0], &ks[0][0]);    // S = Q K^T
-        products_t<T, HD, ROWS>(ds, &dos[r0 - q0][0], &vs[0][0]);  // dP = dO V^T
+        products_t<T, HD, ROWS>(s, &sm.q[r0 - q0][0], &sm.k[stage][0][0]);      // S = Q K^T
+        products_t<T, HD, ROWS>(ds, &sm.dout[r0 - q0][0], &sm.v[stage][0][0]);  // dP = dO V^T
         probabilities_and_ds<ROWS>(
             s, ds, m, r0, j0, false, scale, [&](int, int e) { return lse_r[e >> 1]; },
             [&](int, int e) { return d_r[e >> 1]; });
-        accumulate<T, HD, ROWS>(dqf, ds, &ks[0][0]);  // dQ += dS K
+        accumulate<T, HD, ROWS>(dqf, ds, &sm.k[stage][0][0]);  // dQ += dS K
     }
     write_rows<T, HD>(dqf, scale, dq, qs, b, h, r0, m.t);
 }

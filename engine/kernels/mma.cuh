@@ -6,8 +6,9 @@
 //   B, 16 x 8:   x[0] = (2q..2q+1, g)  x[1] = (2q+8.., g)            (rows are k, columns n)
 //   C, 16 x 8:   c[0], c[1] = (g, 2q..2q+1)  c[2], c[3] = (g+8, 2q..2q+1)   in f32
 // A C tile's two halves over 16 columns, rounded to T, are an A fragment of those 16 as k:
-// FlashAttention-2 keeps S, P and O in registers so. Under kernels/emu the product runs in
-// cuda_emu.h with this same layout.
+// FlashAttention-2 keeps S, P and O in registers so. The fragments come from shared memory by
+// ldmatrix, four 8 x 8 matrices an instruction. Under kernels/emu the product and ldmatrix run
+// in cuda_emu.h with this same layout.
 #pragma once
 #include "common.cuh"
 
@@ -55,16 +56,6 @@ template <typename T>
 __device__ __forceinline__ uint32_t bits(const T &v) {
     return *reinterpret_cast<const uint16_t *>(&v);
 }
-// Two adjacent elements as one register.
-template <typename T>
-__device__ __forceinline__ uint32_t pair(const T *p) {
-    return *reinterpret_cast<const uint32_t *>(p);
-}
-// Two elements `ld` apart as one register.
-template <typename T>
-__device__ __forceinline__ uint32_t pair(const T *p, int ld) {
-    return bits(p[0]) | bits(p[ld]) << 16;
-}
 // Two f32 values rounded to T, as one register.
 template <typename T>
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
@@ -74,24 +65,64 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     return bits(a) | bits(b) << 16;
 }
 
-// The A fragment of the 16 x 16 block at `m` of a row-major matrix of leading dimension ld.
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (sm_75 and later): four 8 x 8 matrices of 16-bit
+// elements from shared memory, lanes 8 i .. 8 i + 7 giving the addresses of matrix i's eight
+// rows (16 bytes each, 16-byte aligned). Register i of lane 4 g + q then holds matrix i's
+// elements (g, 2q) and (g, 2q + 1); with `trans`, (2q, g) and (2q + 1, g).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *row);
+
+#ifdef CUDA_EMU
+template <bool TRANS>
+inline void ldmatrix_x4(uint32_t (&r)[4], const void *row) {
+    cuda_emu::ldmatrix_x4(r, row, TRANS);
+}
+#else
+template <>
+__device__ __forceinline__ void ldmatrix_x4<false>(uint32_t (&r)[4], const void *row) {
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+template <>
+__device__ __forceinline__ void ldmatrix_x4<true>(uint32_t (&r)[4], const void *row) {
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+#endif
+
+// The A fragment of the 16 x 16 block at `m` of a row-major matrix of leading dimension ld (in
+// shared memory, rows 16-byte aligned): its quarters (rows 0-7 and 8-15, columns 0-7 and 8-15)
+// are ldmatrix's four matrices in the order of x[0..3].
 template <typename T>
 __device__ __forceinline__ FragA load_a(const T *m, int ld) {
-    unsigned g = quad_row(), q = quad_col();
-    return {{pair(m + g * ld + 2 * q), pair(m + (g + 8) * ld + 2 * q),
-             pair(m + g * ld + 2 * q + 8), pair(m + (g + 8) * ld + 2 * q + 8)}};
+    unsigned l = threadIdx.x % 32;
+    FragA a;
+    ldmatrix_x4<false>(a.x, m + (l % 8 + (l / 8 % 2) * 8) * ld + l / 16 * 8);
+    return a;
 }
-// The B fragment (16 x 8) of M^T, M's 8 rows of 16 at `m` (row-major, ld): B(k, n) = M(n, k).
+// The B fragments (16 x 8) of M^T for two tiles: M's rows 0-7 and 8-15 of 16 at `m`
+// (row-major, ld, shared memory): B(k, n) = M(n, k), b[t] from rows 8 t .. 8 t + 7.
 template <typename T>
-__device__ __forceinline__ FragB load_b_t(const T *m, int ld) {
-    unsigned g = quad_row(), q = quad_col();
-    return {{pair(m + g * ld + 2 * q), pair(m + g * ld + 2 * q + 8)}};
+__device__ __forceinline__ void load_b_t2(FragB (&b)[2], const T *m, int ld) {
+    unsigned l = threadIdx.x % 32;
+    uint32_t r[4];
+    ldmatrix_x4<false>(r, m + (l % 8 + l / 16 * 8) * ld + (l / 8 % 2) * 8);
+    b[0] = {{r[0], r[1]}};
+    b[1] = {{r[2], r[3]}};
 }
-// The B fragment (16 x 8) of M itself, M's 16 rows of 8 at `m` (row-major, ld).
+// The B fragments (16 x 8) of M itself for two tiles: M's 16 rows (k) of columns 0-7 and
+// 8-15 at `m` (row-major, ld, shared memory), b[t] from columns 8 t .. 8 t + 7.
 template <typename T>
-__device__ __forceinline__ FragB load_b(const T *m, int ld) {
-    unsigned g = quad_row(), q = quad_col();
-    return {{pair(m + 2 * q * ld + g, ld), pair(m + (2 * q + 8) * ld + g, ld)}};
+__device__ __forceinline__ void load_b2(FragB (&b)[2], const T *m, int ld) {
+    unsigned l = threadIdx.x % 32;
+    uint32_t r[4];
+    ldmatrix_x4<true>(r, m + (l % 8 + (l / 8 % 2) * 8) * ld + l / 16 * 8);
+    b[0] = {{r[0], r[1]}};
+    b[1] = {{r[2], r[3]}};
 }
 // The A fragment of 16 columns of a 16-row f32 result held as two C tiles (columns 0-7 in
 // c0, 8-15 in c1), rounded to T.

@@ -10,7 +10,13 @@
 // another as far as each can, in order or reversed (the tests run both), so a missing
 // __syncthreads shows as a wrong result, and a barrier some threads never reach is reported.
 // __shared__ is a function-local static: one copy per OS thread (thread_local), shared by the
-// fibers of the block running there, so tests may run in parallel.
+// fibers of the block running there, so tests may run in parallel. A launch's dynamic shared
+// memory is a buffer of its size, filled with 0xff bytes (NaN in every float type) before each
+// block, as a GPU's holds garbage.
+// Asynchronous copies (cp.async) are as late as PTX allows: the destination is filled with 0xff
+// when a thread issues one, and the data lands when that thread waits for its group, so reading
+// a tile before the wait (or before the barrier after every thread's wait), or overwriting one
+// another warp still reads, shows as NaN in the result.
 #pragma once
 
 #include <cmath>
@@ -50,10 +56,22 @@ uint64_t slot_of(unsigned src);
 unsigned lane();
 // The current warp's scratch for a matrix product: 512 floats.
 float *warp_scratch();
+// The launch's dynamic shared memory and its size in bytes.
+char *dynamic_shared();
+uint32_t dynamic_shared_bytes();
+// cp.async: `bytes` from src to dst, landing at the issuing thread's wait_copies; commit_group;
+// wait_group n (lands all but the newest n committed groups of the calling thread).
+void copy_async(void *dst, const void *src, unsigned bytes);
+void commit_copies();
+void wait_copies(unsigned newest_pending);
+// __trap: reports `why` and aborts the process (a GPU stops the kernel with an error).
+[[noreturn]] void trap(const char *why);
 
-// Runs `body` for every thread of `grid` x `block`, warps and lanes in order or `reversed`.
-// Returns false and prints why when the kernel deadlocks on a barrier.
-bool launch(dim3 grid, dim3 block, bool reversed, const std::function<void()> &body);
+// Runs `body` for every thread of `grid` x `block` with `shared` bytes of dynamic shared
+// memory, warps and lanes in order or `reversed`. Returns false and prints why when the kernel
+// deadlocks on a barrier.
+bool launch(dim3 grid, dim3 block, unsigned shared, bool reversed,
+            const std::function<void()> &body);
 
 }  // namespace cuda_emu
 
@@ -178,5 +196,26 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
     }
     syncwarp();  // every lane has read before a later product writes
     for (unsigned i = 0; i < 4; i++) d[i] = out[i];
+}
+
+// PTX's ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: every lane publishes the row address
+// it gives (lanes 8 i .. 8 i + 7: matrix i's rows), then takes its registers' elements from
+// the rows that hold them: register i, elements (g, 2q) and (g, 2q + 1) of matrix i, or with
+// `trans` (2q, g) and (2q + 1, g).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void *row, bool trans) {
+    if ((uintptr_t)row % 16 != 0) trap("ldmatrix: a row address that is not 16-byte aligned");
+    *my_slot() = (uint64_t)(uintptr_t)row;
+    syncwarp();
+    unsigned g = lane() / 4, q = lane() % 4;
+    for (unsigned i = 0; i < 4; i++) {
+        uint32_t e[2];
+        for (unsigned h = 0; h < 2; h++) {
+            unsigned at_row = trans ? 2 * q + h : g, col = trans ? g : 2 * q + h;
+            auto p = reinterpret_cast<const uint16_t *>((uintptr_t)slot_of(8 * i + at_row));
+            e[h] = p[col];
+        }
+        r[i] = e[0] | e[1] << 16;
+    }
+    syncwarp();  // every lane has read before a later exchange writes the slots
 }
 }  // namespace cuda_emu

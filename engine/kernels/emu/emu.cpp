@@ -42,16 +42,16 @@ const Entry kernels[] = {
 
 }  // namespace
 
-// 0: ran; 1: no kernel of that name; 2: the launch failed (its reason on stderr). `reversed`:
-// warps and lanes from the last (cuda_emu::launch).
-extern "C" int ds_emu_launch(const char *name, unsigned grid, unsigned block, int reversed,
-                             void **args) {
+// 0: ran; 1: no kernel of that name; 2: the launch failed (its reason on stderr). `shared`:
+// bytes of dynamic shared memory; `reversed`: warps and lanes from the last (cuda_emu::launch).
+extern "C" int ds_emu_launch(const char *name, unsigned grid, unsigned block, unsigned shared,
+                             int reversed, void **args) {
     for (const Entry &e : kernels) {
         if (std::strcmp(e.name, name) != 0) continue;
         dim3 g, b;
         g.x = grid;
         b.x = block;
-        return cuda_emu::launch(g, b, reversed != 0, e.bind(args)) ? 0 : 2;
+        return cuda_emu::launch(g, b, shared, reversed != 0, e.bind(args)) ? 0 : 2;
     }
     return 1;
 }

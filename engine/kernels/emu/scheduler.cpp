@@ -15,6 +15,13 @@ struct Barrier {
     uint64_t generation = 0;
 };
 
+// An asynchronous copy in flight.
+struct Copy {
+    void *dst;
+    const void *src;
+    unsigned bytes;
+};
+
 struct Fiber {
     ucontext_t context;
     std::unique_ptr<char[]> stack;
@@ -22,6 +29,9 @@ struct Fiber {
     // The barrier it waits at (nullptr when running) and that barrier's generation then.
     Barrier *waiting = nullptr;
     uint64_t generation = 0;
+    // Its asynchronous copies not yet committed, and its committed groups, oldest first.
+    std::vector<Copy> open;
+    std::vector<std::vector<Copy>> groups;
 };
 
 struct Launch {
@@ -32,6 +42,8 @@ struct Launch {
     std::vector<Barrier> warp_barriers;
     std::vector<uint64_t> slots;  // one shuffle slot per thread
     std::vector<float> products;  // 512 floats per warp: mma.sync's operands (cuda_emu.h)
+    std::vector<uint4> shared;    // dynamic shared memory, 16-byte aligned
+    unsigned shared_bytes = 0;
     unsigned running = 0;
 };
 
@@ -68,6 +80,33 @@ uint64_t *my_slot() { return &current->slots[lane_slot]; }
 uint64_t slot_of(unsigned src) { return current->slots[(lane_slot / 32) * 32 + src]; }
 unsigned lane() { return lane_slot % 32; }
 float *warp_scratch() { return &current->products[(lane_slot / 32) * 512]; }
+char *dynamic_shared() { return reinterpret_cast<char *>(current->shared.data()); }
+uint32_t dynamic_shared_bytes() { return current->shared_bytes; }
+
+void copy_async(void *dst, const void *src, unsigned bytes) {
+    std::memset(dst, 0xff, bytes);
+    current->fibers[current->running].open.push_back({dst, src, bytes});
+}
+
+void commit_copies() {
+    Fiber &f = current->fibers[current->running];
+    f.groups.push_back(std::move(f.open));
+    f.open.clear();
+}
+
+void wait_copies(unsigned newest_pending) {
+    Fiber &f = current->fibers[current->running];
+    size_t landing = f.groups.size() > newest_pending ? f.groups.size() - newest_pending : 0;
+    for (size_t g = 0; g < landing; g++)
+        for (const Copy &c : f.groups[g]) std::memcpy(c.dst, c.src, c.bytes);
+    f.groups.erase(f.groups.begin(), f.groups.begin() + landing);
+}
+
+void trap(const char *why) {
+    std::fprintf(stderr, "cuda_emu: block (%u, %u, %u) thread %u trapped: %s\n", blockIdx.x,
+                 blockIdx.y, blockIdx.z, threadIdx.x, why);
+    std::abort();
+}
 
 static void fiber_main() {
     Launch &l = *current;
@@ -85,12 +124,15 @@ static bool run_block(Launch &l, unsigned threads, bool reversed) {
         Fiber &f = l.fibers[i];
         f.done = false;
         f.waiting = nullptr;
+        f.open.clear();
+        f.groups.clear();
         getcontext(&f.context);
         f.context.uc_stack.ss_sp = f.stack.get();
         f.context.uc_stack.ss_size = kStack;
         f.context.uc_link = &l.scheduler;
         makecontext(&f.context, fiber_main, 0);
     }
+    std::memset(l.shared.data(), 0xff, l.shared.size() * sizeof(uint4));
     unsigned warps = threads / 32, live = threads;
     while (live > 0) {
         bool progress = false;
@@ -116,7 +158,8 @@ static bool run_block(Launch &l, unsigned threads, bool reversed) {
     return true;
 }
 
-bool launch(dim3 grid, dim3 block, bool reversed, const std::function<void()> &body) {
+bool launch(dim3 grid, dim3 block, unsigned shared, bool reversed,
+            const std::function<void()> &body) {
     unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024 || threads % 32 != 0) {
         std::fprintf(stderr, "cuda_emu: %u threads per block (whole warps, at most 1024)\n",
@@ -132,6 +175,8 @@ bool launch(dim3 grid, dim3 block, bool reversed, const std::function<void()> &b
     for (Barrier &b : l.warp_barriers) b.size = 32;
     l.slots.assign(threads, 0);
     l.products.assign(threads / 32 * 512, 0.0f);
+    l.shared.resize((shared + 15) / 16);
+    l.shared_bytes = shared;
     Launch *outer = current;
     current = &l;
     blockDim = block;

@@ -3,6 +3,7 @@
 //! tensors in and out for the Llama family's fused paths (rms_swiglu.rs, rotary.rs).
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
@@ -25,6 +26,9 @@ fn module(kernel: &str) -> (&'static str, &'static str) {
         false => ("ds_fused", PTX),
     }
 }
+
+/// Dynamic shared memory a block may have without opting in.
+const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
 
 /// Launches on `dev`'s stream, where candle runs everything else, so no event is needed
 /// between the kernels and the ops around them.
@@ -52,10 +56,15 @@ impl Launcher for Cuda<'_> {
                 Arg::F32(v) => b.arg(v),
             };
         }
+        if at.shared > STATIC_SHARED_LIMIT {
+            // past 48 KiB a kernel must be allowed its dynamic shared memory first
+            let most = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(most, at.shared as i32).w()?;
+        }
         let cfg = LaunchConfig {
             grid_dim: (at.grid, 1, 1),
             block_dim: (at.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: at.shared,
         };
         // SAFETY: `args` match `kernel`'s parameters in fused.cu (the emulator tests check the
         // calls), and every address is a live allocation of the sizes the calls give.

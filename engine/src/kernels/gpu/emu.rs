@@ -15,6 +15,7 @@ extern "C" {
         name: *const c_char,
         grid: u32,
         block: u32,
+        shared: u32,
         reversed: c_int,
         args: *mut *mut c_void,
     ) -> c_int;
@@ -59,6 +60,7 @@ impl Launcher for Emu {
                 name.as_ptr(),
                 at.grid,
                 at.block,
+                at.shared,
                 order,
                 pointers.as_mut_ptr(),
             )

@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Result};
 
-use super::{launch, run, Arg, Launcher};
+use super::launch::{self, FlashKernel, Launch};
+use super::{run, Arg, Launcher};
 
 /// One attention call: `batch` sequences of `t` positions, `heads` query heads sharing
 /// `kv_heads` key/value heads of `hd` each; the element strides per batch, head and position
@@ -53,6 +54,16 @@ impl FlashShape {
         a
     }
 
+    /// The launch of `kernel`: a block per tile of queries (of keys for dK dV).
+    fn tiles(&self, kernel: FlashKernel, dtype: DType) -> Result<Launch> {
+        let heads = match kernel {
+            FlashKernel::KeysBackward => self.kv_heads,
+            FlashKernel::Forward | FlashKernel::QueriesBackward => self.heads,
+        };
+        let rows = [self.batch, heads, self.t];
+        launch::flash_tiles(kernel, rows, self.hd, dtype.size_in_bytes())
+    }
+
     fn check(&self, dtype: DType) -> Result<()> {
         if !self.supported(dtype) {
             candle_core::bail!("flash attention: no kernel for {dtype:?} and {self:?}");
@@ -70,7 +81,7 @@ pub(crate) fn forward<L: Launcher>(
     s: &FlashShape,
 ) -> Result<()> {
     s.check(dtype)?;
-    let at = launch::flash_tiles(s.batch, s.heads, s.t, s.hd)?;
+    let at = s.tiles(FlashKernel::Forward, dtype)?;
     let ptrs = [q, k, v, out, lse].map(Arg::Ptr);
     let name = format!("flash_fwd_hd{}", s.hd);
     run(l, &name, dtype, at, &[&ptrs[..], &s.args()].concat())
@@ -105,10 +116,10 @@ pub(crate) fn backward<L: Launcher>(
         &dot_args,
     )?;
     let inputs = [q, k, v, dout, lse, d].map(Arg::Ptr);
-    let keys = launch::flash_tiles(s.batch, s.kv_heads, s.t, s.hd)?;
+    let keys = s.tiles(FlashKernel::KeysBackward, dtype)?;
     let dkdv = [&inputs[..], &[Arg::Ptr(dk), Arg::Ptr(dv)], &s.args()].concat();
     run(l, &format!("flash_bwd_dkdv_hd{}", s.hd), dtype, keys, &dkdv)?;
-    let queries = launch::flash_tiles(s.batch, s.heads, s.t, s.hd)?;
+    let queries = s.tiles(FlashKernel::QueriesBackward, dtype)?;
     let dq_args = [&inputs[..], &[Arg::Ptr(dq)], &s.args()].concat();
     run(
         l,

@@ -4,11 +4,13 @@
 
 use candle_core::Result;
 
-/// A one-dimensional launch: `grid` blocks of `block` threads.
+/// A one-dimensional launch: `grid` blocks of `block` threads, with `shared` bytes of dynamic
+/// shared memory a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Launch {
     pub grid: u32,
     pub block: u32,
+    pub shared: u32,
 }
 
 /// The most threads a block may have on every GPU since compute capability 2.0.
@@ -42,6 +44,7 @@ pub fn per_row(rows: usize, width: usize) -> Result<Launch> {
     Ok(Launch {
         grid: rows as u32,
         block: row_block(width),
+        shared: 0,
     })
 }
 
@@ -52,6 +55,7 @@ pub fn elementwise(n: usize) -> Launch {
             .div_ceil(ELEMENTWISE_BLOCK as usize)
             .clamp(1, ELEMENTWISE_GRID) as u32,
         block: ELEMENTWISE_BLOCK,
+        shared: 0,
     }
 }
 
@@ -73,6 +77,7 @@ pub fn column_reduce(rows: usize, width: usize, columns: usize) -> Result<Column
         sum: Launch {
             grid: columns.div_ceil(ELEMENTWISE_BLOCK as usize).max(1) as u32,
             block: ELEMENTWISE_BLOCK,
+            shared: 0,
         },
     })
 }
@@ -82,6 +87,7 @@ pub fn mean_of_rows(n: usize) -> Launch {
     Launch {
         grid: 1,
         block: row_block(n),
+        shared: 0,
     }
 }
 
@@ -89,8 +95,8 @@ pub fn mean_of_rows(n: usize) -> Launch {
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
 /// Warps per block of the flash kernels for head size `hd`, each taking 16 rows of a tile:
-/// flash.cu's warps<HD>(), 4 up to 64, 2 for 128 (whose dK and dV take 128 registers a
-/// thread, and whose four tiles of 64 rows would pass the 48 KiB of shared memory).
+/// flash.cu's warps<HD>(), 4 up to 64, 2 for 128 (whose dK and dV take 238 registers a
+/// thread).
 pub fn flash_warps(hd: usize) -> u32 {
     if hd <= 64 {
         4
@@ -99,9 +105,47 @@ pub fn flash_warps(hd: usize) -> u32 {
     }
 }
 
-/// A flash kernel over `batch` x `heads` heads of `t` rows (queries for the forward and dQ,
-/// keys for dK dV): one block per 16 x flash_warps(hd) rows of each.
-pub fn flash_tiles(batch: usize, heads: usize, t: usize, hd: usize) -> Result<Launch> {
+/// The flash kernels that walk tiles, each with its own shared memory (flash.cu's
+/// ForwardTiles, KeyTiles and QueryTiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernel {
+    Forward,
+    /// dK and dV, a block per key tile.
+    KeysBackward,
+    /// dQ, a block per query tile.
+    QueriesBackward,
+}
+
+/// Elements flash.cu adds to each shared row (its PAD).
+const FLASH_PAD: usize = 8;
+
+/// The shared memory of `kernel` for head size `hd` and `elem` bytes an element: tiles of
+/// 16 x flash_warps(hd) padded rows, as flash.cu's structs lay them out (the kernels stop
+/// with a trap when given less; the emulator tests run every kernel at every head size).
+pub fn flash_shared_bytes(kernel: FlashKernel, hd: usize, elem: usize) -> u32 {
+    let rows = 16 * flash_warps(hd) as usize;
+    let tile = rows * (hd + FLASH_PAD) * elem;
+    let bytes = match kernel {
+        // two stages of keys and values
+        FlashKernel::Forward => 4 * tile,
+        // the block's keys and values, two stages of queries and output gradients, and of
+        // their rows' log-sum-exp and D (f32)
+        FlashKernel::KeysBackward => 6 * tile + 2 * 2 * rows * 4,
+        // the block's queries and output gradients, two stages of keys and values
+        FlashKernel::QueriesBackward => 6 * tile,
+    };
+    bytes as u32
+}
+
+/// `kernel` over `batch` x `heads` heads of `t` rows (queries for the forward and dQ, keys
+/// for dK dV) of `hd` elements of `elem` bytes: one block per 16 x flash_warps(hd) rows of
+/// each.
+pub fn flash_tiles(
+    kernel: FlashKernel,
+    [batch, heads, t]: [usize; 3],
+    hd: usize,
+    elem: usize,
+) -> Result<Launch> {
     let warps = flash_warps(hd);
     let blocks = batch * heads * t.div_ceil(16 * warps as usize);
     if blocks > MAX_GRID {
@@ -110,6 +154,7 @@ pub fn flash_tiles(batch: usize, heads: usize, t: usize, hd: usize) -> Result<La
     Ok(Launch {
         grid: blocks as u32,
         block: 32 * warps,
+        shared: flash_shared_bytes(kernel, hd, elem),
     })
 }
 
@@ -122,6 +167,7 @@ pub fn flash_dot(rows: usize) -> Result<Launch> {
     Ok(Launch {
         grid: blocks as u32,
         block: 256,
+        shared: 0,
     })
 }
 
@@ -182,16 +228,38 @@ mod tests {
     #[test]
     fn flash_grids_take_a_block_per_tile_per_head() {
         // GPT-2 at micro-batch 16: 12 heads of 64, 1024 positions, 64 rows a block
-        let at = flash_tiles(16, 12, 1024, 64).unwrap();
+        let fwd = FlashKernel::Forward;
+        let at = flash_tiles(fwd, [16, 12, 1024], 64, 2).unwrap();
         assert_eq!((at.grid, at.block), (16 * 12 * 16, 128));
         // head size 128: two warps, 32 rows a block; a partial last tile counts
-        let at = flash_tiles(1, 8, 33, 128).unwrap();
+        let at = flash_tiles(fwd, [1, 8, 33], 128, 2).unwrap();
         assert_eq!((at.grid, at.block), (8 * 2, 64));
         assert_eq!(flash_dot(17).unwrap().grid, 3);
-        let e = flash_tiles(1 << 20, 64, 1 << 16, 64)
+        let e = flash_tiles(fwd, [1 << 20, 64, 1 << 16], 64, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("exceed a grid"), "{e}");
+    }
+
+    #[test]
+    fn flash_shared_memory_fits_an_sm80_block() {
+        // every kernel at every head size within the 163 KiB an A100 block may opt into (H100:
+        // 227 KiB), and the forward's two stages of 64 x (64 + 8) bf16 keys and values
+        let kernels = [
+            FlashKernel::Forward,
+            FlashKernel::KeysBackward,
+            FlashKernel::QueriesBackward,
+        ];
+        for k in kernels {
+            for hd in FLASH_HEAD_DIMS {
+                let bytes = flash_shared_bytes(k, hd, 2);
+                assert!(bytes <= 163 * 1024, "{k:?} hd {hd}: {bytes}");
+            }
+        }
+        assert_eq!(
+            flash_shared_bytes(FlashKernel::Forward, 64, 2),
+            2 * 2 * 64 * 72 * 2
+        );
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! launch the engine computes for it are where its bugs live, and a GPU run is 15 scarce
 //! minutes. Solution: kernels/emu/cuda_emu.h compiles fused.cu's and flash.cu's source, unchanged, with g++:
 //! every CUDA thread of a block is a fiber, `__syncthreads` and the warp shuffles are barriers
-//! between them, `__shared__` is a per-OS-thread static, and the tensor cores' mma.sync runs in
-//! its PTX fragment layout. The CPU tests (emu.rs) launch the
+//! between them, `__shared__` is a per-OS-thread static, the tensor cores' mma.sync and
+//! ldmatrix run in their PTX fragment layout, and cp.async's copies land as late as PTX allows (at the issuing
+//! thread's wait; the destination holds NaN bytes until then). The CPU tests (emu.rs) launch the
 //! same calls this module makes for a GPU, through the same `Launcher` trait, and compare with
 //! the CPU kernels (the host reference). Pros: the kernels' logic, their reductions and the
 //! launch arithmetic are tested in CI; a missing barrier shows as a wrong result (threads run
