@@ -305,7 +305,8 @@ impl<T: Dtype> LayerGrads<T> {
 
     /// Calls `f` with the gradients as consecutive slices in flat order: borrowed from CPU
     /// storage; from a GPU's, copied into a GPU buffer when `to_gpu` (the gradient store is
-    /// on the GPU), else copied out to host memory.
+    /// on the GPU) and handed as one slice, which the store adds with one kernel where a slice
+    /// a tensor took a launch and a wait each; else copied out to host memory.
     pub fn with_parts<R>(&self, to_gpu: bool, f: impl FnOnce(&[&[T]]) -> Result<R>) -> Result<R> {
         let guards: Vec<_> = self
             .tensors
@@ -328,14 +329,7 @@ impl<T: Dtype> LayerGrads<T> {
         let mut f = Some(f);
         if to_gpu {
             let staged = crate::device::with_staged_grads::<T, R>(&self.tensors, |all| {
-                let mut parts = Vec::with_capacity(self.tensors.len());
-                let mut rest = all;
-                for t in &self.tensors {
-                    let (part, after) = rest.split_at(t.elem_count());
-                    parts.push(part);
-                    rest = after;
-                }
-                (f.take().expect("called once"))(&parts)
+                (f.take().expect("called once"))(&[all])
             })?;
             if let Some(r) = staged {
                 return Ok(r);
