@@ -9,7 +9,7 @@
 // Storage is f32, bf16 or f16 (the _f32/_bf16/_f16 entry points); arithmetic is f32, rounded
 // once on the store, as the CPU kernels do. Rows are one block each, with the block's threads
 // striding over the row; a block is whole warps, at most 1024 threads.
-#include "common.cuh"
+#include "shared_tiles.cuh"
 
 // `v` reduced over the block; every thread gets the result. The first barrier keeps a previous
 // call's readers of `part` ahead of this call's writers.
@@ -49,6 +49,21 @@ __device__ void layer_norm_fwd(const T *x, const T *w, const T *b, T *y, uint32_
         store(&y[at + c], (to_f(x[at + c]) - mean) * rstd * to_f(w[c]) + to_f(b[c]));
 }
 
+// A block's `n` column sums, in its dynamic shared memory (launch.rs's norm_reduce sizes it),
+// zeroed; each column is one thread's (c = threadIdx.x + k blockDim.x), so no barrier guards
+// them. Global memory would take a read and a write-through to L2 per row and column.
+__device__ float *zeroed_column_sums(uint32_t n) {
+    float *sums = shared_floats(n);
+    for (uint32_t c = threadIdx.x; c < n; c += blockDim.x) sums[c] = 0.0f;
+    return sums;
+}
+
+// Copies a block's `n` column sums into its scratch row partial[blockIdx.x].
+__device__ void store_column_sums(const float *sums, float *partial, uint32_t n) {
+    for (uint32_t c = threadIdx.x; c < n; c += blockDim.x)
+        partial[(size_t)blockIdx.x * n + c] = sums[c];
+}
+
 // LayerNorm's backward, first pass: dx per row, and each block's share of dw and db (the rows
 // blockIdx.x, + gridDim.x, ...) into partial[blockIdx.x] = [dw (d), db (d)] in f32, each column
 // owned by one thread. sum_partials adds the blocks' shares.
@@ -56,8 +71,7 @@ __device__ void layer_norm_fwd(const T *x, const T *w, const T *b, T *y, uint32_
 template <typename T>
 __device__ void layer_norm_bwd(const T *x, const T *w, const T *dy, T *dx, float *partial,
                                uint32_t rows, uint32_t d, float eps) {
-    float *pw = partial + (size_t)blockIdx.x * 2 * d, *pb = pw + d;
-    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) pw[c] = pb[c] = 0.0f;
+    float *pw = zeroed_column_sums(2 * d), *pb = pw + d;
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
         size_t at = (size_t)r * d;
         float mean, rstd;
@@ -79,6 +93,7 @@ __device__ void layer_norm_bwd(const T *x, const T *w, const T *dy, T *dx, float
             store(&dx[at + c], rstd * (g - g_mean - xhat * gx_mean));
         }
     }
+    store_column_sums(pw, partial, 2 * d);
 }
 
 // out[c] = the sum over `blocks` of partial[k][c], c < width: one thread a column. The second
@@ -126,8 +141,7 @@ __device__ void rms_norm_fwd(const T *x, const T *w, T *y, float *roots, uint32_
 template <typename T>
 __device__ void rms_norm_bwd(const T *x, const float *roots, const T *w, const T *dy, T *dx,
                              float *partial, uint32_t rows, uint32_t d) {
-    float *pw = partial + (size_t)blockIdx.x * d;
-    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) pw[c] = 0.0f;
+    float *pw = zeroed_column_sums(d);
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
         size_t at = (size_t)r * d;
         float root = roots[r], dot = 0.0f;
@@ -142,6 +156,7 @@ __device__ void rms_norm_bwd(const T *x, const float *roots, const T *w, const T
             store(&dx[at + c], (to_f(dy[at + c]) * to_f(w[c]) - n * mean) * root);
         }
     }
+    store_column_sums(pw, partial, d);
 }
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }

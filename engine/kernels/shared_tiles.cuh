@@ -1,5 +1,5 @@
 // Tiles in shared memory: the block's dynamic shared memory (the launch's shared_mem_bytes, which
-// may pass the 48 KiB of static shared memory) and the asynchronous copies that fill it from
+// may pass the 48 KiB of static shared memory, sized by launch.rs) and the asynchronous copies that fill it from
 // global memory (cp.async, sm_80 and later) while the warps compute on another tile. A thread's
 // copies land when it waits for their group; the other threads see them after a barrier that
 // follows every thread's wait. Under kernels/emu the copies land as late as PTX allows
@@ -60,4 +60,10 @@ template <typename Tiles>
 __device__ Tiles &shared_tiles() {
     if (dynamic_shared_bytes() < sizeof(Tiles)) trap("dynamic shared memory smaller than the tiles");
     return *reinterpret_cast<Tiles *>(dynamic_shared());
+}
+
+// The block's dynamic shared memory as n floats, trapping where the launch gave fewer.
+__device__ __forceinline__ float *shared_floats(size_t n) {
+    if (dynamic_shared_bytes() < n * sizeof(float)) trap("dynamic shared memory smaller than its floats");
+    return reinterpret_cast<float *>(dynamic_shared());
 }

@@ -82,6 +82,26 @@ pub fn column_reduce(rows: usize, width: usize, columns: usize) -> Result<Column
     })
 }
 
+/// Dynamic shared memory a block may opt into on every GPU the kernels build for (sm_80:
+/// 163 KiB; sm_90: 227 KiB).
+const MAX_SHARED: usize = 163 * 1024;
+
+/// A norm's backward (LayerNorm's dweight and dbias, RMSNorm's dweight) over `rows` rows of
+/// `width`: a column reduction whose first pass keeps its `columns` sums in dynamic shared
+/// memory (fused.cu's zeroed_column_sums).
+pub fn norm_reduce(rows: usize, width: usize, columns: usize) -> Result<ColumnReduce> {
+    let shared = columns * std::mem::size_of::<f32>();
+    if shared > MAX_SHARED {
+        candle_core::bail!(
+            "fused norm backward: rows of {width} need {shared} bytes of shared memory, more \
+             than a block has ({MAX_SHARED})"
+        );
+    }
+    let mut r = column_reduce(rows, width, columns)?;
+    r.pass.shared = shared as u32;
+    Ok(r)
+}
+
 /// The mean of `n` row losses: one block.
 pub fn mean_of_rows(n: usize) -> Launch {
     Launch {
@@ -242,6 +262,18 @@ mod tests {
     }
 
     #[test]
+    fn norm_backward_keeps_its_column_sums_in_shared_memory() {
+        // LayerNorm at GPT-2's width: dweight and dbias, 2 x 768 f32
+        let r = norm_reduce(16 * 1024, 768, 2 * 768).unwrap();
+        assert_eq!(r.pass.shared as usize, 2 * 768 * 4);
+        assert_eq!(r.pass.grid as usize, COLUMN_REDUCE_BLOCKS);
+        // Llama 3.1 405B's 16,384 fit; a width past the shared memory is an error
+        assert!(norm_reduce(8, 16_384, 2 * 16_384).is_ok());
+        let e = norm_reduce(8, 30_000, 2 * 30_000).unwrap_err().to_string();
+        assert!(e.contains("shared memory"), "{e}");
+    }
+
+    #[test]
     fn flash_shared_memory_fits_an_sm80_block() {
         // every kernel at every head size within the 163 KiB an A100 block may opt into (H100:
         // 227 KiB), and the forward's two stages of 64 x (64 + 8) bf16 keys and values
@@ -253,7 +285,7 @@ mod tests {
         for k in kernels {
             for hd in FLASH_HEAD_DIMS {
                 let bytes = flash_shared_bytes(k, hd, 2);
-                assert!(bytes <= 163 * 1024, "{k:?} hd {hd}: {bytes}");
+                assert!(bytes as usize <= MAX_SHARED, "{k:?} hd {hd}: {bytes}");
             }
         }
         assert_eq!(

@@ -120,7 +120,7 @@ pub(crate) fn layer_norm_backward<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let r = launch::column_reduce(rows, d, 2 * d)?;
+    let r = launch::norm_reduce(rows, d, 2 * d)?;
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let (rows32, d32) = (Arg::U32(rows as u32), Arg::U32(d as u32));
     let args = [x, w, dy, out, partial].map(Arg::Ptr);
@@ -377,7 +377,7 @@ pub(crate) fn rms_norm_backward<L: Launcher>(
     rows: usize,
     d: usize,
 ) -> Result<()> {
-    let r = launch::column_reduce(rows, d, d)?;
+    let r = launch::norm_reduce(rows, d, d)?;
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let args = [x, roots, w, dy, dx, partial].map(Arg::Ptr);
     let scalars = [Arg::U32(rows as u32), Arg::U32(d as u32)];
