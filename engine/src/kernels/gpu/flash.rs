@@ -162,18 +162,23 @@ pub(crate) mod on_gpu {
         if !s.supported(dtype) || !aligned(qkv) {
             return Ok(None);
         }
-        let outputs = [
-            (dtype, Shape::from((b, t, d))),
-            (DType::F32, Shape::from((b, heads, t))),
-        ];
+        let outputs = forward_outputs(&s, dtype, Shape::from((b, t, d)));
         let outs = cuda::on_tensors(&[qkv], &outputs, |l, a, o| {
             let qkv = [0, d, 2 * d].map(|x| offset(a[0], x, dtype));
             forward(l, dtype, qkv, [o[0], o[1]], &s)
         })?;
-        Ok(outs.map(|mut v| {
-            let lse = v.pop().expect("two outputs");
-            (v.pop().expect("two outputs"), lse)
-        }))
+        Ok(outs.map(out_and_lse))
+    }
+
+    /// The forward's outputs: attention's output (of `out`) and the log-sum-exp [B, H, T].
+    fn forward_outputs(s: &FlashShape, dtype: DType, out: Shape) -> [(DType, Shape); 2] {
+        let lse = Shape::from((s.batch, s.heads, s.t));
+        [(dtype, out), (DType::F32, lse)]
+    }
+
+    fn out_and_lse(outputs: Vec<Tensor>) -> (Tensor, Tensor) {
+        let [out, lse]: [Tensor; 2] = outputs.try_into().expect("two outputs");
+        (out, lse)
     }
 
     /// The gradient [B, T, 3d] of `fused_forward`'s qkv from that of its output.
@@ -253,17 +258,11 @@ pub(crate) mod on_gpu {
         if !s.supported(dtype) || ![q, k, v].iter().all(|x| aligned(x) && x.dtype() == dtype) {
             return Ok(None);
         }
-        let outputs = [
-            (dtype, Shape::from((s.batch, s.t, s.heads * s.hd))),
-            (DType::F32, Shape::from((s.batch, s.heads, s.t))),
-        ];
+        let outputs = forward_outputs(&s, dtype, Shape::from((s.batch, s.t, s.heads * s.hd)));
         let outs = cuda::on_tensors(&[q, k, v], &outputs, |l, a, o| {
             forward(l, dtype, [a[0], a[1], a[2]], [o[0], o[1]], &s)
         })?;
-        Ok(outs.map(|mut v| {
-            let lse = v.pop().expect("two outputs");
-            (v.pop().expect("two outputs"), lse)
-        }))
+        Ok(outs.map(out_and_lse))
     }
 
     /// `grouped_forward`'s backward: dq, dk and dv in the shapes of q, k and v.
@@ -287,10 +286,6 @@ pub(crate) mod on_gpu {
             let ins = [a[0], a[1], a[2], a[3], a[4], a[5]];
             backward(l, dtype, ins, [o[0], o[1], o[2]], &s)
         })?;
-        Ok(outs.map(|mut v| {
-            let dv = v.pop().expect("three outputs");
-            let dk = v.pop().expect("three outputs");
-            [v.pop().expect("three outputs"), dk, dv]
-        }))
+        Ok(outs.map(|v| v.try_into().expect("three outputs")))
     }
 }
