@@ -256,44 +256,87 @@ __device__ void softmax_bwd(const T *y, const T *dy, T *dx, uint32_t n, float sc
         store(&dx[at + c], scale * to_f(y[at + c]) * (to_f(dy[at + c]) - dot));
 }
 
-// Cross-entropy of f32 logits [rows, v] against u32 targets, one block a row: its loss,
-// log(sum exp(x - max)) + max - x[target], into row_loss (NaN for a target outside the
-// vocabulary: the host learns of it from the loss, with no sync here), and the row's softmax
-// into probs unless probs is null.
-__device__ void cross_entropy_fwd(const float *logits, const uint32_t *targets, float *probs,
-                                  float *row_loss, uint32_t v) {
+// A row's maximum and the sum of exp(x - max) over its elements, gathered in one pass (the
+// online softmax of Milakov and Gimelshein): a larger element rescales the sum so far.
+struct MaxSum {
+    float max, sum;
+};
+
+__device__ __forceinline__ MaxSum add_element(MaxSum a, float x) {
+    if (x > a.max) return {x, a.sum * expf(a.max - x) + 1.0f};
+    return {a.max, a.sum + (x == -INFINITY ? 0.0f : expf(x - a.max))};
+}
+
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+    float m = fmaxf(a.max, b.max);
+    if (m == -INFINITY) return {m, 0.0f};
+    return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+}
+
+__device__ MaxSum warp_max_sum(MaxSum v) {
+    for (int o = 16; o > 0; o /= 2)
+        v = combine(v, {__shfl_xor_sync(0xffffffffu, v.max, o),
+                        __shfl_xor_sync(0xffffffffu, v.sum, o)});
+    return v;
+}
+
+// The log-sum-exp of a row of v (any storage type) over the block; every thread gets it.
+template <typename T>
+__device__ float row_log_sum_exp(const T *x, uint32_t v) {
+    __shared__ MaxSum part[32];
+    MaxSum t = {-INFINITY, 0.0f};
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) t = add_element(t, to_f(x[c]));
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    t = warp_max_sum(t);
+    __syncthreads();  // a previous call's readers of `part` are done
+    if (lane == 0) part[warp] = t;
+    __syncthreads();
+    t = lane < blockDim.x / 32 ? part[lane] : MaxSum{-INFINITY, 0.0f};
+    t = warp_max_sum(t);
+    return t.max + logf(t.sum);
+}
+
+// Cross-entropy of logits [rows, v] (any storage type) against u32 targets, one block a row,
+// in one pass over the row: its loss, lse - x[target], into row_loss (NaN for a target outside
+// the vocabulary: the host learns of it from the loss, with no sync here), and its log-sum-exp
+// into lse (f32), from which cross_entropy_grad recomputes the softmax (llm.c's fused
+// classifier keeps the same).
+template <typename T>
+__device__ void cross_entropy_lse(const T *logits, const uint32_t *targets, float *row_loss,
+                                  float *lse, uint32_t v) {
     size_t at = (size_t)blockIdx.x * v;
-    float m = -INFINITY;
-    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, logits[at + c]);
-    m = block_reduce<Max>(m);
-    float s = 0.0f;
-    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) s += expf(logits[at + c] - m);
-    s = block_reduce<Sum>(s);
-    float inv = 1.0f / s;
-    if (probs)
-        for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
-            probs[at + c] = expf(logits[at + c] - m) * inv;
+    float l = row_log_sum_exp(logits + at, v);
     if (threadIdx.x == 0) {
         uint32_t t = targets[blockIdx.x];
-        row_loss[blockIdx.x] = t < v ? logf(s) + m - logits[at + t] : NAN;
+        row_loss[blockIdx.x] = t < v ? l - to_f(logits[at + t]) : NAN;
+        lse[blockIdx.x] = l;
     }
 }
 
-// The cross-entropy's gradient straight from f32 logits, one block a row, without the softmax
-// in memory (llm.c's fused classifier): (softmax(x) - onehot(target)) * scale, into T.
+// The f32 logits' softmax [rows, v] into probs and each row's loss, one block a row: the CPU
+// path's tape (cross_entropy_with_probs), whose backward then computes no exponential.
+__device__ void cross_entropy_fwd(const float *logits, const uint32_t *targets, float *probs,
+                                  float *row_loss, uint32_t v) {
+    size_t at = (size_t)blockIdx.x * v;
+    float l = row_log_sum_exp(logits + at, v);
+    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) probs[at + c] = expf(logits[at + c] - l);
+    if (threadIdx.x == 0) {
+        uint32_t t = targets[blockIdx.x];
+        row_loss[blockIdx.x] = t < v ? l - logits[at + t] : NAN;
+    }
+}
+
+// The cross-entropy's gradient straight from the logits, one block a row, without the softmax
+// in memory (llm.c's fused classifier): (exp(x - lse) - onehot(target)) * scale, with each
+// row's log-sum-exp from `lse` (cross_entropy_lse's), or computed here where lse is null.
 template <typename T>
-__device__ void cross_entropy_grad(const float *logits, const uint32_t *targets, T *dlogits,
-                                   uint32_t v, float scale) {
+__device__ void cross_entropy_grad(const T *logits, const float *lse, const uint32_t *targets,
+                                   T *dlogits, uint32_t v, float scale) {
     size_t at = (size_t)blockIdx.x * v;
     uint32_t t = targets[blockIdx.x];
-    float m = -INFINITY;
-    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, logits[at + c]);
-    m = block_reduce<Max>(m);
-    float s = 0.0f;
-    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) s += expf(logits[at + c] - m);
-    float k = scale / block_reduce<Sum>(s);
+    float l = lse ? lse[blockIdx.x] : row_log_sum_exp(logits + at, v);
     for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
-        store(&dlogits[at + c], expf(logits[at + c] - m) * k - (c == t ? scale : 0.0f));
+        store(&dlogits[at + c], expf(to_f(logits[at + c]) - l) * scale - (c == t ? scale : 0.0f));
 }
 
 // The mean of n row losses into *mean: one block, the sum in f32 lanes then across them.
@@ -333,10 +376,14 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
                                                    uint32_t k) {                               \
         column_sum_pass(dy, partial, rows, k);                                                 \
     }                                                                                          \
-    extern "C" __global__ void cross_entropy_grad_##S(const float *logits,                     \
+    extern "C" __global__ void cross_entropy_grad_##S(const T *logits, const float *lse,       \
                                                       const uint32_t *targets, T *dlogits,     \
                                                       uint32_t v, float scale) {               \
-        cross_entropy_grad(logits, targets, dlogits, v, scale);                                \
+        cross_entropy_grad(logits, lse, targets, dlogits, v, scale);                           \
+    }                                                                                          \
+    extern "C" __global__ void cross_entropy_lse_##S(const T *logits, const uint32_t *targets,  \
+                                                     float *row_loss, float *lse, uint32_t v) { \
+        cross_entropy_lse(logits, targets, row_loss, lse, v);                                  \
     }                                                                                          \
     extern "C" __global__ void rms_norm_fwd_##S(const T *x, const T *w, T *y, float *roots,     \
                                                 uint32_t d, float eps) {                       \

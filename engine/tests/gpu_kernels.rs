@@ -13,8 +13,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use ds_engine::kernels::fused_norm_loss::{
-    cross_entropy_backward, cross_entropy_grad, cross_entropy_with_probs, layer_norm,
-    layer_norm_backward,
+    cross_entropy_and_lse, cross_entropy_backward, cross_entropy_grad, cross_entropy_grad_from_lse,
+    cross_entropy_with_probs, layer_norm, layer_norm_backward,
 };
 use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::kernels::ops::{
@@ -223,6 +223,46 @@ fn cross_entropy_and_its_gradient() {
             )?])
         },
     );
+}
+
+/// The loss a GPU keeps as its logits (in their dtype) and their log-sum-exp, and the
+/// gradient from them, against the CPU's f32 kernels on the same values.
+#[test]
+fn cross_entropy_kept_as_logits_and_lse() {
+    let Some(dev) = gpu() else { return };
+    let (rows, v) = (512, 50257);
+    let targets: Vec<u32> = (0..rows as u32).map(|i| i * 7919 % v as u32).collect();
+    let targets = Tensor::new(targets, &Device::Cpu).unwrap();
+    let scale = 1.0 / rows as f64;
+    for dtype in [DType::F32, DType::BF16] {
+        let logits = values(&[rows, v], 9, 6.0, dtype);
+        let on_gpu = [&logits, &targets].map(|t| t.to_device(&dev).unwrap());
+        assert!(
+            cross_entropy_and_lse(&on_gpu[0], &on_gpu[1])
+                .unwrap()
+                .is_some(),
+            "the GPU's kernels take {dtype:?} logits"
+        );
+        compare(
+            "cross_entropy_and_lse",
+            &dev,
+            dtype,
+            &[&logits, &targets],
+            |t| match cross_entropy_and_lse(&t[0], &t[1])? {
+                Some((loss, lse)) => {
+                    let grad = cross_entropy_grad_from_lse(&t[0], &lse, &t[1], scale)?
+                        .expect("on the GPU, as the loss");
+                    Ok(vec![loss, lse, grad])
+                }
+                // the CPU: its f32 kernels, the reference
+                None => Ok(vec![
+                    cross_entropy(&t[0], &t[1])?,
+                    t[0].log_sum_exp(1)?,
+                    cross_entropy_grad(&t[0], &t[1], scale)?,
+                ]),
+            },
+        );
+    }
 }
 
 #[test]

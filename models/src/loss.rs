@@ -11,7 +11,8 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use ds_engine::kernels::fused_norm_loss::{
-    cross_entropy_backward, cross_entropy_grad, cross_entropy_with_probs,
+    cross_entropy_and_lse, cross_entropy_backward, cross_entropy_grad, cross_entropy_grad_from_lse,
+    cross_entropy_with_probs,
 };
 use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::nn::cross_entropy;
@@ -271,7 +272,8 @@ impl Layer for CrossEntropyLoss {
         }
     }
 
-    /// Keeps the softmax, so backward is one pass and computes no exponential.
+    /// Keeps what backward reads (`Kept`): on a GPU the logits and their log-sum-exp, else
+    /// the softmax.
     fn forward_taped(
         &self,
         _: &VarBuilder,
@@ -281,9 +283,15 @@ impl Layer for CrossEntropyLoss {
         let Some((x, rows)) = Rows::of(logits, cx.targets()?)? else {
             return nothing_counts(logits).map(Some);
         };
-        let (loss, probs) = cross_entropy_with_probs(&x.to_dtype(DType::F32)?, &rows.targets)?;
+        let (loss, kept) = match cross_entropy_and_lse(&x, &rows.targets)? {
+            Some((loss, lse)) => (loss, Kept::LogitsAndLse(x, lse)),
+            None => {
+                let (loss, p) = cross_entropy_with_probs(&x.to_dtype(DType::F32)?, &rows.targets)?;
+                (loss, Kept::Probs(p))
+            }
+        };
         let tape = LossTape {
-            probs,
+            kept,
             rows,
             shape: logits.dims().to_vec(),
             dtype: logits.dtype(),
@@ -296,16 +304,30 @@ impl Layer for CrossEntropyLoss {
 }
 
 struct LossTape {
-    /// The softmax of each counted row of logits [k, V], in f32.
-    probs: Tensor,
+    kept: Kept,
     rows: Rows,
     shape: Vec<usize>,
     dtype: DType,
 }
 
+/// What the loss's backward reads of its forward, by where it runs.
+enum Kept {
+    /// The softmax of each counted row of logits [k, V] in f32 (the CPU: backward is one pass
+    /// and computes no exponential, the CPU's cost).
+    Probs(Tensor),
+    /// The counted rows of logits [k, V] in their dtype and their log-sum-exp [k] (a GPU,
+    /// whose backward is memory-bound: it recomputes the softmax in its one pass, and nothing
+    /// [k, V] in f32 is made: 3.3 GB at GPT-2's micro-batch of 16).
+    LogitsAndLse(Tensor, Tensor),
+}
+
 impl Tape for LossTape {
     fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.probs) + tensor_bytes(&self.rows.targets)
+        let kept = match &self.kept {
+            Kept::Probs(p) => tensor_bytes(p),
+            Kept::LogitsAndLse(x, lse) => tensor_bytes(x) + tensor_bytes(lse),
+        };
+        kept + tensor_bytes(&self.rows.targets)
     }
 
     /// `dy` is the loss seed (loss scale over accumulation steps); the mean spreads it over
@@ -313,7 +335,14 @@ impl Tape for LossTape {
     fn backward(self: Box<Self>, dy: &Tensor, _: &VarBuilder) -> Result<Grads> {
         let seed = dy.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
         let r = &self.rows;
-        let d = cross_entropy_backward(&self.probs, &r.targets, r.scale(seed))?;
+        let d = match &self.kept {
+            Kept::Probs(p) => cross_entropy_backward(p, &r.targets, r.scale(seed))?,
+            Kept::LogitsAndLse(x, lse) => {
+                cross_entropy_grad_from_lse(x, lse, &r.targets, r.scale(seed))?.ok_or_else(
+                    || candle_core::Error::Msg("the loss's logits left the GPU".into()),
+                )?
+            }
+        };
         let dlogits = r.scatter(d)?.reshape(self.shape)?.to_dtype(self.dtype)?;
         Ok(Grads {
             input: Some(dlogits),

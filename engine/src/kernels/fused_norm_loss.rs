@@ -82,6 +82,42 @@ pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, scale: f64) -> Resu
         .apply_op2_no_bwd(&targets.contiguous()?, &grad)
 }
 
+/// On a GPU: the mean cross-entropy of `logits` [n, vocab], read in their own dtype (no f32
+/// copy), and each row's log-sum-exp [n] (f32), in one pass. A GPU's loss keeps these for its
+/// backward (`cross_entropy_grad_from_lse`: one more pass over the logits) where the CPU keeps
+/// the softmax ([n, vocab] in f32: 3.3 GB at GPT-2's micro-batch of 16): on a GPU the
+/// exponentials cost nothing beside the memory traffic, on the CPU they are the cost. None
+/// elsewhere, or for a tensor autograd tracks.
+pub fn cross_entropy_and_lse(
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    return on_gpu::cross_entropy_and_lse(logits, targets);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (logits, targets);
+        Ok(None)
+    }
+}
+
+/// On a GPU: `(softmax(logits) - onehot(targets)) * scale` in the logits' dtype, from the
+/// logits and their rows' log-sum-exp (`cross_entropy_and_lse`'s). None elsewhere.
+pub fn cross_entropy_grad_from_lse(
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return on_gpu::cross_entropy_grad_from_lse(logits, lse, targets, scale);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (logits, lse, targets, scale);
+        Ok(None)
+    }
+}
+
 /// The cross-entropy's gradient from the softmax `probs`: (probs - onehot(targets)) * scale.
 pub fn cross_entropy_backward(probs: &Tensor, targets: &Tensor, scale: f64) -> Result<Tensor> {
     if !fused_on(probs.device()) {
@@ -333,7 +369,7 @@ impl CustomOp2 for CrossEntropyGrad {
     ) -> Result<(CudaStorage, Shape)> {
         let n = l1.shape().elem_count();
         let grad = cuda_rows((s1, l1), (s2, l2), DType::F32, n, |k, a, out, rows, v| {
-            gpu::cross_entropy_grad(k, DType::F32, a, out, rows, v, self.scale)
+            gpu::cross_entropy_grad(k, DType::F32, a, None, out, rows, v, self.scale)
         })?;
         Ok((grad, l1.shape().clone()))
     }
@@ -449,6 +485,73 @@ fn cuda_rows(
         &[(s1, l1), (s2, l2)],
         |k, a, out| call(k, [a[0], a[1]], out, rows, v),
     )
+}
+
+/// The loss kept as the logits and their log-sum-exp, on tensors on a GPU.
+#[cfg(feature = "cuda")]
+mod on_gpu {
+    use candle_core::{DType, Result, Shape, Tensor};
+
+    use super::super::gpu::{self, cuda::on_tensors};
+
+    /// The rows and the vocabulary of `logits` [n, v]; None unless they are on a GPU,
+    /// untracked, with u32 targets [n].
+    fn rows_of(logits: &Tensor, targets: &Tensor) -> Result<Option<(usize, usize)>> {
+        let usable = logits.device().is_cuda()
+            && !logits.track_op()
+            && targets.dtype() == DType::U32
+            && logits.rank() == 2;
+        if !usable {
+            return Ok(None);
+        }
+        let (n, v) = logits.dims2()?;
+        if targets.elem_count() != n {
+            candle_core::bail!(
+                "cross entropy: {n} rows of logits, {} targets",
+                targets.elem_count()
+            );
+        }
+        Ok(Some((n, v)))
+    }
+
+    pub(super) fn cross_entropy_and_lse(
+        logits: &Tensor,
+        targets: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((n, v)) = rows_of(logits, targets)? else {
+            return Ok(None);
+        };
+        let dtype = logits.dtype();
+        let outputs = [(DType::F32, Shape::from(())), (DType::F32, Shape::from(n))];
+        let out = on_tensors(&[logits, targets], &outputs, |k, a, o| {
+            gpu::cross_entropy_and_lse(k, dtype, [a[0], a[1]], [o[0], o[1]], n, v)
+        })?;
+        Ok(out.map(|v| {
+            let [loss, lse]: [Tensor; 2] = v.try_into().expect("two outputs");
+            (loss, lse)
+        }))
+    }
+
+    pub(super) fn cross_entropy_grad_from_lse(
+        logits: &Tensor,
+        lse: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        let Some((n, v)) = rows_of(logits, targets)? else {
+            return Ok(None);
+        };
+        if lse.dtype() != DType::F32 || lse.elem_count() != n {
+            candle_core::bail!("cross entropy: {n} rows of logits, a log-sum-exp of {lse:?}");
+        }
+        let dtype = logits.dtype();
+        let outputs = [(dtype, logits.shape().clone())];
+        let out = on_tensors(&[logits, targets, lse], &outputs, |k, a, o| {
+            let scale = scale as f32;
+            gpu::cross_entropy_grad(k, dtype, [a[0], a[1]], Some(a[2]), o[0], n, v, scale)
+        })?;
+        Ok(out.map(|mut v| v.remove(0)))
+    }
 }
 
 fn targets(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {

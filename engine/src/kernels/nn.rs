@@ -107,6 +107,10 @@ impl Module for Linear {
 
 /// Mean cross-entropy of `logits` [n, vocab] against `targets` [n] (u32), in f32.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    // untracked logits on a GPU: one pass in their own dtype, no f32 copy
+    if let Some((loss, _lse)) = fused_norm_loss::cross_entropy_and_lse(logits, targets)? {
+        return Ok(loss);
+    }
     let logits = logits.to_dtype(DType::F32)?;
     match fused_on(logits.device()) {
         true => fused_norm_loss::cross_entropy(&logits, targets),

@@ -354,14 +354,48 @@ fn the_loss_alone_and_the_gradient_from_logits_match_the_cpu_kernels() {
         DType::F32,
     );
     for dtype in DTYPES {
-        let want = cross_entropy_grad(&logits, &targets, 0.2)
+        // the logits in `dtype`, and the CPU's f32 kernels on those very values
+        let stored = logits.to_dtype(dtype).unwrap();
+        let exact = stored.to_dtype(DType::F32).unwrap();
+        let loss = super::super::nn::cross_entropy(&exact, &targets).unwrap();
+        let lse = exact.log_sum_exp(1).unwrap();
+        let got = emulate_outputs(
+            &[&stored, &targets],
+            &[(DType::F32, 1), (DType::F32, rows)],
+            |l, a, o| super::cross_entropy_and_lse(l, dtype, [a[0], a[1]], [o[0], o[1]], rows, v),
+        );
+        let want_loss = [loss.to_scalar::<f32>().unwrap()];
+        assert_close(
+            "cross_entropy_and_lse loss",
+            &got[0],
+            &want_loss,
+            DType::F32,
+        );
+        assert_close(
+            "cross_entropy_and_lse lse",
+            &got[1],
+            &flat(&lse),
+            DType::F32,
+        );
+
+        let want = cross_entropy_grad(&exact, &targets, 0.2)
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let got = emulate(&[&logits, &targets], dtype, rows * v, |l, a, d| {
-            super::cross_entropy_grad(l, dtype, [a[0], a[1]], d, rows, v, 0.2)
+        let recomputed = emulate(&[&stored, &targets], dtype, rows * v, |l, a, d| {
+            super::cross_entropy_grad(l, dtype, [a[0], a[1]], None, d, rows, v, 0.2)
         });
-        assert_close("cross_entropy_grad", &got, &flat(&want), dtype);
+        assert_close("cross_entropy_grad", &recomputed, &flat(&want), dtype);
+        let kept = Tensor::from_vec(got[1].clone(), rows, &Device::Cpu).unwrap();
+        let from_lse = emulate(&[&stored, &targets, &kept], dtype, rows * v, |l, a, d| {
+            super::cross_entropy_grad(l, dtype, [a[0], a[1]], Some(a[2]), d, rows, v, 0.2)
+        });
+        assert_close(
+            "cross_entropy_grad from lse",
+            &from_lse,
+            &flat(&want),
+            dtype,
+        );
     }
 }
 

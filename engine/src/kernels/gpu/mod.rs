@@ -249,41 +249,59 @@ pub(crate) fn cross_entropy_probs<L: Launcher>(
     rows: usize,
     v: usize,
 ) -> Result<()> {
-    let mean = offset(out, rows * v, DType::F32);
-    cross_entropy_rows(l, [logits, targets], Some(out), mean, rows, v)
-}
-
-/// The mean cross-entropy of f32 `logits` [rows, v] against u32 `targets` into `out` (one f32).
-pub(crate) fn cross_entropy<L: Launcher>(
-    l: &L,
-    [logits, targets]: [u64; 2],
-    out: u64,
-    rows: usize,
-    v: usize,
-) -> Result<()> {
-    cross_entropy_rows(l, [logits, targets], None, out, rows, v)
-}
-
-/// The rows' losses (and their softmax into `probs`, when given), then their mean at `mean`.
-fn cross_entropy_rows<L: Launcher>(
-    l: &L,
-    [logits, targets]: [u64; 2],
-    probs: Option<u64>,
-    mean: u64,
-    rows: usize,
-    v: usize,
-) -> Result<()> {
     let (_scratch, row_loss) = l.scratch(rows.max(1))?;
-    // a null `probs` tells the kernel to keep the softmax to itself
-    let args = [logits, targets, probs.unwrap_or(0), row_loss].map(Arg::Ptr);
+    let args = [logits, targets, out, row_loss].map(Arg::Ptr);
     let at = launch::per_row(rows, v)?;
+    let scalars = [Arg::U32(v as u32)];
     run(
         l,
         "cross_entropy_fwd",
         DType::F32,
         at,
-        &[&args[..], &[Arg::U32(v as u32)]].concat(),
+        &[&args[..], &scalars].concat(),
     )?;
+    mean_of_rows(l, row_loss, offset(out, rows * v, DType::F32), rows)
+}
+
+/// The mean cross-entropy of f32 `logits` [rows, v] against u32 `targets` into `out` (one f32).
+pub(crate) fn cross_entropy<L: Launcher>(
+    l: &L,
+    inputs: [u64; 2],
+    out: u64,
+    rows: usize,
+    v: usize,
+) -> Result<()> {
+    let (_scratch, lse) = l.scratch(rows.max(1))?;
+    cross_entropy_and_lse(l, DType::F32, inputs, [out, lse], rows, v)
+}
+
+/// The mean cross-entropy of `logits` [rows, v] (`dtype`) against u32 `targets` into `mean`
+/// (one f32) and each row's log-sum-exp into `lse` (rows f32), one pass over the logits; the
+/// gradient then comes from the logits and `lse` (`cross_entropy_grad`).
+pub(crate) fn cross_entropy_and_lse<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [logits, targets]: [u64; 2],
+    [mean, lse]: [u64; 2],
+    rows: usize,
+    v: usize,
+) -> Result<()> {
+    let (_scratch, row_loss) = l.scratch(rows.max(1))?;
+    let args = [logits, targets, row_loss, lse].map(Arg::Ptr);
+    let at = launch::per_row(rows, v)?;
+    let scalars = [Arg::U32(v as u32)];
+    run(
+        l,
+        "cross_entropy_lse",
+        dtype,
+        at,
+        &[&args[..], &scalars].concat(),
+    )?;
+    mean_of_rows(l, row_loss, mean, rows)
+}
+
+/// The mean of `rows` f32 row losses at `row_loss` into `mean`.
+fn mean_of_rows<L: Launcher>(l: &L, row_loss: u64, mean: u64, rows: usize) -> Result<()> {
     let args = [Arg::Ptr(row_loss), Arg::Ptr(mean), Arg::U32(rows as u32)];
     run(
         l,
@@ -295,19 +313,30 @@ fn cross_entropy_rows<L: Launcher>(
 }
 
 /// The cross-entropy's gradient `(softmax(logits) - onehot(targets)) * scale` straight from
-/// f32 `logits` [rows, v], into `dlogits` in `dtype`, the softmax never in memory.
+/// `logits` [rows, v] into `dlogits`, both `dtype`, the softmax never in memory: from the
+/// rows' log-sum-exp at `lse` (`cross_entropy_and_lse`'s), or computed again without it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cross_entropy_grad<L: Launcher>(
     l: &L,
     dtype: DType,
-    inputs: [u64; 2],
+    [logits, targets]: [u64; 2],
+    lse: Option<u64>,
     dlogits: u64,
     rows: usize,
     v: usize,
     scale: f32,
 ) -> Result<()> {
-    let kernel = "cross_entropy_grad";
-    cross_entropy_gradient(l, kernel, dtype, inputs, dlogits, (rows, v), scale)
+    // a null `lse` tells the kernel to compute it
+    let args = [logits, lse.unwrap_or(0), targets, dlogits].map(Arg::Ptr);
+    let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
+    let at = launch::per_row(rows, v)?;
+    run(
+        l,
+        "cross_entropy_grad",
+        dtype,
+        at,
+        &[&args[..], &scalars].concat(),
+    )
 }
 
 /// The cross-entropy's gradient `(probs - onehot(targets)) * scale` from the f32 softmax
@@ -316,31 +345,22 @@ pub(crate) fn cross_entropy_grad<L: Launcher>(
 pub(crate) fn cross_entropy_backward<L: Launcher>(
     l: &L,
     dtype: DType,
-    inputs: [u64; 2],
+    [probs, targets]: [u64; 2],
     dlogits: u64,
     rows: usize,
     v: usize,
     scale: f32,
 ) -> Result<()> {
-    let kernel = "cross_entropy_bwd";
-    cross_entropy_gradient(l, kernel, dtype, inputs, dlogits, (rows, v), scale)
-}
-
-/// Either gradient kernel: one block a row of [rows, v] (logits or their softmax) and the
-/// targets, the same arguments.
-fn cross_entropy_gradient<L: Launcher>(
-    l: &L,
-    kernel: &str,
-    dtype: DType,
-    [from, targets]: [u64; 2],
-    dlogits: u64,
-    (rows, v): (usize, usize),
-    scale: f32,
-) -> Result<()> {
-    let args = [from, targets, dlogits].map(Arg::Ptr);
+    let args = [probs, targets, dlogits].map(Arg::Ptr);
     let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
     let at = launch::per_row(rows, v)?;
-    run(l, kernel, dtype, at, &[&args[..], &scalars].concat())
+    run(
+        l,
+        "cross_entropy_bwd",
+        dtype,
+        at,
+        &[&args[..], &scalars].concat(),
+    )
 }
 
 /// RMSNorm of rows of `d`: `w * (x * root)` into `y` (`dtype`) and each row's
