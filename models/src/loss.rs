@@ -184,8 +184,9 @@ impl TiledLoss {
         for p in tiles(all.dim(0)?, self.tile) {
             let h = all.narrow(0, p.start, p.len())?;
             let targets = r.targets.narrow(0, p.start, p.len())?;
-            let logits = linear(&h, w, None)?.to_dtype(DType::F32)?;
-            let dlogits = cross_entropy_grad(&logits, &targets, scale)?.to_dtype(h.dtype())?;
+            // the gradient in the logits' dtype, computed in f32 and rounded once
+            let logits = linear(&h, w, None)?;
+            let dlogits = cross_entropy_grad(&logits, &targets, scale)?;
             let g = linear_backward(&h, w, &dlogits)?;
             dw = (dw + g.dw)?;
             dh.push(g.dx);

@@ -68,11 +68,13 @@ pub fn cross_entropy_with_probs(logits: &Tensor, targets: &Tensor) -> Result<(Te
     Ok((loss, packed.narrow(0, 0, n)?.reshape(logits.shape())?))
 }
 
-/// The cross-entropy's gradient straight from f32 `logits` [n, vocab]:
-/// (softmax(logits) - onehot(targets)) * scale, in one pass, the softmax never in memory.
+/// The cross-entropy's gradient straight from `logits` [n, vocab], in their dtype (computed
+/// in f32, rounded once): (softmax(logits) - onehot(targets)) * scale, the softmax never in
+/// memory.
 pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, scale: f64) -> Result<Tensor> {
     if !fused_on(logits.device()) {
-        return cross_entropy_backward_primitive(&softmax_last_dim(logits)?, targets, scale);
+        let probs = softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        return cross_entropy_backward_primitive(&probs, targets, scale)?.to_dtype(logits.dtype());
     }
     let grad = CrossEntropyGrad {
         scale: scale as f32,
@@ -367,9 +369,10 @@ impl CustomOp2 for CrossEntropyGrad {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let n = l1.shape().elem_count();
-        let grad = cuda_rows((s1, l1), (s2, l2), DType::F32, n, |k, a, out, rows, v| {
-            gpu::cross_entropy_grad(k, DType::F32, a, None, out, rows, v, self.scale)
+        // in the logits' dtype, as the CPU's
+        let (n, dtype) = (l1.shape().elem_count(), s1.dtype());
+        let grad = cuda_rows((s1, l1), (s2, l2), dtype, n, |k, a, out, rows, v| {
+            gpu::cross_entropy_grad(k, dtype, a, None, out, rows, v, self.scale)
         })?;
         Ok((grad, l1.shape().clone()))
     }
