@@ -498,9 +498,10 @@ mod on_gpu {
     use super::super::gpu::{self, cuda::on_tensors};
 
     /// The rows and the vocabulary of `logits` [n, v]; None unless they are on a GPU,
-    /// untracked, with u32 targets [n].
+    /// untracked, with u32 targets [n] on the same GPU.
     fn rows_of(logits: &Tensor, targets: &Tensor) -> Result<Option<(usize, usize)>> {
         let usable = logits.device().is_cuda()
+            && targets.device().same_device(logits.device())
             && !logits.track_op()
             && targets.dtype() == DType::U32
             && logits.rank() == 2;
