@@ -35,8 +35,8 @@ namespace flash {
 // FMA and the ex2 unit (expf's range reduction would be several instructions more).
 constexpr float LOG2E = 1.44269504088896340736f, LN2 = 0.69314718055994530942f;
 
-// Elements added to each shared row: 16 bytes, so successive rows start on different banks and
-// stay 16-byte aligned for the tile copies.
+// Elements added to each shared row: 16 bytes, so the eight rows an ldmatrix reads start on
+// different banks, and rows stay 16-byte aligned for the copies and ldmatrix.
 constexpr int PAD = 8;
 
 // Warps per block for head size HD: 4 up to 64, 2 for 128, whose dK dV take 238 registers a
@@ -95,7 +95,7 @@ __device__ Strides output_strides(uint32_t t, uint32_t heads) {
     return {(uint64_t)t * heads * HD, HD, (uint64_t)heads * HD};
 }
 
-// A tile: `rows` rows of a head, HD elements each, padded.
+// One row of a tile in shared memory: a position's HD elements and the padding.
 template <typename T, int HD>
 using Row = T[HD + PAD];
 
