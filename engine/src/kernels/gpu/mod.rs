@@ -81,6 +81,24 @@ fn run<L: Launcher>(l: &L, base: &str, dtype: DType, at: Launch, args: &[Arg]) -
     }
 }
 
+/// `kernel` for `dtype` with a block per row, over `rows` rows of `width`: the addresses
+/// `ptrs`, then `scalars`.
+fn run_rows<L: Launcher>(
+    l: &L,
+    kernel: &str,
+    dtype: DType,
+    (rows, width): (usize, usize),
+    ptrs: &[u64],
+    scalars: &[Arg],
+) -> Result<()> {
+    let args: Vec<Arg> = ptrs
+        .iter()
+        .map(|&p| Arg::Ptr(p))
+        .chain(scalars.iter().copied())
+        .collect();
+    run(l, kernel, dtype, launch::per_row(rows, width)?, &args)
+}
+
 /// The address `elements` of `dtype` past `base`.
 fn offset(base: u64, elements: usize, dtype: DType) -> u64 {
     base + (elements * dtype.size_in_bytes()) as u64
@@ -97,14 +115,14 @@ pub(crate) fn layer_norm<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let at = launch::per_row(rows, d)?;
-    let args = [x, w, b, y].map(Arg::Ptr);
-    run(
+    let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
+    run_rows(
         l,
         "layer_norm_fwd",
         dtype,
-        at,
-        &[&args[..], &[Arg::U32(d as u32), Arg::F32(eps)]].concat(),
+        (rows, d),
+        &[x, w, b, y],
+        &scalars,
     )
 }
 
@@ -203,19 +221,8 @@ pub(crate) fn causal_softmax<L: Launcher>(
     t: usize,
     scale: f32,
 ) -> Result<()> {
-    let args = [
-        Arg::Ptr(x),
-        Arg::Ptr(y),
-        Arg::U32(t as u32),
-        Arg::F32(scale),
-    ];
-    run(
-        l,
-        "causal_softmax_fwd",
-        dtype,
-        launch::per_row(rows, t)?,
-        &args,
-    )
+    let scalars = [Arg::U32(t as u32), Arg::F32(scale)];
+    run_rows(l, "causal_softmax_fwd", dtype, (rows, t), &[x, y], &scalars)
 }
 
 /// A softmax's backward from its output: `scale * y * (dy - sum(dy * y))` per row of `n`.
@@ -229,15 +236,8 @@ pub(crate) fn softmax_backward<L: Launcher>(
     n: usize,
     scale: f32,
 ) -> Result<()> {
-    let args = [y, dy, dx].map(Arg::Ptr);
     let scalars = [Arg::U32(n as u32), Arg::F32(scale)];
-    run(
-        l,
-        "softmax_bwd",
-        dtype,
-        launch::per_row(rows, n)?,
-        &[&args[..], &scalars].concat(),
-    )
+    run_rows(l, "softmax_bwd", dtype, (rows, n), &[y, dy, dx], &scalars)
 }
 
 /// The cross-entropy of f32 `logits` [rows, v] against u32 `targets`, packed as the CPU kernel
@@ -250,15 +250,15 @@ pub(crate) fn cross_entropy_probs<L: Launcher>(
     v: usize,
 ) -> Result<()> {
     let (_scratch, row_loss) = l.scratch(rows.max(1))?;
-    let args = [logits, targets, out, row_loss].map(Arg::Ptr);
-    let at = launch::per_row(rows, v)?;
+    let ptrs = [logits, targets, out, row_loss];
     let scalars = [Arg::U32(v as u32)];
-    run(
+    run_rows(
         l,
         "cross_entropy_fwd",
         DType::F32,
-        at,
-        &[&args[..], &scalars].concat(),
+        (rows, v),
+        &ptrs,
+        &scalars,
     )?;
     mean_of_rows(l, row_loss, offset(out, rows * v, DType::F32), rows)
 }
@@ -287,16 +287,9 @@ pub(crate) fn cross_entropy_and_lse<L: Launcher>(
     v: usize,
 ) -> Result<()> {
     let (_scratch, row_loss) = l.scratch(rows.max(1))?;
-    let args = [logits, targets, row_loss, lse].map(Arg::Ptr);
-    let at = launch::per_row(rows, v)?;
+    let ptrs = [logits, targets, row_loss, lse];
     let scalars = [Arg::U32(v as u32)];
-    run(
-        l,
-        "cross_entropy_lse",
-        dtype,
-        at,
-        &[&args[..], &scalars].concat(),
-    )?;
+    run_rows(l, "cross_entropy_lse", dtype, (rows, v), &ptrs, &scalars)?;
     mean_of_rows(l, row_loss, mean, rows)
 }
 
@@ -327,16 +320,9 @@ pub(crate) fn cross_entropy_grad<L: Launcher>(
     scale: f32,
 ) -> Result<()> {
     // a null `lse` tells the kernel to compute it
-    let args = [logits, lse.unwrap_or(0), targets, dlogits].map(Arg::Ptr);
+    let ptrs = [logits, lse.unwrap_or(0), targets, dlogits];
     let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
-    let at = launch::per_row(rows, v)?;
-    run(
-        l,
-        "cross_entropy_grad",
-        dtype,
-        at,
-        &[&args[..], &scalars].concat(),
-    )
+    run_rows(l, "cross_entropy_grad", dtype, (rows, v), &ptrs, &scalars)
 }
 
 /// The cross-entropy's gradient `(probs - onehot(targets)) * scale` from the f32 softmax
@@ -351,16 +337,9 @@ pub(crate) fn cross_entropy_backward<L: Launcher>(
     v: usize,
     scale: f32,
 ) -> Result<()> {
-    let args = [probs, targets, dlogits].map(Arg::Ptr);
+    let ptrs = [probs, targets, dlogits];
     let scalars = [Arg::U32(v as u32), Arg::F32(scale)];
-    let at = launch::per_row(rows, v)?;
-    run(
-        l,
-        "cross_entropy_bwd",
-        dtype,
-        at,
-        &[&args[..], &scalars].concat(),
-    )
+    run_rows(l, "cross_entropy_bwd", dtype, (rows, v), &ptrs, &scalars)
 }
 
 /// RMSNorm of rows of `d`: `w * (x * root)` into `y` (`dtype`) and each row's
@@ -375,14 +354,14 @@ pub(crate) fn rms_norm<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let args = [x, w, y, roots].map(Arg::Ptr);
-    let at = launch::per_row(rows, d)?;
-    run(
+    let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
+    run_rows(
         l,
         "rms_norm_fwd",
         dtype,
-        at,
-        &[&args[..], &[Arg::U32(d as u32), Arg::F32(eps)]].concat(),
+        (rows, d),
+        &[x, w, y, roots],
+        &scalars,
     )
 }
 
