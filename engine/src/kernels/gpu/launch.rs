@@ -1,5 +1,6 @@
-//! The launch arithmetic of kernels/fused.cu: how many blocks of how many threads each kernel
-//! runs with, and the sizes that follow from them. Plain integers, so the CPU tests check them
+//! The launch arithmetic of kernels/fused.cu and flash.cu: how many blocks of how many threads
+//! each kernel runs with, with how much dynamic shared memory, and the sizes that follow from
+//! them. Plain integers, so the CPU tests check them
 //! (and run them, under the emulator) without a GPU.
 
 use candle_core::Result;
