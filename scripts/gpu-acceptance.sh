@@ -166,11 +166,13 @@ gpu_kernels() {
     cat "$log"
     for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
         causal_softmax_forward_and_backward cross_entropy_and_its_gradient \
-        cross_entropy_kept_as_logits_and_lse \
+        cross_entropy_kept_as_logits_and_lse linear_epilogues_bias_gelu_and_its_gradient \
         llama_rms_norm_swiglu_and_rotary users_rms_norm_and_rope_train_on_the_gpu \
         flash_attention_forward_and_backward; do
         test_row "fused ${t%%_and_*}" "$t" "$log" "GPU = CPU kernel within the bounds below"
     done
+    # "epilogue WHAT: N of M elements differ from candle's kernels": the epilogues ran
+    grep '^epilogue ' "$log" | sed 's/^/  /'
     # "kernel NAME DTYPE: ok, largest difference D (bound B)"
     while read -r _ what dtype _ _ _ diff _ bound; do
         row "  $what ${dtype%:}" ok "largest difference $diff (bound ${bound%)})"
@@ -320,6 +322,7 @@ ds_rs_runs() {
     part ds_speed small
     part ds_speed gpt2
     part ds_speed gpt2 matmul
+    part ds_speed gpt2 flash candle
     part attention_rows
     part kernel_profile gpt2
     part ds_offload_memory gpt2
@@ -547,12 +550,16 @@ EOF
 
 # Attention $2: flash (the default, kernels/flash.cu) or matmul (DS_RS_ATTENTION=matmul: the
 # T x T probabilities through cuBLAS and the fused softmax), the comparison that decides it.
-ds_speed() { # preset [attention]
-    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed-$1-${2:-flash}.jsonl figure
-    local label="ds-rs $1 bf16" log=ds-rs-$1-${2:-flash}.log
+# Linears $3: lt (the default: cuBLASLt's bias and GELU epilogues, kernels/gpu/lt.rs) or
+# candle (DS_RS_MATMUL=candle: candle's matmul, then the bias and GELU kernels).
+ds_speed() { # preset [attention] [linears]
+    local variant=${2:-flash}-${3:-lt} figure
+    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed-$1-$variant.jsonl
+    local label="ds-rs $1 bf16" log=ds-rs-$1-$variant.log
     [ "${2:-flash}" = flash ] || label="$label $2-attn"
+    [ "${3:-lt}" = lt ] || label="$label $3-matmul"
     speed_config
-    if ! DS_RS_ATTENTION=${2:-flash} timeout 300 "$bin" bench train --preset "$1" --config "$cfg" \
+    if ! DS_RS_ATTENTION=${2:-flash} DS_RS_MATMUL=${3:-lt} timeout 300 "$bin" bench train --preset "$1" --config "$cfg" \
         --nproc 1 --device cuda --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/$log"; then
         row "$label" FAIL "see $log: $(tail -n 1 "$logs/$log")"
         return

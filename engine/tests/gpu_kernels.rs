@@ -16,6 +16,7 @@ use ds_engine::kernels::fused_norm_loss::{
     cross_entropy_and_lse, cross_entropy_backward, cross_entropy_grad, cross_entropy_grad_from_lse,
     cross_entropy_with_probs, layer_norm, layer_norm_backward,
 };
+use ds_engine::kernels::grad::{gelu_linear_backward, linear, linear_gelu};
 use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::kernels::ops::{
     causal_softmax, causal_softmax_backward, column_sum, gelu, gelu_backward,
@@ -261,6 +262,88 @@ fn cross_entropy_kept_as_logits_and_lse() {
                     cross_entropy_grad(&t[0], &t[1], scale)?,
                 ]),
             },
+        );
+    }
+}
+
+/// GPT-2's MLP linears with cuBLASLt's epilogues (bias; bias and GELU keeping the
+/// pre-activation; the input gradient through GELU's derivative) against the CPU's f32
+/// composition on the same values. That they ran, and not candle's matmul, bias and GELU
+/// kernels: in bf16 and f16 the fused results round once where the composition rounds after
+/// each kernel, so many elements differ from candle's composition on the same GPU.
+#[test]
+fn linear_epilogues_bias_gelu_and_its_gradient() {
+    let Some(dev) = gpu() else { return };
+    let (rows, d, mlp) = (2048, 768, 3072);
+    for dtype in DTYPES {
+        let x = values(&[rows, d], 11, 1.0, dtype);
+        let (w, b) = (
+            values(&[mlp, d], 12, 0.1, dtype),
+            values(&[mlp], 13, 0.5, dtype),
+        );
+        let (w2, dy) = (
+            values(&[d, mlp], 14, 0.05, dtype),
+            values(&[rows, d], 15, 1.0, dtype),
+        );
+        let f = values(&[rows, mlp], 16, 3.0, dtype);
+        let g = gelu(&f).unwrap();
+        compare("linear_bias", &dev, dtype, &[&x, &w, &b], |t| {
+            Ok(vec![linear(&t[0], &t[1], Some(&t[2]))?])
+        });
+        compare("linear_gelu", &dev, dtype, &[&x, &w, &b], |t| {
+            let (f, g) = linear_gelu(&t[0], &t[1], &t[2])?;
+            Ok(vec![f, g])
+        });
+        compare(
+            "gelu_linear_backward",
+            &dev,
+            dtype,
+            &[&g, &f, &w2, &dy],
+            |t| {
+                let grads = gelu_linear_backward(&t[0], &t[1], &t[2], &t[3])?;
+                Ok(vec![grads.dx, grads.dw])
+            },
+        );
+        if dtype != DType::F32 {
+            fused_ran(&dev, [&x, &w, &b], [&g, &f, &w2, &dy]);
+        }
+    }
+}
+
+/// Asserts that the epilogue path ran: its outputs differ from candle's composition
+/// (matmul, then bias, then GELU or its derivative, each rounded) on the same GPU.
+fn fused_ran(dev: &Device, fwd: [&Tensor; 3], bwd: [&Tensor; 4]) {
+    let [x, w, b] = fwd.map(|t| t.to_device(dev).unwrap());
+    let [g, f, w2, dy] = bwd.map(|t| t.to_device(dev).unwrap());
+    let product = x.matmul(&w.t().unwrap()).unwrap();
+    let composed = product.broadcast_add(&b).unwrap();
+    let dg = dy.matmul(&w2).unwrap();
+    let pairs = [
+        ("bias", linear(&x, &w, Some(&b)).unwrap(), composed.clone()),
+        (
+            "gelu",
+            linear_gelu(&x, &w, &b).unwrap().1,
+            gelu(&composed).unwrap(),
+        ),
+        (
+            "dgelu",
+            gelu_linear_backward(&g, &f, &w2, &dy).unwrap().dx,
+            gelu_backward(&f, &dg).unwrap(),
+        ),
+    ];
+    for (what, fused, composed) in pairs {
+        let differ = flat(&fused)
+            .iter()
+            .zip(flat(&composed))
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "epilogue {what}: {differ} of {} elements differ from candle's kernels",
+            fused.elem_count()
+        );
+        assert!(
+            differ > 0,
+            "{what}: the epilogue did not run (candle's kernels' bits)"
         );
     }
 }

@@ -14,9 +14,11 @@ use crate::loss::{tiles, CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
-use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_engine::kernels::grad::{
+    bias_backward, gelu_linear_backward, linear, linear_backward, linear_gelu,
+};
 use ds_engine::kernels::nn::layer_norm;
-use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward, gelu, gelu_backward};
+use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_engine::kernels::{cpu_attention, flash_attention};
 use ds_engine::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
@@ -512,8 +514,8 @@ impl Block {
                 let rows = whole.reshape((b * t, d))?;
                 let mut parts = Vec::new();
                 for r in tiles(b * t, tile) {
-                    let f = linear(&rows.narrow(0, r.start, r.len())?, &c_fc.0, Some(&c_fc.1))?;
-                    parts.push(linear(&gelu(&f)?, &c_proj.0, None)?);
+                    let (_, g) = linear_gelu(&rows.narrow(0, r.start, r.len())?, &c_fc.0, &c_fc.1)?;
+                    parts.push(linear(&g, &c_proj.0, None)?);
                 }
                 let partial = Tensor::cat(&parts, 0)?.reshape((b, t, d))?;
                 let out = tp.reduce(&partial)?.broadcast_add(&c_proj.1)?;
@@ -521,8 +523,7 @@ impl Block {
             }
             None => {
                 let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
-                let f = linear(&whole, &c_fc.0, Some(&c_fc.1))?;
-                let g = gelu(&f)?;
+                let (f, g) = linear_gelu(&whole, &c_fc.0, &c_fc.1)?;
                 let out = row_parallel_linear(tp, &g, &c_proj.0, &c_proj.1)?;
                 (out, MlpTape::Dense { f, g })
             }
@@ -790,14 +791,10 @@ fn mlp_backward(
 ) -> Result<(Tensor, [Tensor; 3])> {
     let (f, g) = match kept {
         Some((f, g)) => (f.clone(), g.clone()),
-        None => {
-            let f = linear(h, &c_fc.0, Some(&c_fc.1))?;
-            let g = gelu(&f)?;
-            (f, g)
-        }
+        None => linear_gelu(h, &c_fc.0, &c_fc.1)?,
     };
-    let proj = linear_backward(&g, &c_proj.0, dy)?;
-    let df = gelu_backward(&f, &proj.dx)?;
+    let proj = gelu_linear_backward(&g, &f, &c_proj.0, dy)?;
+    let df = proj.dx;
     let fc = linear_backward(h, &c_fc.0, &df)?;
     Ok((fc.dx, [fc.dw, bias_backward(&df, &c_fc.1)?, proj.dw]))
 }

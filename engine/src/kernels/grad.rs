@@ -1,16 +1,21 @@
 //! Building blocks of hand-written backward passes (Note [taped layers] in model/mod.rs): the
-//! linear map and its gradients.
+//! linear map and its gradients, and the MLP's linear with GELU, whose bias and activation
+//! a GPU folds into the product (cuBLASLt's epilogues, kernels/gpu/lt.rs).
 
 use candle_core::{Result, Tensor};
 
 use super::cpu_matmul;
-use super::ops::{add_bias, column_sum};
+use super::ops::{add_bias, column_sum, gelu, gelu_backward};
 
 /// `x W^T (+ b)` over the last dimension: x [.., in], W [out, in] (candle-nn's layout).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut shape = x.dims().to_vec();
     let (x2, wt) = (rows(x)?, w.t()?);
-    let y = match cpu_matmul::matmul(&x2, &wt, b)? {
+    let fast = match cpu_matmul::matmul(&x2, &wt, b)? {
+        Some(y) => Some(y),
+        None => gpu_linear(&x2, w, b)?,
+    };
+    let y = match fast {
         Some(y) => y,
         None => {
             let y = x2.matmul(&wt)?;
@@ -22,6 +27,58 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     };
     *shape.last_mut().expect("a linear input has dimensions") = w.dim(0)?;
     y.reshape(shape)
+}
+
+/// `linear` with a bias on a GPU: the bias added in the product's epilogue (None elsewhere).
+fn gpu_linear(x2: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let (Some(b), true) = (b, x2.device().is_cuda()) {
+        return super::gpu::lt::linear(x2, w, b);
+    }
+    let _ = (x2, w, b);
+    Ok(None)
+}
+
+/// `f = linear(x, w, b)` and `gelu(f)` (tanh): on a GPU one product whose epilogue adds the
+/// bias, keeps f and writes its GELU.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let mut shape = x.dims().to_vec();
+        *shape.last_mut().expect("a linear input has dimensions") = w.dim(0)?;
+        if let Some((f, g)) = super::gpu::lt::linear_gelu(&rows(x)?, w, b)? {
+            return Ok((f.reshape(shape.as_slice())?, g.reshape(shape)?));
+        }
+    }
+    let f = linear(x, w, Some(b))?;
+    let g = gelu(&f)?;
+    Ok((f, g))
+}
+
+/// The backward of `linear(gelu(f), w, _)` given the upstream `dy`: `dx` is the gradient of
+/// the pre-activation f (on a GPU from one product whose epilogue multiplies by GELU's
+/// derivative), `dw` that of w; `g` is gelu(f).
+pub fn gelu_linear_backward(
+    g: &Tensor,
+    f: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+) -> Result<LinearGrads> {
+    #[cfg(feature = "cuda")]
+    if dy.device().is_cuda() {
+        let (dy2, f2) = (rows(dy)?, rows(f)?);
+        if let Some(df) = super::gpu::lt::input_grad_through_gelu(&dy2, w, &f2)? {
+            return Ok(LinearGrads {
+                dx: df.reshape(f.shape())?,
+                dw: product(&dy2.t()?, &rows(g)?)?,
+            });
+        }
+    }
+    let proj = linear_backward(g, w, dy)?;
+    Ok(LinearGrads {
+        dx: gelu_backward(f, &proj.dx)?,
+        dw: proj.dw,
+    })
 }
 
 /// The gradients of `linear`'s input and weight given the upstream `dy`.

@@ -23,6 +23,7 @@
 #![cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 
 pub(crate) mod flash;
+pub(crate) mod gemm;
 pub mod launch;
 
 #[cfg(feature = "cuda")]
@@ -33,6 +34,8 @@ mod emu;
 mod flash_emu;
 #[cfg(test)]
 mod flash_reference;
+#[cfg(feature = "cuda")]
+pub(crate) mod lt;
 
 use candle_core::{DType, Device, Result};
 
