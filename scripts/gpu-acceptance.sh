@@ -414,7 +414,7 @@ kernel_profile() { # preset
     LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib DS_KERNEL_PROFILE=$out \
         timeout 200 "$bin" bench train --preset "$1" --config "$work/bf16-speed.json" --nproc 1 \
         --device cuda --warmup 2 --steps 5 >"$logs/profile-ds-rs-$1.log" 2>&1
-    families "profile ds-rs $1" "$out"
+    families "profile ds-rs $1" "$out" 7
     [ -f "$bench/train_torch.py" ] || return
     [ -d "$work/bench" ] || { mkdir -p "$work/bench" && cp "$bench"/*.py "$work/bench/"; }
     out=$logs/kernel-profile-torch-$1.tsv
@@ -422,20 +422,26 @@ kernel_profile() { # preset
         DS_KERNEL_PROFILE=$out timeout 150 "$python" train_torch.py --preset "$1" --device cuda \
         --bf16 --micro-batch "$micro_batch" --warmup 2 --steps 5 --tag profile \
         --out "$work/profile-torch.jsonl") >"$logs/profile-torch-$1.log" 2>&1
-    families "profile torch $1" "$out"
+    families "profile torch $1" "$out" 7
 }
 
-# A row from a kernel profile: GPU time by family (first pattern that matches a kernel's name).
-families() { # check tsv
+# A row from a kernel profile: GPU time by family (first pattern that matches a kernel's name),
+# and the GPU's busy time per step (the profile's total over the run's $3 steps, warmup
+# included) beside the span from its first kernel to its last: a busy time well under the
+# speed row's median step means the host, not the GPU, sets the pace.
+families() { # check tsv steps
     if [ ! -s "$2" ]; then
         row "$1" FAIL "no profile written (see ${2%.tsv}.log and the run's log)"
         return
     fi
-    row "$1" ok "$("$python" - "$2" <<'PY'
+    row "$1" ok "$("$python" - "$2" "$3" <<'PY'
 import re, sys
-rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l[0].isdigit()]
+lines = open(sys.argv[1]).read().splitlines()
+head = re.search(r"([\d.]+) ms on the GPU, first to last ([\d.]+) ms", lines[0] if lines else "")
+steps = int(sys.argv[2])
+rows = [l.split("\t") for l in lines if l[:1].isdigit()]
 families = [
-    ("matmul", r"gemm|xmma|cutlass|^sm\d+_|ampere|hopper|cublas|splitK|Kernel2"),
+    ("matmul", r"gemm|xmma|cutlass|nvjet|^sm\d+_|ampere|hopper|cublas|splitK|Kernel2"),
     ("attention", r"flash|fmha|attention|sdpa|mha"),
     ("ds-rs fused", r"^(layer_norm|rms_norm|gelu_|swiglu|rotary|causal_softmax|softmax_bwd|cross_entropy|column_sum|sum_partials|mean_of_rows)"),
     ("optimizer", r"^(adam_|accumulate_|scale_|sum_squares_|convert_)|adam|foreach|multi_tensor"),
@@ -449,7 +455,9 @@ by = {}
 for ms, calls, mean, name in rows:
     fam = next((f for f, p in families if re.search(p, name, re.I)), "other")
     by[fam] = by.get(fam, 0.0) + float(ms)
-print(f"{total:.0f} ms GPU: " + ", ".join(f"{f} {100 * t / total:.0f}%" for f, t in sorted(by.items(), key=lambda x: -x[1])))
+busy = (f", busy {total / steps:.1f} ms a step of {steps}, span {float(head.group(2)):.0f} ms"
+        if head else "")
+print(f"{total:.0f} ms GPU{busy}: " + ", ".join(f"{f} {100 * t / total:.0f}%" for f, t in sorted(by.items(), key=lambda x: -x[1])))
 PY
 )"
 }
