@@ -167,6 +167,7 @@ gpu_kernels() {
     for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
         causal_softmax_forward_and_backward cross_entropy_and_its_gradient \
         cross_entropy_kept_as_logits_and_lse linear_epilogues_bias_gelu_and_its_gradient \
+        embedding_gradient_rows_summed_by_index \
         llama_rms_norm_swiglu_and_rotary users_rms_norm_and_rope_train_on_the_gpu \
         flash_attention_forward_and_backward; do
         test_row "fused ${t%%_and_*}" "$t" "$log" "GPU = CPU kernel within the bounds below"

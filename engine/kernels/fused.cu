@@ -1,6 +1,6 @@
 // The fused kernels of a layer's forward and backward on a GPU (issue 35): LayerNorm, RMSNorm,
-// tanh-GELU, SwiGLU, rotary embeddings, the causal softmax, the softmax cross-entropy and bias
-// gradients, each the CPU fast path's arithmetic
+// tanh-GELU, SwiGLU, rotary embeddings, the causal softmax, the softmax cross-entropy, bias
+// gradients and rows summed by index (the embeddings' gradient), each the CPU fast path's arithmetic
 // (src/kernels/fused_norm_loss.rs, ops.rs, rms_swiglu.rs, rotary.rs) in one pass over memory where the primitive chain
 // takes five to twenty. src/kernels/gpu/launch.rs computes every launch and documents each
 // kernel's arguments; gpu/cuda.rs launches them on candle's stream; the CPU tests run this
@@ -179,6 +179,22 @@ __device__ void swiglu_bwd(const T *gate, const T *up, const T *dy, T *out, uint
         float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dy[i]), s = sigmoid(g);
         store(&out[n + i], d * g * s);
         store(&out[i], d * u * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
+// Rows summed by index (an embedding table's gradient): out [rows, width], row r the sum of
+// src's rows at the positions holding index r, in position order (`order[first[r]..
+// first[r + 1]]`, the host's stable grouping of the indices), zero where r holds none; f32
+// sums rounded once, no atomics (the same bits every run). grid: one block per output row.
+template <typename T>
+__device__ void sum_rows_by_index(const T *src, const uint32_t *order, const uint32_t *first,
+                                  T *out, uint32_t width) {
+    uint32_t r = blockIdx.x, a = first[r], e = first[r + 1];
+    size_t at = (size_t)r * width;
+    for (uint32_t c = threadIdx.x; c < width; c += blockDim.x) {
+        float s = 0.0f;
+        for (uint32_t i = a; i < e; ++i) s += to_f(src[(size_t)order[i] * width + c]);
+        store(&out[at + c], s);
     }
 }
 
@@ -404,6 +420,11 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
     extern "C" __global__ void rotary_##S(const T *x, const T *c, const T *s, T *y, uint64_t n, \
                                           uint32_t t, uint32_t hd, uint32_t transpose) {       \
         rotary(x, c, s, y, n, t, hd, transpose);                                               \
+    }                                                                                          \
+    extern "C" __global__ void sum_rows_by_index_##S(const T *src, const uint32_t *order,      \
+                                                     const uint32_t *first, T *out,            \
+                                                     uint32_t width) {                         \
+        sum_rows_by_index(src, order, first, out, width);                                      \
     }                                                                                          \
     extern "C" __global__ void gelu_fwd_##S(const T *x, T *y, uint64_t n) { gelu_fwd(x, y, n); } \
     extern "C" __global__ void gelu_bwd_##S(const T *x, const T *dy, T *dx, uint64_t n) {      \

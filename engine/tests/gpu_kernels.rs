@@ -21,6 +21,7 @@ use ds_engine::kernels::nn::cross_entropy;
 use ds_engine::kernels::ops::{
     causal_softmax, causal_softmax_backward, column_sum, gelu, gelu_backward,
 };
+use ds_engine::kernels::scatter_rows::sum_into_rows;
 use ds_engine::kernels::{rms_swiglu, rotary};
 
 fn gpu() -> Option<Device> {
@@ -345,6 +346,43 @@ fn fused_ran(dev: &Device, fwd: [&Tensor; 3], bwd: [&Tensor; 4]) {
             differ > 0,
             "{what}: the epilogue did not run (candle's kernels' bits)"
         );
+    }
+}
+
+/// The embedding table's gradient (rows summed by index) at GPT-2's vocabulary, against the
+/// CPU's f32 index_add on the same values: frequent tokens (a few hundred positions each),
+/// rare ones, and most rows absent (zero). In bf16 it must differ from candle's index_add on
+/// the GPU, which keeps a bf16 running sum: the kernel ran.
+#[test]
+fn embedding_gradient_rows_summed_by_index() {
+    let Some(dev) = gpu() else { return };
+    let (n, vocab, d) = (4096, 50304, 768);
+    // a skewed stream: token 7 every 16th position, the rest spread over 997 others
+    let ids: Vec<u32> = (0..n as u32)
+        .map(|p| if p % 16 == 0 { 7 } else { p * 7919 % 997 * 50 })
+        .collect();
+    let ids = Tensor::new(ids, &Device::Cpu).unwrap();
+    for dtype in DTYPES {
+        let dy = values(&[n, d], 17, 1.0, dtype);
+        compare("sum_rows_by_index", &dev, dtype, &[&ids, &dy], |t| {
+            Ok(vec![sum_into_rows(&t[0], &t[1], vocab)?])
+        });
+        if dtype == DType::BF16 {
+            let (ids, dy) = (ids.to_device(&dev).unwrap(), dy.to_device(&dev).unwrap());
+            let ours = flat(&sum_into_rows(&ids, &dy, vocab).unwrap());
+            let zeros = Tensor::zeros((vocab, d), dtype, &dev).unwrap();
+            let candle = flat(&zeros.index_add(&ids, &dy, 0).unwrap());
+            let differ = ours
+                .iter()
+                .zip(&candle)
+                .filter(|(a, b)| a.to_bits() != b.to_bits());
+            let differ = differ.count();
+            println!("sum_rows_by_index: {differ} elements differ from candle's bf16 index_add");
+            assert!(
+                differ > 0,
+                "the kernel did not run (candle's index_add's bits)"
+            );
+        }
     }
 }
 

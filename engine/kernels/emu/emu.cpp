@@ -35,6 +35,7 @@ const Entry kernels[] = {
     K3(cross_entropy_grad), K3(rms_norm_fwd),      K3(rms_norm_bwd),
     K3(swiglu_fwd),         K3(swiglu_bwd),        K3(rotary),
     K3(cross_entropy_lse),  K(cross_entropy_fwd_f32), K(mean_of_rows_f32),
+    K3(sum_rows_by_index),
 #define FLASH_K(hd, S) K(flash_fwd_hd##hd##_##S), K(flash_bwd_dkdv_hd##hd##_##S), K(flash_bwd_dq_hd##hd##_##S)
 #define FLASH_K2(S) FLASH_K(32, S), FLASH_K(64, S), FLASH_K(128, S), K(flash_bwd_dot_##S)
     FLASH_K2(bf16), FLASH_K2(f16),

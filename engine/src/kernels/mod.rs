@@ -5,7 +5,8 @@
 //!
 //! Imports point down this list, never up or sideways within a row:
 //! - `vmath`, `cpu_matmul`, `cpu_storage`, `primitive`: candle, gemm and plain arithmetic only;
-//! - `ops` (GELU, causal softmax, bias), `fused_norm_loss` (LayerNorm, cross-entropy);
+//! - `ops` (GELU, causal softmax, bias), `fused_norm_loss` (LayerNorm, cross-entropy),
+//!   `scatter_rows` (rows summed by index);
 //! - `grad` (linear and its backward), `cpu_attention`, `cpu_flash_attention`;
 //! - `nn`: the layers and dispatchers a model calls.
 
@@ -23,4 +24,5 @@ pub mod ops;
 pub mod primitive;
 pub mod rms_swiglu;
 pub mod rotary;
+pub mod scatter_rows;
 mod vmath;

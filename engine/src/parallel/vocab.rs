@@ -7,6 +7,7 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use super::Tp;
+use crate::kernels::scatter_rows::sum_into_rows;
 
 /// This rank's rows of a vocabulary of `vocab` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,14 +60,14 @@ pub fn embed(tp: &Tp, w: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// The gradient of this rank's table `w` [V/tp, d] given that of the looked-up rows `dy`
 /// [N, d].
 pub fn embed_backward(tp: &Tp, w: &Tensor, ids: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    let zeros = Tensor::zeros(w.shape(), dy.dtype(), dy.device())?;
+    let rows = w.dim(0)?;
     if tp.size() == 1 {
-        return zeros.index_add(&ids.flatten_all()?, dy, 0);
+        return sum_into_rows(&ids.flatten_all()?, dy, rows);
     }
-    let range = VocabRange::new(tp, w.dim(0)? * tp.size());
+    let range = VocabRange::new(tp, rows * tp.size());
     let (local, mask) = range.localise(ids, dy.dtype())?;
     let (local, mask) = (local.to_device(dy.device())?, mask.to_device(dy.device())?);
-    zeros.index_add(&local, &dy.broadcast_mul(&mask)?, 0)
+    sum_into_rows(&local, &dy.broadcast_mul(&mask)?, rows)
 }
 
 /// What the cross-entropy's backward needs: this rank's softmax columns and targets.

@@ -553,3 +553,34 @@ fn rotary_forward_and_backward_match_the_cpu_kernels() {
         }
     }
 }
+
+#[test]
+fn rows_summed_by_index_match_index_add() {
+    use super::super::scatter_rows::group_positions;
+    // 40 positions over 11 rows: repeated indices, rows no position holds (2, 9, 10)
+    let (n, rows, d) = (40, 11, 37);
+    let ids: Vec<u32> = (0..n as u32)
+        .map(|p| [0, 1, 3, 4, 5, 6, 7, 8][(p * p % 13 % 8) as usize])
+        .collect();
+    let g = group_positions(&ids, rows).unwrap();
+    let ids_t = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap();
+    let order = Tensor::new(g.order.as_slice(), &Device::Cpu).unwrap();
+    let first = Tensor::new(g.first.as_slice(), &Device::Cpu).unwrap();
+    for dtype in DTYPES {
+        let src = values(&[n, d], 25, 3.0, dtype);
+        let want = reference(&[&src], dtype, |a| {
+            let zeros = Tensor::zeros((rows, d), DType::F32, &Device::Cpu).unwrap();
+            vec![zeros.index_add(&ids_t, &a[0], 0).unwrap()]
+        });
+        let got = emulate(&[&src, &order, &first], dtype, rows * d, |l, a, out| {
+            super::sum_rows_by_index(l, dtype, [a[0], a[1], a[2]], out, (rows, d))
+        });
+        assert_close("sum_rows_by_index", &got, &want[0], dtype);
+        for r in [2, 9, 10] {
+            assert!(
+                got[r * d..(r + 1) * d].iter().all(|&x| x == 0.0),
+                "row {r} is zero"
+            );
+        }
+    }
+}

@@ -196,6 +196,25 @@ pub(crate) fn column_sum<L: Launcher>(
     sum_partials(l, dtype, r, partial, out, k)
 }
 
+/// `out` [rows, width]: row r the sum of `src`'s rows at the positions `order[first[r]..
+/// first[r + 1]]` (scatter_rows.rs's grouping of the indices), zero where there are none.
+pub(crate) fn sum_rows_by_index<L: Launcher>(
+    l: &L,
+    dtype: DType,
+    [src, order, first]: [u64; 3],
+    out: u64,
+    (rows, width): (usize, usize),
+) -> Result<()> {
+    run_rows(
+        l,
+        "sum_rows_by_index",
+        dtype,
+        (rows, width),
+        &[src, order, first, out],
+        &[Arg::U32(width as u32)],
+    )
+}
+
 /// tanh-GELU of `n` elements at `x` into `y`.
 pub(crate) fn gelu<L: Launcher>(l: &L, dtype: DType, x: u64, y: u64, n: usize) -> Result<()> {
     let args = [Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)];
