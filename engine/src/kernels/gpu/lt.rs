@@ -6,10 +6,13 @@
 //!
 //! Each call returns None where the epilogues do not apply (another dtype than bf16/f16, a
 //! tensor autograd tracks, an unaligned view, a shape cuBLASLt has no algorithm for,
-//! DS_RS_MATMUL=candle); the caller then runs candle's ops.
+//! DS_RS_MATMUL=candle); the caller then runs candle's ops. A call cuBLASLt refuses turns the
+//! epilogues off for the process with a warning, and candle's ops carry on: a faster path
+//! that fails must not stop a run that the slower one completes.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
@@ -82,11 +85,35 @@ fn run(
     let Device::Cuda(dev) = a.device() else {
         return Ok(None);
     };
-    if !g.takes(epilogue) || algorithm(dev, dtype, &g, epilogue, MIN_ALIGN)?.is_none() {
+    if !g.takes(epilogue) {
         return Ok(None);
     }
+    let ran = algorithm(dev, dtype, &g, epilogue, MIN_ALIGN).and_then(|found| match found {
+        None => Ok(None),
+        Some(_) => launch(dev, dtype, g, epilogue, [a, b, side], shapes),
+    });
+    ran.or_else(|e| {
+        if !OFF.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "warning: cuBLASLt's epilogues are off for this run ({e}); candle's matmul, \
+                 bias and GELU kernels carry on"
+            );
+        }
+        Ok(None)
+    })
+}
+
+/// `run`'s product on new outputs of `shapes`.
+fn launch(
+    dev: &CudaDevice,
+    dtype: DType,
+    g: Gemm,
+    epilogue: Epilogue,
+    inputs: [&Tensor; 3],
+    shapes: &[(usize, usize)],
+) -> Result<Option<Vec<Tensor>>> {
     let outputs: Vec<(DType, Shape)> = shapes.iter().map(|&s| (dtype, Shape::from(s))).collect();
-    cuda::on_tensors(&[a, b, side], &outputs, |_, ins, outs| {
+    cuda::on_tensors(&inputs, &outputs, |_, ins, outs| {
         let (bias, aux) = match epilogue {
             Epilogue::Bias => (ins[2], 0),
             Epilogue::GeluAuxBias => (ins[2], outs[1]),
@@ -103,9 +130,12 @@ fn run(
     })
 }
 
+/// Set when cuBLASLt refused a call: the epilogues stay off for the process.
+static OFF: AtomicBool = AtomicBool::new(false);
+
 /// The dtype of `ts` when the epilogues may take them: all bf16 or all f16 on a GPU, none
 /// tracked by autograd, contiguous ones starting on a 16-byte boundary (a strided one is
-/// copied to a fresh allocation), and DS_RS_MATMUL is not `candle`.
+/// copied to a fresh allocation), DS_RS_MATMUL is not `candle` and no call failed.
 fn eligible(ts: &[&Tensor]) -> Option<DType> {
     let dtype = ts[0].dtype();
     let aligned = |t: &Tensor| {
@@ -116,6 +146,7 @@ fn eligible(ts: &[&Tensor]) -> Option<DType> {
         && ts
             .iter()
             .all(|t| t.dtype() == dtype && t.device().is_cuda() && !t.track_op() && aligned(t))
+        && !OFF.load(Ordering::Relaxed)
         && std::env::var(MATMUL_ENV).map_or(true, |v| v != "candle");
     ok.then_some(dtype)
 }
