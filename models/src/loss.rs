@@ -16,6 +16,7 @@ use ds_engine::kernels::fused_norm_loss::{
 };
 use ds_engine::kernels::grad::{linear, linear_backward};
 use ds_engine::kernels::nn::cross_entropy;
+use ds_engine::kernels::scatter_rows::sum_into_rows;
 use ds_engine::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
 use ds_engine::parallel::{vocab, Tp};
 use ds_engine::Targets;
@@ -72,9 +73,7 @@ impl Rows {
     fn scatter(&self, d: Tensor) -> Result<Tensor> {
         match &self.at {
             None => Ok(d),
-            Some(at) => {
-                Tensor::zeros((self.n, d.dim(1)?), d.dtype(), d.device())?.index_add(at, &d, 0)
-            }
+            Some(at) => sum_into_rows(at, &d, self.n),
         }
     }
 

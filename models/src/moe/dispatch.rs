@@ -14,6 +14,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
+use ds_engine::kernels::scatter_rows::sum_into_rows;
 use ds_engine::model::tensor_bytes;
 use ds_engine::parallel::{Ep, Tp};
 
@@ -142,9 +143,7 @@ impl<M: ExpertMlp> Dispatch<'_, M> {
         }
         let outputs = self.ep.exchange(&out_rows, &received, &sent)?;
         let w = weights.index_select(&order, 0)?.unsqueeze(1)?;
-        let out = xs
-            .zeros_like()?
-            .index_add(&tokens, &outputs.broadcast_mul(&w)?, 0)?;
+        let out = sum_into_rows(&tokens, &outputs.broadcast_mul(&w)?, xs.dim(0)?)?;
         let tape = DispatchTape {
             order,
             tokens,
@@ -210,7 +209,7 @@ impl<M: ExpertMlp> Dispatch<'_, M> {
             grads[run.expert - local.start] = Some(g);
         }
         let dx_routes = self.ep.exchange(&dx_rows, &t.received, &t.sent)?;
-        let dx = dys.zeros_like()?.index_add(&t.tokens, &dx_routes, 0)?;
+        let dx = sum_into_rows(&t.tokens, &dx_routes, dys.dim(0)?)?;
         let mut params = Vec::new();
         for (expert, g) in local.zip(grads) {
             let g = match g {
