@@ -141,14 +141,15 @@ fn copy_into<T: Dtype, R>(
         let dst = device_ptr(&staged[at..at + n]);
         let bytes = n * std::mem::size_of::<T>();
         if bytes > 0 {
-            // SAFETY: both ranges hold `n` elements of GPU memory that outlive the copy (it is
-            // waited for below, while `storage` is still borrowed).
+            // SAFETY: both ranges hold `n` elements of GPU memory; the source's memory is
+            // freed on this stream (candle frees asynchronously), so after the copy.
             unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
                 .map_err(cuda)?;
         }
         at += n;
     }
-    stream.synchronize().map_err(cuda)?;
+    // No wait: the stores read the staged gradients on this stream, by a kernel or by
+    // ds-partition's copies (queued on it, then waited for).
     f(&staged[..total])
 }
 

@@ -66,25 +66,31 @@ impl Gpu {
     }
 
     /// `dst.copy_from_slice(src)` where either side may be a GPU buffer: one DMA transfer,
-    /// which leaves managed pages where they are (a host loop would migrate them).
+    /// which leaves managed pages where they are (a host loop would migrate them), queued on
+    /// this GPU's stream and waited for. On the stream, not the legacy one: the layers'
+    /// stream is non-blocking (cudarc's), so a legacy-stream copy would not wait for the
+    /// kernels that wrote its source (e.g. the staged gradients a host bucket reads).
     pub(crate) fn copy<T: Copy>(&self, dst: &mut [T], src: &[T]) -> Result<()> {
         self.bind()?;
         let on_gpu = |s: Span| gpu_of(s).is_some();
-        let bytes = std::mem::size_of_val(src);
+        let (bytes, stream) = (std::mem::size_of_val(src), self.stream.cu_stream());
         // SAFETY: both slices hold `src.len()` elements (`vector::copy` asserts it); a GPU
-        // side is a live buffer of this process.
+        // side is a live buffer of this process; the host side outlives the wait below.
         let copied = unsafe {
             match (on_gpu(Span::of(dst)), on_gpu(Span::of(src))) {
-                (true, true) => result::memcpy_dtod_sync(device_ptr(dst), device_ptr(src), bytes),
-                (true, false) => result::memcpy_htod_sync(device_ptr(dst), src),
-                (false, true) => result::memcpy_dtoh_sync(dst, device_ptr(src)),
+                (true, true) => {
+                    result::memcpy_dtod_async(device_ptr(dst), device_ptr(src), bytes, stream)
+                }
+                (true, false) => result::memcpy_htod_async(device_ptr(dst), src, stream),
+                (false, true) => result::memcpy_dtoh_async(dst, device_ptr(src), stream),
                 (false, false) => {
                     dst.copy_from_slice(src);
-                    Ok(())
+                    return Ok(());
                 }
             }
         };
-        copied.map_err(|e| cuda_error("copy", e))
+        copied.map_err(|e| cuda_error("copy", e))?;
+        self.sync()
     }
 
     /// Waits for everything queued on the stream.
