@@ -196,6 +196,16 @@ impl<T: Element> ShardedParams<T> {
         })
     }
 
+    /// The whole flat buffer, when this rank's shard is all of it in memory (a group of one):
+    /// `get` then lends it, with nothing to gather. On a GPU that keeps the parameters'
+    /// way to the layer on the device (a copy there), where a gather went through host memory.
+    fn whole_in_memory(&self) -> Option<&[T]> {
+        match &self.shard {
+            Shard::Memory(v) if self.group.size() == 1 && v.len() >= self.layout.numel() => Some(v),
+            _ => None,
+        }
+    }
+
     /// A buffer for `range` holding this rank's part in place, with the parts' counts.
     fn gather_input(&self, range: &Range<usize>) -> Result<(Vec<T>, Vec<usize>)> {
         let me = self.group.rank();
@@ -214,6 +224,10 @@ impl<T: Element> ShardedParams<T> {
 
 impl<T: Element> ParamStore<T> for ShardedParams<T> {
     fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+        if self.whole_in_memory().is_some() {
+            let whole = self.whole_in_memory().expect("invariant: checked above");
+            return Ok(Cow::Borrowed(&whole[range]));
+        }
         if let Some(i) = self.persistent.iter().position(|(r, _)| *r == range) {
             return Ok(Cow::Borrowed(&self.persistent[i].1));
         }
@@ -241,7 +255,8 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         let fits = range.len() <= self.limits.prefetch_bucket_size
             && 2 * range.len() <= self.limits.max_live_parameters;
         let kept = self.persistent.iter().any(|(r, _)| *r == range);
-        if self.in_flight.is_none() && fits && !kept && !range.is_empty() {
+        let whole = self.whole_in_memory().is_some();
+        if self.in_flight.is_none() && fits && !kept && !whole && !range.is_empty() {
             let work = match &self.shard {
                 Shard::Memory(_) => {
                     let (buf, counts) = self.gather_input(&range)?;
