@@ -213,6 +213,14 @@ impl<T: Element> ShardGrads<T> {
         })
     }
 
+    /// A group of one without scaling (the default predivide factor): a bucket would be
+    /// copied, "reduced" by itself and added into the shard, which is the whole buffer, so
+    /// the gradients are added into it directly, the same sums. On a GPU that keeps them on
+    /// the device (an accumulate kernel), where a bucket is host memory.
+    fn alone(&self) -> bool {
+        self.group.size() == 1 && self.reduce.scales(1) == (None, None)
+    }
+
     /// A bucket for gradients ending at `hi`, big enough for `first` elements: a reduced
     /// bucket's buffer when one is free.
     fn open(&mut self, hi: usize, first: usize) -> Bucket<T> {
@@ -274,6 +282,14 @@ impl<T: Element> ShardGrads<T> {
 
 impl<T: Element> GradStore<T> for ShardGrads<T> {
     fn add(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
+        if self.alone() {
+            let mut at = range.start;
+            for part in parts {
+                vector::accumulate(&mut self.shard[at..at + part.len()], part)?;
+                at += part.len();
+            }
+            return Ok(());
+        }
         let fits = self
             .filling
             .as_ref()
