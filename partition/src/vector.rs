@@ -40,7 +40,27 @@ pub fn scale<T: Element>(buf: &mut [T], k: Option<f32>) -> Result<()> {
 
 /// `dst[i] = src[i]` rounded to `T`.
 pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if gpu_of(Span::of(dst)).is_some() && gpu_of(Span::of(src)).is_none() {
+        return convert_up(dst, src);
+    }
     zip_into("convert", dst, src, |_, s| T::from_f32(s))
+}
+
+/// `convert_into` from host values into a GPU buffer (the host optimizer's master copy into
+/// the parameters): rounded on the host a piece at a time, each piece one DMA transfer. A host
+/// loop over the buffer's managed pages would migrate them to the host, and the next kernel
+/// would migrate them back.
+#[cfg(feature = "cuda")]
+fn convert_up<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
+    const PIECE: usize = 1 << 22;
+    let mut piece: Vec<T> = Vec::with_capacity(PIECE.min(dst.len()));
+    for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+        piece.clear();
+        piece.extend(s.iter().map(|&v| T::from_f32(v)));
+        copy(d, &piece)?;
+    }
+    Ok(())
 }
 
 /// `dst[i] = f(dst[i], src[i])`: the kernel `kernel` (over `T`) where both are on one GPU.
