@@ -153,11 +153,24 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
             false => (0, 0),
         };
         // ZeRO-3 keeps a layer at most stage3_param_persistence_threshold long whole once
-        // gathered, until the step (forward gathers it again)
-        let persistent: usize = numel
+        // gathered, until the step (forward gathers it again); a store whose group is one
+        // rank lends its shard in memory instead (`ShardedParams::get`) and keeps none
+        let gathers = |group: usize| group > 1 || settings.nvme_params.is_some();
+        let persists = |n: usize, group: usize| {
+            let whole = gathers(group) && n <= z3.param_persistence_threshold;
+            if whole {
+                n
+            } else {
+                0
+            }
+        };
+        let persistent: usize = split
             .iter()
             .flatten()
-            .filter(|&&n| n <= z3.param_persistence_threshold)
+            .map(|&(dense, experts)| match apart {
+                true => persists(dense, dp) + persists(experts / ep, dims.expert_dp()),
+                false => persists(dense + experts, dp),
+            })
             .sum();
         let (mut params, grads, owned) = match stage {
             ZeroStage::Disabled => (padded + e_padded, padded + e_padded, padded + e_padded),
@@ -286,8 +299,16 @@ fn comm_buffers(s: &Settings, numel: &[Vec<usize>], shard: usize, padded: usize)
         .map(|i| buckets[i] + if overlap && i > 0 { buckets[i - 1] } else { 0 })
         .max()
         .unwrap_or(0);
+    // a group of one adds its gradients straight into the shard (`ShardGrads::alone`, at the
+    // default predivide factor) and lends its parameters from memory (nothing to prefetch)
+    let alone = padded == shard;
+    let held = match alone && s.zero.reduce.predivide_factor == 1.0 {
+        true => 0,
+        false => held,
+    };
     let z3 = &s.zero.stage3;
     let prefetch = match stage {
+        ZeroStage::Weights if alone && s.nvme_params.is_none() => 0,
         ZeroStage::Weights => layers
             .iter()
             .copied()
