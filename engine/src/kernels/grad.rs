@@ -9,7 +9,6 @@ use super::ops::{add_bias, column_sum, gelu, gelu_backward};
 
 /// `x W^T (+ b)` over the last dimension: x [.., in], W [out, in] (candle-nn's layout).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let mut shape = x.dims().to_vec();
     let (x2, wt) = (rows(x)?, w.t()?);
     let fast = match cpu_matmul::matmul(&x2, &wt, b)? {
         Some(y) => Some(y),
@@ -25,8 +24,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
             }
         }
     };
+    y.reshape(output_shape(x, w)?)
+}
+
+/// The shape of `linear(x, w, _)`: x's, with w's output features last.
+fn output_shape(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
+    let mut shape = x.dims().to_vec();
     *shape.last_mut().expect("a linear input has dimensions") = w.dim(0)?;
-    y.reshape(shape)
+    Ok(shape)
 }
 
 /// `linear` with a bias on a GPU: the bias added in the product's epilogue (None elsewhere).
@@ -44,9 +49,8 @@ fn gpu_linear(x2: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tens
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let mut shape = x.dims().to_vec();
-        *shape.last_mut().expect("a linear input has dimensions") = w.dim(0)?;
         if let Some((f, g)) = super::gpu::lt::linear_gelu(&rows(x)?, w, b)? {
+            let shape = output_shape(x, w)?;
             return Ok((f.reshape(shape.as_slice())?, g.reshape(shape)?));
         }
     }
