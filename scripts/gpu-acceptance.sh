@@ -224,7 +224,12 @@ torch_eager() {
         return
     fi
     [ -d "$dir" ] || { mkdir -p "$dir" && cp "$bench"/*.py "$dir"/; }
-    if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout 150 "$python" train_torch.py --preset "$preset" \
+    # the peer's run, through torch_memory.py where there is one: it also records PyTorch's
+    # peak device memory (torch-memory.jsonl) for the memory row
+    local memory=$bundle/torch_memory.py run=(train_torch.py)
+    [ -f "$memory" ] || memory=$repo/scripts/bench/torch_memory.py
+    [ -f "$memory" ] && { cp "$memory" "$dir/"; run=(torch_memory.py "$logs/torch-memory.jsonl"); }
+    if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout 150 "$python" "${run[@]}" --preset "$preset" \
         --device cuda --bf16 --micro-batch "$micro_batch" --warmup "$warmup" --steps "$steps" \
         --tag gpu-acceptance --out "$out" 2>&1 | tee "$logs/torch-$preset.log"); then
         row "torch eager $preset" FAIL "see torch-$preset.log"
@@ -322,6 +327,7 @@ ds_rs_runs() {
     esac
     part ds_speed small
     part ds_speed gpt2
+    part device_memory gpt2
     part ds_speed gpt2 matmul
     part ds_speed gpt2 flash candle
     part attention_rows
@@ -555,6 +561,33 @@ speed_config() {
  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
  "bf16": {"enabled": true}, "zero_optimization": {"stage": 0}}
 EOF
+}
+
+# Peak device memory of preset $1 at the speed rows' micro-batch: ds-rs's allocation peak
+# (candle's memory pool at its fullest and the ZeRO buffers, from the default speed row)
+# against PyTorch eager's max_memory_allocated (torch-memory.jsonl, from its speed row), with
+# the reserved figures beside them (the driver's count after each step for ds-rs, whose pool
+# keeps its freed memory; PyTorch's caching allocator's reserve).
+device_memory() { # preset
+    local ours=$logs/ds-rs-speed-$1-flash-lt.jsonl theirs=$logs/torch-memory.jsonl verdict
+    [ -s "$theirs" ] || { row "$1 device memory" skip "no PyTorch memory figure (torch-memory.jsonl)"; return; }
+    verdict=$("$python" - "$1" "$ours" "$theirs" <<'PY'
+import json, sys
+preset, ours, theirs = sys.argv[1:]
+last = lambda p: [r for r in map(json.loads, open(p)) if r.get("preset") == preset][-1]
+o, t = last(ours), last(theirs)
+a, u = o.get("gpu_memory_allocated_peak_mib"), o.get("gpu_memory_used_peak_mib")
+if a is None:
+    print(f"FAIL|ds-rs reported no allocation peak (driver's count {u} MiB)")
+    sys.exit()
+ta, tr = t["max_memory_allocated_mib"], t["max_memory_reserved_mib"]
+verdict = "ok" if a <= ta else "FAIL"
+print(f"{verdict}|allocated at most: ds-rs {a:.0f} MiB, PyTorch {ta:.0f} MiB ({a / ta:.2f}x); "
+      f"reserved: ds-rs {u:.0f} MiB (driver, context included), PyTorch {tr:.0f} MiB; "
+      f"B={o['micro_batch']} (PyTorch B={t['micro_batch']})")
+PY
+) || { row "$1 device memory" FAIL "$verdict"; return; }
+    row "$1 device memory" "${verdict%%|*}" "${verdict#*|}"
 }
 
 # Attention $2: flash (the default, kernels/flash.cu) or matmul (DS_RS_ATTENTION=matmul: the

@@ -63,7 +63,8 @@ eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
 gcc -shared -fPIC -O2 -Wall -I"$CUDA_HOME/include" -o "$out/libds_kernel_profile.so" \
     scripts/gpu-kernel-profile.c -L"$CUDA_HOME/lib64" -lcupti
 gzip -9 -c "$CUDA_HOME/lib64/libcupti.so.13" >"$out/libcupti.so.13.gz"
-cp scripts/gpu-acceptance.sh scripts/bench/llama_torch.py scripts/bench/attention_torch.py "$out/"
+cp scripts/gpu-acceptance.sh scripts/bench/llama_torch.py scripts/bench/attention_torch.py \
+    scripts/bench/torch_memory.py "$out/"
 if [ -f "$bench/train_torch.py" ]; then
     cp "$bench"/train_torch.py "$bench"/gpt.py "$bench"/make_tokens.py "$out/bench/"
     chmod u+w "$out"/bench/*.py

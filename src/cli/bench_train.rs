@@ -152,6 +152,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         None => 0,
     };
     let mut m = Measured::default();
+    let device = engine.device();
     for step in start..start + (args.warmup + args.steps) as u64 {
         let batches: Vec<Batch> = (0..s.grad_accum)
             .map(|k| {
@@ -164,6 +165,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         m.times.push(t0.elapsed().as_secs_f64());
         m.losses.push(loss);
         m.parts.push(engine.take_timings());
+        m.gpu = crate::train::gpu_peak(m.gpu.take(), &device);
     }
     if let Some(dir) = &args.save_dir {
         let tag = format!("global_step{}", engine.global_steps());
@@ -251,6 +253,9 @@ struct Measured {
     losses: Vec<f32>,
     parts: Vec<ds_engine::Timings>,
     memory: Vec<crate::train::RankMemory>,
+    /// Rank 0's GPU memory: the driver's count after each step at its most, and the
+    /// process's allocation peak (None on the CPU).
+    gpu: Option<ds_engine::device::GpuInfo>,
 }
 
 fn report(
@@ -280,7 +285,8 @@ fn report(
     for t in &parts[args.warmup.min(parts.len())..] {
         swap += t.swap;
     }
-    let per_step = |b: u64| b as f64 / (1u64 << 20) as f64 / args.steps.max(1) as f64;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let per_step = |b: u64| mib(b) / args.steps.max(1) as f64;
     let row = serde_json::json!({
         "preset": args.model, "config": args.config.display().to_string(),
         "zero_stage": u8::from(s.zero.stage), "nproc": dims.world_size, "dp": dims.dp(), "tp": dims.tp, "sp": dims.sp,
@@ -293,6 +299,8 @@ fn report(
         "loss_first": losses.first(), "loss_after_20": losses.get(20), "loss_last": losses.last(),
         "losses": losses,
         "peak_rss_mib": rss, "memory": m.memory,
+        "gpu_memory_used_peak_mib": m.gpu.as_ref().map(|g| mib(g.used_bytes)),
+        "gpu_memory_allocated_peak_mib": m.gpu.as_ref().and_then(|g| g.allocated_peak_bytes).map(mib),
         "forward_ms": part_ms(|t| t.forward), "backward_ms": part_ms(|t| t.backward),
         "step_ms": part_ms(|t| t.step),
         "swap_read_mib_per_step": per_step(swap.read_bytes),

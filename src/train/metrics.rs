@@ -262,16 +262,21 @@ pub fn median(v: &[f64]) -> f64 {
 }
 
 /// The GPU's memory in use after this step, kept if it is the most so far (the driver's count:
-/// every process on the GPU, the CUDA context included). None on the CPU.
+/// every process on the GPU, the CUDA context included), with the process's allocation peak so
+/// far. None on the CPU.
 pub fn gpu_peak(
     peak: Option<ds_engine::device::GpuInfo>,
     dev: &ds_engine::Device,
 ) -> Option<ds_engine::device::GpuInfo> {
     let now = ds_engine::device::gpu_info(dev)?;
-    match peak {
-        Some(p) if p.used_bytes >= now.used_bytes => Some(p),
-        _ => Some(now),
-    }
+    Some(match peak {
+        Some(p) => ds_engine::device::GpuInfo {
+            used_bytes: p.used_bytes.max(now.used_bytes),
+            allocated_peak_bytes: p.allocated_peak_bytes.max(now.allocated_peak_bytes),
+            ..now
+        },
+        None => now,
+    })
 }
 
 /// The summary's `gpu` section (null on the CPU): the device, its peak memory in use beside
@@ -297,6 +302,7 @@ pub fn gpu_summary(
     serde_json::json!({
         "name": g.name,
         "memory_used_peak_mib": g.used_bytes as f64 / (1 << 20) as f64,
+        "memory_allocated_peak_mib": g.allocated_peak_bytes.map(|b| b as f64 / (1 << 20) as f64),
         "memory_total_mib": g.total_bytes as f64 / (1 << 20) as f64,
         "accounted_mib": memory.gpu_bytes as f64 / (1 << 20) as f64,
         "peak_tflops": peak,

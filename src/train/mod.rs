@@ -25,7 +25,7 @@ use ds_engine::parallel::{Parallel, Tp};
 use ds_engine::{Engine, EngineOptions};
 use ds_models::ModelSpec;
 
-pub use metrics::{gather_memory, memory_line, RankMemory};
+pub use metrics::{gather_memory, gpu_peak, memory_line, RankMemory};
 use metrics::{EvalRecord, MetricsFile, StepRecord};
 use progress::Progress;
 

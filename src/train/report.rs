@@ -186,18 +186,26 @@ impl Run<'_> {
 }
 
 /// "gpu (rank 0): NVIDIA H200, MFU 1.0% of its 989.4 TFLOP/s; memory in use at most 3104 of
-/// 143771 MiB (the driver's count after each step), 2210 MiB of it accounted by ds-rs ...".
+/// 143771 MiB (the driver's count after each step), 2650 MiB allocated at most, 2210 MiB
+/// accounted by ds-rs ...".
 fn gpu_line(g: &serde_json::Value) -> Option<String> {
     let name = g["name"].as_str()?;
     let mfu = match (g["mfu"].as_f64(), g["peak_tflops"].as_f64()) {
         (Some(m), Some(p)) => format!("MFU {:.1}% of its {p} TFLOP/s", 100.0 * m),
         _ => "MFU unknown (no peak for this GPU in ds-engine's table)".to_string(),
     };
+    let allocated = match g["memory_allocated_peak_mib"].as_f64() {
+        Some(a) => format!(
+            "{a:.0} MiB allocated at most (PyTorch's max_memory_allocated: candle's memory \
+             pool at its fullest and the ZeRO buffers), "
+        ),
+        None => String::new(),
+    };
     Some(format!(
         "gpu (rank 0): {name}, {mfu}; memory in use at most {:.0} of {:.0} MiB (the driver's \
-         count after each step), {:.0} MiB of it accounted by ds-rs (model states placed on the \
-         GPU and the step's peaks); the rest: the CUDA context, cuBLAS's workspace, candle's \
-         freed buffers and any other process on the GPU",
+         count after each step), {allocated}{:.0} MiB accounted by ds-rs (model states placed \
+         on the GPU and the step's peaks); the rest of the driver's count: the CUDA context, \
+         cuBLAS's workspace, the pool's kept free memory and any other process on the GPU",
         g["memory_used_peak_mib"].as_f64()?,
         g["memory_total_mib"].as_f64()?,
         g["accounted_mib"].as_f64()?

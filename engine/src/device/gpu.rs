@@ -17,11 +17,11 @@ use half::{bf16, f16};
 use crate::engine::Dtype;
 use crate::{EngineError, Result};
 
-/// The `Gpu` of candle device `d`: one per device (its stream), so kernels load once.
+/// The `Gpu` of candle device `d`: one per device and stream, so kernels load once.
 pub fn gpu_for(d: &CudaDevice) -> Arc<Gpu> {
-    static GPUS: Mutex<Vec<(usize, Arc<Gpu>)>> = Mutex::new(Vec::new());
+    static GPUS: Mutex<Vec<(StreamKey, Arc<Gpu>)>> = Mutex::new(Vec::new());
     let stream = d.cuda_stream();
-    let key = stream.cu_stream() as usize;
+    let key = stream_key(d);
     let mut gpus = GPUS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, g)) = gpus.iter().find(|(k, _)| *k == key) {
         return g.clone();
@@ -29,6 +29,76 @@ pub fn gpu_for(d: &CudaDevice) -> Arc<Gpu> {
     let g = Gpu::new(stream);
     gpus.push((key, g.clone()));
     g
+}
+
+/// Readies candle's device `d` for a training loop, once it is opened.
+///
+/// Note [one stream, a kept pool]: candle runs every op of a rank on one stream (the calling
+/// thread's per-thread default stream, `CU_STREAM_PER_THREAD`), and ds-rs issues all of a
+/// rank's GPU work from its training thread; NCCL's communicators run on streams of their own
+/// over ds-partition's managed buffers, not candle's tensors. Two of cudarc's defaults cost
+/// that loop on every op and buy it nothing:
+/// - Event tracking: every allocation creates a read and a write event and every free destroys
+///   them (four driver calls an op), for the ordering of a tensor used on several streams.
+///   Turned off here, before any tensor of the run exists.
+/// - The release threshold of the device's stream-ordered memory pool, 0 by default: at every
+///   synchronisation (ds-rs has a dozen a micro-step, and the loss is read each one) the pool
+///   hands its freed memory back to the driver, and the next step's activations are mapped in
+///   again. Set to the maximum here, as PyTorch's caching allocator keeps its blocks: the pool
+///   holds the step's peak, which the driver's count of memory in use then shows.
+pub fn prepare(d: &CudaDevice) -> Result<()> {
+    // SAFETY: the conditions of `disable_event_tracking` hold by the note above: candle's
+    // tensors are used on its one stream only, so no use on another stream needs ordering.
+    unsafe { d.disable_event_tracking() };
+    let ctx = d.cuda_stream().context().clone();
+    let Some(pool) = memory_pool(&ctx)? else {
+        return Ok(()); // no stream-ordered pool: cudarc allocates and frees synchronously
+    };
+    let mut keep = u64::MAX;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: `pool` is the device's current pool; the attribute takes a u64.
+    unsafe { result::mem_pool::set_attribute(pool, attr, (&mut keep as *mut u64).cast()) }
+        .map_err(cuda)
+}
+
+/// The most bytes of `d`'s stream-ordered pool in use at once so far (candle's tensors:
+/// activations, layer parameters and gradients, temporaries): PyTorch's `max_memory_allocated`
+/// but for ds-partition's managed buffers. None where the device has no pool.
+pub fn pool_peak_bytes(d: &CudaDevice) -> Result<Option<u64>> {
+    let ctx = d.cuda_stream().context().clone();
+    let Some(pool) = memory_pool(&ctx)? else {
+        return Ok(None);
+    };
+    let mut high = 0u64;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+    // SAFETY: `pool` is the device's current pool; the attribute is a u64.
+    unsafe { result::mem_pool::get_attribute(pool, attr, (&mut high as *mut u64).cast()) }
+        .map_err(cuda)?;
+    Ok(Some(high))
+}
+
+/// The current stream-ordered memory pool of `ctx`'s device, where cudarc's allocations come
+/// from; None where the device has none.
+fn memory_pool(
+    ctx: &Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+) -> Result<Option<sys::CUmemoryPool>> {
+    let supported = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+    if ctx.attribute(supported).map_err(cuda)? == 0 {
+        return Ok(None);
+    }
+    ctx.bind_to_thread().map_err(cuda)?;
+    // SAFETY: the context's own device.
+    let pool = unsafe { result::device::get_mem_pool(ctx.cu_device()) }.map_err(cuda)?;
+    Ok(Some(pool))
+}
+
+/// What tells one device's stream from another's: the GPU's ordinal beside the stream's
+/// handle, which is the same `CU_STREAM_PER_THREAD` on every device candle opens.
+type StreamKey = (usize, usize);
+
+fn stream_key(d: &CudaDevice) -> StreamKey {
+    let stream = d.cuda_stream();
+    (stream.context().ordinal(), stream.cu_stream() as usize)
 }
 
 /// A tensor of `values` on `d`, copied on the GPU when `values` lie in a GPU buffer; None
@@ -77,11 +147,11 @@ fn copy_out<U: CudaDType + DeviceRepr>(
 static STAGING: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
 
 /// A kept staging buffer: its GPU stream, its element type, the `FlatBuf` itself.
-type Kept = (usize, TypeId, Box<dyn Any + Send>);
+type Kept = (StreamKey, TypeId, Box<dyn Any + Send>);
 
 /// A staging buffer of at least `len` elements for GPU `gpu` (cache key `key`): the kept one
 /// when it is large enough, else a new one (the smaller one freed).
-fn take_staging<T: Dtype>(gpu: Arc<Gpu>, key: usize, len: usize) -> Result<FlatBuf<T>> {
+fn take_staging<T: Dtype>(gpu: Arc<Gpu>, key: StreamKey, len: usize) -> Result<FlatBuf<T>> {
     let mut cache = STAGING.lock().unwrap_or_else(|e| e.into_inner());
     let kept = cache
         .iter()
@@ -94,7 +164,7 @@ fn take_staging<T: Dtype>(gpu: Arc<Gpu>, key: usize, len: usize) -> Result<FlatB
     }
 }
 
-fn keep_staging<T: Dtype>(key: usize, buf: FlatBuf<T>) {
+fn keep_staging<T: Dtype>(key: StreamKey, buf: FlatBuf<T>) {
     let mut cache = STAGING.lock().unwrap_or_else(|e| e.into_inner());
     cache.push((key, TypeId::of::<T>(), Box::new(buf)));
 }
@@ -108,7 +178,7 @@ pub fn with_staged<T: Dtype, R>(
     f: impl FnOnce(&[T]) -> Result<R>,
 ) -> Result<R> {
     let total = tensors.iter().map(|t| t.elem_count()).sum();
-    let key = d.cuda_stream().cu_stream() as usize;
+    let key = stream_key(d);
     let staged = take_staging::<T>(gpu_for(d), key, total)?;
     let out = copy_into(tensors, d, &staged, f);
     keep_staging(key, staged);

@@ -119,6 +119,10 @@ pub struct GpuInfo {
     /// Memory in use on the whole GPU (every process, the CUDA context included), and its size.
     pub used_bytes: u64,
     pub total_bytes: u64,
+    /// The most bytes this process has had allocated on it at once (PyTorch's
+    /// `max_memory_allocated`): the high-water mark of candle's memory pool beside
+    /// ds-partition's managed buffers. None where the device has no memory pool.
+    pub allocated_peak_bytes: Option<u64>,
 }
 
 /// The GPU behind `dev` (None on the CPU, or when the driver does not answer).
@@ -128,10 +132,13 @@ pub fn gpu_info(dev: &Device) -> Option<GpuInfo> {
         let stream = d.cuda_stream();
         let ctx = stream.context();
         let (free, total) = ctx.mem_get_info().ok()?;
+        let managed = ds_partition::gpu::managed_bytes(ctx.ordinal());
+        let pool = gpu::pool_peak_bytes(d).ok().flatten();
         return Some(GpuInfo {
             name: ctx.name().ok()?,
             used_bytes: (total - free) as u64,
             total_bytes: total as u64,
+            allocated_peak_bytes: pool.map(|p| p + managed),
         });
     }
     let _ = dev;
@@ -161,12 +168,16 @@ pub fn peak_tflops(name: &str, half: bool) -> Option<f64> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal).map_err(|e| {
+    let dev = Device::new_cuda(ordinal).map_err(|e| {
         // candle's message carries a backtrace on the lines after the first
         let e = e.to_string();
         let first = e.lines().next().unwrap_or_default();
         EngineError::Invalid(format!("device cuda:{ordinal}: {first}"))
-    })
+    })?;
+    if let Device::Cuda(d) = &dev {
+        gpu::prepare(d).map_err(|e| EngineError::Invalid(format!("device cuda:{ordinal}: {e}")))?;
+    }
+    Ok(dev)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -67,9 +67,11 @@ impl Gpu {
 
     /// `dst.copy_from_slice(src)` where either side may be a GPU buffer: one DMA transfer,
     /// which leaves managed pages where they are (a host loop would migrate them), queued on
-    /// this GPU's stream and waited for. On the stream, not the legacy one: the layers'
-    /// stream is non-blocking (cudarc's), so a legacy-stream copy would not wait for the
-    /// kernels that wrote its source (e.g. the staged gradients a host bucket reads).
+    /// this GPU's stream and waited for. On the stream where the kernels that wrote its source
+    /// were queued (e.g. the staged gradients a host bucket reads), so the copy is ordered after
+    /// them by the stream itself: a legacy-stream copy would be ordered only through the legacy
+    /// stream's implicit synchronisation, which candle's per-thread stream has and a
+    /// non-blocking stream has not, and would also wait for every other stream (NCCL's).
     pub(crate) fn copy<T: Copy>(&self, dst: &mut [T], src: &[T]) -> Result<()> {
         self.bind()?;
         let on_gpu = |s: Span| gpu_of(s).is_some();
@@ -229,6 +231,16 @@ pub fn arg<A>(a: &mut A) -> *mut c_void {
 
 /// Live managed allocations: start address -> (end address, GPU).
 static LIVE: Mutex<BTreeMap<usize, (usize, Arc<Gpu>)>> = Mutex::new(BTreeMap::new());
+
+/// Bytes of the managed allocations now live on GPU `ordinal` (this process's ZeRO buffers and
+/// staging): memory the device's stream-ordered pool, where candle allocates, does not count.
+pub fn managed_bytes(ordinal: usize) -> u64 {
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    live.iter()
+        .filter(|(_, (_, gpu))| gpu.ordinal() == ordinal)
+        .map(|(start, (end, _))| (end - start) as u64)
+        .sum()
+}
 
 /// CUDA managed memory holding `len` values of `T` (Note [managed device buffers]): plain
 /// numbers whose all-zero bits are 0 (ds-comm's elements, and f64 for reductions).

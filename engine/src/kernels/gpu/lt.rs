@@ -36,7 +36,9 @@ const MIN_ALIGN: u32 = 16;
 
 /// y [rows, out] = x2 [rows, inp] w [out, inp]^T + b.
 pub(crate) fn linear(x2: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-    let ((rows, inp), out) = (x2.dims2()?, w.dim(0)?);
+    let Some((rows, inp, out)) = linear_shape(x2, w, b)? else {
+        return Ok(None);
+    };
     let g = Gemm::linear(rows, inp, out);
     let outs = run(g, Epilogue::Bias, [w, x2], b, &[(rows, out)])?;
     Ok(outs.map(|mut o| o.remove(0)))
@@ -44,7 +46,9 @@ pub(crate) fn linear(x2: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tenso
 
 /// (f, gelu(f)) with f = x2 w^T + b, each [rows, out].
 pub(crate) fn linear_gelu(x2: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
-    let ((rows, inp), out) = (x2.dims2()?, w.dim(0)?);
+    let Some((rows, inp, out)) = linear_shape(x2, w, b)? else {
+        return Ok(None);
+    };
     let g = Gemm::linear(rows, inp, out);
     let outs = run(g, Epilogue::GeluAuxBias, [w, x2], b, &[(rows, out); 2])?;
     // the epilogue writes D = gelu(f) and the aux f
@@ -62,12 +66,21 @@ pub(crate) fn input_grad_through_gelu(
     f: &Tensor,
 ) -> Result<Option<Tensor>> {
     let ((rows, out), inp) = (dy2.dims2()?, w.dim(1)?);
-    if f.dims2()? != (rows, inp) {
-        return Ok(None);
+    if w.dims2()? != (out, inp) || f.dims2()? != (rows, inp) {
+        return Ok(None); // candle's ops report the mismatch
     }
     let g = Gemm::input_grad(rows, inp, out);
     let outs = run(g, Epilogue::DGelu, [w, dy2], f, &[(rows, inp)])?;
     Ok(outs.map(|mut o| o.remove(0)))
+}
+
+/// (rows, inp, out) of x2 [rows, inp] w [out, inp]^T + b [out]; None where the operands do
+/// not fit together (candle's ops then report the mismatch): the descriptors would make
+/// cuBLASLt read past them.
+fn linear_shape(x2: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<(usize, usize, usize)>> {
+    let ((rows, inp), (out, w_inp)) = (x2.dims2()?, w.dims2()?);
+    let fits = w_inp == inp && b.dims() == [out];
+    Ok(fits.then_some((rows, inp, out)))
 }
 
 /// D = op(A) op(B) with `epilogue`, whose vector (the bias) or input matrix (the aux of
@@ -88,22 +101,27 @@ fn run(
     if !g.takes(epilogue) {
         return Ok(None);
     }
-    let ran = algorithm(dev, dtype, &g, epilogue, MIN_ALIGN).and_then(|found| match found {
-        None => Ok(None),
-        Some(_) => launch(dev, dtype, g, epilogue, [a, b, side], shapes),
-    });
-    ran.or_else(|e| {
-        if !OFF.swap(true, Ordering::Relaxed) {
-            eprintln!(
-                "warning: cuBLASLt's epilogues are off for this run ({e}); candle's matmul, \
-                 bias and GELU kernels carry on"
-            );
-        }
-        Ok(None)
-    })
+    match algorithm(dev, dtype, &g, epilogue, MIN_ALIGN) {
+        Ok(Some(_)) => launch(dev, dtype, g, epilogue, [a, b, side], shapes),
+        Ok(None) => Ok(None),
+        Err(e) => refused(e),
+    }
 }
 
-/// `run`'s product on new outputs of `shapes`.
+/// A call cuBLASLt refused (`e`): the epilogues off for the process, with one warning, and
+/// None for the caller, whose candle ops carry on.
+fn refused<T>(e: candle_core::Error) -> Result<Option<T>> {
+    if !OFF.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "warning: cuBLASLt's epilogues are off for this run ({e}); candle's matmul, bias \
+             and GELU kernels carry on"
+        );
+    }
+    Ok(None)
+}
+
+/// `run`'s product on new outputs of `shapes`. Only cuBLASLt's refusal turns the epilogues
+/// off; another failure (an allocation, an earlier kernel's error) is the caller's.
 fn launch(
     dev: &CudaDevice,
     dtype: DType,
@@ -113,7 +131,8 @@ fn launch(
     shapes: &[(usize, usize)],
 ) -> Result<Option<Vec<Tensor>>> {
     let outputs: Vec<(DType, Shape)> = shapes.iter().map(|&s| (dtype, Shape::from(s))).collect();
-    cuda::on_tensors(&inputs, &outputs, |_, ins, outs| {
+    let mut refusal = None;
+    let outs = cuda::on_tensors(&inputs, &outputs, |_, ins, outs| {
         let (bias, aux) = match epilogue {
             Epilogue::Bias => (ins[2], 0),
             Epilogue::GeluAuxBias => (ins[2], outs[1]),
@@ -126,8 +145,14 @@ fn launch(
             bias,
             aux,
         };
-        matmul(dev, dtype, &g, epilogue, &at)
-    })
+        // the outputs of a refused call are dropped unread below
+        refusal = matmul(dev, dtype, &g, epilogue, &at).err();
+        Ok(())
+    })?;
+    match refusal {
+        Some(e) => refused(e),
+        None => Ok(outs),
+    }
 }
 
 /// Set when cuBLASLt refused a call: the epilogues stay off for the process.
@@ -210,7 +235,29 @@ fn matmul(dev: &CudaDevice, dtype: DType, g: &Gemm, e: Epilogue, at: &Addresses)
     .map_err(|e| lt_error("matmul", e))
 }
 
-/// A cuBLASLt handle and its workspace, one per stream.
+/// Where a call's work goes: the GPU's ordinal, its stream, and the calling thread (candle's
+/// stream is `CU_STREAM_PER_THREAD`, the same handle on every device and a different stream
+/// in every thread). A workspace shared by two of them would be written by unordered kernels,
+/// or by another device's.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct StreamKey {
+    ordinal: usize,
+    stream: usize,
+    thread: std::thread::ThreadId,
+}
+
+impl StreamKey {
+    fn of(dev: &CudaDevice) -> StreamKey {
+        let stream = dev.cuda_stream();
+        StreamKey {
+            ordinal: stream.context().ordinal(),
+            stream: stream.cu_stream() as usize,
+            thread: std::thread::current().id(),
+        }
+    }
+}
+
+/// A cuBLASLt handle and its workspace, one per [`StreamKey`].
 struct Handle {
     raw: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
@@ -221,8 +268,8 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
-    static HANDLES: Mutex<Vec<(usize, Arc<Handle>)>> = Mutex::new(Vec::new());
-    let key = dev.cuda_stream().cu_stream() as usize;
+    static HANDLES: Mutex<Vec<(StreamKey, Arc<Handle>)>> = Mutex::new(Vec::new());
+    let key = StreamKey::of(dev);
     let mut handles = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, h)) = handles.iter().find(|(k, _)| *k == key) {
         return Ok(h.clone());
@@ -235,10 +282,10 @@ fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
     Ok(h)
 }
 
-/// What an algorithm is chosen for.
+/// What an algorithm is chosen for (on which GPU: the heuristic answers for its model).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
-    stream: usize,
+    ordinal: usize,
     dtype: DType,
     gemm: Gemm,
     epilogue: Epilogue,
@@ -257,7 +304,7 @@ fn algorithm(
     static ALGOS: OnceLock<Mutex<HashMap<Key, Option<sys::cublasLtMatmulAlgo_t>>>> =
         OnceLock::new();
     let key = Key {
-        stream: dev.cuda_stream().cu_stream() as usize,
+        ordinal: dev.cuda_stream().context().ordinal(),
         dtype,
         gemm: *g,
         epilogue: e,
