@@ -25,6 +25,22 @@ __device__ float block_reduce(float v) {
     return warp_reduce<R>(v);
 }
 
+// 16 bytes of T, the unit of the vectorised loads and stores (8 bf16 or f16, 4 f32): a warp
+// moves 512 bytes an instruction, where one element a thread moves 64 (bf16) and needs eight
+// times the loads in flight to keep the memory busy.
+template <typename T>
+struct alignas(16) Pack {
+    static constexpr uint32_t N = 16 / sizeof(T);
+    T v[N];
+};
+
+// Whether a row of n elements at p may be read and written a Pack at a time: p on a 16-byte
+// boundary and n a whole number of Packs (GPT-2's padded 50304 and Llama's 128256 are).
+template <typename T>
+__device__ __forceinline__ bool packed(const T *p, uint32_t n) {
+    return (uintptr_t)p % 16 == 0 && n % Pack<T>::N == 0;
+}
+
 // The row's mean and 1/sqrt(var + eps), two passes as the CPU's `moments`.
 template <typename T>
 __device__ void row_moments(const T *x, uint32_t d, float eps, float &mean, float &rstd) {
@@ -116,6 +132,23 @@ __device__ void column_sum_pass(const T *dy, float *partial, uint32_t rows, uint
         float s = 0.0f;
         for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) s += to_f(dy[(size_t)r * k + c]);
         p[c] = s;
+    }
+}
+
+// column_sum_pass with each thread owning a Pack's N adjacent columns, read 16 bytes at a time
+// (dy on a 16-byte boundary and k a whole number of Packs: the host checks, gpu/mod.rs). Each
+// column's rows are added in the same order, so the sums are column_sum_pass's, bit for bit.
+template <typename T>
+__device__ void column_sum_packs(const T *dy, float *partial, uint32_t rows, uint32_t k) {
+    const uint32_t n = Pack<T>::N;
+    float *p = partial + (size_t)blockIdx.x * k;
+    for (uint32_t c = threadIdx.x; c < k / n; c += blockDim.x) {
+        float s[Pack<T>::N] = {};
+        for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+            Pack<T> v = reinterpret_cast<const Pack<T> *>(dy + (size_t)r * k)[c];
+            for (uint32_t j = 0; j < n; j++) s[j] += to_f(v.v[j]);
+        }
+        for (uint32_t j = 0; j < n; j++) p[c * n + j] = s[j];
     }
 }
 
@@ -289,6 +322,17 @@ __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
     return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
 }
 
+// A run of elements xs[0..n) added at once: one rescale of the sum for the run's maximum and
+// one exponential an element, where add_element may take two.
+__device__ __forceinline__ MaxSum add_run(MaxSum a, const float *xs, uint32_t n) {
+    float m = a.max;
+    for (uint32_t k = 0; k < n; k++) m = fmaxf(m, xs[k]);
+    if (m == -INFINITY) return a;
+    float s = a.sum * expf(a.max - m);  // 0 while a is empty (a.max = -inf)
+    for (uint32_t k = 0; k < n; k++) s += expf(xs[k] - m);  // 0 for a -inf element
+    return {m, s};
+}
+
 __device__ MaxSum warp_max_sum(MaxSum v) {
     for (int o = 16; o > 0; o /= 2)
         v = combine(v, {__shfl_xor_sync(0xffffffffu, v.max, o),
@@ -301,7 +345,18 @@ template <typename T>
 __device__ float row_log_sum_exp(const T *x, uint32_t v) {
     __shared__ MaxSum part[32];
     MaxSum t = {-INFINITY, 0.0f};
-    for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) t = add_element(t, to_f(x[c]));
+    if (packed(x, v)) {
+        const uint32_t n = Pack<T>::N;
+        const Pack<T> *packs = reinterpret_cast<const Pack<T> *>(x);
+        for (uint32_t c = threadIdx.x; c < v / n; c += blockDim.x) {
+            Pack<T> p = packs[c];
+            float xs[Pack<T>::N];
+            for (uint32_t k = 0; k < n; k++) xs[k] = to_f(p.v[k]);
+            t = add_run(t, xs, n);
+        }
+    } else {
+        for (uint32_t c = threadIdx.x; c < v; c += blockDim.x) t = add_element(t, to_f(x[c]));
+    }
     unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     t = warp_max_sum(t);
     __syncthreads();  // a previous call's readers of `part` are done
@@ -351,6 +406,20 @@ __device__ void cross_entropy_grad(const T *logits, const float *lse, const uint
     size_t at = (size_t)blockIdx.x * v;
     uint32_t t = targets[blockIdx.x];
     float l = lse ? lse[blockIdx.x] : row_log_sum_exp(logits + at, v);
+    if (packed(logits + at, v) && packed(dlogits + at, v)) {
+        const uint32_t n = Pack<T>::N;
+        const Pack<T> *in = reinterpret_cast<const Pack<T> *>(logits + at);
+        Pack<T> *out = reinterpret_cast<Pack<T> *>(dlogits + at);
+        for (uint32_t c = threadIdx.x; c < v / n; c += blockDim.x) {
+            Pack<T> p = in[c], d;
+            for (uint32_t k = 0; k < n; k++) {
+                float one_hot = c * n + k == t ? scale : 0.0f;
+                store(&d.v[k], expf(to_f(p.v[k]) - l) * scale - one_hot);
+            }
+            out[c] = d;
+        }
+        return;
+    }
     for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
         store(&dlogits[at + c], expf(to_f(logits[at + c]) - l) * scale - (c == t ? scale : 0.0f));
 }
@@ -391,6 +460,10 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
     extern "C" __global__ void column_sum_pass_##S(const T *dy, float *partial, uint32_t rows, \
                                                    uint32_t k) {                               \
         column_sum_pass(dy, partial, rows, k);                                                 \
+    }                                                                                          \
+    extern "C" __global__ void column_sum_packs_##S(const T *dy, float *partial, uint32_t rows,\
+                                                    uint32_t k) {                              \
+        column_sum_packs(dy, partial, rows, k);                                                \
     }                                                                                          \
     extern "C" __global__ void cross_entropy_grad_##S(const T *logits, const float *lse,       \
                                                       const uint32_t *targets, T *dlogits,     \

@@ -34,6 +34,13 @@ pub fn row_block(width: usize) -> u32 {
     want.next_power_of_two() as u32
 }
 
+/// Threads per block for `packs` Packs of a row (fused.cu), a thread each: whole warps, at
+/// most a block's 1024 (then a thread takes several). No block reduction halves them, so any
+/// number of warps will do.
+pub fn thread_per_pack(packs: usize) -> u32 {
+    packs.next_multiple_of(32).clamp(32, MAX_BLOCK as usize) as u32
+}
+
 /// One block per row: `rows` rows of `width`.
 pub fn per_row(rows: usize, width: usize) -> Result<Launch> {
     if rows > MAX_GRID {
@@ -260,6 +267,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("exceed a grid"), "{e}");
+    }
+
+    #[test]
+    fn packed_rows_take_a_thread_a_pack_in_whole_warps() {
+        // GPT-2's bias gradients in bf16 (8 a Pack): 768 and 3072 columns
+        assert_eq!(thread_per_pack(768 / 8), 96);
+        assert_eq!(thread_per_pack(3072 / 8), 384);
+        assert_eq!(thread_per_pack(5), 32);
+        assert_eq!(thread_per_pack(33), 64);
+        assert_eq!(thread_per_pack(100_000), MAX_BLOCK);
     }
 
     #[test]
