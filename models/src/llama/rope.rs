@@ -194,8 +194,7 @@ impl Rope {
             len,
             dtype,
         };
-        let same =
-            |(k, d, _): &&(TableKey, Device, (Tensor, Tensor))| *k == key && d.same_device(device);
+        let same = |(k, d, _): &&KeptTables| *k == key && d.same_device(device);
         let mut kept = TABLES.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, _, t)) = kept.iter().find(same) {
             return Ok(t.clone());
@@ -249,9 +248,11 @@ struct TableKey {
     dtype: DType,
 }
 
+/// A pair of tables kept: what it was made for, its device, cos and sin.
+type KeptTables = (TableKey, Device, (Tensor, Tensor));
+
 /// The tables made so far, oldest first.
-static TABLES: std::sync::Mutex<Vec<(TableKey, Device, (Tensor, Tensor))>> =
-    std::sync::Mutex::new(Vec::new());
+static TABLES: std::sync::Mutex<Vec<KeptTables>> = std::sync::Mutex::new(Vec::new());
 
 type Result2<T> = std::result::Result<T, String>;
 
