@@ -194,24 +194,70 @@ __device__ void rms_norm_bwd(const T *x, const float *roots, const T *w, const T
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+// The grid-stride loop's first index and stride.
+__device__ __forceinline__ uint64_t grid_index() {
+    return blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ uint64_t grid_stride() { return (uint64_t)blockDim.x * gridDim.x; }
+
+// SwiGLU of one element, silu(g) u, and its gradients at dy = d: silu'(g) = s (1 + g (1 - s)).
+__device__ __forceinline__ float swiglu_of(float g, float u) { return g * sigmoid(g) * u; }
+__device__ __forceinline__ void swiglu_grads(float g, float u, float d, float &dg, float &du) {
+    float s = sigmoid(g);
+    du = d * g * s;
+    dg = d * u * s * (1.0f + g * (1.0f - s));
+}
+
 // silu(gate) * up, elementwise (grid-stride).
 template <typename T>
 __device__ void swiglu_fwd(const T *gate, const T *up, T *y, uint64_t n) {
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
-         i += (uint64_t)blockDim.x * gridDim.x) {
-        float g = to_f(gate[i]);
-        store(&y[i], g * sigmoid(g) * to_f(up[i]));
+    for (uint64_t i = grid_index(); i < n; i += grid_stride())
+        store(&y[i], swiglu_of(to_f(gate[i]), to_f(up[i])));
+}
+
+// SwiGLU's gradients into out = [dgate (n), dup (n)].
+template <typename T>
+__device__ void swiglu_bwd(const T *gate, const T *up, const T *dy, T *out, uint64_t n) {
+    for (uint64_t i = grid_index(); i < n; i += grid_stride()) {
+        float dg, du;
+        swiglu_grads(to_f(gate[i]), to_f(up[i]), to_f(dy[i]), dg, du);
+        store(&out[i], dg);
+        store(&out[n + i], du);
     }
 }
 
-// SwiGLU's gradients into out = [dgate (n), dup (n)]: silu'(g) = s (1 + g (1 - s)).
+// swiglu_fwd and swiglu_bwd a Pack at a time (every address on a 16-byte boundary and n a
+// whole number of Packs: the host checks, gpu/mod.rs): the same arithmetic, the same bits.
 template <typename T>
-__device__ void swiglu_bwd(const T *gate, const T *up, const T *dy, T *out, uint64_t n) {
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
-         i += (uint64_t)blockDim.x * gridDim.x) {
-        float g = to_f(gate[i]), u = to_f(up[i]), d = to_f(dy[i]), s = sigmoid(g);
-        store(&out[n + i], d * g * s);
-        store(&out[i], d * u * s * (1.0f + g * (1.0f - s)));
+__device__ void swiglu_fwd_packs(const T *gate, const T *up, T *y, uint64_t n) {
+    const uint32_t w = Pack<T>::N;
+    const Pack<T> *gp = reinterpret_cast<const Pack<T> *>(gate);
+    const Pack<T> *up_ = reinterpret_cast<const Pack<T> *>(up);
+    Pack<T> *yp = reinterpret_cast<Pack<T> *>(y);
+    for (uint64_t i = grid_index(); i < n / w; i += grid_stride()) {
+        Pack<T> g = gp[i], u = up_[i], o;
+        for (uint32_t k = 0; k < w; k++) store(&o.v[k], swiglu_of(to_f(g.v[k]), to_f(u.v[k])));
+        yp[i] = o;
+    }
+}
+
+template <typename T>
+__device__ void swiglu_bwd_packs(const T *gate, const T *up, const T *dy, T *out, uint64_t n) {
+    const uint32_t w = Pack<T>::N;
+    const Pack<T> *gp = reinterpret_cast<const Pack<T> *>(gate);
+    const Pack<T> *up_ = reinterpret_cast<const Pack<T> *>(up);
+    const Pack<T> *dp = reinterpret_cast<const Pack<T> *>(dy);
+    Pack<T> *dgp = reinterpret_cast<Pack<T> *>(out), *dup = reinterpret_cast<Pack<T> *>(out + n);
+    for (uint64_t i = grid_index(); i < n / w; i += grid_stride()) {
+        Pack<T> g = gp[i], u = up_[i], d = dp[i], dg, du;
+        for (uint32_t k = 0; k < w; k++) {
+            float a, b;
+            swiglu_grads(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), a, b);
+            store(&dg.v[k], a);
+            store(&du.v[k], b);
+        }
+        dgp[i] = dg;
+        dup[i] = du;
     }
 }
 
@@ -489,6 +535,13 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
     extern "C" __global__ void swiglu_bwd_##S(const T *g, const T *u, const T *dy, T *out,     \
                                               uint64_t n) {                                    \
         swiglu_bwd(g, u, dy, out, n);                                                          \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_fwd_packs_##S(const T *g, const T *u, T *y, uint64_t n) {\
+        swiglu_fwd_packs(g, u, y, n);                                                          \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_bwd_packs_##S(const T *g, const T *u, const T *dy,       \
+                                                    T *out, uint64_t n) {                      \
+        swiglu_bwd_packs(g, u, dy, out, n);                                                    \
     }                                                                                          \
     extern "C" __global__ void rotary_##S(const T *x, const T *c, const T *s, T *y, uint64_t n, \
                                           uint32_t t, uint32_t hd, uint32_t transpose) {       \

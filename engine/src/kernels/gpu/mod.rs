@@ -185,11 +185,10 @@ pub(crate) fn column_sum<L: Launcher>(
     k: usize,
 ) -> Result<()> {
     // 16 bytes at a time where dy's rows allow it (fused.cu's column_sum_packs)
-    let pack = 16 / dtype.size_in_bytes();
-    let packed = dy.is_multiple_of(16) && k.is_multiple_of(pack);
+    let packs = row_packs(dtype, &[dy], k);
     let mut r = launch::column_reduce(rows, k, k)?;
-    if packed {
-        r.pass.block = launch::thread_per_pack(k / pack);
+    if let Some(packs) = packs {
+        r.pass.block = launch::thread_per_pack(packs);
     }
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let args = [
@@ -198,9 +197,9 @@ pub(crate) fn column_sum<L: Launcher>(
         Arg::U32(rows as u32),
         Arg::U32(k as u32),
     ];
-    let kernel = match packed {
-        true => "column_sum_packs",
-        false => "column_sum_pass",
+    let kernel = match packs {
+        Some(_) => "column_sum_packs",
+        None => "column_sum_pass",
     };
     run(l, kernel, dtype, r.pass, &args)?;
     sum_partials(l, dtype, r, partial, out, k)
@@ -436,7 +435,11 @@ pub(crate) fn swiglu<L: Launcher>(
         Arg::Ptr(y),
         Arg::U64(n as u64),
     ];
-    run(l, "swiglu_fwd", dtype, launch::elementwise(n), &args)
+    let (kernel, items) = match row_packs(dtype, &[gate, up, y], n) {
+        Some(packs) => ("swiglu_fwd_packs", packs),
+        None => ("swiglu_fwd", n),
+    };
+    run(l, kernel, dtype, launch::elementwise(items), &args)
 }
 
 /// SwiGLU's gradients of `n` elements: dgate then dup, one after the other at `out`.
@@ -448,14 +451,28 @@ pub(crate) fn swiglu_backward<L: Launcher>(
     n: usize,
 ) -> Result<()> {
     let args = [gate, up, dy, out].map(Arg::Ptr);
-    let at = launch::elementwise(n);
+    let (kernel, items) = match row_packs(dtype, &[gate, up, dy, out], n) {
+        Some(packs) => ("swiglu_bwd_packs", packs),
+        None => ("swiglu_bwd", n),
+    };
+    let at = launch::elementwise(items);
     run(
         l,
-        "swiglu_bwd",
+        kernel,
         dtype,
         at,
         &[&args[..], &[Arg::U64(n as u64)]].concat(),
     )
+}
+
+/// The Packs (16 bytes: fused.cu's `Pack`) in rows of `n` elements of `dtype` at each of
+/// `addresses`, when the `_packs` kernels may move them so: every address on a 16-byte
+/// boundary (candle's allocations are on 256) and `n` a whole number of Packs. None: the
+/// element-wise kernels.
+fn row_packs(dtype: DType, addresses: &[u64], n: usize) -> Option<usize> {
+    let pack = 16 / dtype.size_in_bytes();
+    let fits = n.is_multiple_of(pack) && addresses.iter().all(|a| a.is_multiple_of(16));
+    fits.then_some(n / pack)
 }
 
 /// Rotary embeddings of `n` elements of x [.., t, hd] with tables [t, hd] into `y`; with
