@@ -199,34 +199,12 @@ impl Rope {
         if let Some((_, _, t)) = kept.iter().find(same) {
             return Ok(t.clone());
         }
-        let t = self.compute_tables(dim, start, len, dtype, device)?;
+        let t = key.compute(device)?;
         if kept.len() == KEPT_TABLES {
             kept.remove(0);
         }
         kept.push((key, device.clone(), t.clone()));
         Ok(t)
-    }
-
-    /// `tables` computed: the angles in f32 as transformers has them, cos and sin in f64.
-    fn compute_tables(
-        &self,
-        dim: usize,
-        start: usize,
-        len: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
-        let inv = self.inv_freq(dim);
-        let (mut cos, mut sin) = (Vec::with_capacity(len * dim), Vec::with_capacity(len * dim));
-        for p in start..start + len {
-            let angles: Vec<f32> = inv.iter().map(|f| p as f32 * f).collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
-                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
-            }
-        }
-        let t = |v| Tensor::from_vec(v, (len, dim), device)?.to_dtype(dtype);
-        Ok((t(cos)?, t(sin)?))
     }
 }
 
@@ -246,6 +224,30 @@ struct TableKey {
     start: usize,
     len: usize,
     dtype: DType,
+}
+
+impl TableKey {
+    /// The tables on `device`: the angles in f32 as transformers has them, cos and sin in f64.
+    fn compute(&self, device: &Device) -> Result<(Tensor, Tensor)> {
+        let TableKey {
+            dim,
+            start,
+            len,
+            dtype,
+            ..
+        } = *self;
+        let inv = self.rope.inv_freq(dim);
+        let (mut cos, mut sin) = (Vec::with_capacity(len * dim), Vec::with_capacity(len * dim));
+        for p in start..start + len {
+            let angles: Vec<f32> = inv.iter().map(|f| p as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
+            }
+        }
+        let t = |v| Tensor::from_vec(v, (len, dim), device)?.to_dtype(dtype);
+        Ok((t(cos)?, t(sin)?))
+    }
 }
 
 /// A pair of tables kept: what it was made for, its device, cos and sin.
