@@ -94,9 +94,9 @@ fn memory_pool(
 
 /// What tells one device's stream from another's: the GPU's ordinal beside the stream's
 /// handle, which is the same `CU_STREAM_PER_THREAD` on every device candle opens.
-type StreamKey = (usize, usize);
+pub(crate) type StreamKey = (usize, usize);
 
-fn stream_key(d: &CudaDevice) -> StreamKey {
+pub(crate) fn stream_key(d: &CudaDevice) -> StreamKey {
     let stream = d.cuda_stream();
     (stream.context().ordinal(), stream.cu_stream() as usize)
 }

@@ -22,6 +22,7 @@ use candle_core::{DType, Device, Result, Shape, Tensor};
 
 use super::cuda;
 use super::gemm::{Epilogue, Gemm};
+use crate::device::gpu::{stream_key, StreamKey};
 
 /// The environment variable that keeps candle's matmul and separate bias and GELU kernels on
 /// a GPU (`candle`): the comparison scripts/gpu-acceptance.sh measures.
@@ -235,29 +236,13 @@ fn matmul(dev: &CudaDevice, dtype: DType, g: &Gemm, e: Epilogue, at: &Addresses)
     .map_err(|e| lt_error("matmul", e))
 }
 
-/// Where a call's work goes: the GPU's ordinal, its stream, and the calling thread (candle's
-/// stream is `CU_STREAM_PER_THREAD`, the same handle on every device and a different stream
-/// in every thread). A workspace shared by two of them would be written by unordered kernels,
-/// or by another device's.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct StreamKey {
-    ordinal: usize,
-    stream: usize,
-    thread: std::thread::ThreadId,
-}
+/// Where a call's work goes: the device's stream (`device::gpu::stream_key`) and the calling
+/// thread, since candle's stream, `CU_STREAM_PER_THREAD`, is a different stream in every
+/// thread. A workspace shared by two of them would be written by unordered kernels, or by
+/// another device's.
+type WorkKey = (StreamKey, std::thread::ThreadId);
 
-impl StreamKey {
-    fn of(dev: &CudaDevice) -> StreamKey {
-        let stream = dev.cuda_stream();
-        StreamKey {
-            ordinal: stream.context().ordinal(),
-            stream: stream.cu_stream() as usize,
-            thread: std::thread::current().id(),
-        }
-    }
-}
-
-/// A cuBLASLt handle and its workspace, one per [`StreamKey`].
+/// A cuBLASLt handle and its workspace, one per [`WorkKey`].
 struct Handle {
     raw: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
@@ -268,8 +253,8 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
-    static HANDLES: Mutex<Vec<(StreamKey, Arc<Handle>)>> = Mutex::new(Vec::new());
-    let key = StreamKey::of(dev);
+    static HANDLES: Mutex<Vec<(WorkKey, Arc<Handle>)>> = Mutex::new(Vec::new());
+    let key = (stream_key(dev), std::thread::current().id());
     let mut handles = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, h)) = handles.iter().find(|(k, _)| *k == key) {
         return Ok(h.clone());
