@@ -443,6 +443,11 @@ __device__ void cross_entropy_fwd(const float *logits, const uint32_t *targets, 
     }
 }
 
+// One logit's gradient: (softmax - onehot) * scale from the logit x and its row's log-sum-exp.
+__device__ __forceinline__ float logit_grad(float x, float lse, float scale, bool target) {
+    return expf(x - lse) * scale - (target ? scale : 0.0f);
+}
+
 // The cross-entropy's gradient straight from the logits, one block a row, without the softmax
 // in memory (llm.c's fused classifier): (exp(x - lse) - onehot(target)) * scale, with each
 // row's log-sum-exp from `lse` (cross_entropy_lse's), or computed here where lse is null.
@@ -458,16 +463,14 @@ __device__ void cross_entropy_grad(const T *logits, const float *lse, const uint
         Pack<T> *out = reinterpret_cast<Pack<T> *>(dlogits + at);
         for (uint32_t c = threadIdx.x; c < v / n; c += blockDim.x) {
             Pack<T> p = in[c], d;
-            for (uint32_t k = 0; k < n; k++) {
-                float one_hot = c * n + k == t ? scale : 0.0f;
-                store(&d.v[k], expf(to_f(p.v[k]) - l) * scale - one_hot);
-            }
+            for (uint32_t k = 0; k < n; k++)
+                store(&d.v[k], logit_grad(to_f(p.v[k]), l, scale, c * n + k == t));
             out[c] = d;
         }
         return;
     }
     for (uint32_t c = threadIdx.x; c < v; c += blockDim.x)
-        store(&dlogits[at + c], expf(to_f(logits[at + c]) - l) * scale - (c == t ? scale : 0.0f));
+        store(&dlogits[at + c], logit_grad(to_f(logits[at + c]), l, scale, c == t));
 }
 
 // The mean of n row losses into *mean: one block, the sum in f32 lanes then across them.
