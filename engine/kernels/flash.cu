@@ -5,8 +5,8 @@
 //
 // Forward: a block takes 16 queries per warp of one head and walks the key tiles they may see,
 // staged in shared memory in two stages: the next tile is copied in (cp.async,
-// kernels/shared_tiles.cuh) while the warps work on this one. Each tile's scores S = Q K^T stay in registers, where the four lanes
-// of a row update its running maximum and sum; P = exp(S - max), rounded to the storage type,
+// kernels/shared_tiles.cuh) while the warps work on this one. Each tile's scores S = Q K^T stay
+// in registers, where the four lanes of a row update its running maximum and sum; P = exp(S - max), rounded to the storage type,
 // is the next product's A operand as it lies (O += P V), and O stays in registers in f32,
 // rescaled when a row's maximum grows. Out: the output [B, T, H, hd] and each row's
 // log-sum-exp [B, H, T] in f32.
@@ -23,6 +23,14 @@
 // the grids: blocks of warps<HD>() warps, one block per tile of 16 rows a warp per head per
 // batch; every tile, of queries or keys, has that many rows. It also sizes each kernel's dynamic
 // shared memory (ForwardTiles, KeyTiles, QueryTiles below: up to 56 KiB, past the static 48).
+//
+// Issue: the warp schedulers issue the tensor-core products and everything else, and a
+// product occupies a scheduler's tensor core about six cycles, so a tile's other instructions
+// (masks, exponentials, copies, addresses) set the pace once they pass six per product. Hence:
+// the mask is tested only on tiles some rows do not see whole (`Mask::all`; below a causal
+// mask's diagonal no element is tested), an exponential is one FMA and ex2.approx, and the
+// copies unroll at constant strides. scripts/flash-instructions.sh counts a tile's instructions
+// from the SASS.
 //
 // Rounding: scores, maxima, sums and the products' accumulation are f32; P and dS are rounded
 // to the storage type before they meet V, dO, Q or K on the tensor cores, as FlashAttention's.
@@ -45,6 +53,16 @@ template <int HD>
 __host__ __device__ constexpr int warps() {
     return HD <= 64 ? 4 : 2;
 }
+template <int HD>
+__host__ __device__ constexpr int threads() {
+    return 32 * warps<HD>();
+}
+
+// The kernels' loops are unrolled for their block size: a launch with another stops the kernel.
+template <int HD>
+__device__ void check_block() {
+    if (blockDim.x != (unsigned)threads<HD>()) trap("a flash kernel launched with another block size");
+}
 
 // Element strides of a [B, heads, T, hd] view.
 struct Strides {
@@ -60,6 +78,12 @@ struct Mask {
     uint32_t t, window;
     __device__ bool seen(uint32_t i, uint32_t j) const {
         return i < t && j <= i && (window == 0 || j + window > i);
+    }
+    // Whether every one of queries i0 .. i0 + rows sees every one of keys j0 .. j0 + cols: a tile
+    // that needs no mask (all of a causal mask's tiles but its diagonal's, unless a window
+    // ends inside them, and none past the sequence).
+    __device__ bool all(uint32_t i0, uint32_t rows, uint32_t j0, uint32_t cols) const {
+        return i0 + rows <= t && j0 + cols <= i0 + 1 && (window == 0 || j0 + window > i0 + rows - 1);
     }
     // Whether any of queries i0 .. i0 + rows sees any of keys j0 .. j0 + cols.
     __device__ bool any(uint32_t i0, uint32_t rows, uint32_t j0, uint32_t cols) const {
@@ -99,32 +123,39 @@ __device__ Strides output_strides(uint32_t t, uint32_t heads) {
 template <typename T, int HD>
 using Row = T[HD + PAD];
 
-// Rows i0 .. i0 + rows of head h of batch b from `src` into dst[rows][HD + PAD], rows past the
-// sequence as zeros: the block's threads issue a 16-byte asynchronous copy each in turn, which
-// lands at their wait_copies.
+// A tile's rows i0 .. i0 + 16 warps<HD>() of head h of batch b from `src` into dst[..][HD + PAD],
+// rows past the sequence as zeros: each thread issues 16-byte asynchronous copies at one column
+// of rows STEP apart, which land at its wait_copies. The trip count is a constant, so the loop
+// unrolls and a copy's address is its predecessor's plus STEP rows.
 template <typename T, int HD>
 __device__ void copy_rows(Row<T, HD> *dst, const T *src, Strides s, uint32_t b, uint32_t h,
-                          uint32_t i0, int rows, uint32_t t) {
-    constexpr int V = 16 / sizeof(T), PER_ROW = HD / V;
-    for (int x = threadIdx.x; x < rows * PER_ROW; x += blockDim.x) {
-        int r = x / PER_ROW, c = x % PER_ROW * V;
+                          uint32_t i0, uint32_t t) {
+    constexpr int V = 16 / sizeof(T), PER_ROW = HD / V, STEP = threads<HD>() / PER_ROW;
+    static_assert(threads<HD>() % PER_ROW == 0 && 16 * warps<HD>() % STEP == 0,
+                  "whole rows per pass, whole passes per tile");
+    int r0 = threadIdx.x / PER_ROW, c = threadIdx.x % PER_ROW * V;
+    const T *from = src + s.at(b, h, i0 + r0) + c;
+    UNROLL for (int r = r0; r < 16 * warps<HD>(); r += STEP, from += STEP * s.t) {
         if (i0 + r < t)
-            copy_async<16>(&dst[r][c], src + s.at(b, h, i0 + r) + c);
+            copy_async<16>(&dst[r][c], from);
         else
             *reinterpret_cast<uint4 *>(&dst[r][c]) = uint4{0u, 0u, 0u, 0u};
     }
 }
 
-// Values i0 .. i0 + rows of a per-row f32 array (the log-sum-exp, D) of head h of batch b into
-// dst, past the sequence as zeros, by 4-byte asynchronous copies.
+// A tile's values i0 .. i0 + 16 warps<HD>() of a per-row f32 array (the log-sum-exp, D) of head h
+// of batch b into dst, past the sequence as zeros: a 4-byte asynchronous copy by each of the
+// block's first threads.
+template <int HD>
 __device__ void copy_row_values(float *dst, const float *src, uint32_t heads, uint32_t b,
-                                uint32_t h, uint32_t i0, int rows, uint32_t t) {
-    for (int x = threadIdx.x; x < rows; x += blockDim.x) {
-        if (i0 + x < t)
-            copy_async<4>(&dst[x], src + ((size_t)b * heads + h) * t + i0 + x);
-        else
-            dst[x] = 0.0f;
-    }
+                                uint32_t h, uint32_t i0, uint32_t t) {
+    static_assert(threads<HD>() >= 16 * warps<HD>(), "a value a thread");
+    unsigned x = threadIdx.x;
+    if (x >= 16 * warps<HD>()) return;
+    if (i0 + x < t)
+        copy_async<4>(&dst[x], src + ((size_t)b * heads + h) * t + i0 + x);
+    else
+        dst[x] = 0.0f;
 }
 
 // acc[n] += A Y_c^T over N / 8 tiles of 16 x 8: a, 16 columns of the warp's X; y, those 16
@@ -208,6 +239,41 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// One key tile of the online softmax over a warp's 16 rows (FlashAttention-2's): the tile's
+// row maxima of S raise the running maxima (kept in units of log2: scores times scale2, which is
+// scale log2 e and positive, so the largest score is the largest scaled one), S becomes
+// P = 2^(S scale2 - max) by one FMA and the ex2 unit an element, and the running sums take P's
+// row sums; alpha[r] is the factor by which row r's earlier output and sum shrink. MASKED: the
+// tile holds positions some of its rows do not see (a causal mask's diagonal, a window's edge,
+// rows past the sequence), set to -inf before the maximum, and a row may have seen nothing yet
+// (its maximum stays -inf, its p are 0 and nothing rescales). Elsewhere no element is tested:
+// every row sees every key of the tile, so its maximum is finite.
+template <bool MASKED, int N>
+__device__ void softmax_tile(float (&s)[N / 8][4], float (&run_max)[2], float (&run_sum)[2],
+                             float (&alpha)[2], Mask m, uint32_t r0, uint32_t j0, float scale2) {
+    float tile_max[2] = {-INFINITY, -INFINITY};
+    for (int n = 0; n < N / 8; n++)
+        for (int e = 0; e < 4; e++) {
+            if (MASKED && !m.seen(r0 + tile_row(e), j0 + tile_col(n, e))) s[n][e] = -INFINITY;
+            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+        }
+    float shift[2], sum[2] = {0.0f, 0.0f};
+    for (int r = 0; r < 2; r++) {
+        float new_max = fmaxf(run_max[r], quad_max(tile_max[r]) * scale2);
+        bool none = MASKED && new_max == -INFINITY;
+        // a first tile: run_max is -inf, alpha 0 (the output and sum are 0 still)
+        alpha[r] = none ? 1.0f : exp2_approx(run_max[r] - new_max);
+        run_max[r] = new_max;
+        shift[r] = none ? 0.0f : -new_max;  // -inf scores then give 2^-inf = 0, not NaN
+    }
+    for (int n = 0; n < N / 8; n++)
+        for (int e = 0; e < 4; e++) {
+            s[n][e] = exp2_approx(fmaf(s[n][e], scale2, shift[e >> 1]));
+            sum[e >> 1] += s[n][e];
+        }
+    for (int r = 0; r < 2; r++) run_sum[r] = run_sum[r] * alpha[r] + quad_sum(sum[r]);
+}
+
 // The forward's shared memory: two stages of key and value tiles, one in use while the next
 // is copied in. The block's queries pass through k[1] on their way to registers.
 template <typename T, int HD>
@@ -219,6 +285,7 @@ struct ForwardTiles {
 template <typename T, int HD>
 __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, uint32_t heads,
                         uint32_t kv_heads, Mask m, Strides qs, Strides kvs, float scale) {
+    check_block<HD>();
     using Tiles = ForwardTiles<T, HD>;
     constexpr int ROWS = Tiles::ROWS;
     Tiles &sm = shared_tiles<Tiles>();
@@ -227,10 +294,10 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     uint32_t q0 = at.row0, r0 = q0 + threadIdx.x / 32 * 16;
     uint32_t j0 = m.first_key(q0, ROWS), end = min(m.t, q0 + ROWS);  // j0 < end: q0 sees q0
 
-    copy_rows<T, HD>(sm.k[1], q, qs, b, h, q0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k[1], q, qs, b, h, q0, m.t);
     commit_copies();
-    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, ROWS, m.t);
-    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, m.t);
+    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, m.t);
     commit_copies();
     wait_copies<1>();  // the queries (the first key tile may still be in flight)
     __syncthreads();
@@ -239,42 +306,25 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     float o[HD / 8][4] = {};
     // the lane's two rows, g and g + 8: running maximum (of scores times log2 e) and sum
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
-    float scale2 = scale * LOG2E;  // exp(x scale) = exp2(x scale2): one FMA and ex2
+    float scale2 = scale * LOG2E;  // exp(x scale) = exp2(x scale2)
 
     for (int stage = 0; j0 < end; j0 += ROWS, stage ^= 1) {
         __syncthreads();  // every warp is done with the other stage (a tile, or the queries)
         if (j0 + ROWS < end) {
-            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, ROWS, m.t);
-            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, ROWS, m.t);
+            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, m.t);
+            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, m.t);
         }
         commit_copies();
         wait_copies<1>();  // this tile (the next may still be in flight)
         __syncthreads();
         if (!m.any(r0, 16, j0, ROWS)) continue;  // the same for the warp's lanes
 
-        float s[ROWS / 8][4];
+        float s[ROWS / 8][4], alpha[2];
         products_t<T, HD, ROWS>(s, qf, &sm.k[stage][0][0]);  // S = Q K^T
-        float tile_max[2] = {-INFINITY, -INFINITY};
-        for (int n = 0; n < ROWS / 8; n++)
-            for (int e = 0; e < 4; e++) {
-                bool seen = m.seen(r0 + tile_row(e), j0 + tile_col(n, e));
-                s[n][e] = seen ? s[n][e] * scale2 : -INFINITY;
-                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
-            }
-        float alpha[2], sum[2] = {0.0f, 0.0f};
-        for (int r = 0; r < 2; r++) {
-            float new_max = fmaxf(run_max[r], quad_max(tile_max[r]));
-            // a row that has seen nothing yet keeps max -inf: its p are 0, nothing rescales
-            alpha[r] = new_max == -INFINITY ? 1.0f : exp2f(run_max[r] - new_max);
-            run_max[r] = new_max;
-        }
-        for (int n = 0; n < ROWS / 8; n++)
-            for (int e = 0; e < 4; e++) {
-                float mx = run_max[e >> 1];
-                s[n][e] = mx == -INFINITY ? 0.0f : exp2f(s[n][e] - mx);
-                sum[e >> 1] += s[n][e];
-            }
-        for (int r = 0; r < 2; r++) run_sum[r] = run_sum[r] * alpha[r] + quad_sum(sum[r]);
+        if (m.all(r0, 16, j0, ROWS))  // the same for the warp's lanes
+            softmax_tile<false, ROWS>(s, run_max, run_sum, alpha, m, r0, j0, scale2);
+        else
+            softmax_tile<true, ROWS>(s, run_max, run_sum, alpha, m, r0, j0, scale2);
         for (int n = 0; n < HD / 8; n++)
             for (int e = 0; e < 4; e++) o[n][e] *= alpha[e >> 1];
         accumulate<T, HD, ROWS>(o, s, &sm.v[stage][0][0]);
@@ -309,23 +359,35 @@ __device__ void dot(const T *out, const T *dout, float *d, uint32_t heads, uint3
     if (r < rows && threadIdx.x % 32 == 0) d[r] = acc;
 }
 
-// dS = P * (dP - D) with P = exp(S * scale - lse) where seen, else 0, over a warp's 16 x N tiles
-// of S (rows `row0 + tile_row`, columns `col0 + tile_col`); P is left in `s` and dS in `dp`.
-// `transposed`: the rows are keys and the columns queries (dK dV), else the reverse (dQ); the
-// query's log-sum-exp and D come from lse_of and d_of.
-template <int N, typename Lse, typename D>
+// What the backward reads of a lane's two queries in a 16 x 8 tile: their log-sum-exp times
+// log2 e, and D. In dQ they are the lane's rows g and g + 8 (element e's is [e >> 1]); in dK dV,
+// where the columns are queries, its columns 2q and 2q + 1 of the tile ([e & 1]).
+struct QueryTerms {
+    float lse2[2], d[2];
+};
+
+// dS = P * (dP - D) with P = exp(S scale - lse) = 2^(S scale2 - lse log2 e) where seen, else 0,
+// over a warp's 16 x N tiles of S (rows `row0 + tile_row`, columns `col0 + tile_col`); P is left
+// in `s` and dS in `dp`. TRANSPOSED: the rows are keys and the columns queries (dK dV), else the
+// reverse (dQ); terms(n) gives tile n's QueryTerms. MASKED: some rows do not see some columns,
+// whose P is set to 0 (a select after the exponential, which may overflow there: no branch);
+// elsewhere no element is tested.
+template <bool MASKED, bool TRANSPOSED, int N, typename Terms>
 __device__ void probabilities_and_ds(float (&s)[N / 8][4], float (&dp)[N / 8][4], Mask m,
-                                     uint32_t row0, uint32_t col0, bool transposed, float scale,
-                                     Lse lse_of, D d_of) {
-    float scale2 = scale * LOG2E;
-    for (int n = 0; n < N / 8; n++)
+                                     uint32_t row0, uint32_t col0, float scale2, Terms terms) {
+    for (int n = 0; n < N / 8; n++) {
+        QueryTerms qt = terms(n);
         for (int e = 0; e < 4; e++) {
-            uint32_t r = row0 + tile_row(e), c = col0 + tile_col(n, e);
-            uint32_t i = transposed ? c : r, j = transposed ? r : c;
-            float p = m.seen(i, j) ? exp2f(s[n][e] * scale2 - lse_of(n, e) * LOG2E) : 0.0f;
+            int x = TRANSPOSED ? e & 1 : e >> 1;
+            float p = exp2_approx(fmaf(s[n][e], scale2, -qt.lse2[x]));
+            if (MASKED) {
+                uint32_t r = row0 + tile_row(e), c = col0 + tile_col(n, e);
+                if (!(TRANSPOSED ? m.seen(c, r) : m.seen(r, c))) p = 0.0f;
+            }
             s[n][e] = p;
-            dp[n][e] = p * (dp[n][e] - d_of(n, e));
+            dp[n][e] = p * (dp[n][e] - qt.d[x]);
         }
+    }
 }
 
 // The shared memory of dK dV: the block's keys and values, and two stages of the query tiles
@@ -354,6 +416,7 @@ template <typename T, int HD>
 __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
                               const float *lse, const float *d, T *dk, T *dv, uint32_t heads,
                               uint32_t kv_heads, Mask m, Strides qs, Strides kvs, float scale) {
+    check_block<HD>();
     using Tiles = KeyTiles<T, HD>;
     constexpr int ROWS = Tiles::ROWS;
     Tiles &sm = shared_tiles<Tiles>();
@@ -365,17 +428,17 @@ __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
     QueryWalk walk{g * group, first, (m.query_end(k0, ROWS) - first + ROWS - 1) / ROWS, ROWS};
     auto copy_tile = [&](uint32_t n, int stage) {
         uint32_t h = walk.head(n), i0 = walk.row0(n);
-        copy_rows<T, HD>(sm.q[stage], q, qs, b, h, i0, ROWS, m.t);
-        copy_rows<T, HD>(sm.dout[stage], dout, os, b, h, i0, ROWS, m.t);
-        copy_row_values(sm.lse[stage], lse, heads, b, h, i0, ROWS, m.t);
-        copy_row_values(sm.d[stage], d, heads, b, h, i0, ROWS, m.t);
+        copy_rows<T, HD>(sm.q[stage], q, qs, b, h, i0, m.t);
+        copy_rows<T, HD>(sm.dout[stage], dout, os, b, h, i0, m.t);
+        copy_row_values<HD>(sm.lse[stage], lse, heads, b, h, i0, m.t);
+        copy_row_values<HD>(sm.d[stage], d, heads, b, h, i0, m.t);
     };
 
-    copy_rows<T, HD>(sm.k, k, kvs, b, g, k0, ROWS, m.t);
-    copy_rows<T, HD>(sm.v, v, kvs, b, g, k0, ROWS, m.t);
+    copy_rows<T, HD>(sm.k, k, kvs, b, g, k0, m.t);
+    copy_rows<T, HD>(sm.v, v, kvs, b, g, k0, m.t);
     copy_tile(0, 0);
     commit_copies();
-    float dkf[HD / 8][4] = {}, dvf[HD / 8][4] = {};
+    float dkf[HD / 8][4] = {}, dvf[HD / 8][4] = {}, scale2 = scale * LOG2E;
     for (uint32_t n = 0, steps = walk.steps(group); n < steps; n++) {
         int stage = n & 1;
         __syncthreads();  // every warp is done with the other stage
@@ -390,9 +453,16 @@ __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
         products_t<T, HD, ROWS>(s, &sm.k[r0 - k0][0], &sm.q[stage][0][0]);      // S^T = K Q^T
         products_t<T, HD, ROWS>(ds, &sm.v[r0 - k0][0], &sm.dout[stage][0][0]);  // dP^T = V dO^T
         const float *lse_t = sm.lse[stage], *d_t = sm.d[stage];
-        probabilities_and_ds<ROWS>(
-            s, ds, m, r0, i0, true, scale, [&](int n, int e) { return lse_t[tile_col(n, e)]; },
-            [&](int n, int e) { return d_t[tile_col(n, e)]; });
+        auto columns = [&](int n) {  // the lane's two columns of tile n: one 8-byte load each
+            unsigned c = n * 8 + 2 * quad_col();
+            float2 l = *reinterpret_cast<const float2 *>(&lse_t[c]);
+            float2 dd = *reinterpret_cast<const float2 *>(&d_t[c]);
+            return QueryTerms{{l.x * LOG2E, l.y * LOG2E}, {dd.x, dd.y}};
+        };
+        if (m.all(i0, ROWS, r0, 16))  // the same for the warp's lanes
+            probabilities_and_ds<false, true, ROWS>(s, ds, m, r0, i0, scale2, columns);
+        else
+            probabilities_and_ds<true, true, ROWS>(s, ds, m, r0, i0, scale2, columns);
         accumulate<T, HD, ROWS>(dvf, s, &sm.dout[stage][0][0]);  // dV += P^T dO
         accumulate<T, HD, ROWS>(dkf, ds, &sm.q[stage][0][0]);    // dK += dS^T Q
     }
@@ -415,6 +485,7 @@ template <typename T, int HD>
 __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, const float *lse,
                             const float *d, T *dq, uint32_t heads, uint32_t kv_heads, Mask m,
                             Strides qs, Strides kvs, float scale) {
+    check_block<HD>();
     using Tiles = QueryTiles<T, HD>;
     constexpr int ROWS = Tiles::ROWS;
     Tiles &sm = shared_tiles<Tiles>();
@@ -424,26 +495,26 @@ __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, c
     Strides os = output_strides<HD>(m.t, heads);
     uint32_t j0 = m.first_key(q0, ROWS), end = min(m.t, q0 + ROWS);  // j0 < end: q0 sees q0
 
-    copy_rows<T, HD>(sm.q, q, qs, b, h, q0, ROWS, m.t);
-    copy_rows<T, HD>(sm.dout, dout, os, b, h, q0, ROWS, m.t);
-    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, ROWS, m.t);
-    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, ROWS, m.t);
+    copy_rows<T, HD>(sm.q, q, qs, b, h, q0, m.t);
+    copy_rows<T, HD>(sm.dout, dout, os, b, h, q0, m.t);
+    copy_rows<T, HD>(sm.k[0], k, kvs, b, g, j0, m.t);
+    copy_rows<T, HD>(sm.v[0], v, kvs, b, g, j0, m.t);
     commit_copies();
-    // the lane's rows g and g + 8: their log-sum-exp and D
-    float lse_r[2], d_r[2];
+    QueryTerms rows;  // the lane's rows g and g + 8
     for (int r = 0; r < 2; r++) {
         uint32_t i = r0 + quad_row() + 8 * r;
         size_t at = ((size_t)b * heads + h) * m.t + i;
-        lse_r[r] = i < m.t ? lse[at] : 0.0f;
-        d_r[r] = i < m.t ? d[at] : 0.0f;
+        rows.lse2[r] = i < m.t ? lse[at] * LOG2E : 0.0f;
+        rows.d[r] = i < m.t ? d[at] : 0.0f;
     }
+    float scale2 = scale * LOG2E;
     float dqf[HD / 8][4] = {};
 
     for (int stage = 0; j0 < end; j0 += ROWS, stage ^= 1) {
         __syncthreads();  // every warp is done with the other stage
         if (j0 + ROWS < end) {
-            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, ROWS, m.t);
-            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, ROWS, m.t);
+            copy_rows<T, HD>(sm.k[stage ^ 1], k, kvs, b, g, j0 + ROWS, m.t);
+            copy_rows<T, HD>(sm.v[stage ^ 1], v, kvs, b, g, j0 + ROWS, m.t);
         }
         commit_copies();
         wait_copies<1>();  // this tile (the next may still be in flight)
@@ -453,9 +524,11 @@ __device__ void backward_dq(const T *q, const T *k, const T *v, const T *dout, c
         float s[ROWS / 8][4], ds[ROWS / 8][4];
         products_t<T, HD, ROWS>(s, &sm.q[r0 - q0][0], &sm.k[stage][0][0]);      // S = Q K^T
         products_t<T, HD, ROWS>(ds, &sm.dout[r0 - q0][0], &sm.v[stage][0][0]);  // dP = dO V^T
-        probabilities_and_ds<ROWS>(
-            s, ds, m, r0, j0, false, scale, [&](int, int e) { return lse_r[e >> 1]; },
-            [&](int, int e) { return d_r[e >> 1]; });
+        auto the_rows = [&](int) { return rows; };
+        if (m.all(r0, 16, j0, ROWS))  // the same for the warp's lanes
+            probabilities_and_ds<false, false, ROWS>(s, ds, m, r0, j0, scale2, the_rows);
+        else
+            probabilities_and_ds<true, false, ROWS>(s, ds, m, r0, j0, scale2, the_rows);
         accumulate<T, HD, ROWS>(dqf, ds, &sm.k[stage][0][0]);  // dQ += dS K
     }
     write_rows<T, HD>(dqf, scale, dq, qs, b, h, r0, m.t);

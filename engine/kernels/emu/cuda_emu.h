@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -154,9 +155,12 @@ struct __half {
 inline float __half2float(__half h) { return (float)h.x; }
 inline __half __float2half(float f) { return {(_Float16)f}; }
 
-// 16-byte vectors, as the kernels copy tiles with them.
+// 16-byte vectors, as the kernels copy tiles with them, and CUDA's pair of floats.
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
 };
 
 // PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d += a b over the warp, a 16 x 16

@@ -38,6 +38,7 @@ impl FlashShape {
             && self.heads.is_multiple_of(self.kv_heads)
             && rows_aligned
             && self.t <= u32::MAX as usize
+            && self.scale > 0.0
     }
 
     /// The arguments every flash kernel takes after its pointers, in flash.cu's order.

@@ -153,6 +153,24 @@ fn flash_attention_with_a_sliding_window_and_the_largest_heads() {
 }
 
 #[test]
+fn flash_attention_over_tiles_that_need_no_mask() {
+    // 200 positions at head size 64: most tiles lie wholly below the diagonal, where the kernels
+    // test no element; a window of 100 spans whole tiles and cuts others.
+    for window in [0, 100] {
+        run(&Case {
+            b: 1,
+            h: 2,
+            g: 1,
+            t: 200,
+            hd: 64,
+            window,
+            fused: false,
+            dtype: DType::BF16,
+        });
+    }
+}
+
+#[test]
 fn flash_attention_declines_what_it_has_no_kernel_for() {
     let shape = FlashShape {
         batch: 1,
@@ -176,6 +194,14 @@ fn flash_attention_declines_what_it_has_no_kernel_for() {
         ..shape
     }
     .supported(DType::F16));
+    assert!(
+        !FlashShape {
+            scale: -0.125,
+            ..shape
+        }
+        .supported(DType::BF16),
+        "the running maxima assume a positive scale"
+    );
     let odd = FlashShape {
         q_strides: [4 * 16 * 64, 16 * 64, 68],
         ..shape
