@@ -453,6 +453,8 @@ __device__ void backward_dkdv(const T *q, const T *k, const T *v, const T *dout,
         products_t<T, HD, ROWS>(s, &sm.k[r0 - k0][0], &sm.q[stage][0][0]);      // S^T = K Q^T
         products_t<T, HD, ROWS>(ds, &sm.v[r0 - k0][0], &sm.dout[stage][0][0]);  // dP^T = V dO^T
         const float *lse_t = sm.lse[stage], *d_t = sm.d[stage];
+        static_assert(offsetof(Tiles, lse) % 8 == 0 && offsetof(Tiles, d) % 8 == 0,
+                      "the 8-byte loads below need 8-byte aligned rows");
         auto columns = [&](int n) {  // the lane's two columns of tile n: one 8-byte load each
             unsigned c = n * 8 + 2 * quad_col();
             float2 l = *reinterpret_cast<const float2 *>(&lse_t[c]);
