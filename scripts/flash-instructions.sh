@@ -43,9 +43,11 @@ count() {
         cp "$src"/*.cuh "$d/"
         local tile=true
         [ "$v" = masked ] && tile=false
-        sed -e 's/window == 0 ||/true ||/g' -e 's/window ?/false ?/' -e 's/window && /false \&\& /' \
-            -e "s/if (m\.all([^)]*))/if ($tile)/" "$src/flash.cu" >"$d/flash.cu"
-        nvcc -cubin -arch=sm_90 -O3 -fmad=false -Xptxas -v -o "$d/flash.cubin" "$d/flash.cu" 2>"$d/ptxas.txt"
+        sed -e 's/window == 0 ||/true ||/g' -e 's/window ?/false ?/' \
+            -e 's/window && /false \&\& /' -e "s/if (m\.all([^)]*))/if ($tile)/" \
+            "$src/flash.cu" >"$d/flash.cu"
+        nvcc -cubin -arch=sm_90 -O3 -fmad=false -Xptxas -v -o "$d/flash.cubin" "$d/flash.cu" \
+            2>"$d/ptxas.txt"
         for k in fwd bwd_dkdv bwd_dq; do
             for hd in 64 128; do
                 local name=flash_${k}_hd${hd}_bf16
@@ -69,7 +71,8 @@ lo, hi = min(loops, key=lambda s: s[1] - s[0])
 body = [t for a, t in ins if lo <= a <= hi]
 op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
 ops = collections.Counter(op(t) for t in body)
-inner = [(target(t), a) for a, t in ins if lo < a < hi and target(t) is not None and lo < target(t) < a]
+inner = [(target(t), a) for a, t in ins
+         if lo < a < hi and target(t) is not None and lo < target(t) < a]
 regs = spills = "?"
 current = None
 for line in open(ptxas):
@@ -84,7 +87,8 @@ other = len(body) - ops["HMMA"]
 note = "".join(f"; an inner loop of {sum(1 for a, _ in ins if s <= a <= e)}" for s, e in inner)
 print(f"{name:26} {label:14} {len(body):5} a tile: HMMA {ops['HMMA']:3}, MUFU {ops['MUFU']:3}, "
       f"LDSM {ops['LDSM']:3}, other {other - ops['MUFU'] - ops['LDSM']:4} "
-      f"({other / ops['HMMA']:.1f} others per HMMA); {regs} registers, {spills} bytes spilled{note}")
+      f"({other / ops['HMMA']:.1f} others per HMMA); {regs} registers, {spills} bytes "
+      f"spilled{note}")
 PY
             done
         done

@@ -6,10 +6,10 @@
 // Forward: a block takes 16 queries per warp of one head and walks the key tiles they may see,
 // staged in shared memory in two stages: the next tile is copied in (cp.async,
 // kernels/shared_tiles.cuh) while the warps work on this one. Each tile's scores S = Q K^T stay
-// in registers, where the four lanes of a row update its running maximum and sum; P = exp(S - max), rounded to the storage type,
-// is the next product's A operand as it lies (O += P V), and O stays in registers in f32,
-// rescaled when a row's maximum grows. Out: the output [B, T, H, hd] and each row's
-// log-sum-exp [B, H, T] in f32.
+// in registers, where the four lanes of a row update its running maximum and sum;
+// P = exp(S - max), rounded to the storage type, is the next product's A operand as it lies
+// (O += P V), and O stays in registers in f32, rescaled when a row's maximum grows. Out: the
+// output [B, T, H, hd] and each row's log-sum-exp [B, H, T] in f32.
 // Backward, deterministic (no atomics): D = rowsum(dO * O) [B, H, T]; then one kernel per key
 // tile (dK, dV, summed over the query heads that share the key head, over every query tile
 // that sees it) and one per query tile (dQ), each recomputing P = exp(S - lse) from the forward's
@@ -61,7 +61,8 @@ __host__ __device__ constexpr int threads() {
 // The kernels' loops are unrolled for their block size: a launch with another stops the kernel.
 template <int HD>
 __device__ void check_block() {
-    if (blockDim.x != (unsigned)threads<HD>()) trap("a flash kernel launched with another block size");
+    if (blockDim.x != (unsigned)threads<HD>())
+        trap("a flash kernel launched with another block size");
 }
 
 // Element strides of a [B, heads, T, hd] view.
@@ -83,7 +84,8 @@ struct Mask {
     // that needs no mask (all of a causal mask's tiles but its diagonal's, unless a window
     // ends inside them, and none past the sequence).
     __device__ bool all(uint32_t i0, uint32_t rows, uint32_t j0, uint32_t cols) const {
-        return i0 + rows <= t && j0 + cols <= i0 + 1 && (window == 0 || j0 + window > i0 + rows - 1);
+        return i0 + rows <= t && j0 + cols <= i0 + 1 &&
+               (window == 0 || j0 + window > i0 + rows - 1);
     }
     // Whether any of queries i0 .. i0 + rows sees any of keys j0 .. j0 + cols.
     __device__ bool any(uint32_t i0, uint32_t rows, uint32_t j0, uint32_t cols) const {
@@ -304,7 +306,7 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     FragA qf[HD / 16];
     for (int c = 0; c < HD / 16; c++) qf[c] = load_a(&sm.k[1][r0 - q0][c * 16], HD + PAD);
     float o[HD / 8][4] = {};
-    // the lane's two rows, g and g + 8: running maximum (of scores times log2 e) and sum
+    // the lane's two rows, g and g + 8: running maximum (of scores times scale2) and sum
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
     float scale2 = scale * LOG2E;  // exp(x scale) = exp2(x scale2)
 
