@@ -55,6 +55,35 @@ __device__ void row_moments(const T *x, uint32_t d, float eps, float &mean, floa
     rstd = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
 }
 
+// The moments of a row whose Packs are spread one a thread over the block, each thread's N
+// values in v (`mine`: the thread holds one; the others add nothing): two passes over
+// registers, as row_moments's over memory, the sums in the threads' order.
+template <uint32_t N>
+__device__ void pack_moments(const float (&v)[N], bool mine, uint32_t d, float eps, float &mean,
+                             float &rstd) {
+    float s = 0.0f, q = 0.0f;
+    for (uint32_t k = 0; k < N; k++) s += v[k];
+    mean = block_reduce<Sum>(s) / (float)d;
+    for (uint32_t k = 0; mine && k < N; k++) {
+        float e = v[k] - mean;
+        q += e * e;
+    }
+    rstd = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
+}
+
+// Pack c of row `at` of a [.., d] array into f32 values.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T *rows, size_t at, uint32_t c,
+                                          float (&v)[Pack<T>::N]) {
+    Pack<T> p = reinterpret_cast<const Pack<T> *>(rows + at)[c];
+    for (uint32_t k = 0; k < Pack<T>::N; k++) v[k] = to_f(p.v[k]);
+}
+
+// One element of LayerNorm's output.
+__device__ __forceinline__ float layer_norm_of(float x, float mean, float rstd, float w, float b) {
+    return (x - mean) * rstd * w + b;
+}
+
 // y = (x - mean) * rstd * w + b over rows of d; grid: one block per row.
 template <typename T>
 __device__ void layer_norm_fwd(const T *x, const T *w, const T *b, T *y, uint32_t d, float eps) {
@@ -62,7 +91,30 @@ __device__ void layer_norm_fwd(const T *x, const T *w, const T *b, T *y, uint32_
     float mean, rstd;
     row_moments(x + at, d, eps, mean, rstd);
     for (uint32_t c = threadIdx.x; c < d; c += blockDim.x)
-        store(&y[at + c], (to_f(x[at + c]) - mean) * rstd * to_f(w[c]) + to_f(b[c]));
+        store(&y[at + c], layer_norm_of(to_f(x[at + c]), mean, rstd, to_f(w[c]), to_f(b[c])));
+}
+
+// layer_norm_fwd with thread c holding the row's Pack c (x, w, b and y on 16-byte boundaries,
+// d a whole number of Packs and at most a block's threads of them: the host checks,
+// gpu/mod.rs): x is read once, into registers, where the row_moments loops read it twice more
+// and every element cost its own load and address arithmetic (about 50 instructions an
+// element at GPT-2's 768, where its 4 bytes of memory traffic allow 28 on an H200).
+template <typename T>
+__device__ void layer_norm_fwd_packs(const T *x, const T *w, const T *b, T *y, uint32_t d,
+                                     float eps) {
+    const uint32_t n = Pack<T>::N, c = threadIdx.x;
+    const bool mine = c < d / n;
+    size_t at = (size_t)blockIdx.x * d;
+    float v[Pack<T>::N] = {}, mean, rstd;
+    if (mine) load_pack(x, at, c, v);
+    pack_moments(v, mine, d, eps, mean, rstd);
+    if (!mine) return;
+    float wv[Pack<T>::N], bv[Pack<T>::N];
+    load_pack(w, 0, c, wv);
+    load_pack(b, 0, c, bv);
+    Pack<T> out;
+    for (uint32_t k = 0; k < n; k++) store(&out.v[k], layer_norm_of(v[k], mean, rstd, wv[k], bv[k]));
+    reinterpret_cast<Pack<T> *>(y + at)[c] = out;
 }
 
 // A block's `n` column sums, in its dynamic shared memory (launch.rs's norm_reduce sizes it),
@@ -78,6 +130,13 @@ __device__ float *zeroed_column_sums(uint32_t n) {
 __device__ void store_column_sums(const float *sums, float *partial, uint32_t n) {
     for (uint32_t c = threadIdx.x; c < n; c += blockDim.x)
         partial[(size_t)blockIdx.x * n + c] = sums[c];
+}
+
+// LayerNorm's input gradient at one element: g = dy w, xhat the normalised input, and the
+// row's means of g and g xhat.
+__device__ __forceinline__ float layer_norm_dx(float g, float xhat, float g_mean, float gx_mean,
+                                               float rstd) {
+    return rstd * (g - g_mean - xhat * gx_mean);
 }
 
 // LayerNorm's backward, first pass: dx per row, and each block's share of dw and db (the rows
@@ -106,10 +165,54 @@ __device__ void layer_norm_bwd(const T *x, const T *w, const T *dy, T *dx, float
         for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
             float xhat = (to_f(x[at + c]) - mean) * rstd;
             float g = to_f(dy[at + c]) * to_f(w[c]);
-            store(&dx[at + c], rstd * (g - g_mean - xhat * gx_mean));
+            store(&dx[at + c], layer_norm_dx(g, xhat, g_mean, gx_mean, rstd));
         }
     }
     store_column_sums(pw, partial, 2 * d);
+}
+
+// layer_norm_bwd with thread c holding Pack c of each row (the conditions of
+// layer_norm_fwd_packs, for x, w, dy and dx): x and dy are read once a row, into registers,
+// and the thread's N columns of dw and db are sums in registers across the block's rows, where
+// layer_norm_bwd keeps them in shared memory. The same scratch rows for sum_partials.
+template <typename T>
+__device__ void layer_norm_bwd_packs(const T *x, const T *w, const T *dy, T *dx, float *partial,
+                                     uint32_t rows, uint32_t d, float eps) {
+    const uint32_t n = Pack<T>::N, c = threadIdx.x;
+    const bool mine = c < d / n;
+    float wv[Pack<T>::N] = {}, pw[Pack<T>::N] = {}, pb[Pack<T>::N] = {};
+    if (mine) load_pack(w, 0, c, wv);
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        size_t at = (size_t)r * d;
+        float xv[Pack<T>::N] = {}, gy[Pack<T>::N] = {}, mean, rstd;
+        if (mine) {
+            load_pack(x, at, c, xv);
+            load_pack(dy, at, c, gy);
+        }
+        pack_moments(xv, mine, d, eps, mean, rstd);
+        float sg = 0.0f, sgx = 0.0f;
+        for (uint32_t k = 0; mine && k < n; k++) {
+            float xhat = (xv[k] - mean) * rstd, g = gy[k] * wv[k];
+            sg += g;
+            sgx += g * xhat;
+            pw[k] += gy[k] * xhat;
+            pb[k] += gy[k];
+        }
+        float g_mean = block_reduce<Sum>(sg) / (float)d;
+        float gx_mean = block_reduce<Sum>(sgx) / (float)d;
+        if (!mine) continue;
+        Pack<T> out;
+        for (uint32_t k = 0; k < n; k++) {
+            float xhat = (xv[k] - mean) * rstd, g = gy[k] * wv[k];
+            store(&out.v[k], layer_norm_dx(g, xhat, g_mean, gx_mean, rstd));
+        }
+        reinterpret_cast<Pack<T> *>(dx + at)[c] = out;
+    }
+    float *share = partial + (size_t)blockIdx.x * 2 * d;
+    for (uint32_t k = 0; mine && k < n; k++) {
+        share[c * n + k] = pw[k];
+        share[d + c * n + k] = pb[k];
+    }
 }
 
 // out[c] = the sum over `blocks` of partial[k][c], c < width: one thread a column. The second
@@ -501,6 +604,15 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
                                                   float *partial, uint32_t rows, uint32_t d,   \
                                                   float eps) {                                 \
         layer_norm_bwd(x, w, dy, dx, partial, rows, d, eps);                                   \
+    }                                                                                          \
+    extern "C" __global__ void layer_norm_fwd_packs_##S(const T *x, const T *w, const T *b,    \
+                                                        T *y, uint32_t d, float eps) {         \
+        layer_norm_fwd_packs(x, w, b, y, d, eps);                                              \
+    }                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_packs_##S(const T *x, const T *w, const T *dy,   \
+                                                        T *dx, float *partial, uint32_t rows,  \
+                                                        uint32_t d, float eps) {               \
+        layer_norm_bwd_packs(x, w, dy, dx, partial, rows, d, eps);                             \
     }                                                                                          \
     extern "C" __global__ void sum_partials_##S(const float *partial, T *out, uint32_t blocks,  \
                                                 uint32_t width) {                              \

@@ -234,7 +234,8 @@ const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 #[test]
 fn layer_norm_forward_matches_the_cpu_kernel() {
-    // widths below, at and above a block's four elements a thread, and GPT-2's 768
+    // widths below, at and above a block's four elements a thread, and GPT-2's 768; a Pack a
+    // thread at 768 (and 1500 in f32), not at 7 (nor 1500 in bf16 and f16)
     for (rows, d) in [(5, 7), (3, 768), (4, 1500)] {
         for dtype in DTYPES {
             let x = (values(&[rows, d], 1, 3.0, dtype) + 0.5).unwrap();
@@ -250,8 +251,9 @@ fn layer_norm_forward_matches_the_cpu_kernel() {
 
 #[test]
 fn layer_norm_backward_matches_the_cpu_kernel() {
-    // 600 rows: more than the pass's 512 blocks, so blocks take several rows each
-    for (rows, d) in [(6, 40), (600, 33)] {
+    // 600 rows: more than the pass's 512 blocks, so blocks take several rows each; widths of
+    // whole Packs (40, 48: a thread a Pack) and not (33)
+    for (rows, d) in [(6, 40), (600, 33), (600, 48)] {
         for dtype in DTYPES {
             let x = values(&[rows, d], 4, 2.0, dtype);
             let (w, b) = (values(&[d], 5, 1.0, dtype), values(&[d], 6, 1.0, dtype));

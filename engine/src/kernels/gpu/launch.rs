@@ -56,6 +56,13 @@ pub fn per_row(rows: usize, width: usize) -> Result<Launch> {
     })
 }
 
+/// Threads per block for a row of `packs` Packs held one a thread (fused.cu's row kernels
+/// that keep a thread's Pack in registers); None where a row has more Packs than a block
+/// has threads.
+pub fn pack_a_thread(packs: usize) -> Option<u32> {
+    (packs <= MAX_BLOCK as usize).then(|| thread_per_pack(packs))
+}
+
 /// A grid-stride loop over `n` elements.
 pub fn elementwise(n: usize) -> Launch {
     Launch {
@@ -277,6 +284,13 @@ mod tests {
         assert_eq!(thread_per_pack(5), 32);
         assert_eq!(thread_per_pack(33), 64);
         assert_eq!(thread_per_pack(100_000), MAX_BLOCK);
+        assert_eq!(pack_a_thread(768 / 8), Some(96));
+        assert_eq!(pack_a_thread(1024), Some(1024));
+        assert_eq!(
+            pack_a_thread(1025),
+            None,
+            "a thread a Pack: no block that large"
+        );
     }
 
     #[test]

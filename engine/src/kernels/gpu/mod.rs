@@ -119,6 +119,15 @@ pub(crate) fn layer_norm<L: Launcher>(
     eps: f32,
 ) -> Result<()> {
     let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
+    // a Pack a thread, held in registers, where the rows allow it (fused.cu's _packs kernel)
+    if let Some(block) = row_packs(dtype, &[x, w, b, y], d).and_then(launch::pack_a_thread) {
+        let pass = launch::Launch {
+            block,
+            ..launch::per_row(rows, d)?
+        };
+        let args = [&[x, w, b, y].map(Arg::Ptr)[..], &scalars].concat();
+        return run(l, "layer_norm_fwd_packs", dtype, pass, &args);
+    }
     run_rows(
         l,
         "layer_norm_fwd",
@@ -141,13 +150,21 @@ pub(crate) fn layer_norm_backward<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let r = launch::norm_reduce(rows, d, 2 * d)?;
+    // a Pack a thread where the rows allow it: its columns' sums in registers, no shared memory
+    let (kernel, r) = match row_packs(dtype, &[x, w, dy, out], d).and_then(launch::pack_a_thread) {
+        Some(block) => {
+            let mut r = launch::column_reduce(rows, d, 2 * d)?;
+            r.pass.block = block;
+            ("layer_norm_bwd_packs", r)
+        }
+        None => ("layer_norm_bwd", launch::norm_reduce(rows, d, 2 * d)?),
+    };
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let (rows32, d32) = (Arg::U32(rows as u32), Arg::U32(d as u32));
     let args = [x, w, dy, out, partial].map(Arg::Ptr);
     run(
         l,
-        "layer_norm_bwd",
+        kernel,
         dtype,
         r.pass,
         &[&args[..], &[rows32, d32, Arg::F32(eps)]].concat(),
