@@ -255,6 +255,13 @@ __device__ void column_sum_packs(const T *dy, float *partial, uint32_t rows, uin
     }
 }
 
+// One element of RMSNorm's output, and its input gradient (g = dy, n = x root, mean the row's
+// mean of dy w n).
+__device__ __forceinline__ float rms_norm_of(float x, float root, float w) { return w * (x * root); }
+__device__ __forceinline__ float rms_norm_dx(float g, float w, float n, float mean, float root) {
+    return (g * w - n * mean) * root;
+}
+
 // RMSNorm over rows of d: y = w * (x * root), root = 1 / sqrt(mean(x^2) + eps) into roots (f32,
 // one a row, for the backward); grid: one block per row.
 template <typename T>
@@ -268,7 +275,27 @@ __device__ void rms_norm_fwd(const T *x, const T *w, T *y, float *roots, uint32_
     float root = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
     if (threadIdx.x == 0) roots[blockIdx.x] = root;
     for (uint32_t c = threadIdx.x; c < d; c += blockDim.x)
-        store(&y[at + c], to_f(w[c]) * (to_f(x[at + c]) * root));
+        store(&y[at + c], rms_norm_of(to_f(x[at + c]), root, to_f(w[c])));
+}
+
+// rms_norm_fwd a Pack a thread (layer_norm_fwd_packs's conditions, for x, w and y): x read once.
+template <typename T>
+__device__ void rms_norm_fwd_packs(const T *x, const T *w, T *y, float *roots, uint32_t d,
+                                   float eps) {
+    const uint32_t n = Pack<T>::N, c = threadIdx.x;
+    const bool mine = c < d / n;
+    size_t at = (size_t)blockIdx.x * d;
+    float v[Pack<T>::N] = {}, q = 0.0f;  // a thread without a Pack adds zeros
+    if (mine) load_pack(x, at, c, v);
+    for (uint32_t k = 0; k < n; k++) q += v[k] * v[k];
+    float root = 1.0f / sqrtf(block_reduce<Sum>(q) / (float)d + eps);
+    if (threadIdx.x == 0) roots[blockIdx.x] = root;
+    if (!mine) return;
+    float wv[Pack<T>::N];
+    load_pack(w, 0, c, wv);
+    Pack<T> out;
+    for (uint32_t k = 0; k < n; k++) store(&out.v[k], rms_norm_of(v[k], root, wv[k]));
+    reinterpret_cast<Pack<T> *>(y + at)[c] = out;
 }
 
 // RMSNorm's backward, first pass (a column reduction as LayerNorm's): with n = x root,
@@ -289,10 +316,41 @@ __device__ void rms_norm_bwd(const T *x, const float *roots, const T *w, const T
         float mean = block_reduce<Sum>(dot) / (float)d;
         for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
             float n = to_f(x[at + c]) * root;
-            store(&dx[at + c], (to_f(dy[at + c]) * to_f(w[c]) - n * mean) * root);
+            store(&dx[at + c], rms_norm_dx(to_f(dy[at + c]), to_f(w[c]), n, mean, root));
         }
     }
     store_column_sums(pw, partial, d);
+}
+
+// rms_norm_bwd a Pack a thread (layer_norm_bwd_packs's conditions, for x, w, dy and dx): x and
+// dy read once a row, the thread's columns of dw summed in registers.
+template <typename T>
+__device__ void rms_norm_bwd_packs(const T *x, const float *roots, const T *w, const T *dy,
+                                   T *dx, float *partial, uint32_t rows, uint32_t d) {
+    const uint32_t n = Pack<T>::N, c = threadIdx.x;
+    const bool mine = c < d / n;
+    float wv[Pack<T>::N] = {}, pw[Pack<T>::N] = {};
+    if (mine) load_pack(w, 0, c, wv);
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        size_t at = (size_t)r * d;
+        float root = roots[r], dot = 0.0f, xv[Pack<T>::N] = {}, gy[Pack<T>::N] = {};
+        if (mine) {
+            load_pack(x, at, c, xv);
+            load_pack(dy, at, c, gy);
+        }
+        for (uint32_t k = 0; k < n; k++) {  // zeros where the thread has no Pack
+            float nk = xv[k] * root;
+            pw[k] += gy[k] * nk;
+            dot += gy[k] * wv[k] * nk;
+        }
+        float mean = block_reduce<Sum>(dot) / (float)d;
+        if (!mine) continue;
+        Pack<T> out;
+        for (uint32_t k = 0; k < n; k++)
+            store(&out.v[k], rms_norm_dx(gy[k], wv[k], xv[k] * root, mean, root));
+        reinterpret_cast<Pack<T> *>(dx + at)[c] = out;
+    }
+    for (uint32_t k = 0; mine && k < n; k++) partial[(size_t)blockIdx.x * d + c * n + k] = pw[k];
 }
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
@@ -613,6 +671,16 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
                                                         T *dx, float *partial, uint32_t rows,  \
                                                         uint32_t d, float eps) {               \
         layer_norm_bwd_packs(x, w, dy, dx, partial, rows, d, eps);                             \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_fwd_packs_##S(const T *x, const T *w, T *y,            \
+                                                      float *roots, uint32_t d, float eps) {   \
+        rms_norm_fwd_packs(x, w, y, roots, d, eps);                                            \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_bwd_packs_##S(const T *x, const float *roots,          \
+                                                      const T *w, const T *dy, T *dx,          \
+                                                      float *partial, uint32_t rows,           \
+                                                      uint32_t d) {                            \
+        rms_norm_bwd_packs(x, roots, w, dy, dx, partial, rows, d);                             \
     }                                                                                          \
     extern "C" __global__ void sum_partials_##S(const float *partial, T *out, uint32_t blocks,  \
                                                 uint32_t width) {                              \

@@ -31,6 +31,7 @@ struct Entry {
 const Entry kernels[] = {
     K3(layer_norm_fwd),     K3(layer_norm_bwd),    K3(sum_partials),
     K3(layer_norm_fwd_packs), K3(layer_norm_bwd_packs),
+    K3(rms_norm_fwd_packs), K3(rms_norm_bwd_packs),
     K3(column_sum_pass),    K3(column_sum_packs),  K3(gelu_fwd),
     K3(gelu_bwd),
     K3(causal_softmax_fwd), K3(softmax_bwd),       K3(cross_entropy_bwd),

@@ -150,15 +150,8 @@ pub(crate) fn layer_norm_backward<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    // a Pack a thread where the rows allow it: its columns' sums in registers, no shared memory
-    let (kernel, r) = match row_packs(dtype, &[x, w, dy, out], d).and_then(launch::pack_a_thread) {
-        Some(block) => {
-            let mut r = launch::column_reduce(rows, d, 2 * d)?;
-            r.pass.block = block;
-            ("layer_norm_bwd_packs", r)
-        }
-        None => ("layer_norm_bwd", launch::norm_reduce(rows, d, 2 * d)?),
-    };
+    let kernels = ["layer_norm_bwd_packs", "layer_norm_bwd"];
+    let (kernel, r) = norm_backward_pass(kernels, dtype, &[x, w, dy, out], (rows, d), 2 * d)?;
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let (rows32, d32) = (Arg::U32(rows as u32), Arg::U32(d as u32));
     let args = [x, w, dy, out, partial].map(Arg::Ptr);
@@ -171,6 +164,28 @@ pub(crate) fn layer_norm_backward<L: Launcher>(
     )?;
     let dwdb = offset(out, rows * d, dtype);
     sum_partials(l, dtype, r, partial, dwdb, 2 * d)
+}
+
+/// A norm backward's first pass over `rows` rows of `d` (its arrays at `addresses`) with
+/// `columns` column sums: `packs`, a Pack a thread with its sums in registers, where the rows
+/// allow it, else `elementwise` with the sums in shared memory; and the reduction's launches.
+fn norm_backward_pass(
+    [packs, elementwise]: [&'static str; 2],
+    dtype: DType,
+    addresses: &[u64],
+    (rows, d): (usize, usize),
+    columns: usize,
+) -> Result<(&'static str, launch::ColumnReduce)> {
+    Ok(
+        match row_packs(dtype, addresses, d).and_then(launch::pack_a_thread) {
+            Some(block) => {
+                let mut r = launch::column_reduce(rows, d, columns)?;
+                r.pass.block = block;
+                (packs, r)
+            }
+            None => (elementwise, launch::norm_reduce(rows, d, columns)?),
+        },
+    )
 }
 
 /// The second pass of a column reduction: the `r.pass.grid` scratch rows at `partial` added
@@ -403,6 +418,15 @@ pub(crate) fn rms_norm<L: Launcher>(
     eps: f32,
 ) -> Result<()> {
     let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
+    // a Pack a thread, held in registers, where the rows allow it (fused.cu's _packs kernel)
+    if let Some(block) = row_packs(dtype, &[x, w, y], d).and_then(launch::pack_a_thread) {
+        let pass = launch::Launch {
+            block,
+            ..launch::per_row(rows, d)?
+        };
+        let args = [&[x, w, y, roots].map(Arg::Ptr)[..], &scalars].concat();
+        return run(l, "rms_norm_fwd_packs", dtype, pass, &args);
+    }
     run_rows(
         l,
         "rms_norm_fwd",
@@ -424,17 +448,12 @@ pub(crate) fn rms_norm_backward<L: Launcher>(
     rows: usize,
     d: usize,
 ) -> Result<()> {
-    let r = launch::norm_reduce(rows, d, d)?;
+    let kernels = ["rms_norm_bwd_packs", "rms_norm_bwd"];
+    let (kernel, r) = norm_backward_pass(kernels, dtype, &[x, w, dy, dx], (rows, d), d)?;
     let (_scratch, partial) = l.scratch(r.scratch)?;
     let args = [x, roots, w, dy, dx, partial].map(Arg::Ptr);
     let scalars = [Arg::U32(rows as u32), Arg::U32(d as u32)];
-    run(
-        l,
-        "rms_norm_bwd",
-        dtype,
-        r.pass,
-        &[&args[..], &scalars].concat(),
-    )?;
+    run(l, kernel, dtype, r.pass, &[&args[..], &scalars].concat())?;
     sum_partials(l, dtype, r, partial, dw, d)
 }
 
