@@ -118,23 +118,27 @@ pub(crate) fn layer_norm<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
+    let kernels = ["layer_norm_fwd_packs", "layer_norm_fwd"];
+    let (kernel, pass) = norm_forward_pass(kernels, dtype, &[x, w, b, y], (rows, d))?;
+    let args = [x, w, b, y].map(Arg::Ptr);
     let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
-    // a Pack a thread, held in registers, where the rows allow it (fused.cu's _packs kernel)
-    if let Some(block) = row_packs(dtype, &[x, w, b, y], d).and_then(launch::pack_a_thread) {
-        let pass = launch::Launch {
-            block,
-            ..launch::per_row(rows, d)?
-        };
-        let args = [&[x, w, b, y].map(Arg::Ptr)[..], &scalars].concat();
-        return run(l, "layer_norm_fwd_packs", dtype, pass, &args);
-    }
-    run_rows(
-        l,
-        "layer_norm_fwd",
-        dtype,
-        (rows, d),
-        &[x, w, b, y],
-        &scalars,
+    run(l, kernel, dtype, pass, &[&args[..], &scalars].concat())
+}
+
+/// A norm forward's launch, a block a row: `packs`, a Pack a thread held in registers, where
+/// the rows of `d` at `addresses` allow it, else `elementwise`.
+fn norm_forward_pass(
+    [packs, elementwise]: [&'static str; 2],
+    dtype: DType,
+    addresses: &[u64],
+    (rows, d): (usize, usize),
+) -> Result<(&'static str, launch::Launch)> {
+    let pass = launch::per_row(rows, d)?;
+    Ok(
+        match row_packs(dtype, addresses, d).and_then(launch::pack_a_thread) {
+            Some(block) => (packs, launch::Launch { block, ..pass }),
+            None => (elementwise, pass),
+        },
     )
 }
 
@@ -417,24 +421,11 @@ pub(crate) fn rms_norm<L: Launcher>(
     d: usize,
     eps: f32,
 ) -> Result<()> {
+    let kernels = ["rms_norm_fwd_packs", "rms_norm_fwd"];
+    let (kernel, pass) = norm_forward_pass(kernels, dtype, &[x, w, y], (rows, d))?;
+    let args = [x, w, y, roots].map(Arg::Ptr);
     let scalars = [Arg::U32(d as u32), Arg::F32(eps)];
-    // a Pack a thread, held in registers, where the rows allow it (fused.cu's _packs kernel)
-    if let Some(block) = row_packs(dtype, &[x, w, y], d).and_then(launch::pack_a_thread) {
-        let pass = launch::Launch {
-            block,
-            ..launch::per_row(rows, d)?
-        };
-        let args = [&[x, w, y, roots].map(Arg::Ptr)[..], &scalars].concat();
-        return run(l, "rms_norm_fwd_packs", dtype, pass, &args);
-    }
-    run_rows(
-        l,
-        "rms_norm_fwd",
-        dtype,
-        (rows, d),
-        &[x, w, y, roots],
-        &scalars,
-    )
+    run(l, kernel, dtype, pass, &[&args[..], &scalars].concat())
 }
 
 /// RMSNorm's gradients from the input, its roots (f32) and `dy`: dx (rows x d) into `dx`,
