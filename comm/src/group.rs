@@ -15,6 +15,7 @@ use crate::exchange::Deadline;
 use crate::link::Links;
 use crate::logger::{CommsLogger, OpKind};
 use crate::store::{StoreClient, StoreServer};
+use std::ops::DerefMut;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -468,22 +469,24 @@ impl Group {
         self.spawn(move |g| g.all_gather_v(&mut buf, &counts).map(|_| buf))
     }
 
-    /// Reduce-scatter in place with parts of the given sizes (see `reduce_scatter_v`).
-    pub fn reduce_scatter_v_async<T: Element>(
+    /// Reduce-scatter in place with parts of the given sizes (see `reduce_scatter_v`). `buf`
+    /// is any owner of a slice (a `Vec`, a GPU buffer), handed back by `wait`.
+    pub fn reduce_scatter_v_async<T: Element, B: DerefMut<Target = [T]> + Send + 'static>(
         &self,
-        mut buf: Vec<T>,
+        mut buf: B,
         counts: Vec<usize>,
         op: ReduceOp,
-    ) -> Work<Vec<T>> {
+    ) -> Work<B> {
         self.spawn(move |g| g.reduce_scatter_v(&mut buf, &counts, op).map(|_| buf))
     }
 
-    /// All-gather in place with parts of the given sizes (see `all_gather_v`).
-    pub fn all_gather_v_async<T: Element>(
+    /// All-gather in place with parts of the given sizes (see `all_gather_v`). `buf` is any
+    /// owner of a slice (a `Vec`, a GPU buffer), handed back by `wait`.
+    pub fn all_gather_v_async<T: Element, B: DerefMut<Target = [T]> + Send + 'static>(
         &self,
-        mut buf: Vec<T>,
+        mut buf: B,
         counts: Vec<usize>,
-    ) -> Work<Vec<T>> {
+    ) -> Work<B> {
         self.spawn(move |g| g.all_gather_v(&mut buf, &counts).map(|_| buf))
     }
 

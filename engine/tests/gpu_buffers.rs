@@ -5,16 +5,22 @@
 //! without FMA contraction. The sum of squares adds in another order, so it is held to
 //! 1e-12 relative (f64 sums of f32 squares over a million elements: ~1e-16 per add).
 //! Also: a layer's parameters materialised device to device, and gradients staged into a GPU
-//! buffer, are the values put in.
+//! buffer, are the values put in; ZeRO-2's buckets and ZeRO-3's gathers in GPU memory give
+//! the host's bits.
 //!
 //! Without a usable GPU each test prints why and passes; with `DS_RS_REQUIRE_GPU=1` it fails.
 
 use candle_core::{Device, Tensor};
+use ds_comm::testkit::run_ranks;
 use ds_comm::Element;
+use ds_config::ZeroStage;
 use ds_engine::device::{gpu_placement, tensor_from_buffer, with_staged_grads};
 use ds_engine::optim::{Adam, AdamParams, Group, Optimizer, TypedGrads};
 use ds_partition::gpu::{gpu_of, Span};
-use ds_partition::{vector, FlatBuf, Placement};
+use ds_partition::{
+    vector, FlatBuf, PartitionError, Placement, Placements, ReduceConfig, Stage3Config, Zero,
+    ZeroOptions,
+};
 use half::{bf16, f16};
 
 /// Odd lengths: empty, below a block, across many blocks of the grid-stride loop.
@@ -218,4 +224,97 @@ fn tensors_and_gpu_buffers_copy_on_the_device() {
     let c = Tensor::from_slice(&v[200..250], 50, &dev).unwrap();
     let again = with_staged_grads::<bf16, _>(&[c], |s| Ok(s.to_vec())).unwrap();
     assert_eq!(again.expect("staged"), &v[200..250]);
+}
+
+/// ZeRO-2's gradient buckets and ZeRO-3's gathered parameters where the shards live, a GPU's
+/// (the layout `--dist_backend nccl` gives them), on 2 ranks in threads sharing GPU 0 (the
+/// built-in transport then reduces the GPU buffers through their host addresses, where NCCL
+/// would reduce them on the device): the reduced gradients and the gathered parameters are
+/// the host placement's bits, and every buffer involved was the GPU's.
+#[test]
+fn zero_2_and_3_buckets_and_gathers_in_gpu_memory_match_the_host() {
+    let Some((_dev, gpu_place)) = gpu() else {
+        return;
+    };
+    let on_gpu = Placements {
+        params: gpu_place.clone(),
+        grads: gpu_place.clone(),
+        optimizer: gpu_place,
+    };
+    for stage in [ZeroStage::Gradients, ZeroStage::Weights] {
+        let host = zero_on_two_ranks(stage, Placements::host());
+        let gpu = zero_on_two_ranks(stage, on_gpu.clone());
+        for (rank, (h, g)) in host.iter().zip(&gpu).enumerate() {
+            assert!(g.on_gpu, "{stage:?} rank {rank}: a buffer in host memory");
+            assert_eq!(h.grads, g.grads, "{stage:?} rank {rank}: reduced gradients");
+            assert_eq!(
+                h.params, g.params,
+                "{stage:?} rank {rank}: gathered parameters"
+            );
+        }
+    }
+}
+
+/// What one rank's stores gave: the bits of its reduced gradients and of parameter ranges
+/// asked for, and whether the shard, the gradients and each gathered range were on a GPU.
+struct ZeroRun {
+    grads: Vec<u32>,
+    params: Vec<Vec<u32>>,
+    on_gpu: bool,
+}
+
+fn zero_on_two_ranks(stage: ZeroStage, places: Placements) -> Vec<ZeroRun> {
+    // an odd size: the shards differ in length and a bucket straddles them
+    const NUMEL: usize = 100_003;
+    let layers = [0..7_000, 7_000..40_000, 40_000..40_001, 40_001..NUMEL];
+    let opts = ZeroOptions {
+        stage,
+        reduce: ReduceConfig {
+            bucket_size: 20_000,
+            overlap_comm: true,
+            // scales before and after the sum: both kernels run on the buckets
+            predivide_factor: 4.0,
+        },
+        allgather_bucket_size: 30_000,
+        stage3: Stage3Config {
+            prefetch_bucket_size: 70_000,
+            max_live_parameters: 200_000,
+            param_persistence_threshold: 10,
+        },
+    };
+    run_ranks(2, std::time::Duration::from_secs(120), move |comm| {
+        let rank = comm.rank();
+        let mut init = |r: std::ops::Range<usize>, dst: &mut [f32]| {
+            let v = pattern(11, NUMEL);
+            dst.copy_from_slice(&v[r]);
+            Ok::<_, PartitionError>(())
+        };
+        let mut z = Zero::<bf16>::new(NUMEL, opts, comm.world(), &mut init, None, &places)?;
+        z.plan_buckets(&layers);
+        let on_gpu = |s: &[bf16]| s.is_empty() || gpu_of(Span::of(s)).is_some();
+        let mut all_on_gpu = true;
+        for (i, r) in layers.iter().enumerate().rev() {
+            if let Some(next) = i.checked_sub(1) {
+                z.prefetch(layers[next].clone())?;
+            }
+            let g = values::<bf16>(20 + rank as u64, r.len());
+            let (a, b) = g.split_at(g.len() / 3);
+            z.add_grad(r.clone(), &[a, b])?;
+        }
+        z.finish_backward(true)?;
+        all_on_gpu &= on_gpu(z.owned_grads());
+        let grads = bits(z.owned_grads());
+        let mut params = Vec::new();
+        for r in layers.iter().chain([0..NUMEL, 6_990..40_010].iter()) {
+            let values = z.params(r.clone())?;
+            all_on_gpu &= on_gpu(&values);
+            params.push(bits(&values));
+        }
+        Ok::<_, PartitionError>(ZeroRun {
+            grads,
+            params,
+            on_gpu: all_on_gpu,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{stage:?}: {e}"))
 }

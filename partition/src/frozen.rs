@@ -4,13 +4,12 @@
 //! DeepSpeed does the same with `requires_grad=False` parameters: ZeRO-3 partitions them, and
 //! they never enter the optimizer's flat groups or the gradient reduction.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use ds_comm::{Element, Group};
 use ds_config::ZeroStage;
 
-use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams};
+use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Values};
 use crate::zero::{initial, InitFn, ZeroOptions};
 use crate::{PartitionError, Placement, Result, ShardLayout};
 
@@ -63,7 +62,7 @@ impl<T: Element> Frozen<T> {
     }
 
     /// The whole values of flat `range`, for a layer's compute.
-    pub fn params(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+    pub fn params(&mut self, range: Range<usize>) -> Result<Values<'_, T>> {
         self.params.get(range)
     }
 

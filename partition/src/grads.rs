@@ -141,15 +141,22 @@ impl<T: Element> GradStore<T> for FullGrads<T> {
 /// most `reduce_bucket_size` elements (and at most `bucket_bound`) unless one layer's gradient
 /// alone is larger. Each element is reduced along the same chain whatever bucket it rides in,
 /// so bucket sizes change no value (checked bit for bit on 3 ranks at every stage).
+///
+/// The buckets live where the shard does (`place`): under `--dist_backend nccl` a GPU's, so
+/// a layer's gradients reach them by device copies, NCCL reduces them where they are, and
+/// the owned part is added into the shard by a kernel (in host buckets it crossed to the host
+/// and back, and was added by a host loop over the shard's managed pages).
 pub struct ShardGrads<T: Element> {
     shard: FlatBuf<T>,
+    place: Placement,
     layout: ShardLayout,
     group: Group,
     reduce: ReduceConfig,
     filling: Option<Bucket<T>>,
-    in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
-    /// The buffer of the last finished reduction, reused by the next bucket.
-    spare: Option<Vec<T>>,
+    /// The bucket being reduced: its range, its buffer's length and the reduction.
+    in_flight: Option<(Range<usize>, usize, Work<Filled<T>>)>,
+    /// The buffer of the last finished reduction, reused by the next bucket it can hold.
+    spare: Option<FlatBuf<T>>,
     /// Most elements held in bucket buffers at once (communication buffers, for the report).
     peak_bucket_elems: usize,
     /// The buckets backward will fill, when the layers are known (`plan`).
@@ -157,22 +164,22 @@ pub struct ShardGrads<T: Element> {
 }
 
 /// Gradients of a contiguous flat range `lo..hi`, filled from the top down (backward visits
-/// layers in reverse flat order): they sit at the end of `buf`.
-struct Bucket<T> {
-    buf: Vec<T>,
+/// layers in reverse flat order): they end at `buf[cap]` (`buf` may be a larger spare).
+struct Bucket<T: Element> {
+    buf: FlatBuf<T>,
+    cap: usize,
     lo: usize,
     hi: usize,
 }
 
 impl<T: Element> Bucket<T> {
     fn room(&self) -> usize {
-        self.buf.len() - (self.hi - self.lo)
+        self.cap - (self.hi - self.lo)
     }
 
     /// Writes the gradient of `range` (in parts), which ends where the bucket starts.
     fn put(&mut self, range: Range<usize>, parts: &[&[T]]) -> Result<()> {
-        let cap = self.buf.len();
-        let mut at = cap - (self.hi - range.start);
+        let mut at = self.cap - (self.hi - range.start);
         for part in parts {
             vector::copy(&mut self.buf[at..at + part.len()], part)?;
             at += part.len();
@@ -181,14 +188,33 @@ impl<T: Element> Bucket<T> {
         Ok(())
     }
 
-    /// The buffer holding exactly `lo..hi`, and that range.
-    fn into_filled(mut self) -> (Vec<T>, Range<usize>) {
-        let (cap, len) = (self.buf.len(), self.hi - self.lo);
-        if len < cap {
-            self.buf.copy_within(cap - len.., 0);
-            self.buf.truncate(len);
-        }
-        (self.buf, self.lo..self.hi)
+    /// The buffer's part holding exactly `lo..hi` (where it lies: moving it to the front
+    /// would be a host loop over a GPU buffer), and that range.
+    fn into_filled(self) -> (Filled<T>, Range<usize>) {
+        let filled = Filled {
+            within: self.cap - (self.hi - self.lo)..self.cap,
+            buf: self.buf,
+        };
+        (filled, self.lo..self.hi)
+    }
+}
+
+/// A bucket's filled part, `buf[within]`: the slice a reduction takes.
+struct Filled<T: Element> {
+    buf: FlatBuf<T>,
+    within: Range<usize>,
+}
+
+impl<T: Element> std::ops::Deref for Filled<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.within.clone()]
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Filled<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.within.clone()]
     }
 }
 
@@ -202,6 +228,7 @@ impl<T: Element> ShardGrads<T> {
         reduce.bucket_size = reduce.bucket_size.min(bucket_bound(layout));
         Ok(ShardGrads {
             shard: FlatBuf::zeroed(place, layout.shard_len())?,
+            place: place.clone(),
             layout,
             group,
             reduce,
@@ -222,18 +249,25 @@ impl<T: Element> ShardGrads<T> {
     }
 
     /// A bucket for gradients ending at `hi`, big enough for `first` elements: a reduced
-    /// bucket's buffer when one is free.
-    fn open(&mut self, hi: usize, first: usize) -> Bucket<T> {
+    /// bucket's buffer when one is free and large enough.
+    fn open(&mut self, hi: usize, first: usize) -> Result<Bucket<T>> {
         let cap = match self.planned.iter().find(|b| b.end == hi) {
             Some(b) if b.len() >= first => b.len(),
             _ => self.reduce.bucket_size.min(hi).max(first),
         };
-        let mut buf = self.spare.take().unwrap_or_default();
-        buf.clear();
-        buf.resize(cap, T::default());
-        let held = cap + self.in_flight.as_ref().map_or(0, |(r, _)| r.len());
-        self.peak_bucket_elems = self.peak_bucket_elems.max(held);
-        Bucket { buf, lo: hi, hi }
+        // every element of the bucket's range is written by `put` before it is reduced
+        let buf = match self.spare.take() {
+            Some(spare) if spare.len() >= cap => spare,
+            _ => FlatBuf::zeroed(&self.place, cap)?,
+        };
+        let in_flight = self.in_flight.as_ref().map_or(0, |(_, held, _)| *held);
+        self.peak_bucket_elems = self.peak_bucket_elems.max(buf.len() + in_flight);
+        Ok(Bucket {
+            buf,
+            cap,
+            lo: hi,
+            hi,
+        })
     }
 
     /// Reduce-scatters the bucket being filled (in the background with `overlap_comm`),
@@ -242,15 +276,16 @@ impl<T: Element> ShardGrads<T> {
         let Some(bucket) = self.filling.take() else {
             return Ok(());
         };
-        let (mut buf, range) = bucket.into_filled();
+        let (mut filled, range) = bucket.into_filled();
         let (pre, _) = self.reduce.scales(self.group.size());
-        vector::scale(&mut buf, pre)?;
+        vector::scale(&mut filled, pre)?;
         self.drain()?;
         let counts = self.layout.counts_within(&range);
+        let held = filled.buf.len();
         let work = self
             .group
-            .reduce_scatter_v_async(buf, counts, ReduceOp::Sum);
-        self.in_flight = Some((range, work));
+            .reduce_scatter_v_async(filled, counts, ReduceOp::Sum);
+        self.in_flight = Some((range, held, work));
         if !self.reduce.overlap_comm {
             self.drain()?;
         }
@@ -259,23 +294,23 @@ impl<T: Element> ShardGrads<T> {
 
     /// Waits for the reduction in flight and adds this rank's part into its shard.
     fn drain(&mut self) -> Result<()> {
-        let Some((range, work)) = self.in_flight.take() else {
+        let Some((range, _, work)) = self.in_flight.take() else {
             return Ok(());
         };
-        let mut buf = work.wait()?;
+        let mut filled = work.wait()?;
         let (_, post) = self.reduce.scales(self.group.size());
         let me = self.group.rank();
         let mine = self.layout.owned_within(&range, me);
         if !mine.is_empty() {
             let shard_start = self.layout.shard(me).start;
-            let part = &mut buf[mine.start - range.start..mine.end - range.start];
+            let part = &mut filled[mine.start - range.start..mine.end - range.start];
             vector::scale(part, post)?;
             vector::accumulate(
                 &mut self.shard[mine.start - shard_start..mine.end - shard_start],
                 part,
             )?;
         }
-        self.spare = Some(buf);
+        self.spare = Some(filled.buf);
         Ok(())
     }
 }
@@ -296,7 +331,7 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
             .is_some_and(|b| range.end == b.lo && range.len() <= b.room());
         if !fits {
             self.flush()?;
-            self.filling = Some(self.open(range.end, range.len()));
+            self.filling = Some(self.open(range.end, range.len())?);
         }
         let bucket = self.filling.as_mut().expect("invariant: opened above");
         bucket.put(range, parts)?;

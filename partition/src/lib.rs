@@ -32,6 +32,6 @@ pub use frozen::Frozen;
 pub use grads::{GradStore, ReduceConfig};
 pub use layout::ShardLayout;
 pub use memory::StateBytes;
-pub use params::{ParamStore, Publish, Stage3Config};
+pub use params::{ParamStore, Publish, Stage3Config, Values};
 pub use slice::{local_shape, runs, runs_within, Run, Split, TpRank};
 pub use zero::{InitFn, ParamSwap, Placements, Zero, ZeroOptions};

@@ -1,19 +1,36 @@
 //! Where parameter values live between steps: whole on every rank, or one shard per rank.
 
-use std::borrow::Cow;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 use std::path::Path;
 use std::sync::Arc;
 
 use ds_comm::{Element, Group, Work};
 
 use crate::swap::{SwapFile, SwapIo, SwapSpace};
-use crate::{vector, FlatBuf, Result, ShardLayout};
+use crate::{vector, FlatBuf, Placement, Result, ShardLayout};
+
+/// A range of parameter values a store hands out: lent from what it keeps, or gathered for
+/// the caller, in the memory the store keeps its shard in (a GPU's under `--dist_backend
+/// nccl`: NCCL gathers there, and the layer's tensor is made from it by a device copy).
+pub enum Values<'a, T: Element> {
+    Lent(&'a [T]),
+    Gathered(FlatBuf<T>),
+}
+
+impl<T: Element> Deref for Values<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Values::Lent(v) => v,
+            Values::Gathered(b) => b,
+        }
+    }
+}
 
 /// The parameters of one flat buffer, in the compute dtype.
 pub trait ParamStore<T: Element>: Send {
     /// The whole values of flat `range`, for a layer's compute.
-    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>>;
+    fn get(&mut self, range: Range<usize>) -> Result<Values<'_, T>>;
     /// `range` will be asked for next: a sharded store starts gathering it now.
     fn prefetch(&mut self, range: Range<usize>) -> Result<()>;
     /// Writes updated fp32 master values of `range` (within this rank's owned range) into
@@ -72,8 +89,8 @@ impl<T: Element> ReplicatedParams<T> {
 }
 
 impl<T: Element> ParamStore<T> for ReplicatedParams<T> {
-    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
-        Ok(Cow::Borrowed(&self.values[range]))
+    fn get(&mut self, range: Range<usize>) -> Result<Values<'_, T>> {
+        Ok(Values::Lent(&self.values[range]))
     }
 
     fn prefetch(&mut self, _range: Range<usize>) -> Result<()> {
@@ -132,8 +149,8 @@ pub struct ShardedParams<T: Element> {
     layout: ShardLayout,
     group: Group,
     limits: Stage3Config,
-    in_flight: Option<(Range<usize>, Work<Vec<T>>)>,
-    persistent: Vec<(Range<usize>, Vec<T>)>,
+    in_flight: Option<(Range<usize>, Work<FlatBuf<T>>)>,
+    persistent: Vec<(Range<usize>, FlatBuf<T>)>,
     /// The largest range prefetched, in elements (a gather in flight; what `get` hands out
     /// becomes the caller's).
     peak_prefetch: usize,
@@ -173,7 +190,7 @@ impl<T: Element> ShardedParams<T> {
 
     /// The all-gather of `range` with this rank's part read from `file` first, both on the
     /// communication thread: the read ahead overlaps the caller's compute as the gather does.
-    fn read_and_gather(&self, file: Arc<SwapFile>, range: &Range<usize>) -> Work<Vec<T>> {
+    fn read_and_gather(&self, file: Arc<SwapFile>, range: &Range<usize>) -> Work<FlatBuf<T>> {
         let me = self.group.rank();
         let mine = self.layout.owned_within(range, me);
         let shard_start = self.layout.shard(me).start;
@@ -192,7 +209,8 @@ impl<T: Element> ShardedParams<T> {
                     .map_err(|e| ds_comm::CommError::Invalid(e.to_string()))?;
             }
             g.all_gather_v(&mut buf, &counts)?;
-            Ok(buf)
+            FlatBuf::from_vec(&Placement::Host, buf)
+                .map_err(|e| ds_comm::CommError::Invalid(e.to_string()))
         })
     }
 
@@ -206,12 +224,17 @@ impl<T: Element> ShardedParams<T> {
         }
     }
 
-    /// A buffer for `range` holding this rank's part in place, with the parts' counts.
-    fn gather_input(&self, range: &Range<usize>) -> Result<(Vec<T>, Vec<usize>)> {
+    /// A buffer for `range` holding this rank's part in place, with the parts' counts: where
+    /// the shard lives (a disk shard's in host memory).
+    fn gather_input(&self, range: &Range<usize>) -> Result<(FlatBuf<T>, Vec<usize>)> {
         let me = self.group.rank();
         let mine = self.layout.owned_within(range, me);
         let shard_start = self.layout.shard(me).start;
-        let mut buf = vec![T::default(); range.len()];
+        let place = match &self.shard {
+            Shard::Memory(v) => v.placement(),
+            Shard::Disk(_) => Placement::Host,
+        };
+        let mut buf = FlatBuf::zeroed(&place, range.len())?;
         if !mine.is_empty() {
             self.shard.read(
                 mine.start - shard_start..mine.end - shard_start,
@@ -223,13 +246,13 @@ impl<T: Element> ShardedParams<T> {
 }
 
 impl<T: Element> ParamStore<T> for ShardedParams<T> {
-    fn get(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+    fn get(&mut self, range: Range<usize>) -> Result<Values<'_, T>> {
         if self.whole_in_memory().is_some() {
             let whole = self.whole_in_memory().expect("invariant: checked above");
-            return Ok(Cow::Borrowed(&whole[range]));
+            return Ok(Values::Lent(&whole[range]));
         }
         if let Some(i) = self.persistent.iter().position(|(r, _)| *r == range) {
-            return Ok(Cow::Borrowed(&self.persistent[i].1));
+            return Ok(Values::Lent(&self.persistent[i].1));
         }
         let gathered = match self.in_flight.take() {
             Some((r, work)) if r == range => work.wait()?,
@@ -245,9 +268,9 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         if range.len() <= self.limits.param_persistence_threshold {
             self.persistent.push((range, gathered));
             let kept = &self.persistent.last().expect("invariant: just pushed").1;
-            return Ok(Cow::Borrowed(kept));
+            return Ok(Values::Lent(kept));
         }
-        Ok(Cow::Owned(gathered))
+        Ok(Values::Gathered(gathered))
     }
 
     fn prefetch(&mut self, range: Range<usize>) -> Result<()> {

@@ -1,14 +1,13 @@
 //! A ZeRO stage: the parameter store and gradient store it asks for, plus the fp32 master
 //! copy of the range this rank updates.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use ds_comm::{Element, Group, ReduceOp};
 use ds_config::ZeroStage;
 
 use crate::grads::{FullGrads, GradStore, ReduceConfig, ShardGrads};
-use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config};
+use crate::params::{ParamStore, Publish, ReplicatedParams, ShardedParams, Stage3Config, Values};
 use crate::{vector, FlatBuf, PartitionError, Placement, Result, ShardLayout, StateBytes};
 
 /// Writes the initial values of a flat range (unpadded coordinates) into the slice given.
@@ -207,7 +206,7 @@ impl<T: Element> Zero<T> {
     }
 
     /// Whole parameter values of flat `range` for compute.
-    pub fn params(&mut self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+    pub fn params(&mut self, range: Range<usize>) -> Result<Values<'_, T>> {
         self.params.get(range)
     }
 

@@ -6,7 +6,6 @@
 //! layer below (candle's `backward()` has no hooks and seeds with ones, hence the product).
 //! The loss layer is seeded with its scalar output times the loss scale.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -15,7 +14,7 @@ use candle_core::{backprop::GradStore, DType, Device, Shape, Storage, Tensor, Va
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use ds_comm::Element;
-use ds_partition::FlatIndex;
+use ds_partition::{FlatIndex, Values};
 
 use crate::model::{Context, NamedLayer, Taped};
 use crate::{EngineError, Result};
@@ -60,15 +59,15 @@ impl LayerParams {
         index: &FlatIndex,
         ids: Range<usize>,
         flat: usize,
-        values: Cow<'_, [T]>,
+        values: Values<'_, T>,
         dev: &Device,
     ) -> Result<LayerParams> {
         let len = values.len();
         let whole = match values {
-            Cow::Owned(v) => Tensor::from_vec(v, len, dev)?,
-            Cow::Borrowed(v) => match crate::device::tensor_from_buffer(v, dev)? {
+            Values::Gathered(v) if v.on_host() => Tensor::from_vec(v.into_vec(), len, dev)?,
+            values => match crate::device::tensor_from_buffer(&values, dev)? {
                 Some(on_device) => on_device,
-                None => Tensor::from_slice(v, len, dev)?,
+                None => Tensor::from_slice(&values, len, dev)?,
             },
         };
         let mut tensors = Vec::with_capacity(ids.len());

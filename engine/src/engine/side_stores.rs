@@ -2,12 +2,11 @@
 //! under expert parallelism (a second ZeRO store over the expert-data-parallel group) and the
 //! frozen parameters'.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::Device;
 use ds_comm::Group;
-use ds_partition::{FlatIndex, Frozen, Zero};
+use ds_partition::{FlatIndex, Frozen, Values, Zero};
 
 use super::layers::{Dtype, Kind, LayerGrads, LayerParams};
 use crate::Result;
@@ -72,13 +71,13 @@ pub(super) fn add_expert_grads<T: Dtype>(
 
 /// A store beside the dense one that layers take parameters from: the experts', the frozen
 /// ones'.
-pub(super) trait SideStore<T: Clone> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>>;
+pub(super) trait SideStore<T: Dtype> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Values<'_, T>>;
     fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()>;
 }
 
 impl<T: Dtype> SideStore<T> for Zero<T> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Values<'_, T>> {
         self.params(range)
     }
     fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {
@@ -87,7 +86,7 @@ impl<T: Dtype> SideStore<T> for Zero<T> {
 }
 
 impl<T: Dtype> SideStore<T> for Frozen<T> {
-    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Cow<'_, [T]>> {
+    fn get(&mut self, range: Range<usize>) -> ds_partition::Result<Values<'_, T>> {
         self.params(range)
     }
     fn prefetch(&mut self, range: Range<usize>) -> ds_partition::Result<()> {

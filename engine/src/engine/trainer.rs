@@ -1,7 +1,6 @@
 //! The training loop of one rank in one compute dtype: layer-wise forward and backward over
 //! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
 
-use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,7 +8,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
-use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
+use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Values, Zero};
 
 use super::layers::{self, Dtype, Kind, LayerGrads, LayerParams};
 use super::memory::{ExpertBytes, MemoryReport, StepPeak};
@@ -335,7 +334,7 @@ impl<T: Dtype> Trainer<T> {
     fn materialise(&mut self, i: usize, next: Option<usize>) -> Result<LayerParams> {
         let (range, ids) = (self.layer_flat[i].clone(), self.layer_ids[i].clone());
         let values = match range.is_empty() {
-            true => Cow::Borrowed(&[][..]),
+            true => Values::Lent(&[]),
             false => self.zero.params(range.clone())?,
         };
         // Note [one copy per layer] in layers.rs

@@ -270,6 +270,11 @@ impl<T: Copy> Managed<T> {
         Ok(m)
     }
 
+    /// The GPU the memory prefers.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Moves the pages to the GPU after host writes, in one transfer, so that the first kernel
     /// does not fault them over one by one.
     pub fn settle(&self) -> Result<()> {

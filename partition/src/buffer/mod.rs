@@ -99,6 +99,15 @@ impl<T: Element> FlatBuf<T> {
         matches!(self.storage, Storage::Host(_))
     }
 
+    /// Where the memory lives.
+    pub fn placement(&self) -> Placement {
+        match &self.storage {
+            Storage::Host(_) => Placement::Host,
+            #[cfg(feature = "cuda")]
+            Storage::Gpu(m) => Placement::Gpu(m.gpu().clone()),
+        }
+    }
+
     /// After writes from the host: moves a GPU buffer's pages to the GPU in one transfer
     /// (nothing on the host).
     pub fn settle(&self) -> Result<()> {
@@ -168,7 +177,7 @@ mod tests {
         let mut z = FlatBuf::<f32>::zeroed(&Placement::Host, 5).unwrap();
         assert_eq!(&*z, &[0.0; 5]);
         z[2] = 3.5;
-        assert!(z.on_host());
+        assert!(z.on_host() && z.placement().is_host());
         assert_eq!(z.bytes(), 20);
         assert_eq!(z.into_vec(), vec![0.0, 0.0, 3.5, 0.0, 0.0]);
         let v = FlatBuf::from_vec(&Placement::Host, vec![half::bf16::ONE; 3]).unwrap();
