@@ -125,7 +125,8 @@ nccl_smoke() {
 }
 
 # engine/tests/gpu_buffers.rs: the kernels of a step on GPU buffers against the host loops, bit
-# for bit (the sum of squares to 1e-12), and the device-to-device copies; DS_RS_REQUIRE_GPU=1.
+# for bit (the sum of squares to 1e-12), the device-to-device copies, and ZeRO 2-3's buckets
+# and gathers in GPU memory against the host's; DS_RS_REQUIRE_GPU=1.
 gpu_buffers() {
     local bin=$work/gpu_buffers log=$logs/gpu-buffers.log t d
     if [ ! -f "$bundle/gpu_buffers.gz" ]; then
@@ -146,6 +147,8 @@ gpu_buffers() {
     done
     test_row "gpu copies" tensors_and_gpu_buffers_copy_on_the_device "$log" \
         "parameters from a GPU buffer, gradients into one, device to device"
+    test_row "zero 2-3 gpu buckets" zero_2_and_3_buckets_and_gathers_in_gpu_memory_match_the_host \
+        "$log" "2 ranks on one GPU: buckets and gathers in GPU memory, the host's bits"
 }
 
 # engine/tests/gpu_kernels.rs: the fused kernels (kernels/fused.cu) on the GPU against the CPU
