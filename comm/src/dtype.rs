@@ -4,6 +4,8 @@
 //! the element type, the arithmetic does not lose more than one rounding per step.
 
 use bytemuck::Pod;
+
+use crate::convert;
 use half::{bf16, f16};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -76,13 +78,16 @@ impl Element for bf16 {
     }
 }
 
+/// `half`'s rules without its branches (convert.rs: loops over them vectorise).
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
+    #[inline]
     fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+        convert::f16_bits_to_f32(self.to_bits())
     }
+    #[inline]
     fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
+        f16::from_bits(convert::f32_to_f16_bits(v))
     }
 }
 

@@ -12,6 +12,7 @@
 
 mod algo;
 mod backend;
+mod convert;
 pub mod dtype;
 pub mod env;
 pub mod error;

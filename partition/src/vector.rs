@@ -6,8 +6,14 @@
 //! GPU's buffers (`buffer::gpu::one_gpu`), as a kernel on that GPU (kernels/vector.cu), with
 //! the same rounding, so either gives the same bits. Slices split between the host and a GPU
 //! run on the host (correct, the pages migrating; the stores avoid it on the hot path).
+//!
+//! The element-wise host loops of large slices run on rayon's threads in blocks: an element
+//! is converted to f32 and back, which keeps one core from the memory's pace on a many-core
+//! host (the publish of an offloaded step passes the whole shard). Each element is computed
+//! alone, so the bits do not depend on the threads; the sum of squares stays one loop.
 
 use ds_comm::Element;
+use rayon::prelude::*;
 
 use crate::Result;
 
@@ -33,8 +39,8 @@ pub fn scale<T: Element>(buf: &mut [T], k: Option<f32>) -> Result<()> {
             &mut [arg(&mut b), arg(&mut k), arg(&mut n)],
         );
     }
-    buf.iter_mut()
-        .for_each(|v| *v = T::from_f32(v.to_f32() * k));
+    buf.par_chunks_mut(HOST_BLOCK)
+        .for_each(|b| b.iter_mut().for_each(|v| *v = T::from_f32(v.to_f32() * k)));
     Ok(())
 }
 
@@ -54,22 +60,26 @@ pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn convert_up<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
     const PIECE: usize = 1 << 22;
-    let mut piece: Vec<T> = Vec::with_capacity(PIECE.min(dst.len()));
+    let mut piece: Vec<T> = vec![T::default(); PIECE.min(dst.len())];
     for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
-        piece.clear();
-        piece.extend(s.iter().map(|&v| T::from_f32(v)));
-        copy(d, &piece)?;
+        let piece = &mut piece[..s.len()];
+        host_zip(piece, s, |_, v| T::from_f32(v));
+        copy(d, piece)?;
     }
     Ok(())
 }
 
+/// Elements a rayon task takes in the host loops (256 KiB of f32), and so the least a loop
+/// is split at.
+const HOST_BLOCK: usize = 1 << 16;
+
 /// `dst[i] = f(dst[i], src[i])`: the kernel `kernel` (over `T`) where both are on one GPU.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] // `kernel`
-fn zip_into<T: Element, S: Copy>(
+fn zip_into<T: Element, S: Copy + Sync>(
     kernel: &str,
     dst: &mut [T],
     src: &[S],
-    f: impl Fn(T, S) -> T,
+    f: impl Fn(T, S) -> T + Sync,
 ) -> Result<()> {
     debug_assert_eq!(dst.len(), src.len());
     #[cfg(feature = "cuda")]
@@ -78,8 +88,20 @@ fn zip_into<T: Element, S: Copy>(
         let mut args = [arg(&mut d), arg(&mut s), arg(&mut n)];
         return launch::<T>(&gpu, kernel, dst.len(), &mut args);
     }
-    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f(*d, *s));
+    host_zip(dst, src, f);
     Ok(())
+}
+
+/// `dst[i] = f(dst[i], src[i])` on the host, in blocks on rayon's threads when large.
+fn host_zip<T: Element, S: Copy + Sync>(dst: &mut [T], src: &[S], f: impl Fn(T, S) -> T + Sync) {
+    let serial = |d: &mut [T], s: &[S]| d.iter_mut().zip(s).for_each(|(d, s)| *d = f(*d, *s));
+    match dst.len() > HOST_BLOCK {
+        true => dst
+            .par_chunks_mut(HOST_BLOCK)
+            .zip(src.par_chunks(HOST_BLOCK))
+            .for_each(|(d, s)| serial(d, s)),
+        false => serial(dst, src),
+    }
 }
 
 /// `dst = src`; where either is a GPU buffer, one transfer on the GPU's copy engines.
@@ -173,5 +195,52 @@ mod gpu_side {
             &mut [arg(&mut p), arg(&mut n), arg(&mut o)],
         )?;
         Ok(out.as_mut_slice()[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// Values in about ±4 that every 16-bit type must round, element i of stream `seed`.
+    fn values(seed: u32, n: usize) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 * 8.0 - 4.0)
+            .collect()
+    }
+
+    /// The loops split over threads (three blocks and a ragged end) give every element what
+    /// one loop through `half`'s own conversions gives it.
+    fn host_loops_match_one_loop<T: Element>(to: fn(T) -> f32, from: fn(f32) -> T) {
+        let n = 3 * HOST_BLOCK + 5;
+        let (a, b, m) = (values(1, n), values(2, n), values(3, n));
+        let a: Vec<T> = a.into_iter().map(from).collect();
+        let b: Vec<T> = b.into_iter().map(from).collect();
+        let bits = |v: &[T]| v.iter().map(|x| to(*x).to_bits()).collect::<Vec<_>>();
+
+        let mut got = a.clone();
+        accumulate(&mut got, &b).unwrap();
+        let want: Vec<T> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| from(to(*x) + to(*y)))
+            .collect();
+        assert_eq!(bits(&got), bits(&want), "accumulate");
+
+        scale(&mut got, Some(0.37)).unwrap();
+        let want: Vec<T> = want.iter().map(|x| from(to(*x) * 0.37)).collect();
+        assert_eq!(bits(&got), bits(&want), "scale");
+
+        convert_into(&mut got, &m).unwrap();
+        let want: Vec<T> = m.iter().map(|x| from(*x)).collect();
+        assert_eq!(bits(&got), bits(&want), "convert");
+    }
+
+    #[test]
+    fn host_loops_in_blocks_match_one_loop() {
+        host_loops_match_one_loop::<f32>(|x| x, |x| x);
+        host_loops_match_one_loop::<bf16>(bf16::to_f32, bf16::from_f32);
+        host_loops_match_one_loop::<f16>(f16::to_f32, f16::from_f32);
     }
 }

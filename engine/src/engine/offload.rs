@@ -11,7 +11,7 @@ use std::sync::Arc;
 use ds_partition::swap::{stream, SwapFile, SwapIo, SwapSpace};
 use ds_partition::Zero;
 
-use crate::optim::Optimizer;
+use crate::optim::{scaled_f32, Optimizer};
 use ds_comm::Element;
 
 use crate::{EngineError, Result};
@@ -77,10 +77,7 @@ impl OffloadedStates {
         stream(&files, CHUNK, self.buffers, |at, bufs| {
             let n = bufs[0].len();
             let grads = &zero.owned_grads()[at..at + n];
-            fp32[..n]
-                .iter_mut()
-                .zip(grads)
-                .for_each(|(d, g)| *d = g.to_f32() * k);
+            scaled_f32(&mut fp32[..n], grads, k);
             let (master, states) = bufs.split_first_mut().expect("the master file");
             for (dst, src) in optimizer.state_mut().into_iter().zip(states.iter()) {
                 dst[..n].copy_from_slice(src);

@@ -6,7 +6,7 @@ use ds_partition::Zero;
 
 use crate::checkpoint::Counters;
 use crate::loss_scale::LossScaler;
-use crate::optim::{Optimizer, OptimizerState, TypedGrads};
+use crate::optim::{scaled_f32, Optimizer, OptimizerState, TypedGrads};
 use crate::schedule::LrSchedule;
 use crate::{EngineError, Result};
 
@@ -271,9 +271,7 @@ fn update_shard<T: Element>(
             };
             for (r, group) in groups.segments(at..end) {
                 let fp32 = &mut scratch[..r.len()];
-                fp32.iter_mut()
-                    .zip(&piece[r.start - at..r.end - at])
-                    .for_each(|(d, g)| *d = g.to_f32() * k);
+                scaled_f32(fp32, &piece[r.start - at..r.end - at], k);
                 optimizer.update(r.start, &mut master[r], fp32, group);
             }
         }

@@ -20,12 +20,14 @@ mod sgd_params;
 #[cfg(test)]
 mod tests;
 
+use ds_comm::Element;
 use ds_config::optim::{OptimizerParams, TypedSection};
 use ds_config::ConfigError;
 use ds_partition::Placement;
+use rayon::prelude::*;
 
 pub use adam::{Adam, AdamParams};
-pub use bench::{bench_adam, BenchResult};
+pub use bench::{bench_adam, bench_convert, BenchResult, ConvertResult};
 pub use sgd::Sgd;
 pub use sgd_params::SgdParams;
 
@@ -37,6 +39,17 @@ const BLOCK: usize = 1 << 16;
 /// (SSE2 in a default build, plus a run-time-selected AVX2 copy of the Adam kernel; whatever
 /// the CPU has with `-C target-cpu=native`).
 const LANES: usize = 16;
+
+/// The optimizer's input from reduced gradients in the compute dtype: each times `k` (the
+/// loss scale's inverse and the clip coefficient), in f32. On rayon's threads in `BLOCK`s, as
+/// the update itself: a conversion and a product an element leave one thread bound by its
+/// core, not by memory, on a many-core host (the offloaded step's whole shard passes here).
+pub fn scaled_f32<T: Element>(dst: &mut [f32], src: &[T], k: f32) {
+    assert_eq!(dst.len(), src.len(), "scaled_f32: lengths differ");
+    dst.par_chunks_mut(BLOCK)
+        .zip(src.par_chunks(BLOCK))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, g)| *d = g.to_f32() * k));
+}
 
 /// An optimizer acting on one flat fp32 shard, whose length is fixed at construction.
 pub trait Optimizer: Send {

@@ -239,6 +239,10 @@ fn bench_runs_and_reports() {
     assert_eq!((r.n_params, r.iters), (10_000, 3));
     assert!(r.min_ms <= r.median_ms && r.median_ms <= r.max_ms);
     assert!(r.effective_gbs > 0.0 && r.effective_gbs.is_finite());
+    let c = super::bench_convert::<half::f16>(10_000, 3, 1, half::f16::to_f32, half::f16::from_f32);
+    assert_eq!(c.n_params, 10_000);
+    let times = [c.grads_ms, c.publish_ms, c.half_grads_ms, c.half_publish_ms];
+    assert!(times.iter().all(|t| *t >= 0.0 && t.is_finite()), "{c:?}");
 }
 
 /// `bias_correction: false` (FusedAdam's and DeepSpeedCPUAdam's switch): the first step is
