@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+    result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use half::{bf16, f16};
 
@@ -98,13 +98,19 @@ impl NcclNet {
     }
 
     /// Whether `s` is GPU memory (asked with this GPU's context current, as on a worker
-    /// thread it may not be).
-    fn on_gpu<T>(&self, s: &[T]) -> bool {
-        self.parent.context().bind_to_thread().is_ok() && is_gpu_memory(s)
+    /// thread it may not be). The context is made current directly: cudarc's `bind_to_thread`
+    /// first returns (and clears) any error an earlier drop recorded, and reading that as
+    /// "host memory" would send this rank to the links while its peers are in NCCL.
+    fn on_gpu<T>(&self, s: &[T]) -> Result<bool> {
+        // SAFETY: the context lives as long as `parent`, its stream.
+        unsafe { result::ctx::set_current(self.parent.context().cu_ctx()) }.map_err(|e| {
+            CommError::Invalid(format!("NCCL: making the GPU's context current: {e}"))
+        })?;
+        Ok(is_gpu_memory(s))
     }
 
     pub fn all_reduce<T: Element>(&self, cx: &mut Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        if !self.on_gpu(buf) {
+        if !self.on_gpu(buf)? {
             return algo::all_reduce(cx, buf, op);
         }
         self.with_comm(
@@ -120,7 +126,7 @@ impl NcclNet {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        if !(self.on_gpu(input) && self.on_gpu(output)) {
+        if !(self.on_gpu(input)? && self.on_gpu(output)?) {
             return algo::reduce_scatter_into(cx, input, output, op);
         }
         self.with_comm(cx, |comm| {
@@ -142,7 +148,7 @@ impl NcclNet {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        if !self.on_gpu(buf) {
+        if !self.on_gpu(buf)? {
             return algo::reduce_scatter_v(cx, buf, counts, op);
         }
         self.with_comm(cx, |comm| {
@@ -159,7 +165,7 @@ impl NcclNet {
         buf: &mut [T],
         counts: &[usize],
     ) -> Result<()> {
-        if !self.on_gpu(buf) {
+        if !self.on_gpu(buf)? {
             return algo::all_gather_v(cx, buf, counts);
         }
         self.with_comm(cx, |comm| {
@@ -170,7 +176,7 @@ impl NcclNet {
     }
 
     pub fn broadcast<T: Element>(&self, cx: &mut Ctx, buf: &mut [T], root: usize) -> Result<()> {
-        if !self.on_gpu(buf) {
+        if !self.on_gpu(buf)? {
             return algo::broadcast(cx, buf, root);
         }
         self.with_comm(

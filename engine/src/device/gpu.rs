@@ -47,6 +47,7 @@ pub fn gpu_for(d: &CudaDevice) -> Arc<Gpu> {
 ///   again. Set to the maximum here, as PyTorch's caching allocator keeps its blocks: the pool
 ///   holds the step's peak, which the driver's count of memory in use then shows.
 pub fn prepare(d: &CudaDevice) -> Result<()> {
+    check_driver()?;
     // SAFETY: the conditions of `disable_event_tracking` hold by the note above: candle's
     // tensors are used on its one stream only, so no use on another stream needs ordering.
     unsafe { d.disable_event_tracking() };
@@ -59,6 +60,32 @@ pub fn prepare(d: &CudaDevice) -> Result<()> {
     // SAFETY: `pool` is the device's current pool; the attribute takes a u64.
     unsafe { result::mem_pool::set_attribute(pool, attr, (&mut keep as *mut u64).cast()) }
         .map_err(cuda)
+}
+
+/// The CUDA version whose PTX the build emits (scripts/install-cuda-toolchain.sh's nvcc for
+/// ds-rs's kernels and candle's, cudarc's `cuda-13000` bindings), as the driver API numbers it.
+const CUDA_BUILT_FOR: i32 = 13000;
+
+/// Refuses a driver older than the build's CUDA: it cannot load the build's PTX, and would
+/// fail only at the first kernel, with CUDA_ERROR_UNSUPPORTED_PTX_VERSION.
+fn check_driver() -> Result<()> {
+    let mut version = 0;
+    // SAFETY: writes one int; the driver is loaded (candle opened the device).
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(cuda)?;
+    match version >= CUDA_BUILT_FOR {
+        true => Ok(()),
+        false => Err(EngineError::Invalid(format!(
+            "the NVIDIA driver supports CUDA {}.{}, and this ds-rs was built for CUDA {}.{}: \
+             update the driver (R580 or later), or build with a CUDA {}.x toolchain",
+            version / 1000,
+            version % 1000 / 10,
+            CUDA_BUILT_FOR / 1000,
+            CUDA_BUILT_FOR % 1000 / 10,
+            version / 1000,
+        ))),
+    }
 }
 
 /// The most bytes of `d`'s stream-ordered pool in use at once so far (candle's tensors:
@@ -181,6 +208,11 @@ pub fn with_staged<T: Dtype, R>(
     let key = stream_key(d);
     let staged = take_staging::<T>(gpu_for(d), key, total)?;
     let out = copy_into(tensors, d, &staged, f);
+    if out.is_err() {
+        // copies queued before the failure may still be writing it: a buffer kept while they
+        // run could be handed to work that nothing orders after them
+        d.cuda_stream().synchronize().map_err(cuda)?;
+    }
     keep_staging(key, staged);
     out
 }

@@ -365,11 +365,21 @@ impl<T: Copy> Drop for Managed<T> {
         LIVE.lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(self.ptr as usize));
+        // The context is made current directly: cudarc's `bind_to_thread` first returns (and
+        // clears) any error an earlier drop of candle's recorded, which would skip the free.
         // A failure here (a context already torn down at exit) leaks the allocation with the
         // context; there is nothing else to do with it.
-        if self.gpu.stream.context().bind_to_thread().is_ok() {
-            // SAFETY: allocated in `alloc`, freed once, never used after.
-            let _ = unsafe { result::free_sync(self.ptr) };
+        let ctx = self.gpu.stream.context().cu_ctx();
+        // SAFETY: the context outlives its buffers (the `Gpu` holds its stream); the stream
+        // wait lets a copy still reading the buffer (a gathered layer's, into its tensor)
+        // finish before the free, which cuMemFree does not promise to wait for.
+        unsafe {
+            if result::ctx::set_current(ctx).is_ok()
+                && result::stream::synchronize(self.gpu.stream.cu_stream()).is_ok()
+            {
+                // allocated in `alloc`, freed once, never used after
+                let _ = result::free_sync(self.ptr);
+            }
         }
     }
 }
