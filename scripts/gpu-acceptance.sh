@@ -147,6 +147,8 @@ gpu_buffers() {
     done
     test_row "gpu copies" tensors_and_gpu_buffers_copy_on_the_device "$log" \
         "parameters from a GPU buffer, gradients into one, device to device"
+    test_row "gpu pieces to/from host" pieces_stream_between_the_host_and_gpu_buffers "$log" \
+        "the offloaded step's transfers, page-locked and double-buffered"
     test_row "zero 2-3 gpu buckets" zero_2_and_3_buckets_and_gathers_in_gpu_memory_match_the_host \
         "$log" "2 ranks on one GPU: buckets and gathers in GPU memory, the host's bits"
 }

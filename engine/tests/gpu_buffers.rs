@@ -226,6 +226,39 @@ fn tensors_and_gpu_buffers_copy_on_the_device() {
     assert_eq!(again.expect("staged"), &v[200..250]);
 }
 
+/// A GPU buffer streamed to the host in pieces (the offloaded step's gradients) and host
+/// values rounded into one piece by piece (its publish), through two page-locked buffers
+/// each way: every piece arrives whole, in order, with its own values.
+#[test]
+fn pieces_stream_between_the_host_and_gpu_buffers() {
+    let Some((_dev, place)) = gpu() else {
+        return;
+    };
+    const PIECE: usize = 1 << 20;
+    for n in [0, 5, 3 * PIECE + 7] {
+        let v = values::<bf16>(9, n);
+        let buf = FlatBuf::from_vec(&place, v.clone()).unwrap();
+        let (mut seen, mut starts) = (Vec::new(), Vec::new());
+        vector::for_each_host_piece(&buf, PIECE, |at, piece| {
+            starts.push(at);
+            seen.extend_from_slice(piece);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(bits(&seen), bits(&v), "n={n}: streamed down");
+        let want: Vec<usize> = (0..n).step_by(PIECE).collect();
+        assert_eq!(starts, want, "n={n}: pieces");
+    }
+    // past two of the publish's 4M-element pieces: both buffers reused
+    for n in [5, 9 * PIECE + 3] {
+        let m = pattern(10, n);
+        let mut up = FlatBuf::<bf16>::zeroed(&place, n).unwrap();
+        vector::convert_into(&mut up, &m).unwrap();
+        let want: Vec<bf16> = m.iter().map(|x| bf16::from_f32(*x)).collect();
+        assert_eq!(bits(&up), bits(&want), "n={n}: rounded up");
+    }
+}
+
 /// ZeRO-2's gradient buckets and ZeRO-3's gathered parameters where the shards live, a GPU's
 /// (the layout `--dist_backend nccl` gives them), on 2 ranks in threads sharing GPU 0 (the
 /// built-in transport then reduces the GPU buffers through their host addresses, where NCCL

@@ -54,17 +54,36 @@ pub fn convert_into<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
 }
 
 /// `convert_into` from host values into a GPU buffer (the host optimizer's master copy into
-/// the parameters): rounded on the host a piece at a time, each piece one DMA transfer. A host
-/// loop over the buffer's managed pages would migrate them to the host, and the next kernel
-/// would migrate them back.
+/// the parameters): rounded on the host a piece at a time, each piece copied up while the
+/// next is rounded (`Gpu::stream_up`). A host loop over the buffer's managed pages would
+/// migrate them to the host, and the next kernel would migrate them back.
 #[cfg(feature = "cuda")]
 fn convert_up<T: Element>(dst: &mut [T], src: &[f32]) -> Result<()> {
-    const PIECE: usize = 1 << 22;
-    let mut piece: Vec<T> = vec![T::default(); PIECE.min(dst.len())];
-    for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
-        let piece = &mut piece[..s.len()];
-        host_zip(piece, s, |_, v| T::from_f32(v));
-        copy(d, piece)?;
+    let gpu = gpu_of(Span::of(dst)).expect("invariant: the caller checked dst is a GPU's");
+    gpu.stream_up(dst, PIECE, |at, out| {
+        host_zip(out, &src[at..at + out.len()], |_, v| T::from_f32(v))
+    })
+}
+
+/// Elements a GPU buffer is moved to or from the host in at a time (8 MiB of bf16).
+#[cfg(feature = "cuda")]
+const PIECE: usize = 1 << 22;
+
+/// `f(at, values)` over `src` in pieces of at most `piece` elements, each in host memory: a
+/// host buffer's own slices, or a GPU buffer's copied down, the next piece's copy running
+/// while `f` reads this one (`Gpu::stream_down`; a host loop over managed pages would migrate
+/// them to the host and back).
+pub fn for_each_host_piece<T: Element>(
+    src: &[T],
+    piece: usize,
+    mut f: impl FnMut(usize, &[T]) -> Result<()>,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = gpu_of(Span::of(src)) {
+        return gpu.stream_down(src, piece, f);
+    }
+    for (i, part) in src.chunks(piece.max(1)).enumerate() {
+        f(i * piece.max(1), part)?;
     }
     Ok(())
 }
@@ -235,6 +254,21 @@ mod tests {
         convert_into(&mut got, &m).unwrap();
         let want: Vec<T> = m.iter().map(|x| from(*x)).collect();
         assert_eq!(bits(&got), bits(&want), "convert");
+    }
+
+    #[test]
+    fn host_pieces_are_the_slices_in_order() {
+        let v: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let mut seen = Vec::new();
+        for_each_host_piece(&v, 4, |at, piece| {
+            seen.push((at, piece.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        let want = [(0, &v[0..4]), (4, &v[4..8]), (8, &v[8..10])];
+        let want: Vec<(usize, Vec<f32>)> = want.iter().map(|(a, p)| (*a, p.to_vec())).collect();
+        assert_eq!(seen, want);
+        for_each_host_piece(&[] as &[f32], 4, |_, _| panic!("a piece of nothing")).unwrap();
     }
 
     #[test]

@@ -250,31 +250,23 @@ fn update_shard<T: Element>(
     zero: &mut Zero<T>,
     k: f32,
 ) -> Result<()> {
-    let grads_on_gpu = !zero.placements().grads.is_host();
     let (master, grads) = zero.master_and_grads();
     if !step_on_gpu(optimizer, groups, master, grads, k)? {
         // The owned range in pieces: the fp32 gradients of one piece at a time, never of
         // the whole shard (a whole-model temporary at stage 0). Gradients on a GPU (the
-        // optimizer offloaded to the CPU) come down a piece at a time by one DMA transfer: a
-        // host loop over their managed pages would migrate them to the host and back.
+        // optimizer offloaded to the CPU) come down a piece at a time, the next one's copy
+        // running while this one steps: a host loop over their managed pages would migrate
+        // them to the host and back.
         let mut scratch = vec![0f32; STEP_PIECE.min(master.len())];
-        let mut down: Vec<T> = Vec::new();
-        for at in (0..master.len()).step_by(STEP_PIECE) {
-            let end = (at + STEP_PIECE).min(master.len());
-            let piece: &[T] = match grads_on_gpu {
-                true => {
-                    down.resize(end - at, T::default());
-                    ds_partition::vector::copy(&mut down, &grads[at..end])?;
-                    &down
-                }
-                false => &grads[at..end],
-            };
-            for (r, group) in groups.segments(at..end) {
+        let grads = &grads[..master.len()];
+        ds_partition::vector::for_each_host_piece(grads, STEP_PIECE, |at, piece| {
+            for (r, group) in groups.segments(at..at + piece.len()) {
                 let fp32 = &mut scratch[..r.len()];
                 scaled_f32(fp32, &piece[r.start - at..r.end - at], k);
                 optimizer.update(r.start, &mut master[r], fp32, group);
             }
-        }
+            Ok(())
+        })?;
     }
     zero.publish()?;
     Ok(())

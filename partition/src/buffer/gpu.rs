@@ -95,6 +95,99 @@ impl Gpu {
         self.sync()
     }
 
+    /// `f(at, values)` for each piece of `piece` elements of `src` (GPU memory), copied to the
+    /// host in turn: through two page-locked buffers, the copy of the next piece running on the
+    /// copy engine while `f` reads this one (pageable memory would make each copy a staged,
+    /// synchronous one, and the host would wait for every piece).
+    pub(crate) fn stream_down<T: Copy>(
+        &self,
+        src: &[T],
+        piece: usize,
+        mut f: impl FnMut(usize, &[T]) -> Result<()>,
+    ) -> Result<()> {
+        let pieces = Pieces::of(src.len(), piece);
+        if pieces.count == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        let (bufs, done) = (
+            [Pinned::new::<T>(pieces.len)?, Pinned::new::<T>(pieces.len)?],
+            [Event::new()?, Event::new()?],
+        );
+        let issue = |i: usize| -> Result<()> {
+            let r = pieces.range(i);
+            // SAFETY: the buffer holds `pieces.len` elements, and nothing reads it until the
+            // event after this copy has been waited for; `src` is GPU memory of this process.
+            unsafe {
+                let host = bufs[i % 2].slice_mut::<T>(r.len());
+                result::memcpy_dtoh_async(host, device_ptr(&src[r]), stream)
+                    .map_err(|e| cuda_error("copy to the host", e))?;
+            }
+            done[i % 2].record(stream)
+        };
+        let streamed = (|| {
+            issue(0)?;
+            for i in 0..pieces.count {
+                if i + 1 < pieces.count {
+                    // into the buffer `f` read the piece before this one from
+                    issue(i + 1)?;
+                }
+                done[i % 2].wait()?;
+                let r = pieces.range(i);
+                // SAFETY: the copy into it has finished (the event); the next one into this
+                // buffer is issued only after `f` returns.
+                f(r.start, unsafe { bufs[i % 2].slice_mut::<T>(r.len()) })?;
+            }
+            Ok(())
+        })();
+        if streamed.is_err() {
+            let _ = self.sync(); // a copy still in flight must not outlive its buffer
+        }
+        streamed
+    }
+
+    /// `dst` (GPU memory) written piece by piece from the host: `fill(at, values)` writes each
+    /// piece of `piece` elements into one of two page-locked buffers while the piece before
+    /// is copied up from the other. Waits for the last copy.
+    pub(crate) fn stream_up<T: Copy>(
+        &self,
+        dst: &mut [T],
+        piece: usize,
+        mut fill: impl FnMut(usize, &mut [T]),
+    ) -> Result<()> {
+        let pieces = Pieces::of(dst.len(), piece);
+        if pieces.count == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        let (bufs, done) = (
+            [Pinned::new::<T>(pieces.len)?, Pinned::new::<T>(pieces.len)?],
+            [Event::new()?, Event::new()?],
+        );
+        let streamed = (|| {
+            for i in 0..pieces.count {
+                if i >= 2 {
+                    done[i % 2].wait()?; // the copy out of this buffer, two pieces ago
+                }
+                let r = pieces.range(i);
+                // SAFETY: no copy reads the buffer now (waited above); the copy below reads it
+                // until its event, which is waited for before the buffer is written again.
+                unsafe {
+                    let host = bufs[i % 2].slice_mut::<T>(r.len());
+                    fill(r.start, host);
+                    result::memcpy_htod_async(device_ptr(&dst[r]), host, stream)
+                        .map_err(|e| cuda_error("copy to the GPU", e))?;
+                }
+                done[i % 2].record(stream)?;
+            }
+            Ok(())
+        })();
+        let waited = self.sync();
+        streamed.and(waited)
+    }
+
     /// Waits for everything queued on the stream.
     fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| cuda_error("wait", e))
@@ -103,6 +196,92 @@ impl Gpu {
     /// ds-partition's own kernels (kernels/vector.cu).
     pub(crate) fn vector_kernels(&self) -> Result<Arc<Kernels>> {
         self.kernels("vector", VECTOR_PTX)
+    }
+}
+
+/// `n` elements cut into pieces of at most `len` (the last one shorter).
+struct Pieces {
+    n: usize,
+    len: usize,
+    count: usize,
+}
+
+impl Pieces {
+    fn of(n: usize, piece: usize) -> Pieces {
+        let len = piece.max(1).min(n.max(1));
+        Pieces {
+            n,
+            len,
+            count: n.div_ceil(len),
+        }
+    }
+
+    fn range(&self, i: usize) -> std::ops::Range<usize> {
+        let at = i * self.len;
+        at..(at + self.len).min(self.n)
+    }
+}
+
+/// Page-locked host memory: the copy engines move it while the host computes (a copy from
+/// pageable memory goes through the driver's staging and returns when done).
+struct Pinned {
+    ptr: *mut c_void,
+}
+
+impl Pinned {
+    /// Room for `len` values of `T` (page-aligned, so aligned for any `T` here).
+    fn new<T>(len: usize) -> Result<Pinned> {
+        // SAFETY: a fresh allocation, freed in `drop`; read only after a copy wrote it.
+        let ptr = unsafe { result::malloc_host(len * std::mem::size_of::<T>(), 0) }
+            .map_err(|e| cuda_error("page-locked host memory", e))?;
+        Ok(Pinned { ptr })
+    }
+
+    /// The first `len` values.
+    ///
+    /// # Safety
+    /// `len` within the allocation; no copy in flight writes what is read through it, and no
+    /// other slice of the buffer is alive.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut<T>(&self, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), len)
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: from `malloc_host`; every copy using it was waited for by its owner.
+        let _ = unsafe { result::free_host(self.ptr) };
+    }
+}
+
+/// A CUDA event marking a point of a stream.
+struct Event(sys::CUevent);
+
+impl Event {
+    fn new() -> Result<Event> {
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Event)
+            .map_err(|e| cuda_error("event", e))
+    }
+
+    /// Marks the point the stream has reached (everything queued on it so far).
+    fn record(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: a live event; the stream is this GPU's.
+        unsafe { result::event::record(self.0, stream) }.map_err(|e| cuda_error("event", e))
+    }
+
+    /// Waits until the stream has passed the recorded point.
+    fn wait(&self) -> Result<()> {
+        // SAFETY: a live event.
+        unsafe { result::event::synchronize(self.0) }.map_err(|e| cuda_error("wait", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once (the driver defers it past pending work).
+        let _ = unsafe { result::event::destroy(self.0) };
     }
 }
 
