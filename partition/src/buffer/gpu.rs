@@ -105,16 +105,11 @@ impl Gpu {
         piece: usize,
         mut f: impl FnMut(usize, &[T]) -> Result<()>,
     ) -> Result<()> {
-        let pieces = Pieces::of(src.len(), piece);
-        if pieces.count == 0 {
-            return Ok(());
-        }
         self.bind()?;
+        let Some(Staging { pieces, bufs, done }) = Staging::new::<T>(src.len(), piece)? else {
+            return Ok(());
+        };
         let stream = self.stream.cu_stream();
-        let (bufs, done) = (
-            [Pinned::new::<T>(pieces.len)?, Pinned::new::<T>(pieces.len)?],
-            [Event::new()?, Event::new()?],
-        );
         let issue = |i: usize| -> Result<()> {
             let r = pieces.range(i);
             // SAFETY: the buffer holds `pieces.len` elements, and nothing reads it until the
@@ -156,16 +151,11 @@ impl Gpu {
         piece: usize,
         mut fill: impl FnMut(usize, &mut [T]),
     ) -> Result<()> {
-        let pieces = Pieces::of(dst.len(), piece);
-        if pieces.count == 0 {
-            return Ok(());
-        }
         self.bind()?;
+        let Some(Staging { pieces, bufs, done }) = Staging::new::<T>(dst.len(), piece)? else {
+            return Ok(());
+        };
         let stream = self.stream.cu_stream();
-        let (bufs, done) = (
-            [Pinned::new::<T>(pieces.len)?, Pinned::new::<T>(pieces.len)?],
-            [Event::new()?, Event::new()?],
-        );
         let streamed = (|| {
             for i in 0..pieces.count {
                 if i >= 2 {
@@ -219,6 +209,30 @@ impl Pieces {
     fn range(&self, i: usize) -> std::ops::Range<usize> {
         let at = i * self.len;
         at..(at + self.len).min(self.n)
+    }
+}
+
+/// What a transfer in pieces goes through: two page-locked buffers of a piece each, and the
+/// events marking the copies in and out of them.
+struct Staging {
+    pieces: Pieces,
+    bufs: [Pinned; 2],
+    done: [Event; 2],
+}
+
+impl Staging {
+    /// For `n` elements of `T` in pieces of `piece`; None for no elements. The GPU's context
+    /// must be current.
+    fn new<T>(n: usize, piece: usize) -> Result<Option<Staging>> {
+        let pieces = Pieces::of(n, piece);
+        if pieces.count == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Staging {
+            bufs: [Pinned::new::<T>(pieces.len)?, Pinned::new::<T>(pieces.len)?],
+            done: [Event::new()?, Event::new()?],
+            pieces,
+        }))
     }
 }
 
