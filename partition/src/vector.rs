@@ -39,8 +39,11 @@ pub fn scale<T: Element>(buf: &mut [T], k: Option<f32>) -> Result<()> {
             &mut [arg(&mut b), arg(&mut k), arg(&mut n)],
         );
     }
-    buf.par_chunks_mut(HOST_BLOCK)
-        .for_each(|b| b.iter_mut().for_each(|v| *v = T::from_f32(v.to_f32() * k)));
+    let serial = |b: &mut [T]| b.iter_mut().for_each(|v| *v = T::from_f32(v.to_f32() * k));
+    match buf.len() > HOST_BLOCK {
+        true => buf.par_chunks_mut(HOST_BLOCK).for_each(serial),
+        false => serial(buf),
+    }
     Ok(())
 }
 
