@@ -47,7 +47,8 @@ pub trait ParamStore<T: Element>: Send {
     /// when they are on disk).
     fn on_host(&self) -> bool;
     /// Most bytes of gathered parameters held by the store at once besides `bytes`: a
-    /// prefetch in flight (what `get` hands out is the caller's to count).
+    /// prefetch in flight and the buffers kept for reuse (what `get` hands out of host
+    /// memory is the caller's to count).
     fn peak_gathered_bytes(&self) -> usize {
         0
     }
@@ -143,17 +144,66 @@ pub struct Stage3Config {
 }
 
 /// Stage 3: each rank keeps its shard; a layer's range is all-gathered when asked for and
-/// dropped by the caller after use.
+/// dropped after use.
+///
+/// Where the shard is a GPU's, the gathered buffers are kept and reused (Note [kept gather
+/// buffers]); in host memory the gathered values become the caller's (the layer's tensor takes
+/// the `Vec` without a copy).
 pub struct ShardedParams<T: Element> {
     shard: Shard<T>,
     layout: ShardLayout,
     group: Group,
     limits: Stage3Config,
-    in_flight: Option<(Range<usize>, Work<FlatBuf<T>>)>,
-    persistent: Vec<(Range<usize>, FlatBuf<T>)>,
-    /// The largest range prefetched, in elements (a gather in flight; what `get` hands out
-    /// becomes the caller's).
-    peak_prefetch: usize,
+    /// The range being gathered, its buffer's length and the gather.
+    in_flight: Option<(Range<usize>, usize, Work<Window<T>>)>,
+    persistent: Vec<(Range<usize>, Window<T>)>,
+    /// Whether gathered buffers are kept for the next gathers (a GPU shard).
+    reuse: bool,
+    /// With `reuse`: the buffer the last gathered range was lent from, and a free one.
+    lent: Option<Window<T>>,
+    spare: Option<FlatBuf<T>>,
+    /// Most elements of gather buffers held at once (a gather in flight, and the kept ones;
+    /// what `get` hands out of host memory becomes the caller's).
+    peak_held: usize,
+}
+
+// Note [kept gather buffers]: on a GPU a gathered range was a managed allocation per layer,
+// forward and backward, freed after the layer's tensor was copied out of it; the free of
+// managed memory synchronises the device, and the new pages are mapped again on first touch.
+// So a GPU store keeps two buffers, the one the layer in use was lent from and one for the
+// gather ahead, each the largest range seen (the previous ranges' buffers are reused when
+// large enough, else the larger is kept): twice the largest layer, for as long as the store
+// lives. A reused buffer is written only after its stream has drained (the copy of the layer
+// out of it may still be queued), and ranges small enough to stay whole
+// (`param_persistence_threshold`) get buffers of their own.
+
+/// A gathered range's values: the first `len` elements of `buf` (a larger kept buffer, or
+/// exactly the range).
+struct Window<T: Element> {
+    buf: FlatBuf<T>,
+    len: usize,
+}
+
+impl<T: Element> Window<T> {
+    fn whole(buf: FlatBuf<T>) -> Window<T> {
+        Window {
+            len: buf.len(),
+            buf,
+        }
+    }
+}
+
+impl<T: Element> Deref for Window<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[..self.len]
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Window<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[..self.len]
+    }
 }
 
 impl<T: Element> ShardedParams<T> {
@@ -161,14 +211,24 @@ impl<T: Element> ShardedParams<T> {
     pub fn new(shard: FlatBuf<T>, layout: ShardLayout, group: Group, limits: Stage3Config) -> Self {
         debug_assert_eq!(shard.len(), layout.shard_len());
         ShardedParams {
+            reuse: !shard.on_host(),
             shard: Shard::Memory(shard),
             layout,
             group,
             limits,
             in_flight: None,
             persistent: Vec::new(),
-            peak_prefetch: 0,
+            lent: None,
+            spare: None,
+            peak_held: 0,
         }
+    }
+
+    /// Keeps gathered buffers for reuse in host memory too, as on a GPU (for the tests).
+    #[cfg(test)]
+    fn reusing(mut self) -> Self {
+        self.reuse = true;
+        self
     }
 
     /// Moves the shard to a file under `nvme_path` (ZeRO-Infinity's parameter tier).
@@ -190,7 +250,7 @@ impl<T: Element> ShardedParams<T> {
 
     /// The all-gather of `range` with this rank's part read from `file` first, both on the
     /// communication thread: the read ahead overlaps the caller's compute as the gather does.
-    fn read_and_gather(&self, file: Arc<SwapFile>, range: &Range<usize>) -> Work<FlatBuf<T>> {
+    fn read_and_gather(&self, file: Arc<SwapFile>, range: &Range<usize>) -> Work<Window<T>> {
         let me = self.group.rank();
         let mine = self.layout.owned_within(range, me);
         let shard_start = self.layout.shard(me).start;
@@ -210,6 +270,7 @@ impl<T: Element> ShardedParams<T> {
             }
             g.all_gather_v(&mut buf, &counts)?;
             FlatBuf::from_vec(&Placement::Host, buf)
+                .map(Window::whole)
                 .map_err(|e| ds_comm::CommError::Invalid(e.to_string()))
         })
     }
@@ -225,8 +286,9 @@ impl<T: Element> ShardedParams<T> {
     }
 
     /// A buffer for `range` holding this rank's part in place, with the parts' counts: where
-    /// the shard lives (a disk shard's in host memory).
-    fn gather_input(&self, range: &Range<usize>) -> Result<(FlatBuf<T>, Vec<usize>)> {
+    /// the shard lives (a disk shard's in host memory), the spare when it is kept and large
+    /// enough.
+    fn gather_input(&mut self, range: &Range<usize>) -> Result<(Window<T>, Vec<usize>)> {
         let me = self.group.rank();
         let mine = self.layout.owned_within(range, me);
         let shard_start = self.layout.shard(me).start;
@@ -234,7 +296,27 @@ impl<T: Element> ShardedParams<T> {
             Shard::Memory(v) => v.placement(),
             Shard::Disk(_) => Placement::Host,
         };
-        let mut buf = FlatBuf::zeroed(&place, range.len())?;
+        let persists = range.len() <= self.limits.param_persistence_threshold;
+        // every element is written below or by the gather: the kept contents do not matter
+        let buf = match self.spare.take() {
+            Some(spare) if !persists && spare.len() >= range.len() => {
+                spare.wait_for_readers()?;
+                spare
+            }
+            // a spare too small is freed, so that at most two buffers are held
+            Some(small) if !persists => {
+                drop(small);
+                FlatBuf::zeroed(&place, range.len())?
+            }
+            other => {
+                self.spare = other;
+                FlatBuf::zeroed(&place, range.len())?
+            }
+        };
+        let mut buf = Window {
+            buf,
+            len: range.len(),
+        };
         if !mine.is_empty() {
             self.shard.read(
                 mine.start - shard_start..mine.end - shard_start,
@@ -242,6 +324,31 @@ impl<T: Element> ShardedParams<T> {
             )?;
         }
         Ok((buf, self.layout.counts_within(range)))
+    }
+
+    /// A gathered buffer no longer in use: kept as the spare when buffers are reused and it
+    /// is larger than the spare.
+    fn retire(&mut self, buf: FlatBuf<T>) {
+        if self.reuse && self.spare.as_ref().is_none_or(|s| s.len() < buf.len()) {
+            self.spare = Some(buf);
+        }
+    }
+
+    /// Waits for a gather in flight that is not the one wanted (so the collectives stay
+    /// aligned across ranks) and retires its buffer.
+    fn finish_stale(&mut self) -> Result<()> {
+        if let Some((_, _, work)) = self.in_flight.take() {
+            let stale = work.wait()?;
+            self.retire(stale.buf);
+        }
+        Ok(())
+    }
+
+    fn note_held(&mut self) {
+        let held = self.lent.as_ref().map_or(0, |w| w.buf.len())
+            + self.spare.as_ref().map_or(0, |b| b.len())
+            + self.in_flight.as_ref().map_or(0, |(_, held, _)| *held);
+        self.peak_held = self.peak_held.max(held);
     }
 }
 
@@ -255,11 +362,10 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             return Ok(Values::Lent(&self.persistent[i].1));
         }
         let gathered = match self.in_flight.take() {
-            Some((r, work)) if r == range => work.wait()?,
+            Some((r, _, work)) if r == range => work.wait()?,
             other => {
-                if let Some((_, work)) = other {
-                    work.wait()?; // not what was prefetched: finish it to keep collectives aligned
-                }
+                self.in_flight = other;
+                self.finish_stale()?;
                 let (mut buf, counts) = self.gather_input(&range)?;
                 self.group.all_gather_v(&mut buf, &counts)?;
                 buf
@@ -270,7 +376,17 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
             let kept = &self.persistent.last().expect("invariant: just pushed").1;
             return Ok(Values::Lent(kept));
         }
-        Ok(Values::Gathered(gathered))
+        if !self.reuse {
+            // a buffer of its own (never a kept one): exactly the range, the caller's now
+            return Ok(Values::Gathered(gathered.buf));
+        }
+        if let Some(before) = self.lent.replace(gathered) {
+            self.retire(before.buf);
+        }
+        self.note_held();
+        Ok(Values::Lent(
+            self.lent.as_deref().expect("invariant: just set"),
+        ))
     }
 
     fn prefetch(&mut self, range: Range<usize>) -> Result<()> {
@@ -280,25 +396,24 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         let kept = self.persistent.iter().any(|(r, _)| *r == range);
         let whole = self.whole_in_memory().is_some();
         if self.in_flight.is_none() && fits && !kept && !whole && !range.is_empty() {
-            let work = match &self.shard {
+            let (work, held) = match &self.shard {
                 Shard::Memory(_) => {
                     let (buf, counts) = self.gather_input(&range)?;
-                    self.group.all_gather_v_async(buf, counts)
+                    let held = buf.buf.len();
+                    (self.group.all_gather_v_async(buf, counts), held)
                 }
-                Shard::Disk(file) => self.read_and_gather(file.clone(), &range),
+                Shard::Disk(file) => (self.read_and_gather(file.clone(), &range), range.len()),
             };
-            self.peak_prefetch = self.peak_prefetch.max(range.len());
-            self.in_flight = Some((range, work));
+            self.in_flight = Some((range, held, work));
+            self.note_held();
         }
         Ok(())
     }
 
     fn write_owned(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
-        if let Some((_, work)) = self.in_flight.take() {
-            // a stale prefetch: finish it (it reads the shard) so the collective order stays
-            // aligned
-            work.wait()?;
-        }
+        // a stale prefetch reads the shard: finished first (and the collective order stays
+        // aligned)
+        self.finish_stale()?;
         let start = self.layout.shard(self.group.rank()).start;
         self.shard
             .write(range.start - start..range.end - start, master)
@@ -331,7 +446,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
     }
 
     fn peak_gathered_bytes(&self) -> usize {
-        self.peak_prefetch * std::mem::size_of::<T>()
+        self.peak_held * std::mem::size_of::<T>()
     }
 
     fn on_host(&self) -> bool {
@@ -409,4 +524,96 @@ fn read_disk<T: Element>(file: &SwapFile, range: Range<usize>, out: &mut [T]) ->
             .for_each(|(d, s)| *d = T::from_f32(*s));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ds_comm::testkit::run_ranks;
+
+    use super::*;
+    use crate::PartitionError;
+
+    /// Layers in flat order: the second is the largest, so a kept buffer is sometimes too
+    /// small and sometimes larger than the range; the last stays whole once gathered.
+    const LAYERS: [Range<usize>; 4] = [0..30, 30..330, 330..530, 530..541];
+    const NUMEL: usize = 541;
+    const PERSIST: usize = 20;
+
+    /// Parameter i's value after `step` updates (exact in f32).
+    fn value(i: usize, step: usize) -> f32 {
+        (i * 3 + step * 1000) as f32
+    }
+
+    /// Stage 3 over `world` ranks, `reuse` forcing kept buffers in host memory: every layer
+    /// gathered in forward order (prefetching the next), in backward order (prefetching the
+    /// one before), once with a prefetch that is not what is asked next, over three steps that
+    /// change the values. Returns rank 0's peak of gathered bytes.
+    fn gather_steps(world: usize, reuse: bool) -> usize {
+        let peaks = run_ranks(world, Duration::from_secs(30), move |comm| {
+            let layout = ShardLayout::new(NUMEL, world);
+            let me = comm.rank();
+            let shard = layout.shard(me);
+            let initial = (shard.start..shard.end)
+                .map(|i| if i < NUMEL { value(i, 0) } else { 0.0 })
+                .collect();
+            let limits = Stage3Config {
+                prefetch_bucket_size: 1000,
+                max_live_parameters: 10_000,
+                param_persistence_threshold: PERSIST,
+            };
+            let buf = FlatBuf::from_vec(&Placement::Host, initial)?;
+            let mut store = ShardedParams::new(buf, layout, comm.world(), limits);
+            if reuse {
+                store = store.reusing();
+            }
+            let check = |store: &mut ShardedParams<f32>, i: usize, step: usize| {
+                let r = LAYERS[i].clone();
+                let got = store.get(r.clone())?.to_vec();
+                let want: Vec<f32> = r.map(|j| value(j, step)).collect();
+                assert_eq!(got, want, "rank {me}, layer {i}, step {step}");
+                Ok::<_, PartitionError>(())
+            };
+            for step in 0..3 {
+                for i in 0..LAYERS.len() {
+                    if let Some(next) = LAYERS.get(i + 1) {
+                        store.prefetch(next.clone())?;
+                    }
+                    check(&mut store, i, step)?;
+                }
+                for i in (0..LAYERS.len()).rev() {
+                    if i > 0 {
+                        store.prefetch(LAYERS[i - 1].clone())?;
+                    }
+                    check(&mut store, i, step)?;
+                }
+                store.prefetch(LAYERS[2].clone())?;
+                check(&mut store, 1, step)?; // not the range prefetched
+                let owned = shard.start..shard.end.min(NUMEL);
+                let master: Vec<f32> = owned.clone().map(|j| value(j, step + 1)).collect();
+                store.write_owned(owned, &master)?;
+                store.publish()?;
+            }
+            Ok::<_, PartitionError>(store.peak_gathered_bytes())
+        })
+        .unwrap();
+        peaks[0]
+    }
+
+    #[test]
+    fn kept_gather_buffers_give_the_same_values_as_fresh_ones() {
+        let f32s = std::mem::size_of::<f32>();
+        for world in [2, 3] {
+            // fresh buffers: the store holds only a prefetch in flight, the largest layer
+            assert_eq!(gather_steps(world, false), 300 * f32s, "{world} ranks");
+            // kept buffers: two, each at most the largest layer, and a range that stays
+            // whole in flight beside them
+            let kept = gather_steps(world, true);
+            assert!(
+                (300 * f32s..=(2 * 300 + PERSIST) * f32s).contains(&kept),
+                "{world} ranks: {kept} bytes held"
+            );
+        }
+    }
 }

@@ -486,6 +486,12 @@ impl<T: Copy> Managed<T> {
         self.gpu.sync()
     }
 
+    /// Waits for everything queued on the buffer's stream (`FlatBuf::wait_for_readers`).
+    pub fn wait_for_readers(&self) -> Result<()> {
+        self.gpu.bind()?;
+        self.gpu.sync()
+    }
+
     /// A managed allocation preferring `gpu` (nothing for `len` 0), in the live map.
     fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<Managed<T>> {
         let ctx = gpu.stream.context();

@@ -118,6 +118,16 @@ impl<T: Element> FlatBuf<T> {
         }
     }
 
+    /// Before a kept buffer is written again: waits for the GPU work queued on its stream,
+    /// which may still read it (a layer's tensor copied out of it). Nothing on the host.
+    pub fn wait_for_readers(&self) -> Result<()> {
+        match &self.storage {
+            Storage::Host(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Storage::Gpu(m) => m.wait_for_readers(),
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         std::mem::size_of_val(self.deref())
