@@ -326,15 +326,18 @@ fn zero_on_two_ranks(stage: ZeroStage, places: Placements) -> Vec<ZeroRun> {
         z.plan_buckets(&layers);
         let on_gpu = |s: &[bf16]| s.is_empty() || gpu_of(Span::of(s)).is_some();
         let mut all_on_gpu = true;
-        for (i, r) in layers.iter().enumerate().rev() {
-            if let Some(next) = i.checked_sub(1) {
-                z.prefetch(layers[next].clone())?;
+        // two micro-steps: a GPU keeps its last bucket's buffer for the next backward
+        for micro in 0..2u64 {
+            for (i, r) in layers.iter().enumerate().rev() {
+                if let Some(next) = i.checked_sub(1) {
+                    z.prefetch(layers[next].clone())?;
+                }
+                let g = values::<bf16>(20 + 2 * rank as u64 + micro, r.len());
+                let (a, b) = g.split_at(g.len() / 3);
+                z.add_grad(r.clone(), &[a, b])?;
             }
-            let g = values::<bf16>(20 + rank as u64, r.len());
-            let (a, b) = g.split_at(g.len() / 3);
-            z.add_grad(r.clone(), &[a, b])?;
+            z.finish_backward(micro == 1)?;
         }
-        z.finish_backward(true)?;
         all_on_gpu &= on_gpu(z.owned_grads());
         let grads = bits(z.owned_grads());
         let mut params = Vec::new();

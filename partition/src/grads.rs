@@ -344,7 +344,12 @@ impl<T: Element> GradStore<T> for ShardGrads<T> {
     fn finish(&mut self, _boundary: bool) -> Result<()> {
         self.flush()?;
         self.drain()?;
-        self.spare = None; // bucket buffers live only during backward
+        if self.place.is_host() {
+            // host buckets live only during backward; a GPU's is kept for the next one, as
+            // DeepSpeed keeps its bucket: a managed allocation and free every micro-step
+            // would synchronise the device and map fresh pages
+            self.spare = None;
+        }
         Ok(())
     }
 
