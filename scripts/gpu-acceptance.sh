@@ -6,25 +6,34 @@
 #   scripts/gpu-acceptance.sh [--bundle DIR] [--bench DIR] [--micro-batch N] [--warmup N] [--steps N]
 #
 #   --bundle DIR  built artifacts, made here by scripts/gpu-bundle.sh (default target/gpu-bundle,
-#                 or $DS_GPU_BUNDLE): nccl_device[.gz], the ds-comm NCCL smoke test binary;
-#                 ds-rs[.gz], the cuda build; gpu_buffers.gz, the GPU buffers' kernel test;
-#                 gpu_kernels.gz, the fused kernels' test.
-#   --bench DIR   the peer benchmarks (train_torch.py, gpt.py, make_tokens.py; default
-#                 ../shared/bench beside the repo, or $DS_BENCH_DIR). Copied to a temp dir first.
+#                 or $DS_GPU_BUNDLE), each as is, .xz or .gz: nccl_device, the ds-comm NCCL smoke
+#                 test; ds-rs, the cuda build; gpu_buffers, the GPU buffers' kernel test;
+#                 gpu_kernels, the fused kernels' test; REVISION, the commit they were built at.
+# Run it from the repo's root (its configs are read), the bundle's copy too.
+#   --bench DIR   the peer benchmarks (train_torch.py, gpt.py, make_tokens.py; default the
+#                 bundle's bench/, else ../shared/bench beside the repo, or $DS_BENCH_DIR).
+#                 Copied to a temp dir first.
 #   $PYTHON       the Python with PyTorch (default python3); $TORCH_VENV (default
 #                 /opt/torch/.venv) supplies the CUDA 13 and NCCL libraries.
 #   $DS_PEAK_TFLOPS  dense bf16 peak for MFU when the GPU's name is not in the table below.
-#   $DS_ACCEPTANCE_SKIP  parts to leave out, by function name (e.g. "llama_rows kernel_profile").
+#   $DS_ACCEPTANCE_SKIP  parts to leave out, by function name, or name:first-argument (e.g.
+#                 "llama_rows kernel_profile ds_speed:small").
+#   $DS_ACCEPTANCE_BUDGET_S  seconds the whole run may take (default 540): every wait is cut to
+#                 the time left, and a part that starts with under 30 s left says "skip".
 # Each row is printed (and appended to $OUT/rows-so-far.txt) as it is made, so a run cut short
 # still says what it measured.
 #
-# Writes the table to $OUT/gpu-acceptance.txt and the logs beside it when $OUT is set.
+# With $OUT set, writes three files there (the device tool returns at most 8): the table
+# (gpu-acceptance.txt), the rows as made (rows-so-far.txt) and every log, figure file and
+# profile in logs.tgz, packed on exit, also when the run is interrupted.
 # Exit status: 0 when nothing failed (skips are not failures), 1 otherwise.
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# the bundle's copy (BUNDLE/gpu-acceptance.sh) is run from the repo's root
+[ -d "$repo/configs/examples" ] || repo=$PWD
 bundle=${DS_GPU_BUNDLE:-$repo/target/gpu-bundle}
-bench=${DS_BENCH_DIR:-$repo/../shared/bench}
+bench=${DS_BENCH_DIR:-}
 micro_batch=16 warmup=10 steps=40
 while [ $# -gt 0 ]; do
     case $1 in
@@ -38,22 +47,58 @@ while [ $# -gt 0 ]; do
     esac
 done
 python=${PYTHON:-python3}
+budget=${DS_ACCEPTANCE_BUDGET_S:-540}
+# absolute paths: some runs change directory first
+absolute() { if [ -d "$1" ]; then (cd "$1" && pwd); else echo "$1"; fi; }
+bundle=$(absolute "$bundle")
+if [ -z "$bench" ]; then
+    bench=$bundle/bench
+    [ -f "$bench/train_torch.py" ] || bench=$repo/../shared/bench
+fi
+bench=$(absolute "$bench")
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-acceptance.XXXXXX")
-logs=${OUT:-$work}
+logs=$work/logs
+report=$(absolute "${OUT:-$work}")
+mkdir -p "$logs" "$report"
 rows=()
 failed=0
+
+# On exit (interrupted too): every log packed into $OUT/logs.tgz, the work dir removed.
+finish() {
+    if [ -n "${OUT:-}" ]; then
+        tar czf "$report/logs.tgz" -C "$logs" . 2>/dev/null || echo "gpu-acceptance: packing the logs failed" >&2
+    fi
+    rm -rf "$work"
+}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+# Seconds left of the budget, and a wait of at most $1 seconds cut to them (keeping 15 s for
+# the table and the logs).
+left() { echo $((budget - SECONDS)); }
+limit() {
+    local l=$(($(left) - 15))
+    [ "$l" -lt "$1" ] || l=$1
+    [ "$l" -gt 0 ] || l=1
+    echo "$l"
+}
 
 row() { # check result figure
     rows+=("$1|$2|$3")
     [ "$2" = FAIL ] && failed=1
-    printf '== %s: %s %s\n' "$1" "$2" "$3" | tee -a "$logs/rows-so-far.txt"
+    printf '== %s: %s %s\n' "$1" "$2" "$3" | tee -a "$report/rows-so-far.txt"
 }
 
 # Runs a part of the checks ("$@": a function and its arguments) unless its function is named
-# in $DS_ACCEPTANCE_SKIP (space-separated), so a short GPU lease can leave parts out.
+# in $DS_ACCEPTANCE_SKIP (space-separated), so a short GPU lease can leave parts out, or the
+# budget is nearly spent.
+# A name may also carry the part's first argument ("ds_speed:small").
 part() {
-    if [[ " ${DS_ACCEPTANCE_SKIP:-} " == *" $1 "* ]]; then
-        row "$*" skip "in DS_ACCEPTANCE_SKIP"
+    local skip=" ${DS_ACCEPTANCE_SKIP:-} " label="$1${2:+ $2}"
+    if [[ $skip == *" $1 "* || $skip == *" $1:${2:-} "* ]]; then
+        row "$label" skip "in DS_ACCEPTANCE_SKIP"
+    elif [ "$(left)" -lt 30 ]; then
+        row "$label" skip "out of time ($budget s budget, DS_ACCEPTANCE_BUDGET_S)"
     else
         "$@"
     fi
@@ -71,10 +116,48 @@ cuda_libs() {
     if [ -n "$nccl" ]; then
         mkdir -p "$work/lib"
         ln -sf "$nccl" "$work/lib/libnccl.so"
-        LD_LIBRARY_PATH="$work/lib:$LD_LIBRARY_PATH"
+        LD_LIBRARY_PATH="$work/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
-    export LD_LIBRARY_PATH
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
     echo "libnccl.so -> ${nccl:-none found under $venv}"
+}
+
+# The bundle's file $1 (xz- or gzip-compressed, or as is) unpacked at $2; fails when absent.
+unpack() { # name dest
+    if [ -f "$bundle/$1.xz" ]; then
+        if command -v xz >/dev/null; then
+            xz -dc "$bundle/$1.xz" >"$2"
+        else
+            "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+                "$bundle/$1.xz" "$2"
+        fi
+    elif [ -f "$bundle/$1.gz" ]; then
+        gunzip -c "$bundle/$1.gz" >"$2"
+    elif [ -f "$bundle/$1" ]; then
+        cp "$bundle/$1" "$2"
+    else
+        return 1
+    fi
+}
+
+# What the bundle was built from (gpu-bundle.sh writes REVISION) against the repo sent here.
+bundle_info() {
+    local built here
+    built=$(head -n 1 "$bundle/REVISION" 2>/dev/null)
+    here=$(git -C "$repo" rev-parse HEAD 2>/dev/null)
+    if [ -z "$built" ]; then
+        row bundle skip "no REVISION in $bundle"
+    elif [ -n "$here" ] && [ "${built%% *}" != "$here" ]; then
+        row bundle FAIL "built at $built, but the repo here is at $here: rebuild it (scripts/gpu-bundle.sh)"
+    else
+        row bundle ok "built at $built"
+    fi
+}
+
+# The peer benchmarks, copied once to $work/bench (the runs write beside them).
+bench_copy() {
+    [ -f "$bench/train_torch.py" ] || return 1
+    [ -d "$work/bench" ] || { mkdir -p "$work/bench" && cp "$bench"/*.py "$work/bench/"; }
 }
 
 gpu_info() {
@@ -96,18 +179,14 @@ gpu_info() {
 # pass by skipping.
 nccl_smoke() {
     local bin=$work/nccl_device log=$logs/nccl-smoke.log missing t status
-    if [ -f "$bundle/nccl_device.gz" ]; then
-        gunzip -c "$bundle/nccl_device.gz" >"$bin"
-    elif [ -f "$bundle/nccl_device" ]; then
-        cp "$bundle/nccl_device" "$bin"
-    else
-        row "nccl smoke" skip "no nccl_device[.gz] in $bundle (scripts/gpu-bundle.sh)"
+    if ! unpack nccl_device "$bin"; then
+        row "nccl smoke" skip "no nccl_device[.xz|.gz] in $bundle (scripts/gpu-bundle.sh)"
         return
     fi
     chmod +x "$bin"
     missing=$(ldd "$bin" 2>&1 | grep 'not found')
     [ -n "$missing" ] && { row "nccl smoke" FAIL "ldd: $missing"; return; }
-    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 NCCL_DEBUG=${NCCL_DEBUG:-VERSION} timeout 90 \
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 NCCL_DEBUG=${NCCL_DEBUG:-VERSION} timeout "$(limit 90)" \
         "$bin" --nocapture --test-threads 1 >"$log" 2>&1
     status=$?
     cat "$log"
@@ -129,16 +208,15 @@ nccl_smoke() {
 # and gathers in GPU memory against the host's; DS_RS_REQUIRE_GPU=1.
 gpu_buffers() {
     local bin=$work/gpu_buffers log=$logs/gpu-buffers.log t d
-    if [ ! -f "$bundle/gpu_buffers.gz" ]; then
-        row "gpu buffers" skip "no gpu_buffers.gz in $bundle (scripts/gpu-bundle.sh)"
+    if ! unpack gpu_buffers "$bin"; then
+        row "gpu buffers" skip "no gpu_buffers[.xz|.gz] in $bundle (scripts/gpu-bundle.sh)"
         return
     fi
-    gunzip -c "$bundle/gpu_buffers.gz" >"$bin"
     chmod +x "$bin"
     local missing
     missing=$(ldd "$bin" 2>&1 | grep 'not found')
     [ -n "$missing" ] && { row "gpu buffers" FAIL "ldd: $missing"; return; }
-    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 120 "$bin" --test-threads 1 >"$log" 2>&1
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout "$(limit 120)" "$bin" --test-threads 1 >"$log" 2>&1
     cat "$log"
     for t in vector_kernels_match_the_host_loops adam_kernel_matches_the_host_adam; do
         for d in f32 bf16 f16; do
@@ -158,16 +236,15 @@ gpu_buffers() {
 # against f64 attention; a row per test, then one per kernel and dtype with the largest
 # difference it printed (for flash_*, as a fraction of each element's own bound).
 gpu_kernels() {
-    local bin=$work/gpu_kernels log=$logs/gpu-kernels.log t what dtype diff bound missing
-    if [ ! -f "$bundle/gpu_kernels.gz" ]; then
-        row "fused kernels" skip "no gpu_kernels.gz in $bundle (scripts/gpu-bundle.sh)"
+    local bin=$work/gpu_kernels log=$logs/gpu-kernels.log t line missing
+    if ! unpack gpu_kernels "$bin"; then
+        row "fused kernels" skip "no gpu_kernels[.xz|.gz] in $bundle (scripts/gpu-bundle.sh)"
         return
     fi
-    gunzip -c "$bundle/gpu_kernels.gz" >"$bin"
     chmod +x "$bin"
     missing=$(ldd "$bin" 2>&1 | grep 'not found')
     [ -n "$missing" ] && { row "fused kernels" FAIL "ldd: $missing"; return; }
-    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout 180 "$bin" --test-threads 1 --show-output >"$log" 2>&1
+    DS_RS_REQUIRE_GPU=1 RUST_BACKTRACE=1 timeout "$(limit 180)" "$bin" --test-threads 1 --show-output >"$log" 2>&1
     cat "$log"
     for t in layer_norm_forward_and_backward gelu_forward_and_backward bias_gradient_column_sum \
         causal_softmax_forward_and_backward cross_entropy_and_its_gradient \
@@ -179,10 +256,10 @@ gpu_kernels() {
     done
     # "epilogue WHAT: N of M elements differ from candle's kernels": the epilogues ran
     grep '^epilogue ' "$log" | sed 's/^/  /'
-    # "kernel NAME DTYPE: ok, largest difference D (bound B)"
-    while read -r _ what dtype _ _ _ diff _ bound; do
-        row "  $what ${dtype%:}" ok "largest difference $diff (bound ${bound%)})"
-    done < <(grep '^kernel ' "$log")
+    # "kernel NAME DTYPE: ok, largest difference D (bound B)"; NAME may hold spaces
+    while IFS='|' read -r what figure; do
+        row "  $what" ok "$figure"
+    done < <(sed -nE 's/^kernel (.*): ok, (largest difference .*)$/\1|\2/p' "$log")
 }
 
 # A libtest line "test NAME ... ok" makes the row ok; else the panic message says why.
@@ -224,24 +301,23 @@ torch_info() {
 # PyTorch eager (bf16 autocast) on the same GPU: the speed baseline ds-rs must reach.
 torch_eager() {
     local preset=$1 dir=$work/bench out=$logs/torch-eager.jsonl
-    if [ ! -f "$bench/train_torch.py" ]; then
+    if ! bench_copy; then
         row "torch eager $preset" skip "no train_torch.py in $bench"
         return
     fi
-    [ -d "$dir" ] || { mkdir -p "$dir" && cp "$bench"/*.py "$dir"/; }
     # the peer's run, through torch_memory.py where there is one: it also records PyTorch's
     # peak device memory (torch-memory.jsonl) for the memory row
     local memory=$bundle/torch_memory.py run=(train_torch.py)
     [ -f "$memory" ] || memory=$repo/scripts/bench/torch_memory.py
     [ -f "$memory" ] && { cp "$memory" "$dir/"; run=(torch_memory.py "$logs/torch-memory.jsonl"); }
-    if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout 150 "$python" "${run[@]}" --preset "$preset" \
+    if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout "$(limit 150)" "$python" "${run[@]}" --preset "$preset" \
         --device cuda --bf16 --micro-batch "$micro_batch" --warmup "$warmup" --steps "$steps" \
         --tag gpu-acceptance --out "$out" 2>&1 | tee "$logs/torch-$preset.log"); then
         row "torch eager $preset" FAIL "see torch-$preset.log"
         return
     fi
     local figure
-    figure=$(mfu "$preset" "$out" "$dir") || { row "torch eager $preset" FAIL "$figure"; return; }
+    figure=$(mfu "$preset" "$out") || { row "torch eager $preset" FAIL "$figure"; return; }
     row "torch eager $preset" ok "$figure"
 }
 
@@ -250,30 +326,45 @@ torch_eager() {
 # Also given: the PaLM / nanoGPT count, (6 * N' + 12 * L * T * d) per token, with N' leaving
 # out the two embedding tables (lookups, not matmuls) and 12*L*T*d counting attention's two
 # T x T products in forward and backward (not halved for the causal mask).
-mfu() { # preset jsonl benchdir
-    "$python" - "$1" "$2" "$3" "${gpu_name:-}" "${DS_PEAK_TFLOPS:-}" <<'EOF'
-import json, sys
-preset, path, bench, name, peak_env = sys.argv[1:]
-sys.path.insert(0, bench)
-import gpt
-cfg = gpt.PRESETS[preset]
+# The presets' sizes are read from gpt.py's source (importing it would import torch); the
+# Python's error, when it fails, is the figure's last line.
+mfu() { # preset jsonl
+    local figure
+    figure=$("$python" - "$1" "$2" "$bench/gpt.py" "${gpu_name:-}" "${DS_PEAK_TFLOPS:-}" 2>&1 <<'EOF'
+import ast, json, sys
+preset, path, gpt_py, name, peak_env = sys.argv[1:]
+def presets(source):
+    # PRESETS = {"tiny": dict(V=4096, ...), ...}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PRESETS" for t in node.targets):
+            return {ast.literal_eval(k): {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
+                    for k, v in zip(node.value.keys, node.value.values)}
+    raise SystemExit(f"no PRESETS in {gpt_py}")
+try:
+    cfg = presets(open(gpt_py).read())[preset]
+except OSError:
+    cfg = None  # no peer benchmark here: MFU by 6N alone
 res = [r for r in map(json.loads, open(path)) if r["preset"] == preset][-1]
 tok_s, n = res["tokens_per_s"], res["params"]
 # Dense bf16 peak in TFLOP/s by name (vendor datasheets); H100 SXM = "H100 80GB HBM3".
 table = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4),
          ("H100", 989.4), ("A100", 312.0)]
 peak = float(peak_env) if peak_env else next((p for k, p in table if k in name), None)
-V, T, d, L = cfg["V"], cfg["T"], cfg["d"], cfg["L"]
 fig = (f"{tok_s:,.0f} tok/s, step {res['step_ms_median']:.1f} ms (median), "
-       f"B={res['micro_batch']} T={T}, {n/1e6:.1f}M params")
+       f"B={res['micro_batch']}" + (f" T={cfg['T']}" if cfg else "") + f", {n/1e6:.1f}M params")
 if peak:
-    mfu6 = 6 * n * tok_s / (peak * 1e12)
-    palm = (6 * (n - V * d - T * d) + 12 * L * T * d) * tok_s / (peak * 1e12)
-    fig += f", MFU(6N) {100 * mfu6:.1f}%, MFU(PaLM) {100 * palm:.1f}% of {peak:g} TFLOP/s"
+    fig += f", MFU(6N) {100 * 6 * n * tok_s / (peak * 1e12):.1f}%"
+    if cfg:
+        V, T, d, L = cfg["V"], cfg["T"], cfg["d"], cfg["L"]
+        palm = (6 * (n - V * d - T * d) + 12 * L * T * d) * tok_s / (peak * 1e12)
+        fig += f", MFU(PaLM) {100 * palm:.1f}%"
+    fig += f" of {peak:g} TFLOP/s"
 else:
     fig += f", MFU n/a (no peak for {name!r}; set DS_PEAK_TFLOPS)"
 print(fig)
 EOF
+) || { tail -n 1 <<<"$figure"; return 1; }
+    echo "$figure"
 }
 
 # ds-rs's own runs on the device, from the cuda build (scripts/check-cuda.sh, then
@@ -281,11 +372,7 @@ EOF
 # nothing else.
 ds_rs_runs() {
     bin=$work/ds-rs
-    if [ -f "$bundle/ds-rs.gz" ]; then
-        gunzip -c "$bundle/ds-rs.gz" >"$bin"
-    elif [ -f "$bundle/ds-rs" ]; then
-        cp "$bundle/ds-rs" "$bin"
-    else
+    if ! unpack ds-rs "$bin"; then
         local c why="no ds-rs cuda binary in $bundle (scripts/check-cuda.sh, scripts/gpu-bundle.sh)"
         for c in "ds-rs tiny fp32 gpu=cpu" "ds-rs tiny bf16 gpu~cpu" "ds-rs small bf16" "ds-rs gpt2 bf16" \
             "profile gpt2" "attention" "ds-rs llama3-1b"; do
@@ -325,11 +412,15 @@ ds_rs_runs() {
     part ds_equality "ds-rs tiny offload gpu=cpu" "$off" 1e-4
     # train's last line on a GPU: the device, its MFU and its memory in use (summary.json "gpu").
     local g
-    g=$(grep -h 'gpu (rank 0): ' "$logs/ds-rs-equality.log" | tail -n 1)
-    case $g in
-        *"gpu (rank 0): "*) row "ds-rs train gpu line" ok "${g#*gpu (rank 0): }" ;;
-        *) row "ds-rs train gpu line" FAIL "train printed no gpu line" ;;
-    esac
+    if [ -f "$logs/ds-rs-equality.log" ]; then
+        g=$(grep -h 'gpu (rank 0): ' "$logs/ds-rs-equality.log" | tail -n 1)
+        case $g in
+            *"gpu (rank 0): "*) row "ds-rs train gpu line" ok "${g#*gpu (rank 0): }" ;;
+            *) row "ds-rs train gpu line" FAIL "train printed no gpu line" ;;
+        esac
+    else
+        row "ds-rs train gpu line" skip "no equality run (ds_equality skipped)"
+    fi
     part ds_speed small
     part ds_speed gpt2
     part device_memory gpt2
@@ -353,16 +444,16 @@ attention_rows() {
         name=${shape%%|*}
         args=${shape#*|}
         # shellcheck disable=SC2086 # the shape's flags, split on purpose
-        if ! timeout 120 "$bin" bench attention --device cuda --dtype bf16 $args --json \
+        if ! timeout "$(limit 120)" "$bin" bench attention --device cuda --dtype bf16 $args --json \
             >"$work/attention-ds.jsonl" 2>"$logs/attention-$name.log"; then
             row "attention $name" FAIL "$(tail -n 1 "$logs/attention-$name.log")"
             continue
         fi
         # shellcheck disable=SC2086
-        timeout 120 "$python" "$script" --device cuda --dtype bf16 $args \
+        timeout "$(limit 120)" "$python" "$script" --device cuda --dtype bf16 $args \
             >"$work/attention-torch.jsonl" 2>>"$logs/attention-$name.log" || : >"$work/attention-torch.jsonl"
         cat "$work/attention-ds.jsonl" "$work/attention-torch.jsonl" >>"$out"
-        figure=$("$python" - "$work/attention-ds.jsonl" "$work/attention-torch.jsonl" <<'PY'
+        figure=$("$python" - "$work/attention-ds.jsonl" "$work/attention-torch.jsonl" 2>&1 <<'PY'
 import json, sys
 rows = [json.loads(l) for p in sys.argv[1:] for l in open(p) if l.strip()]
 by = {r["path"]: r for r in rows}
@@ -374,7 +465,7 @@ for p in ("flash", "matmul"):
         parts.append(f"{p}/torch time {by[p]['median_ms'] / torch:.2f}x")
 print(", ".join(parts) if torch else ", ".join(parts) + ", torch sdpa did not run")
 PY
-) || { row "attention $name" FAIL "$figure"; continue; }
+) || { row "attention $name" FAIL "$(tail -n 1 <<<"$figure")"; continue; }
         row "attention $name" ok "$figure"
     done
 }
@@ -389,13 +480,13 @@ ds_offload_memory() { # preset
         derive "$repo/configs/examples/bf16.json" "$cfg" "{\"train_micro_batch_size_per_gpu\": 8,
             \"gradient_accumulation_steps\": 1,
             \"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"$side\"}}}"
-        if ! timeout 300 "$bin" train --model "$1" --steps 6 --eval-batches 1 --device cuda \
+        if ! timeout "$(limit 300)" "$bin" train --model "$1" --steps 6 --eval-batches 1 --device cuda \
             --config "$cfg" --metrics-dir "$d/$side" >"$logs/ds-rs-offload-$side.log" 2>&1; then
             row "ds-rs $1 offload" FAIL "offload $side: $(tail -n 1 "$logs/ds-rs-offload-$side.log")"
             return
         fi
     done
-    figure=$("$python" - "$d/none/summary.json" "$d/cpu/summary.json" <<'PY'
+    figure=$("$python" - "$d/none/summary.json" "$d/cpu/summary.json" 2>&1 <<'PY'
 import json, sys
 none, cpu = (json.load(open(p)) for p in sys.argv[1:])
 def side(s):
@@ -405,7 +496,7 @@ def side(s):
 print(f"driver peak {u0:.0f} -> {u1:.0f} MiB ({u0 - u1:.0f} less); ds-rs's GPU bytes "
       f"{a0:.0f} -> {a1:.0f} MiB; tokens/s {t0:,.0f} -> {t1:,.0f}")
 PY
-) || { row "ds-rs $1 offload" FAIL "$figure"; return; }
+) || { row "ds-rs $1 offload" FAIL "$(tail -n 1 <<<"$figure")"; return; }
     row "ds-rs $1 offload" ok "$figure"
 }
 
@@ -414,39 +505,44 @@ PY
 # GPU time per kernel name); a row each with the GPU time by kernel family, the full tables in
 # kernel-profile-*.tsv.
 kernel_profile() { # preset
-    local lib=$bundle/libds_kernel_profile.so out
-    if [ ! -f "$lib" ] || [ ! -f "$bundle/libcupti.so.13.gz" ]; then
-        row "profile $1" skip "no libds_kernel_profile.so / libcupti.so.13.gz in $bundle (scripts/gpu-bundle.sh)"
+    local lib=$bundle/libds_kernel_profile.so out rc
+    mkdir -p "$work/cupti"
+    if [ ! -f "$lib" ] || ! unpack libcupti.so.13 "$work/cupti/libcupti.so.13"; then
+        row "profile $1" skip "no libds_kernel_profile.so / libcupti.so.13[.xz|.gz] in $bundle (scripts/gpu-bundle.sh)"
         return
     fi
-    mkdir -p "$work/cupti"
-    gunzip -c "$bundle/libcupti.so.13.gz" >"$work/cupti/libcupti.so.13"
     speed_config
     out=$logs/kernel-profile-ds-rs-$1.tsv
-    LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib DS_KERNEL_PROFILE=$out \
-        timeout 200 "$bin" bench train --preset "$1" --config "$work/bf16-speed.json" --nproc 1 \
-        --device cuda --warmup 2 --steps 5 >"$logs/profile-ds-rs-$1.log" 2>&1
-    families "profile ds-rs $1" "$out" 7
-    [ -f "$bench/train_torch.py" ] || return
-    [ -d "$work/bench" ] || { mkdir -p "$work/bench" && cp "$bench"/*.py "$work/bench/"; }
+    LD_LIBRARY_PATH="$work/cupti${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_INJECTION64_PATH=$lib \
+        DS_KERNEL_PROFILE=$out timeout "$(limit 200)" "$bin" bench train --preset "$1" \
+        --config "$work/bf16-speed.json" --nproc 1 --device cuda --warmup 2 --steps 5 \
+        >"$logs/profile-ds-rs-$1.log" 2>&1
+    rc=$?
+    families "profile ds-rs $1" "$out" 7 "profile-ds-rs-$1.log" $rc
+    if ! bench_copy; then
+        row "profile torch $1" skip "no train_torch.py in $bench"
+        return
+    fi
     out=$logs/kernel-profile-torch-$1.tsv
-    (cd "$work/bench" && LD_LIBRARY_PATH="$work/cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=$lib \
-        DS_KERNEL_PROFILE=$out timeout 150 "$python" train_torch.py --preset "$1" --device cuda \
-        --bf16 --micro-batch "$micro_batch" --warmup 2 --steps 5 --tag profile \
-        --out "$work/profile-torch.jsonl") >"$logs/profile-torch-$1.log" 2>&1
-    families "profile torch $1" "$out" 7
+    (cd "$work/bench" && LD_LIBRARY_PATH="$work/cupti${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        CUDA_INJECTION64_PATH=$lib DS_KERNEL_PROFILE=$out timeout "$(limit 150)" "$python" \
+        train_torch.py --preset "$1" --device cuda --bf16 --micro-batch "$micro_batch" --warmup 2 \
+        --steps 5 --tag profile --out "$work/profile-torch.jsonl") >"$logs/profile-torch-$1.log" 2>&1
+    rc=$?
+    families "profile torch $1" "$out" 7 "profile-torch-$1.log" $rc
 }
 
 # A row from a kernel profile: GPU time by family (first pattern that matches a kernel's name),
 # and the GPU's busy time per step (the profile's total over the run's $3 steps, warmup
 # included) beside the span from its first kernel to its last: a busy time well under the
 # speed row's median step means the host, not the GPU, sets the pace.
-families() { # check tsv steps
+families() { # check tsv steps log exit-status
+    local figure
     if [ ! -s "$2" ]; then
-        row "$1" FAIL "no profile written (see ${2%.tsv}.log and the run's log)"
+        row "$1" FAIL "no profile written (exit $5; see $4)"
         return
     fi
-    row "$1" ok "$("$python" - "$2" "$3" <<'PY'
+    figure=$("$python" - "$2" "$3" 2>&1 <<'PY'
 import re, sys
 lines = open(sys.argv[1]).read().splitlines()
 head = re.search(r"([\d.]+) ms on the GPU, first to last ([\d.]+) ms", lines[0] if lines else "")
@@ -471,7 +567,10 @@ busy = (f", busy {total / steps:.1f} ms a step of {steps}, span {float(head.grou
         if head else "")
 print(f"{total:.0f} ms GPU{busy}: " + ", ".join(f"{f} {100 * t / total:.0f}%" for f, t in sorted(by.items(), key=lambda x: -x[1])))
 PY
-)"
+) || { row "$1" FAIL "$(tail -n 1 <<<"$figure")"; return; }
+    # a run that failed after some kernels still wrote a profile: say so beside it
+    [ "$5" -eq 0 ] || { row "$1" FAIL "exit $5 (see $4); partial profile: $figure"; return; }
+    row "$1" ok "$figure"
 }
 
 # Llama 3.2 1B (the llama3-1b preset, 1.24B parameters) on one GPU, bf16, micro-batch 4 of 1024
@@ -489,36 +588,39 @@ llama_rows() {
         cfg=$work/llama-$side.json
         derive "$repo/configs/examples/bf16.json" "$cfg" "{\"train_micro_batch_size_per_gpu\": 4,
             \"gradient_accumulation_steps\": 1, \"zero_optimization\": $zero}"
-        if ! timeout 300 "$bin" train --model llama3-1b --seq-len 1024 --steps 6 --eval-batches 1 \
+        if ! timeout "$(limit 300)" "$bin" train --model llama3-1b --seq-len 1024 --steps 6 --eval-batches 1 \
             --device cuda --config "$cfg" --metrics-dir "$d/$side" >"$logs/ds-rs-llama-$side.log" 2>&1; then
             row "ds-rs llama3-1b $side" FAIL "$(tail -n 1 "$logs/ds-rs-llama-$side.log")"
             continue
         fi
-        figure=$("$python" - "$d/$side/summary.json" <<'PY'
+        figure=$("$python" - "$d/$side/summary.json" 2>&1 <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-g = s.get("gpu") or {}
-num = lambda k: g.get(k) or 0.0
-print(f"{s['median_tokens_per_s']:,.0f} tok/s, driver peak {num('memory_used_peak_mib'):.0f} MiB "
-      f"(ds-rs's GPU bytes {num('accounted_mib'):.0f} MiB), MFU {100 * num('mfu'):.1f}%")
+g = s.get("gpu")
+if not g:
+    sys.exit("train's summary.json has no gpu section")
+num = lambda k, f: "n/a" if g.get(k) is None else format(g[k], f)
+mfu = "n/a" if g.get("mfu") is None else f"{100 * g['mfu']:.1f}%"
+print(f"{s['median_tokens_per_s']:,.0f} tok/s, driver peak {num('memory_used_peak_mib', '.0f')} MiB "
+      f"(ds-rs's GPU bytes {num('accounted_mib', '.0f')} MiB), MFU {mfu}")
 PY
-) || { row "ds-rs llama3-1b $side" FAIL "$figure"; continue; }
+) || { row "ds-rs llama3-1b $side" FAIL "$(tail -n 1 <<<"$figure")"; continue; }
         row "ds-rs llama3-1b $side" ok "$figure"
     done
     local script=$bundle/llama_torch.py out=$logs/torch-llama.json
     [ -f "$script" ] || script=$repo/scripts/bench/llama_torch.py
-    if ! timeout 200 "$python" "$script" --preset llama3-1b --device cuda --micro-batch 4 \
+    if ! timeout "$(limit 200)" "$python" "$script" --preset llama3-1b --device cuda --micro-batch 4 \
         --seq-len 1024 --warmup 2 --steps 5 >"$out" 2>"$logs/torch-llama.log"; then
         row "torch eager llama3-1b" FAIL "$(tail -n 1 "$logs/torch-llama.log")"
         return
     fi
-    figure=$("$python" - "$out" <<'PY'
+    figure=$("$python" - "$out" 2>&1 <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"{r['tokens_per_s']:,.0f} tok/s ({r['impl']}), max_memory_allocated "
       f"{r['max_memory_allocated_mib']:.0f} MiB, reserved {r['max_memory_reserved_mib']:.0f} MiB")
 PY
-) || { row "torch eager llama3-1b" FAIL "$figure"; return; }
+) || { row "torch eager llama3-1b" FAIL "$(tail -n 1 <<<"$figure")"; return; }
     row "torch eager llama3-1b" ok "$figure"
 }
 
@@ -538,23 +640,29 @@ ds_equality() { # check config tolerance [nproc] [cpu-config] [backend]
     mkdir -p "$d"
     {
         echo "== $1"
-        timeout 200 "$bin" train --model tiny --steps 10 --eval-batches 1 --device cpu \
+        timeout "$(limit 200)" "$bin" train --model tiny --steps 10 --eval-batches 1 --device cpu \
             --config "$cpu_cfg" --metrics-dir "$d/cpu" &&
-            timeout 200 "${gpu[@]}" --model tiny --steps 10 --eval-batches 1 --device "$dev" \
+            timeout "$(limit 200)" "${gpu[@]}" --model tiny --steps 10 --eval-batches 1 --device "$dev" \
                 --config "$2" --metrics-dir "$d/gpu"
     } >>"$log" 2>&1 || { row "$1" FAIL "see ds-rs-equality.log"; tail -n 5 "$log"; return; }
-    verdict=$("$python" - "$d/cpu/metrics.jsonl" "$d/gpu/metrics.jsonl" "$3" <<'EOF'
+    verdict=$("$python" - "$d/cpu/metrics.jsonl" "$d/gpu/metrics.jsonl" "$3" 2>&1 <<'EOF'
 import json, sys
 def losses(p):
     return [r["loss"] for r in map(json.loads, open(p)) if "loss" in r and "step" in r]
 cpu, gpu, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+if not cpu or not gpu:
+    sys.exit(f"FAIL|no losses: {len(cpu)} on the cpu, {len(gpu)} on the gpu")
 rel = max(abs(g - c) / abs(c) for c, g in zip(cpu, gpu))
 ok = len(cpu) == len(gpu) == 10 and rel < tol
 print(("ok" if ok else "FAIL") + f"|{len(gpu)} steps, largest relative loss difference {rel:.2e} "
       f"(tolerance {tol:g}); step 10: cpu {cpu[-1]:.6f}, gpu {gpu[-1]:.6f}")
 EOF
 )
-    row "$1" "${verdict%%|*}" "${verdict#*|}"
+    verdict=$(tail -n 1 <<<"$verdict")
+    case $verdict in
+        ok\|* | FAIL\|*) row "$1" "${verdict%%|*}" "${verdict#*|}" ;;
+        *) row "$1" FAIL "the comparison failed: $verdict" ;;
+    esac
 }
 
 # Tokens/s and MFU, bf16, the micro-batch of the PyTorch rows, one rank on GPU 0.
@@ -576,7 +684,8 @@ EOF
 device_memory() { # preset
     local ours=$logs/ds-rs-speed-$1-flash-lt.jsonl theirs=$logs/torch-memory.jsonl verdict
     [ -s "$theirs" ] || { row "$1 device memory" skip "no PyTorch memory figure (torch-memory.jsonl)"; return; }
-    verdict=$("$python" - "$1" "$ours" "$theirs" <<'PY'
+    [ -s "$ours" ] || { row "$1 device memory" skip "no ds-rs speed figure ($(basename "$ours"))"; return; }
+    verdict=$("$python" - "$1" "$ours" "$theirs" 2>&1 <<'PY'
 import json, sys
 preset, ours, theirs = sys.argv[1:]
 last = lambda p: [r for r in map(json.loads, open(p)) if r.get("preset") == preset][-1]
@@ -591,7 +700,7 @@ print(f"{verdict}|allocated at most: ds-rs {a:.0f} MiB, PyTorch {ta:.0f} MiB ({a
       f"reserved: ds-rs {u:.0f} MiB (driver, context included), PyTorch {tr:.0f} MiB; "
       f"B={o['micro_batch']} (PyTorch B={t['micro_batch']})")
 PY
-) || { row "$1 device memory" FAIL "$verdict"; return; }
+) || { row "$1 device memory" FAIL "$(tail -n 1 <<<"$verdict")"; return; }
     row "$1 device memory" "${verdict%%|*}" "${verdict#*|}"
 }
 
@@ -606,16 +715,17 @@ ds_speed() { # preset [attention] [linears]
     [ "${2:-flash}" = flash ] || label="$label $2-attn"
     [ "${3:-lt}" = lt ] || label="$label $3-matmul"
     speed_config
-    if ! DS_RS_ATTENTION=${2:-flash} DS_RS_MATMUL=${3:-lt} timeout 300 "$bin" bench train --preset "$1" --config "$cfg" \
+    if ! DS_RS_ATTENTION=${2:-flash} DS_RS_MATMUL=${3:-lt} timeout "$(limit 300)" "$bin" bench train --preset "$1" --config "$cfg" \
         --nproc 1 --device cuda --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/$log"; then
         row "$label" FAIL "see $log: $(tail -n 1 "$logs/$log")"
         return
     fi
-    figure=$(mfu "$1" "$out" "$work/bench") || { row "$label" FAIL "$figure"; return; }
+    figure=$(mfu "$1" "$out") || { row "$label" FAIL "$figure"; return; }
     row "$label" ok "$figure"
 }
 
 cuda_libs
+bundle_info
 gpu_info
 part nccl_smoke
 part gpu_buffers
@@ -633,6 +743,5 @@ ds_rs_runs
         IFS='|' read -r c s f <<<"$r"
         printf '%-24s | %-6s | %s\n' "$c" "$s" "$f"
     done
-} | tee "$logs/gpu-acceptance.txt"
-[ "$logs" = "$work" ] || rm -rf "$work"
+} | tee "$report/gpu-acceptance.txt"
 exit $failed

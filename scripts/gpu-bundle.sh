@@ -8,7 +8,9 @@
 #   --bench DIR  the peer benchmarks (default ../shared/bench beside the repo, or $DS_BENCH_DIR)
 #   --out DIR    the bundle (default target/gpu-bundle, or $DS_GPU_BUNDLE); emptied first
 #
-# On the GPU host: bash BUNDLE/gpu-acceptance.sh --bundle BUNDLE --bench BUNDLE/bench
+# On the GPU host: bash BUNDLE/gpu-acceptance.sh --bundle BUNDLE
+# The binaries are packed with xz (half gzip's size: the device tool carries at most 64 MiB
+# with the working tree); REVISION names the commit they were built from.
 # The NCCL smoke test needs no CUDA toolkit to build: cudarc opens libcuda and libnccl at run
 # time. Honours CARGO_TARGET_DIR; build with nice and CARGO_BUILD_JOBS=1 on a shared machine.
 set -euo pipefail
@@ -40,19 +42,21 @@ for line in sys.stdin:
 bin=$(test_binary ds-comm nccl nccl_device)
 [ -n "$bin" ] || { echo "gpu-bundle: no nccl_device test binary was built" >&2; exit 1; }
 
+# xz at one thread: the machine's other core is usually busy with a build or CI
+pack() { xz -9 -T1 -c "$1" >"$2.xz"; }
 rm -rf "$out"
 mkdir -p "$out/bench"
-gzip -9 -c "$bin" >"$out/nccl_device.gz"
+pack "$bin" "$out/nccl_device"
 # ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time),
 # and the GPU buffers' and fused kernels' tests against their host side (engine/tests/gpu_buffers.rs,
 # gpu_kernels.rs) built beside it.
 cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
 if [ -x "$cuda_bin" ]; then
-    gzip -9 -c "$cuda_bin" >"$out/ds-rs.gz"
+    pack "$cuda_bin" "$out/ds-rs"
     eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
     for t in gpu_buffers gpu_kernels; do
         b=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary ds-engine cuda $t)
-        [ -n "$b" ] && gzip -9 -c "$b" >"$out/$t.gz"
+        [ -n "$b" ] && pack "$b" "$out/$t"
     done
 else
     echo "gpu-bundle: no $cuda_bin (scripts/check-cuda.sh); the ds-rs rows will be skipped" >&2
@@ -62,7 +66,7 @@ fi
 eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
 gcc -shared -fPIC -O2 -Wall -I"$CUDA_HOME/include" -o "$out/libds_kernel_profile.so" \
     scripts/gpu-kernel-profile.c -L"$CUDA_HOME/lib64" -lcupti
-gzip -9 -c "$CUDA_HOME/lib64/libcupti.so.13" >"$out/libcupti.so.13.gz"
+pack "$CUDA_HOME/lib64/libcupti.so.13" "$out/libcupti.so.13"
 cp scripts/gpu-acceptance.sh scripts/bench/llama_torch.py scripts/bench/attention_torch.py \
     scripts/bench/torch_memory.py "$out/"
 if [ -f "$bench/train_torch.py" ]; then
@@ -71,5 +75,7 @@ if [ -f "$bench/train_torch.py" ]; then
 else
     echo "gpu-bundle: no train_torch.py in $bench; the PyTorch baseline will be skipped" >&2
 fi
+dirty=$(git status --porcelain --untracked-files=no | wc -l)
+echo "$(git rev-parse HEAD)$([ "$dirty" -eq 0 ] || echo " with $dirty files changed")" >"$out/REVISION"
 du -sh "$out"
 ls -l "$out" "$out/bench"
