@@ -147,7 +147,8 @@ bundle_info() {
     here=$(git -C "$repo" rev-parse HEAD 2>/dev/null)
     if [ -z "$built" ]; then
         row bundle skip "no REVISION in $bundle"
-    elif [ -n "$here" ] && [ "${built%% *}" != "$here" ]; then
+    elif [ -n "$here" ] && [ "${built%% *}" != "$here" ] &&
+        ! git -C "$repo" diff --quiet "${built%% *}" "$here" -- . ':(exclude)*.md' ':(exclude)scripts/gpu-acceptance.sh' 2>/dev/null; then
         row bundle FAIL "built at $built, but the repo here is at $here: rebuild it (scripts/gpu-bundle.sh)"
     else
         row bundle ok "built at $built"
