@@ -385,6 +385,7 @@ ds_rs_runs() {
     local missing
     missing=$(ldd "$bin" 2>&1 | grep 'not found')
     [ -n "$missing" ] && { row "ds-rs" FAIL "ldd: $missing"; return; }
+    choose_paths
     # fp32 on both: the same arithmetic but cuBLAS's summation order, so the losses of 10 steps
     # agree to about 1e-5 relative; bf16 on the GPU rounds every product's inputs to 8 bits.
     local ex=$repo/configs/examples z3=$work/zero3-2ranks.json
@@ -683,7 +684,8 @@ EOF
 # the reserved figures beside them (the driver's count after each step for ds-rs, whose pool
 # keeps its freed memory; PyTorch's caching allocator's reserve).
 device_memory() { # preset
-    local ours=$logs/ds-rs-speed-$1-flash-lt.jsonl theirs=$logs/torch-memory.jsonl verdict
+    local ours=$logs/ds-rs-speed-$1-${DS_RS_ATTENTION:-flash}-${DS_RS_MATMUL:-lt}.jsonl
+    local theirs=$logs/torch-memory.jsonl verdict
     [ -s "$theirs" ] || { row "$1 device memory" skip "no PyTorch memory figure (torch-memory.jsonl)"; return; }
     [ -s "$ours" ] || { row "$1 device memory" skip "no ds-rs speed figure ($(basename "$ours"))"; return; }
     verdict=$("$python" - "$1" "$ours" "$theirs" 2>&1 <<'PY'
@@ -705,18 +707,46 @@ PY
     row "$1 device memory" "${verdict%%|*}" "${verdict#*|}"
 }
 
+# Which bf16 paths train on this GPU, from 2 steps of preset tiny each way, the defaults first:
+# the first that works is exported (DS_RS_ATTENTION, DS_RS_MATMUL) for every later run that
+# does not compare the paths itself, so one broken kernel does not cost the lease's other
+# figures (its own rows still fail and say why).
+choose_paths() {
+    local pair attention linears why=""
+    speed_config
+    for pair in "flash lt" "matmul lt" "flash candle" "matmul candle"; do
+        read -r attention linears <<<"$pair"
+        if DS_RS_ATTENTION=$attention DS_RS_MATMUL=$linears timeout "$(limit 90)" "$bin" bench train \
+            --preset tiny --config "$work/bf16-speed.json" --nproc 1 --device cuda --warmup 1 \
+            --steps 2 --json >"$logs/paths-$attention-$linears.jsonl" 2>"$logs/paths-$attention-$linears.log"; then
+            export DS_RS_ATTENTION=$attention DS_RS_MATMUL=$linears
+            if [ -z "$why" ]; then
+                row "gpu paths" ok "bf16 trains with the flash kernels and cuBLASLt's epilogues (the defaults)"
+            else
+                row "gpu paths" FAIL "the rest runs with attention $attention, linears $linears:$why"
+            fi
+            return
+        fi
+        why="$why $attention+$linears failed ($(tail -n 1 "$logs/paths-$attention-$linears.log" | cut -c1-160));"
+    done
+    row "gpu paths" FAIL "no bf16 path trains:$why"
+}
+
 # Attention $2: flash (the default, kernels/flash.cu) or matmul (DS_RS_ATTENTION=matmul: the
 # T x T probabilities through cuBLAS and the fused softmax), the comparison that decides it.
 # Linears $3: lt (the default: cuBLASLt's bias and GELU epilogues, kernels/gpu/lt.rs) or
 # candle (DS_RS_MATMUL=candle: candle's matmul, then the bias and GELU kernels).
+# Without them, the paths choose_paths found working (the defaults where they train).
 ds_speed() { # preset [attention] [linears]
-    local variant=${2:-flash}-${3:-lt} figure
-    local cfg=$work/bf16-speed.json out=$logs/ds-rs-speed-$1-$variant.jsonl
-    local label="ds-rs $1 bf16" log=ds-rs-$1-$variant.log
-    [ "${2:-flash}" = flash ] || label="$label $2-attn"
-    [ "${3:-lt}" = lt ] || label="$label $3-matmul"
+    local attention=${2:-${DS_RS_ATTENTION:-flash}} linears=${3:-${DS_RS_MATMUL:-lt}} figure
+    local variant=$attention-$linears cfg=$work/bf16-speed.json
+    local out=$logs/ds-rs-speed-$1-$variant.jsonl label="ds-rs $1 bf16" log=ds-rs-$1-$variant.log
+    [ "$attention" = flash ] || label="$label $attention-attn"
+    [ "$linears" = lt ] || label="$label $linears-matmul"
+    # the paths choose_paths fell back to, asked for again by name
+    [ -s "$out" ] && { row "$label" skip "measured above (the paths the runs fell back to)"; return; }
     speed_config
-    if ! DS_RS_ATTENTION=${2:-flash} DS_RS_MATMUL=${3:-lt} timeout "$(limit 300)" "$bin" bench train --preset "$1" --config "$cfg" \
+    if ! DS_RS_ATTENTION=$attention DS_RS_MATMUL=$linears timeout "$(limit 300)" "$bin" bench train --preset "$1" --config "$cfg" \
         --nproc 1 --device cuda --warmup "$warmup" --steps "$steps" --json >>"$out" 2>"$logs/$log"; then
         row "$label" FAIL "see $log: $(tail -n 1 "$logs/$log")"
         return
