@@ -12,18 +12,27 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
+use std::sync::OnceLock;
+
 use super::launch::Launch;
-use super::{Arg, Launcher};
+use super::{ptx, Arg, Launcher};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 
 /// The module of `kernel` (its name in candle's cache of custom modules) and its PTX:
-/// flash.cu's kernels are named flash_*, the rest are fused.cu's.
+/// flash.cu's kernels are named flash_*, the rest are fused.cu's. The build's PTX, or
+/// `DS_RS_PTX_DIR`'s (ptx.rs), decided once per process.
 fn module(kernel: &str) -> (&'static str, &'static str) {
+    static FUSED: OnceLock<&'static str> = OnceLock::new();
+    static FLASH: OnceLock<&'static str> = OnceLock::new();
+    let chosen = |cell: &OnceLock<&'static str>, file: &str, built: &'static str| {
+        // leaked once: candle's module cache keeps what it loads for the process anyway
+        *cell.get_or_init(|| ptx::overridden(file).map_or(built, |p| Box::leak(p.into())))
+    };
     match kernel.starts_with("flash_") {
-        true => ("ds_flash", FLASH_PTX),
-        false => ("ds_fused", PTX),
+        true => ("ds_flash", chosen(&FLASH, "flash.ptx", FLASH_PTX)),
+        false => ("ds_fused", chosen(&FUSED, "fused.ptx", PTX)),
     }
 }
 

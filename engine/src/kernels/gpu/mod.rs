@@ -25,6 +25,7 @@
 pub(crate) mod flash;
 pub(crate) mod gemm;
 pub mod launch;
+pub mod ptx;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
