@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
         --micro-batch) micro_batch=$2; shift 2 ;;
         --warmup) warmup=$2; shift 2 ;;
         --steps) steps=$2; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "gpu-acceptance: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -58,8 +58,9 @@ fi
 bench=$(absolute "$bench")
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-acceptance.XXXXXX")
 logs=$work/logs
-report=$(absolute "${OUT:-$work}")
+report=${OUT:-$work}
 mkdir -p "$logs" "$report"
+report=$(absolute "$report")
 rows=()
 failed=0
 
@@ -308,8 +309,8 @@ torch_eager() {
     fi
     # the peer's run, through torch_memory.py where there is one: it also records PyTorch's
     # peak device memory (torch-memory.jsonl) for the memory row
-    local memory=$bundle/torch_memory.py run=(train_torch.py)
-    [ -f "$memory" ] || memory=$repo/scripts/bench/torch_memory.py
+    local memory=$repo/scripts/bench/torch_memory.py run=(train_torch.py)
+    [ -f "$memory" ] || memory=$bundle/torch_memory.py # the repo's first: the bundle's may be older
     [ -f "$memory" ] && { cp "$memory" "$dir/"; run=(torch_memory.py "$logs/torch-memory.jsonl"); }
     if ! (cd "$dir" && PYTHONUNBUFFERED=1 timeout "$(limit 150)" "$python" "${run[@]}" --preset "$preset" \
         --device cuda --bf16 --micro-batch "$micro_batch" --warmup "$warmup" --steps "$steps" \
@@ -439,8 +440,8 @@ ds_rs_runs() {
 # T x T path (`ds-rs bench attention`) against PyTorch's SDPA in the same call
 # (scripts/bench/attention_torch.py); TFLOP/s by FlashAttention's count.
 attention_rows() {
-    local shape name args figure out=$logs/attention.jsonl script=$bundle/attention_torch.py
-    [ -f "$script" ] || script=$repo/scripts/bench/attention_torch.py
+    local shape name args figure out=$logs/attention.jsonl script=$repo/scripts/bench/attention_torch.py
+    [ -f "$script" ] || script=$bundle/attention_torch.py # the repo's first: the bundle's may be older
     for shape in "gpt2|--batch 16 --heads 12 --seq-len 1024 --head-dim 64" \
         "llama3-1b|--batch 4 --heads 32 --kv-heads 8 --seq-len 1024 --head-dim 64"; do
         name=${shape%%|*}
@@ -609,8 +610,8 @@ PY
 ) || { row "ds-rs llama3-1b $side" FAIL "$(tail -n 1 <<<"$figure")"; continue; }
         row "ds-rs llama3-1b $side" ok "$figure"
     done
-    local script=$bundle/llama_torch.py out=$logs/torch-llama.json
-    [ -f "$script" ] || script=$repo/scripts/bench/llama_torch.py
+    local script=$repo/scripts/bench/llama_torch.py out=$logs/torch-llama.json
+    [ -f "$script" ] || script=$bundle/llama_torch.py # the repo's first: the bundle's may be older
     if ! timeout "$(limit 200)" "$python" "$script" --preset llama3-1b --device cuda --micro-batch 4 \
         --seq-len 1024 --warmup 2 --steps 5 >"$out" 2>"$logs/torch-llama.log"; then
         row "torch eager llama3-1b" FAIL "$(tail -n 1 "$logs/torch-llama.log")"
