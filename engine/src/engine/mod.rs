@@ -465,11 +465,13 @@ impl Engine {
         if let Some(stage) = self.stage.clone() {
             return self.train_batch_pipe(&stage, &mut next);
         }
-        let mut sum = 0.0f32;
+        // The losses are read after the step: on a GPU a read waits for the device, which
+        // between forward and backward would stop the host queueing backward's kernels.
+        let mut losses = Vec::with_capacity(ga);
         for k in 0..ga {
             let loss = self.forward(&next(k)?.to_inputs(&self.device())?)?;
-            sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
             self.backward(&loss)?;
+            losses.push(loss.detach());
         }
         let outcome = self.step()?.ok_or_else(|| {
             EngineError::Invalid(
@@ -478,6 +480,10 @@ impl Engine {
                     .into(),
             )
         })?;
+        let mut sum = 0.0f32;
+        for loss in losses {
+            sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        }
         Ok((self.mean_over_ranks(sum / ga as f32)?, outcome))
     }
 
