@@ -303,13 +303,12 @@ impl<T: Element> ShardedParams<T> {
                 spare.wait_for_readers()?;
                 spare
             }
-            // a spare too small is freed, so that at most two buffers are held
-            Some(small) if !persists => {
-                drop(small);
-                FlatBuf::zeroed(&place, range.len())?
-            }
-            other => {
-                self.spare = other;
+            spare => {
+                // a range that stays whole leaves the spare kept; for any other a spare too
+                // small is freed, so that at most two buffers are held
+                if persists {
+                    self.spare = spare;
+                }
                 FlatBuf::zeroed(&place, range.len())?
             }
         };
@@ -378,6 +377,7 @@ impl<T: Element> ParamStore<T> for ShardedParams<T> {
         }
         if !self.reuse {
             // a buffer of its own (never a kept one): exactly the range, the caller's now
+            debug_assert_eq!(gathered.len, gathered.buf.len());
             return Ok(Values::Gathered(gathered.buf));
         }
         if let Some(before) = self.lent.replace(gathered) {
