@@ -29,8 +29,8 @@
 // (masks, exponentials, copies, addresses) set the pace once they pass six per product. Hence:
 // the mask is tested only on tiles some rows do not see whole (`Mask::all`; below a causal
 // mask's diagonal no element is tested), an exponential is one FMA and ex2.approx, and the
-// copies unroll at constant strides. scripts/flash-instructions.sh counts a tile's instructions
-// from the SASS.
+// copies unroll at constant strides without a branch (copy_rows). scripts/flash-instructions.sh
+// counts a tile's instructions from the SASS.
 //
 // Rounding: scores, maxima, sums and the products' accumulation are f32; P and dS are rounded
 // to the storage type before they meet V, dO, Q or K on the tensor cores, as FlashAttention's.
@@ -47,7 +47,7 @@ constexpr float LOG2E = 1.44269504088896340736f, LN2 = 0.69314718055994530942f;
 // different banks, and rows stay 16-byte aligned for the copies and ldmatrix.
 constexpr int PAD = 8;
 
-// Warps per block for head size HD: 4 up to 64, 2 for 128, whose dK dV take 238 registers a
+// Warps per block for head size HD: 4 up to 64, 2 for 128, whose dK dV take 248 registers a
 // thread (launch.rs's flash_warps). A tile has 16 rows a warp.
 template <int HD>
 __host__ __device__ constexpr int warps() {
@@ -127,8 +127,10 @@ using Row = T[HD + PAD];
 
 // A tile's rows i0 .. i0 + 16 warps<HD>() of head h of batch b from `src` into dst[..][HD + PAD],
 // rows past the sequence as zeros: each thread issues 16-byte asynchronous copies at one column
-// of rows STEP apart, which land at its wait_copies. The trip count is a constant, so the loop
-// unrolls and a copy's address is its predecessor's plus STEP rows.
+// of rows STEP apart, which land at its wait_copies. Branch-free: a row past the sequence is a
+// copy of zeros from the tile's first row (inside it: i0 < t), and a row's offset from that row
+// is a 32-bit byte count (launch.rs checks that a tile's rows span less than 4 GiB), made once
+// per kernel; per copy remain a select, a 64-bit add and the copy.
 template <typename T, int HD>
 __device__ void copy_rows(Row<T, HD> *dst, const T *src, Strides s, uint32_t b, uint32_t h,
                           uint32_t i0, uint32_t t) {
@@ -136,28 +138,26 @@ __device__ void copy_rows(Row<T, HD> *dst, const T *src, Strides s, uint32_t b, 
     static_assert(threads<HD>() % PER_ROW == 0 && 16 * warps<HD>() % STEP == 0,
                   "whole rows per pass, whole passes per tile");
     int r0 = threadIdx.x / PER_ROW, c = threadIdx.x % PER_ROW * V;
-    const T *from = src + s.at(b, h, i0 + r0) + c;
-    UNROLL for (int r = r0; r < 16 * warps<HD>(); r += STEP, from += STEP * s.t) {
-        if (i0 + r < t)
-            copy_async<16>(&dst[r][c], from);
-        else
-            *reinterpret_cast<uint4 *>(&dst[r][c]) = uint4{0u, 0u, 0u, 0u};
+    const char *row0 = reinterpret_cast<const char *>(src + s.at(b, h, i0) + c);
+    UNROLL for (int p = 0; p < 16 * warps<HD>() / STEP; p++) {
+        uint32_t r = r0 + p * STEP;
+        bool inside = i0 + r < t;
+        uint32_t at = inside ? r * (uint32_t)s.t * (uint32_t)sizeof(T) : 0;
+        copy_async<16>(&dst[r][c], row0 + at, inside);
     }
 }
 
 // A tile's values i0 .. i0 + 16 warps<HD>() of a per-row f32 array (the log-sum-exp, D) of head h
 // of batch b into dst, past the sequence as zeros: a 4-byte asynchronous copy by each of the
-// block's first threads.
+// block's first threads (a value past the sequence copied as zeros from the tile's first).
 template <int HD>
 __device__ void copy_row_values(float *dst, const float *src, uint32_t heads, uint32_t b,
                                 uint32_t h, uint32_t i0, uint32_t t) {
     static_assert(threads<HD>() >= 16 * warps<HD>(), "a value a thread");
     unsigned x = threadIdx.x;
     if (x >= 16 * warps<HD>()) return;
-    if (i0 + x < t)
-        copy_async<4>(&dst[x], src + ((size_t)b * heads + h) * t + i0 + x);
-    else
-        dst[x] = 0.0f;
+    bool inside = i0 + x < t;
+    copy_async<4>(&dst[x], src + ((size_t)b * heads + h) * t + i0 + (inside ? x : 0), inside);
 }
 
 // acc[n] += A Y_c^T over N / 8 tiles of 16 x 8: a, 16 columns of the warp's X; y, those 16

@@ -12,8 +12,8 @@ inline char *dynamic_shared() { return cuda_emu::dynamic_shared(); }
 inline uint32_t dynamic_shared_bytes() { return cuda_emu::dynamic_shared_bytes(); }
 [[noreturn]] inline void trap(const char *why) { cuda_emu::trap(why); }
 template <int BYTES>
-inline void copy_async(void *dst, const void *src) {
-    cuda_emu::copy_async(dst, src, BYTES);
+inline void copy_async(void *dst, const void *src, bool valid) {
+    cuda_emu::copy_async(dst, src, BYTES, valid ? BYTES : 0);
 }
 inline void commit_copies() { cuda_emu::commit_copies(); }
 template <int N>
@@ -31,16 +31,21 @@ __device__ __forceinline__ uint32_t dynamic_shared_bytes() {
     return n;
 }
 __device__ __forceinline__ void trap(const char *) { __trap(); }
-// BYTES of global memory at src (aligned to BYTES) to shared memory at dst: 16 bypass L1
-// (.cg), 4 and 8 go through it (.ca, the only form for them).
+// BYTES of global memory at src (aligned to BYTES) to shared memory at dst where `valid`, BYTES
+// zeros where not, without a branch: the copy's src-size is BYTES or 0, and the bytes past it
+// are zero-filled. Where not valid src is not read, but callers still pass an address inside
+// the tensor. 16 bypass L1 (.cg), 4 and 8 go through it (.ca, the only form for them).
 template <int BYTES>
-__device__ __forceinline__ void copy_async(void *dst, const void *src) {
+__device__ __forceinline__ void copy_async(void *dst, const void *src, bool valid) {
     static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-    uint32_t to = (uint32_t)__cvta_generic_to_shared(dst);
+    uint32_t to = (uint32_t)__cvta_generic_to_shared(dst), from_bytes = valid ? BYTES : 0;
     if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src),
+                     "r"(from_bytes)
+                     : "memory");
     else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(to), "l"(src), "n"(BYTES)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(to), "l"(src),
+                     "n"(BYTES), "r"(from_bytes)
                      : "memory");
 }
 // Closes the calling thread's copies issued since the last commit into a group.

@@ -61,9 +61,10 @@ float *warp_scratch();
 // The launch's dynamic shared memory and its size in bytes.
 char *dynamic_shared();
 uint32_t dynamic_shared_bytes();
-// cp.async: `bytes` from src to dst, landing at the issuing thread's wait_copies; commit_group;
-// wait_group n (lands all but the newest n committed groups of the calling thread).
-void copy_async(void *dst, const void *src, unsigned bytes);
+// cp.async: `bytes` at dst, the first `src_bytes` of them from src and the rest zeros, landing
+// at the issuing thread's wait_copies; commit_group; wait_group n (lands all but the newest n
+// committed groups of the calling thread).
+void copy_async(void *dst, const void *src, unsigned bytes, unsigned src_bytes);
 void commit_copies();
 void wait_copies(unsigned newest_pending);
 // __trap: reports `why` and aborts the process (a GPU stops the kernel with an error).

@@ -19,7 +19,7 @@ struct Barrier {
 struct Copy {
     void *dst;
     const void *src;
-    unsigned bytes;
+    unsigned bytes, src_bytes;  // src_bytes of src, then zeros up to bytes
 };
 
 struct Fiber {
@@ -83,9 +83,9 @@ float *warp_scratch() { return &current->products[(lane_slot / 32) * 512]; }
 char *dynamic_shared() { return reinterpret_cast<char *>(current->shared.data()); }
 uint32_t dynamic_shared_bytes() { return current->shared_bytes; }
 
-void copy_async(void *dst, const void *src, unsigned bytes) {
+void copy_async(void *dst, const void *src, unsigned bytes, unsigned src_bytes) {
     std::memset(dst, 0xff, bytes);
-    current->fibers[current->running].open.push_back({dst, src, bytes});
+    current->fibers[current->running].open.push_back({dst, src, bytes, src_bytes});
 }
 
 void commit_copies() {
@@ -98,7 +98,10 @@ void wait_copies(unsigned newest_pending) {
     Fiber &f = current->fibers[current->running];
     size_t landing = f.groups.size() > newest_pending ? f.groups.size() - newest_pending : 0;
     for (size_t g = 0; g < landing; g++)
-        for (const Copy &c : f.groups[g]) std::memcpy(c.dst, c.src, c.bytes);
+        for (const Copy &c : f.groups[g]) {
+            std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset(static_cast<char *>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+        }
     f.groups.erase(f.groups.begin(), f.groups.begin() + landing);
 }
 

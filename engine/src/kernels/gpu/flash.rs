@@ -25,18 +25,24 @@ pub(crate) struct FlashShape {
 }
 
 impl FlashShape {
-    /// Whether the kernels take this call: their head sizes, whole groups of query heads, and
-    /// 16-byte rows (the tiles are copied 16 bytes at a time).
+    /// Whether the kernels take this call: their head sizes, whole groups of query heads,
+    /// 16-byte rows (the tiles are copied 16 bytes at a time), and tiles whose rows span less
+    /// than 4 GiB (a row is found from the tile's first by a 32-bit offset).
     pub fn supported(&self, dtype: DType) -> bool {
         let rows_aligned = [self.q_strides, self.kv_strides]
             .iter()
             .flatten()
             .all(|s| s.is_multiple_of(8));
+        let position_strides = [self.q_strides[2], self.kv_strides[2], self.heads * self.hd];
+        let tiles_addressable = position_strides
+            .iter()
+            .all(|&s| launch::flash_tile_addressable(self.hd, dtype.size_in_bytes(), s));
         matches!(dtype, DType::BF16 | DType::F16)
             && launch::FLASH_HEAD_DIMS.contains(&self.hd)
             && self.kv_heads > 0
             && self.heads.is_multiple_of(self.kv_heads)
             && rows_aligned
+            && tiles_addressable
             && self.t <= u32::MAX as usize
             && self.scale > 0.0
     }

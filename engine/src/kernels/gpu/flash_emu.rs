@@ -207,4 +207,9 @@ fn flash_attention_declines_what_it_has_no_kernel_for() {
         ..shape
     };
     assert!(!odd.supported(DType::BF16), "rows not 16-byte aligned");
+    let far = FlashShape {
+        kv_strides: [1 << 40, 1 << 30, 1 << 25],
+        ..shape
+    };
+    assert!(!far.supported(DType::BF16), "a tile's keys span 4 GiB");
 }

@@ -130,7 +130,7 @@ pub fn mean_of_rows(n: usize) -> Launch {
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
 /// Warps per block of the flash kernels for head size `hd`, each taking 16 rows of a tile:
-/// flash.cu's warps<HD>(), 4 up to 64, 2 for 128 (whose dK and dV take 238 registers a
+/// flash.cu's warps<HD>(), 4 up to 64, 2 for 128 (whose dK and dV take 248 registers a
 /// thread).
 pub fn flash_warps(hd: usize) -> u32 {
     if hd <= 64 {
@@ -170,6 +170,15 @@ pub fn flash_shared_bytes(kernel: FlashKernel, hd: usize, elem: usize) -> u32 {
         FlashKernel::QueriesBackward => 6 * tile,
     };
     bytes as u32
+}
+
+/// Whether a tile of rows `stride` elements of `elem` bytes apart spans less than 4 GiB:
+/// flash.cu's copy_rows finds each row from the tile's first by a 32-bit byte offset.
+pub fn flash_tile_addressable(hd: usize, elem: usize, stride: usize) -> bool {
+    let rows = 16 * flash_warps(hd) as usize;
+    rows.checked_mul(stride)
+        .and_then(|e| e.checked_mul(elem))
+        .is_some_and(|bytes| bytes <= u32::MAX as usize)
 }
 
 /// `kernel` over `batch` x `heads` heads of `t` rows (queries for the forward and dQ, keys
@@ -274,6 +283,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("exceed a grid"), "{e}");
+    }
+
+    #[test]
+    fn flash_tiles_span_less_than_4_gib() {
+        // GPT-2's fused q|k|v rows (3 x 768 bf16 apart) and Llama 3.1 405B's output rows
+        // (128 heads of 128) are far inside; a tile of 64 rows 2^25 bf16 apart spans 4 GiB
+        assert!(flash_tile_addressable(64, 2, 3 * 768));
+        assert!(flash_tile_addressable(128, 2, 128 * 128));
+        assert!(flash_tile_addressable(64, 2, (1 << 25) - 1));
+        assert!(!flash_tile_addressable(64, 2, 1 << 25));
+        // two warps at head size 128: 32 rows a tile
+        assert!(flash_tile_addressable(128, 2, 1 << 25));
+        assert!(
+            !flash_tile_addressable(64, 2, usize::MAX / 2),
+            "no overflow"
+        );
     }
 
     #[test]
