@@ -463,6 +463,37 @@ __device__ void rotary(const T *x, const T *cos_t, const T *sin_t, T *y, uint64_
     }
 }
 
+// rotary a pair of Packs a thread: Pack c of a row's first half and the Pack at the same place
+// of its second half, which rotate into each other (x, y and the tables on 16-byte boundaries,
+// hd / 2 a whole number of Packs and rows x pairs within u32: the host checks, gpu/mod.rs).
+// Each element is computed as in `rotary`, so both give the same bits; the row and its table
+// row come from two 32-bit divisions a pair of Packs, where `rotary` takes two 64-bit ones an
+// element (rotary moves an element a thread and was bound by issue, not by memory).
+template <typename T>
+__device__ void rotary_packs(const T *x, const T *cos_t, const T *sin_t, T *y, uint32_t pairs,
+                             uint32_t t, uint32_t hd, uint32_t transpose) {
+    const uint32_t w = Pack<T>::N, half = hd / 2, per_row = half / w;
+    for (uint64_t i = grid_index(); i < pairs; i += grid_stride()) {
+        uint32_t row = (uint32_t)i / per_row, c = (uint32_t)i % per_row * w;
+        size_t at = (size_t)row * hd + c, tab = (size_t)(row % t) * hd + c;
+        auto load = [](const T *p) { return *reinterpret_cast<const Pack<T> *>(p); };
+        Pack<T> a = load(x + at), b = load(x + at + half), ya, yb;
+        Pack<T> ca = load(cos_t + tab), cb = load(cos_t + tab + half);
+        Pack<T> sa = load(sin_t + tab), sb = load(sin_t + tab + half);
+        for (uint32_t k = 0; k < w; k++) {
+            float va = to_f(a.v[k]), vb = to_f(b.v[k]);
+            float oa = transpose ? va * to_f(ca.v[k]) + vb * to_f(sb.v[k])
+                                 : va * to_f(ca.v[k]) - vb * to_f(sa.v[k]);
+            float ob = transpose ? vb * to_f(cb.v[k]) - va * to_f(sa.v[k])
+                                 : vb * to_f(cb.v[k]) + va * to_f(sb.v[k]);
+            store(&ya.v[k], oa);
+            store(&yb.v[k], ob);
+        }
+        *reinterpret_cast<Pack<T> *>(y + at) = ya;
+        *reinterpret_cast<Pack<T> *>(y + at + half) = yb;
+    }
+}
+
 #define SQRT_2_OVER_PI 0.7978846f
 #define GELU_C 0.044715f
 
@@ -730,6 +761,11 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
     extern "C" __global__ void rotary_##S(const T *x, const T *c, const T *s, T *y, uint64_t n, \
                                           uint32_t t, uint32_t hd, uint32_t transpose) {       \
         rotary(x, c, s, y, n, t, hd, transpose);                                               \
+    }                                                                                          \
+    extern "C" __global__ void rotary_packs_##S(const T *x, const T *c, const T *s, T *y,      \
+                                                uint32_t pairs, uint32_t t, uint32_t hd,       \
+                                                uint32_t transpose) {                          \
+        rotary_packs(x, c, s, y, pairs, t, hd, transpose);                                     \
     }                                                                                          \
     extern "C" __global__ void sum_rows_by_index_##S(const T *src, const uint32_t *order,      \
                                                      const uint32_t *first, T *out,            \

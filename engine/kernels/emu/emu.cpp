@@ -37,7 +37,7 @@ const Entry kernels[] = {
     K3(causal_softmax_fwd), K3(softmax_bwd),       K3(cross_entropy_bwd),
     K3(cross_entropy_grad), K3(rms_norm_fwd),      K3(rms_norm_bwd),
     K3(swiglu_fwd),         K3(swiglu_bwd),        K3(rotary),
-    K3(swiglu_fwd_packs),   K3(swiglu_bwd_packs),
+    K3(swiglu_fwd_packs),   K3(swiglu_bwd_packs),  K3(rotary_packs),
     K3(cross_entropy_lse),  K(cross_entropy_fwd_f32), K(mean_of_rows_f32),
     K3(sum_rows_by_index),
 #define FLASH_K(hd, S) K(flash_fwd_hd##hd##_##S), K(flash_bwd_dkdv_hd##hd##_##S), K(flash_bwd_dq_hd##hd##_##S)

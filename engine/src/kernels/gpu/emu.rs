@@ -540,10 +540,18 @@ fn swiglu_of(n: usize) {
     }
 }
 
+/// Head sizes 8 (f32 a pair of Packs a thread; bf16 and f16, whose Pack is 8, an element a
+/// thread), 64 and 128 (every dtype in pairs of Packs), and 12 (an element a thread).
 #[test]
 fn rotary_forward_and_backward_match_the_cpu_kernels() {
+    for hd in [8, 12, 64, 128] {
+        rotary_matches_the_cpu_kernels(hd);
+    }
+}
+
+fn rotary_matches_the_cpu_kernels(hd: usize) {
     use super::super::rotary::{apply, apply_backward};
-    let (b, h, t, hd) = (2, 3, 5, 8);
+    let (b, h, t) = (2, 3, 5);
     let n = b * h * t * hd;
     for dtype in DTYPES {
         let x = values(&[b, h, t, hd], 22, 2.0, dtype);
@@ -563,7 +571,7 @@ fn rotary_forward_and_backward_match_the_cpu_kernels() {
                 super::rotary(l, dtype, [a[0], a[1], a[2]], y, n, (t, hd), transpose)
             });
             assert_close(
-                &format!("rotary transpose={transpose}"),
+                &format!("rotary hd={hd} transpose={transpose}"),
                 &got,
                 &want[0],
                 dtype,

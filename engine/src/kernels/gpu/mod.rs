@@ -519,17 +519,27 @@ pub(crate) fn rotary<L: Launcher>(
         candle_core::bail!("rotary: tables of [{t}, {hd}] (the head size must be even)");
     }
     let args = [x, cos, sin, y].map(Arg::Ptr);
-    let scalars = [
-        Arg::U64(n as u64),
-        Arg::U32(t as u32),
-        Arg::U32(hd as u32),
-        Arg::U32(transpose as u32),
-    ];
+    let shape = [t, hd, transpose as usize].map(|v| Arg::U32(v as u32));
+    let (kernel, items, count) = match rotary_pairs(dtype, &[x, cos, sin, y], n, hd) {
+        Some(pairs) => ("rotary_packs", pairs, Arg::U32(pairs as u32)),
+        None => ("rotary", n, Arg::U64(n as u64)),
+    };
+    let at = launch::elementwise(items);
     run(
         l,
-        "rotary",
+        kernel,
         dtype,
-        launch::elementwise(n),
-        &[&args[..], &scalars].concat(),
+        at,
+        &[&args[..], &[count], &shape].concat(),
     )
+}
+
+/// The pairs of Packs (one of a row's first half, the one it rotates with in its second) in
+/// `n` elements of rows of `hd`, when rotary_packs may take them: every address on a 16-byte
+/// boundary, each half row whole Packs, and the pairs' count within u32. None: the
+/// element-wise kernel.
+fn rotary_pairs(dtype: DType, addresses: &[u64], n: usize, hd: usize) -> Option<usize> {
+    let half_packs = row_packs(dtype, addresses, hd / 2)?;
+    let pairs = n / hd * half_packs;
+    (pairs <= u32::MAX as usize).then_some(pairs)
 }
