@@ -439,6 +439,13 @@ __device__ void sum_rows_by_index(const T *src, const uint32_t *order, const uin
     }
 }
 
+// One rotated element: v c - other s where `minus`, else v c + other s (the same bits: -p is
+// exact). The one formula of both rotary kernels, so they give the same bits.
+__device__ __forceinline__ float rotated(float v, float c, float other, float s, bool minus) {
+    float p = other * s;
+    return v * c + (minus ? -p : p);
+}
+
 // Rotary embeddings in the split-halves convention, x [.., t, hd] with tables [t, hd]:
 // x cos + rotate_half(x) sin, or with `transpose` its backward, dy cos + rotate_half^T(dy sin).
 template <typename T>
@@ -452,12 +459,10 @@ __device__ void rotary(const T *x, const T *cos_t, const T *sin_t, T *y, uint64_
         float c = to_f(cos_t[tab + i]), v = to_f(x[e]), o;
         if (i < half) {
             float other = to_f(x[row + i + half]);
-            o = transpose ? v * c + other * to_f(sin_t[tab + i + half])
-                          : v * c - other * to_f(sin_t[tab + i]);
+            o = rotated(v, c, other, to_f(sin_t[tab + i + (transpose ? half : 0)]), !transpose);
         } else {
             float other = to_f(x[row + i - half]);
-            o = transpose ? v * c - other * to_f(sin_t[tab + i - half])
-                          : v * c + other * to_f(sin_t[tab + i]);
+            o = rotated(v, c, other, to_f(sin_t[tab + i - (transpose ? half : 0)]), transpose);
         }
         store(&y[e], o);
     }
@@ -466,12 +471,14 @@ __device__ void rotary(const T *x, const T *cos_t, const T *sin_t, T *y, uint64_
 // rotary a pair of Packs a thread: Pack c of a row's first half and the Pack at the same place
 // of its second half, which rotate into each other (x, y and the tables on 16-byte boundaries,
 // hd / 2 a whole number of Packs and rows x pairs within u32: the host checks, gpu/mod.rs).
-// Each element is computed as in `rotary`, so both give the same bits; the row and its table
+// Each element is `rotated` as in `rotary`, so both give the same bits; the row and its table
 // row come from two 32-bit divisions a pair of Packs, where `rotary` takes two 64-bit ones an
 // element (rotary moves an element a thread and was bound by issue, not by memory).
-template <typename T>
+// TRANSPOSE is a template argument so that each loop is one direction (the compiler kept the
+// choice inside the loop, 18 instructions a pair more).
+template <typename T, bool TRANSPOSE>
 __device__ void rotary_packs(const T *x, const T *cos_t, const T *sin_t, T *y, uint32_t pairs,
-                             uint32_t t, uint32_t hd, uint32_t transpose) {
+                             uint32_t t, uint32_t hd) {
     const uint32_t w = Pack<T>::N, half = hd / 2, per_row = half / w;
     for (uint64_t i = grid_index(); i < pairs; i += grid_stride()) {
         uint32_t row = (uint32_t)i / per_row, c = (uint32_t)i % per_row * w;
@@ -482,12 +489,9 @@ __device__ void rotary_packs(const T *x, const T *cos_t, const T *sin_t, T *y, u
         Pack<T> sa = load(sin_t + tab), sb = load(sin_t + tab + half);
         for (uint32_t k = 0; k < w; k++) {
             float va = to_f(a.v[k]), vb = to_f(b.v[k]);
-            float oa = transpose ? va * to_f(ca.v[k]) + vb * to_f(sb.v[k])
-                                 : va * to_f(ca.v[k]) - vb * to_f(sa.v[k]);
-            float ob = transpose ? vb * to_f(cb.v[k]) - va * to_f(sa.v[k])
-                                 : vb * to_f(cb.v[k]) + va * to_f(sb.v[k]);
-            store(&ya.v[k], oa);
-            store(&yb.v[k], ob);
+            float s_a = to_f((TRANSPOSE ? sb : sa).v[k]), s_b = to_f((TRANSPOSE ? sa : sb).v[k]);
+            store(&ya.v[k], rotated(va, to_f(ca.v[k]), vb, s_a, !TRANSPOSE));
+            store(&yb.v[k], rotated(vb, to_f(cb.v[k]), va, s_b, TRANSPOSE));
         }
         *reinterpret_cast<Pack<T> *>(y + at) = ya;
         *reinterpret_cast<Pack<T> *>(y + at + half) = yb;
@@ -765,7 +769,10 @@ __device__ void cross_entropy_bwd(const float *probs, const uint32_t *targets, T
     extern "C" __global__ void rotary_packs_##S(const T *x, const T *c, const T *s, T *y,      \
                                                 uint32_t pairs, uint32_t t, uint32_t hd,       \
                                                 uint32_t transpose) {                          \
-        rotary_packs(x, c, s, y, pairs, t, hd, transpose);                                     \
+        if (transpose)                                                                         \
+            rotary_packs<T, true>(x, c, s, y, pairs, t, hd);                                   \
+        else                                                                                   \
+            rotary_packs<T, false>(x, c, s, y, pairs, t, hd);                                  \
     }                                                                                          \
     extern "C" __global__ void sum_rows_by_index_##S(const T *src, const uint32_t *order,      \
                                                      const uint32_t *first, T *out,            \
