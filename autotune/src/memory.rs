@@ -357,12 +357,10 @@ fn dtype_bytes(p: Precision) -> u64 {
 }
 
 /// The optimizer's state bytes per owned element (Adam's two moments: 8; SGD with momentum:
-/// 4; without: 0), from the config's optimizer built over a one-element shard.
+/// 4; without: 0), from the run's optimizer (the config's, else the one its training
+/// arguments build) over a one-element shard.
 fn optimizer_state_bytes_per_element(cfg: &Config) -> anyhow::Result<u64> {
-    let section = cfg
-        .optimizer
-        .as_ref()
-        .ok_or_else(|| anyhow::anyhow!("the ds_config has no `optimizer` section"))?;
-    let probe = ds_engine::optim::build_from_section(section, 1, &ds_partition::Placement::Host)?;
+    let section = ds_engine::optimizer_section(cfg)?;
+    let probe = ds_engine::optim::build_from_section(&section, 1, &ds_partition::Placement::Host)?;
     Ok(probe.state_bytes() as u64)
 }

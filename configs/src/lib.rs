@@ -38,6 +38,7 @@ pub use batch::PyNum;
 pub use error::{ConfigError, Result};
 pub use resolve::{parallel_dims, Config, ParallelDims};
 pub use summary::summary_json;
+pub use toplevel::expand_legacy_zero;
 pub use training_args::{LrSchedulerType, TrainingArgs};
 pub use unimplemented::NotImplemented;
 pub use value::Value;

@@ -204,6 +204,16 @@ pub fn legacy_zero_bool(on: bool, root: &Dict) -> Value {
     Value::Dict(d)
 }
 
+/// `doc` with a legacy `"zero_optimization": true|false` written out as the section it means,
+/// for a program that edits the section (the autotuner's trials set its stage).
+pub fn expand_legacy_zero(doc: &mut Value) {
+    let Value::Dict(root) = doc else { return };
+    if let Some(Value::Bool(on)) = root.get("zero_optimization") {
+        let section = legacy_zero_bool(*on, root);
+        root.insert("zero_optimization", section);
+    }
+}
+
 /// `wall_clock_breakdown | flops_profiler.enabled`: Python's `|` needs bools or ints.
 pub fn wall_clock_breakdown(root: &Dict) -> Result<bool> {
     let wall = root

@@ -15,11 +15,26 @@ pub enum EngineError {
     Optim(#[from] crate::optim::OptimError),
     #[error("{path}: {reason}")]
     File { path: String, reason: String },
+    /// A problem of a job's plan, named by where it lies: the config's file, a flag
+    /// (`--ep 3`), the model (`--model tiny`).
+    #[error("{origin}: {error}")]
+    Plan {
+        origin: String,
+        error: Box<EngineError>,
+    },
     #[error("{0}")]
     Invalid(String),
 }
 
 impl EngineError {
+    /// `error`, named by where it lies (see `Plan`).
+    pub fn at(origin: String, error: EngineError) -> EngineError {
+        EngineError::Plan {
+            origin,
+            error: Box::new(error),
+        }
+    }
+
     pub fn file(path: impl AsRef<std::path::Path>, reason: impl ToString) -> EngineError {
         EngineError::File {
             path: path.as_ref().display().to_string(),

@@ -13,6 +13,7 @@ use ds_config::Config;
 
 use crate::model::Model;
 use crate::parallel::{Ep, Parallel, Tp};
+use crate::plan::{ConfigSource, JobPlan, Overrides};
 use crate::{Engine, EngineError, EngineOptions, Result};
 
 /// This process's place in the job (its groups: data, tensor and pipeline parallel) and the
@@ -36,18 +37,22 @@ impl Job {
     /// As `init`, on a communicator the program made (ranks in threads, tests).
     pub fn join(comm: &Communicator, config: &str) -> Result<Job> {
         let launched = std::env::var("DS_RS_CONFIG").ok().filter(|c| !c.is_empty());
-        let (doc, source) = read_config(launched.as_deref().unwrap_or(config))?;
-        let named = |e: ds_config::ConfigError| EngineError::Invalid(format!("{source}: {e}"));
-        let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None).map_err(named)?;
-        // the layout as resolved: the config's expert_parallel section adds its size
-        let config = ds_config::resolve(&doc, &dims)
-            .and_then(Config::with_expert_parallel)
-            .map_err(named)?;
-        let groups = Groups::new(comm, config.dims)?;
+        let text = launched.as_deref().unwrap_or(config);
+        let source = match text.trim_start().starts_with('{') {
+            true => ConfigSource::Text {
+                text,
+                name: "the program's ds_config",
+            },
+            false => ConfigSource::File(Path::new(text)),
+        };
+        // the config alone, as deepspeed.initialize reads it; the model arrives with
+        // `initialize`
+        let plan = JobPlan::new(source, comm.world_size(), &Overrides::default(), None)?;
+        let groups = Groups::new(comm, plan.config.dims)?;
         Ok(Job {
             groups,
-            config,
-            source,
+            config: plan.config,
+            source: plan.source,
         })
     }
 
@@ -85,19 +90,6 @@ impl Job {
     pub fn rank(&self) -> usize {
         self.groups.world().rank()
     }
-}
-
-/// The ds_config from `config` (JSON text when it starts with `{`, else a file's path), and
-/// its name for messages.
-fn read_config(config: &str) -> Result<(ds_config::Value, String)> {
-    if config.trim_start().starts_with('{') {
-        let doc = ds_config::hjson::parse(config)
-            .map_err(|e| EngineError::Invalid(format!("the program's ds_config: {e}")))?;
-        return Ok((doc, "the program's ds_config".into()));
-    }
-    let path = Path::new(config);
-    let doc = ds_config::load(path)?;
-    Ok((doc, path.display().to_string()))
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub use batch::{Batch, Inputs, Targets, IGNORE};
 pub use candle_core::Device;
 pub use error::{EngineError, Result};
 pub use job::Job;
+pub use plan::{Architecture, ConfigSource, JobPlan, LayoutFlags, Overrides};
 pub mod checkpoint;
 pub mod crash_point;
 pub mod device;
@@ -34,12 +35,13 @@ mod engine;
 pub mod loss_scale;
 pub mod optim;
 pub mod parallel;
+pub mod plan;
 pub mod schedule;
 
 /// NVMe offload's I/O between two readings (`Timings::swap`).
 pub use ds_partition::swap::IoTotals;
 pub use engine::{
-    check_optimizer, lr_schedule, pipeline_layout, program_optimizer_line, DecayGroups, Dtype,
-    Engine, EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision, Settings, StepOutcome,
-    Timings, STEP_PIECE,
+    check_optimizer, lr_schedule, optimizer_section, pipeline_layout, program_optimizer_line,
+    DecayGroups, Dtype, Engine, EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision,
+    Settings, StepOutcome, Timings, STEP_PIECE,
 };

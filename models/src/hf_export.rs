@@ -125,6 +125,7 @@ impl FileLayout {
         let arch =
             Arch::from_hf_json(config).map_err(|e| err(format!("the model's config: {e}")))?;
         let spec = ModelSpec {
+            name: "the exported model".into(),
             arch,
             seq_len: 1,
             weights: None,

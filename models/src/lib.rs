@@ -61,6 +61,8 @@ impl Arch {
 /// it starts from (a Hugging Face directory's), if any.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
+    /// What `--model` said (for messages).
+    pub name: String,
     pub arch: Arch,
     pub seq_len: usize,
     /// A model directory holding weights (`model.safetensors` or a sharded index).
@@ -106,6 +108,7 @@ impl ModelSpec {
         };
         let seq_len = seq_len.unwrap_or(default_len);
         let spec_ok = ModelSpec {
+            name: spec.to_string(),
             arch,
             seq_len,
             weights,
@@ -353,6 +356,38 @@ impl ModelSpec {
             (Arch::Gpt2(c), None) => Some(c.to_hf_json()),
             (Arch::Llama(c), None) => Some(c.to_hf_json()),
         }
+    }
+}
+
+/// What the job plan asks of a model (`ds_engine::JobPlan`).
+impl ds_engine::Architecture for ModelSpec {
+    fn describe(&self) -> String {
+        format!("--model {}", self.name)
+    }
+
+    fn hidden_size(&self) -> usize {
+        ModelSpec::hidden_size(self)
+    }
+
+    fn check_layout(&self, config: &ds_config::Config) -> Result<(), String> {
+        let dims = config.dims;
+        self.check_tp(dims.tp)?;
+        self.check_ep(dims.ep)?;
+        self.check_pp(dims.pp)?;
+        self.check_sp(dims.sp, dims.tp)?;
+        self.check_tile(dims.tp)?;
+        // DeepSpeed reads the section only when it is enabled
+        let ep = Some(&config.expert_parallel).filter(|e| e.enabled);
+        let preset = ep.and_then(|e| e.preset_model.as_deref());
+        self.check_expert_parallel(preset, ep.and_then(|e| e.top_k))
+    }
+
+    fn build(&self, parallel: &Parallel) -> Result<Model, String> {
+        self.build_with(parallel)
+    }
+
+    fn weights(&self) -> Option<PathBuf> {
+        self.weights.clone()
     }
 }
 

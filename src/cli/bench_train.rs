@@ -87,28 +87,20 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
-    let name = || format!("{}", args.config.display());
     // "auto" values and a missing optimizer as `train` fills them
-    let fill = crate::train::Fill {
-        args: args.training.to_args()?,
-        hidden_size: model.hidden_size(),
+    let overrides = ds_engine::Overrides {
+        layout: ds_engine::LayoutFlags {
+            tp: args.tp,
+            pp: args.pp,
+            ep: args.ep,
+            sp: args.sp,
+        },
+        training: Some(args.training.to_args()?),
         run_steps: Some((args.warmup + args.steps) as u64),
     };
-    let layout = crate::train::Layout {
-        tp: args.tp,
-        pp: args.pp,
-        ep: args.ep,
-        sp: args.sp,
-    };
-    let cfg = crate::train::read_config(Some(&args.config), env.world_size, layout, &fill)?;
-    cfg.check_filled().with_context(name)?;
-    let dims = cfg.dims;
-    model
-        .check_tp(dims.tp)
-        .and_then(|_| model.check_ep(dims.ep))
-        .and_then(|_| model.check_sp(dims.sp, dims.tp))
-        .and_then(|_| model.check_tile(dims.tp))
-        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    let source = ds_engine::ConfigSource::File(&args.config);
+    let plan = ds_engine::JobPlan::new(source, env.world_size, &overrides, Some(&model))?;
+    let (cfg, dims) = (&plan.config, plan.config.dims);
     // DeepSpeed's comms logger times every collective of rank 0 (its table printed after the
     // result)
     env.comms_logger = cfg.comms_logger.clone().filter(|c| c.enabled);
@@ -120,7 +112,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         device: args.device.open()?,
         ..EngineOptions::default()
     };
-    let mut engine = crate::train::start_engine(&model, &cfg, &groups, opts)?;
+    let mut engine = plan.engine(&model, &groups, opts)?;
     if let Some(path) = &args.save_init {
         engine.save_weights(path)?;
     }
@@ -184,7 +176,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
         }
         if dims.pp > 1 {
             let whole = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
-            let layout = ds_engine::pipeline_layout(&cfg, &whole)?;
+            let layout = ds_engine::pipeline_layout(cfg, &whole)?;
             print_bubble(&bubble, &layout, s.grad_accum, args.json);
         }
     }

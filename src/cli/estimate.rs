@@ -76,23 +76,20 @@ pub fn run(args: &EstimateArgs) -> anyhow::Result<ExitCode> {
 /// ds-rs's own model of the config's layout: one line (or JSON object) per rank.
 fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
     let model = ds_models::ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
-    let fill = crate::train::Fill {
-        args: ds_config::TrainingArgs::default(),
-        hidden_size: model.hidden_size(),
-        run_steps: None,
+    // the job `train` would run: its default steps and training arguments
+    let overrides = ds_engine::Overrides {
+        layout: ds_engine::LayoutFlags {
+            tp: args.tp,
+            pp: args.pp,
+            ep: args.ep,
+            sp: args.sp,
+        },
+        training: Some(ds_config::TrainingArgs::default()),
+        run_steps: Some(crate::train::DEFAULT_STEPS),
     };
-    let layout = crate::train::Layout {
-        tp: args.tp,
-        pp: args.pp,
-        ep: args.ep,
-        sp: args.sp,
-    };
-    let config = crate::train::read_config(Some(path), args.world_size, layout, &fill)?;
-    model
-        .check_ep(config.dims.ep)
-        .and_then(|_| model.check_sp(config.dims.sp, config.dims.tp))
-        .and_then(|_| model.check_tile(config.dims.tp))
-        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
+    let source = ds_engine::ConfigSource::File(path);
+    let plan = ds_engine::JobPlan::new(source, args.world_size, &overrides, Some(&model))?;
+    let config = plan.config;
     let ranks = estimate(&Run {
         config: &config,
         model: &model,

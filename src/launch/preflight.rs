@@ -4,22 +4,20 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 
-/// Reads and resolves the config for the job's world size and layout once, so that a bad
-/// config, or one asking for what ds-rs cannot do yet, is one error line here instead of one
-/// per rank. The head prints the config's warnings; a node launcher leaves them to the head.
+/// Plans the job of a program that embeds the engine once, as its `Job` will (the config
+/// alone, for the job's world size), so that a bad config, or one asking for what ds-rs
+/// cannot do yet, is one error line here instead of one per rank. The head prints the
+/// config's warnings; a node launcher leaves them to the head.
 pub(super) fn check_config(path: &Path, world: usize, head: bool) -> anyhow::Result<()> {
-    let doc = ds_config::load(path)?;
-    let config = ds_config::parallel_dims(&doc, world, None, None)
-        .and_then(|dims| ds_config::resolve(&doc, &dims))
-        .with_context(|| format!("{}", path.display()))?;
+    let source = ds_engine::ConfigSource::File(path);
+    let overrides = ds_engine::Overrides::default();
+    let plan = ds_engine::JobPlan::new(source, world, &overrides, None)?;
     if head {
-        print_config_warnings(&config);
+        print_config_warnings(&plan.config);
     }
-    config
-        .check_implemented()
-        .with_context(|| format!("{}", path.display()))
+    Ok(())
 }
 
 /// `train ARGS` as its ranks will run it, planned once for the job's world size: a bad
@@ -50,9 +48,9 @@ pub(super) fn check_train(
         }
         _ => false,
     };
-    let (_, config) = crate::train::plan(&args, world)?;
+    let (_, plan) = crate::train::plan(&args, world)?;
     if warn {
-        print_config_warnings(&config);
+        print_config_warnings(&plan.config);
     }
     Ok(())
 }

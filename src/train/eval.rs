@@ -82,16 +82,16 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
     let t = args.as_train()?;
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
-    let (model, cfg) = super::plan(&t, env.world_size)?;
+    let (model, plan) = super::plan(&t, env.world_size)?;
     let comm = init(&env).context("joining the job")?;
-    let groups = Groups::new(&comm, cfg.dims)?;
+    let groups = Groups::new(&comm, plan.config.dims)?;
     let opts = EngineOptions {
         seed: args.seed,
         init: args.init.clone().or_else(|| model.weights.clone()),
         device: args.device.open()?,
         ..EngineOptions::default()
     };
-    let mut engine = super::start_engine(&model, &cfg, &groups, opts.clone())?;
+    let mut engine = plan.engine(&model, &groups, opts.clone())?;
     let from = match &args.load_dir {
         Some(dir) => {
             let m = engine

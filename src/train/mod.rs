@@ -19,10 +19,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
-use ds_config::{load, parallel_dims, Config};
+use ds_config::Config;
 use ds_engine::monitor::Monitor;
-use ds_engine::parallel::{Parallel, Tp};
-use ds_engine::{Engine, EngineOptions};
+use ds_engine::{ConfigSource, Engine, EngineOptions, JobPlan, LayoutFlags, Overrides};
 use ds_models::ModelSpec;
 
 pub use metrics::{gather_memory, gpu_peak, memory_line, RankMemory};
@@ -166,72 +165,54 @@ pub struct TrainArgs {
     pub(crate) device: crate::cli::DeviceArg,
 }
 
-const DEFAULT_STEPS: u64 = 300;
+pub(crate) const DEFAULT_STEPS: u64 = 300;
 
 /// What a run of `world` ranks trains, decided before any rank joins the job (the launcher
 /// calls it too, so a bad combination is one error line before anything starts): the model,
-/// the resolved config and its layout, checked against each other.
-pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, Config)> {
+/// and the job plan (the resolved config and its layout, checked against the model).
+pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPlan)> {
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
-    let fill = Fill {
-        args: args.training.to_args()?,
-        hidden_size: model.hidden_size(),
+    let overrides = Overrides {
+        layout: args.layout(),
+        training: Some(args.training.to_args()?),
         // with --epochs the step count needs the data: --max_steps sets the schedule's length
         run_steps: args
             .steps
             .or(args.epochs.is_none().then_some(DEFAULT_STEPS)),
     };
-    let layout = Layout {
-        tp: args.tp,
-        pp: args.pp,
-        ep: args.ep,
-        sp: args.sp,
-    };
-    let cfg = read_config(args.config.as_deref(), world, layout, &fill)?;
-    let name = || config_name(args.config.as_deref());
-    cfg.check_filled().with_context(name)?;
-    cfg.check_implemented().with_context(name)?;
-    ds_engine::check_optimizer(&cfg).with_context(name)?;
-    model
-        .check_tp(cfg.dims.tp)
-        .and_then(|_| model.check_ep(cfg.dims.ep))
-        .and_then(|_| model.check_pp(cfg.dims.pp))
-        .and_then(|_| model.check_sp(cfg.dims.sp, cfg.dims.tp))
-        .and_then(|_| model.check_tile(cfg.dims.tp))
-        .and_then(|_| {
-            // DeepSpeed reads the section only when it is enabled
-            let ep = Some(&cfg.expert_parallel).filter(|e| e.enabled);
-            let preset = ep.and_then(|e| e.preset_model.as_deref());
-            model.check_expert_parallel(preset, ep.and_then(|e| e.top_k))
-        })
-        .map_err(|e| anyhow::anyhow!("--model {}: {e}", args.model))?;
-    let layers = model.build(&Tp::none()).map_err(anyhow::Error::msg)?;
-    if cfg.dims.pp > 1 {
-        // stages that split the model's layers, a ZeRO stage that combines with them
-        ds_engine::pipeline_layout(&cfg, &layers)?;
-    }
+    let plan = JobPlan::new(
+        config_source(args.config.as_deref()),
+        world,
+        &overrides,
+        Some(&model),
+    )?;
     if args.save_hf.is_some() {
-        hf_out::check(args, &model, &cfg)?;
+        hf_out::check(args, &model, &plan.config)?;
     }
-    // what the engine reads of the config (offload's settings among them), before any rank
-    // starts
-    ds_engine::Settings::from_config(&cfg, false)
-        .with_context(|| config_name(args.config.as_deref()))?;
-    Ok((model, cfg))
+    Ok((model, plan))
 }
 
-/// This rank's engine over `model`: its layers split over the rank's tensor-parallel group,
-/// starting from `opts.init`, else the model directory's weights (train, eval, bench train).
-pub(crate) fn start_engine(
-    model: &ModelSpec,
-    cfg: &Config,
-    groups: &Groups,
-    mut opts: EngineOptions,
-) -> anyhow::Result<Engine> {
-    opts.init = opts.init.or_else(|| model.weights.clone());
-    let parallel = Parallel::of(groups, cfg.sequence_parallel);
-    let layers = model.build_with(&parallel).map_err(anyhow::Error::msg)?;
-    Ok(Engine::initialize(layers, cfg, groups, &opts)?)
+impl TrainArgs {
+    /// The parallel degrees the command line asks for.
+    pub(crate) fn layout(&self) -> LayoutFlags {
+        LayoutFlags {
+            tp: self.tp,
+            pp: self.pp,
+            ep: self.ep,
+            sp: self.sp,
+        }
+    }
+}
+
+/// The config `--config` names, else the built-in default (configs/examples/zero2.json).
+pub(crate) fn config_source(path: Option<&Path>) -> ConfigSource<'_> {
+    match path {
+        Some(p) => ConfigSource::File(p),
+        None => ConfigSource::Text {
+            text: DEFAULT_CONFIG,
+            name: "the built-in default config",
+        },
+    }
 }
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
@@ -239,12 +220,12 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
     ds_engine::crash_point::check()?;
-    let (model, cfg) = plan(args, env.world_size)?;
+    let (model, plan) = plan(args, env.world_size)?;
     // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at
     // the end)
-    env.comms_logger = cfg.comms_logger.clone().filter(|c| c.enabled);
+    env.comms_logger = plan.config.comms_logger.clone().filter(|c| c.enabled);
     let comm = init(&env).context("joining the job")?;
-    let result = run_joined(args, model, &cfg, &comm, started);
+    let result = run_joined(args, model, &plan, &comm, started);
     if let (Err(e), Backend::Mpi) = (&result, comm.backend()) {
         // MPI would leave the other ranks waiting for this one: end the job, named.
         eprintln!("error: rank {}: {e:#}", comm.rank());
@@ -257,10 +238,11 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
 fn run_joined(
     args: &TrainArgs,
     model: ModelSpec,
-    cfg: &Config,
+    plan: &JobPlan,
     comm: &Communicator,
     started: Instant,
 ) -> anyhow::Result<ExitCode> {
+    let cfg = &plan.config;
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
         crate::launch::print_config_warnings(cfg);
     }
@@ -277,7 +259,7 @@ fn run_joined(
         device: device.clone(),
         ..EngineOptions::default()
     };
-    let mut engine = start_engine(&model, cfg, &groups, opts)?;
+    let mut engine = plan.engine(&model, &groups, opts)?;
     let s = engine.settings().clone();
     let width = data::token_width(&args.token_width)?;
     let data = data::open(
@@ -503,93 +485,6 @@ impl Run<'_> {
 fn launcher_warned(path: Option<&Path>) -> bool {
     let warned = std::env::var_os(crate::launch::CONFIG_WARNED);
     matches!((warned, path), (Some(w), Some(p)) if Path::new(&w) == p)
-}
-
-fn config_name(path: Option<&Path>) -> String {
-    path.map_or("the built-in default config".into(), |p| {
-        p.display().to_string()
-    })
-}
-
-/// What fills a config's "auto" values: the training arguments and what the run knows.
-pub(crate) struct Fill {
-    pub args: ds_config::TrainingArgs,
-    pub hidden_size: usize,
-    pub run_steps: Option<u64>,
-}
-
-/// The parallel degrees the command line asks for (`--tp`, `--pp`, `--ep`, `--sp`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Layout {
-    pub tp: Option<usize>,
-    pub pp: Option<usize>,
-    pub ep: Option<usize>,
-    pub sp: Option<usize>,
-}
-
-/// The config resolved for its layout (`--tp`, else the config's own degree), its "auto"
-/// values filled as Hugging Face's Trainer fills them.
-pub(crate) fn read_config(
-    path: Option<&Path>,
-    world: usize,
-    Layout { tp, pp, ep, sp }: Layout,
-    fill: &Fill,
-) -> anyhow::Result<Config> {
-    let mut doc = match path {
-        Some(p) => load(p)?,
-        None => ds_config::hjson::parse(DEFAULT_CONFIG)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", config_name(None)))?,
-    };
-    if let Some(sp) = sp {
-        with_sp(&mut doc, sp, &config_name(path))?;
-    }
-    let dims = parallel_dims(&doc, world, tp, pp).map_err(|e| {
-        // a size --sp wrote into the document is the flag's
-        match (sp, e.path()) {
-            (Some(n), Some("sequence_parallel_size")) => anyhow::anyhow!("--sp {n}: {e}"),
-            _ => anyhow::Error::new(e).context(config_name(path)),
-        }
-    })?;
-    let ctx = ds_config::FillContext {
-        data_parallel: dims.replicas() as i64,
-        hidden_size: Some(fill.hidden_size as i64),
-        run_steps: fill.run_steps.map(|n| n as i64),
-    };
-    let cfg = ds_config::resolve_with_args(&doc, &dims, &fill.args, &ctx)
-        .and_then(Config::with_expert_parallel)
-        .with_context(|| config_name(path))?;
-    with_ep(cfg, ep, &config_name(path))
-}
-
-/// `doc` with `sequence_parallel_size` `sp` (`--sp`), which a size the config names must
-/// agree with; `name` names the config.
-fn with_sp(doc: &mut ds_config::Value, sp: usize, name: &str) -> anyhow::Result<()> {
-    let ds_config::Value::Dict(root) = doc else {
-        return Ok(());
-    };
-    let said = root.get("sequence_parallel_size").and_then(|v| v.as_f64());
-    if let Some(n) = said.filter(|&n| n != sp as f64) {
-        anyhow::bail!("--sp {sp} and {name}'s sequence_parallel_size {n} disagree");
-    }
-    root.insert("sequence_parallel_size", ds_config::Value::Int(sp as i64));
-    Ok(())
-}
-
-/// `cfg` at expert-parallel size `ep` (`--ep`) when given, else the config's AutoEP size
-/// (which `Config::with_expert_parallel` put in the layout); `name` names the config.
-pub fn with_ep(mut cfg: Config, ep: Option<usize>, name: &str) -> anyhow::Result<Config> {
-    let Some(ep) = ep else {
-        return Ok(cfg);
-    };
-    let from_config = cfg.expert_parallel.size();
-    if from_config > 1 && ep != from_config {
-        anyhow::bail!("--ep {ep} and {name}'s expert_parallel.autoep_size {from_config} disagree");
-    }
-    cfg.dims = cfg
-        .dims
-        .with_ep(ep)
-        .map_err(|e| anyhow::anyhow!("--ep {ep}: {e}"))?;
-    Ok(cfg)
 }
 
 /// ds_config.resolved.json beside the metrics: the config as this run resolved it, itself a

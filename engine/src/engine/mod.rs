@@ -39,7 +39,7 @@ use groups::{GroupPlan, GroupRules};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
-pub use program::{check_optimizer, lr_schedule, program_optimizer_line};
+pub use program::{check_optimizer, lr_schedule, optimizer_section, program_optimizer_line};
 pub use settings::{CpuOffload, Precision, Settings};
 use trainer::Trainer;
 pub use update::{StepOutcome, STEP_PIECE};

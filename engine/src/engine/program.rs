@@ -100,6 +100,12 @@ pub fn check_optimizer(config: &Config) -> Result<()> {
     Ok(())
 }
 
+/// The optimizer the run builds: the config's section, else the AdamW its training arguments
+/// describe (what the memory model counts the states of).
+pub fn optimizer_section(config: &Config) -> Result<TypedSection> {
+    Ok(optimizer_and_schedule(config)?.optimizer)
+}
+
 /// The optimizer's `lr` param (DeepSpeed's optimizers default to 1e-3).
 fn base_lr(section: &TypedSection) -> Result<f64> {
     match section.params.as_ref().and_then(|p| p.get("lr")) {

@@ -13,6 +13,9 @@ mod space;
 mod trial;
 mod workload;
 
+#[cfg(test)]
+mod corpus_tests;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
@@ -20,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use ds_autotune::time::{measure_host, step_cost, Rates, StepCost};
 use ds_autotune::tuning::{best, tune, Experiment, Space};
+use ds_engine::{ConfigSource, JobPlan, LayoutFlags, Overrides};
 use serde_json::{json, Value as Json};
 
 use crate::launch::LaunchArgs;
@@ -132,15 +136,38 @@ struct Tuner {
     /// The degrees the train command fixes (`--tp`, `--pp`, `--ep`, `--sp`).
     fixed: space::Fixed,
     rates: Rates,
+    /// The training arguments of the user's `train` (None for another program: its `Job`
+    /// reads the config alone).
+    training: Option<ds_config::TrainingArgs>,
+    /// The user's config, for messages.
+    config_name: String,
 }
 
 impl Tuner {
+    /// The tuner of this invocation, its trials' rendezvous set and its directories
+    /// writable.
     fn new(args: &LaunchArgs) -> anyhow::Result<Tuner> {
+        let mut tuner = Tuner::plan(args)?;
+        let mut groups = std::mem::take(&mut tuner.groups);
+        cluster::rendezvous(&mut groups, args)?;
+        for dir in [&tuner.results, &tuner.exps] {
+            writable(dir)
+                .with_context(|| format!("{}: autotuning: {}", tuner.config_name, dir.display()))?;
+        }
+        Ok(Tuner { groups, ..tuner })
+    }
+
+    /// Everything the search needs, read and checked, nothing written or contacted: the
+    /// space, the workload, and one layout at least that the job plan accepts.
+    fn plan(args: &LaunchArgs) -> anyhow::Result<Tuner> {
         let path = args
             .config
             .as_deref()
             .context("autotuning needs --config ds.json (with its `autotuning` section)")?;
-        let user = ds_config::load(path)?.to_json();
+        let mut doc = ds_config::load(path)?;
+        // the trials set the section's stage: a legacy `true` is the section it stands for
+        ds_config::expand_legacy_zero(&mut doc);
+        let user = doc.to_json();
         let name = || path.display().to_string();
         let program = args.program.clone();
         let train = match program.first().map(String::as_str) {
@@ -155,7 +182,7 @@ impl Tuner {
                 ep: t.ep,
                 sp: t.sp,
             });
-        let (mut groups, ranks) = cluster::groups(args)?;
+        let (groups, ranks) = cluster::groups(args)?;
         let at = &user["autotuning"];
         let text = |k: &str, d: &str| at.get(k).and_then(Json::as_str).unwrap_or(d).to_string();
         let int = |k: &str, d: i64| at.get(k).and_then(Json::as_i64).unwrap_or(d);
@@ -222,9 +249,11 @@ impl Tuner {
                 Some(_) => without(&program, &BATCH_AND_CONFIG_FLAGS),
                 None => program.clone(),
             },
-            groups: Vec::new(),
+            groups,
             ranks,
             fixed,
+            training: trial_training_args(&program, train.is_some())?,
+            config_name: name(),
             rates: Rates {
                 flops_per_s: 1.0,
                 bus_bytes_per_s: 1.0,
@@ -234,11 +263,7 @@ impl Tuner {
             user,
         };
         tuner.check_layouts(&name)?;
-        cluster::rendezvous(&mut groups, args)?;
-        for dir in [&tuner.results, &tuner.exps] {
-            writable(dir).with_context(|| format!("{}: autotuning: {}", name(), dir.display()))?;
-        }
-        Ok(Tuner { groups, ..tuner })
+        Ok(tuner)
     }
 
     /// One layout of the space at least must suit the model and the ranks at one stage:
@@ -318,25 +343,26 @@ impl Tuner {
         c
     }
 
-    /// The trial's config as the ranks will resolve it.
+    /// The trial's config as its ranks will plan it: the job plan of `train` (or of the
+    /// program's `Job`), with the trial's layout and the user's training arguments.
     fn resolved(&self, e: &Experiment) -> anyhow::Result<ds_config::Config> {
         let text = serde_json::to_string(&self.trial_config(e))?;
-        let doc = ds_config::hjson::parse(&text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let (tp, pp) = (
-            self.fixed.tp.or(Some(e.layout.tp)),
-            self.fixed.pp.or(Some(e.layout.pp)),
-        );
-        let dims = ds_config::parallel_dims(&doc, self.ranks, tp, pp)?;
-        // "auto" values as the trial's `train` fills them (its batch is in the config)
-        let ctx = ds_config::FillContext {
-            data_parallel: dims.replicas() as i64,
-            hidden_size: self.workload.hidden_size().map(|h| h as i64),
-            run_steps: Some(self.end_profile_step as i64),
+        let overrides = Overrides {
+            layout: LayoutFlags {
+                tp: self.fixed.tp.or(Some(e.layout.tp)),
+                pp: self.fixed.pp.or(Some(e.layout.pp)),
+                ep: self.fixed.ep,
+                sp: self.fixed.sp,
+            },
+            training: self.training.clone(),
+            run_steps: Some(self.end_profile_step),
         };
-        let args = ds_config::TrainingArgs::default();
-        let config = ds_config::resolve_with_args(&doc, &dims, &args, &ctx)
-            .and_then(ds_config::Config::with_expert_parallel)?;
-        crate::train::with_ep(config, self.fixed.ep, "the trial's config")
+        let source = ConfigSource::Text {
+            text: &text,
+            name: &self.config_name,
+        };
+        let model = self.workload.architecture();
+        Ok(JobPlan::new(source, self.ranks, &overrides, model)?.config)
     }
 
     /// The memory model's peak of the largest rank for this trial.
@@ -371,6 +397,19 @@ impl Tuner {
     }
 }
 
+/// The training arguments each trial's `train` runs with: the user's, without the options
+/// each trial sets itself (its batch comes through its config). None for another program.
+fn trial_training_args(
+    program: &[String],
+    is_train: bool,
+) -> anyhow::Result<Option<ds_config::TrainingArgs>> {
+    if !is_train {
+        return Ok(None);
+    }
+    let trial = parse_train(&without(program, &TRIAL_FLAGS))?;
+    Ok(Some(trial.training.to_args()?))
+}
+
 fn parse_train(program: &[String]) -> anyhow::Result<crate::train::TrainArgs> {
     #[derive(clap::Parser)]
     struct Train {
@@ -389,7 +428,7 @@ fn launcher_flags(program: &[String]) -> Vec<String> {
         .iter()
         .position(|a| a == "launch" || a == "autotune")
         .map_or(0, |i| i + 1);
-    let end = raw.len() - program.len();
+    let end = raw.len().saturating_sub(program.len());
     without(&raw[start..end.max(start)], &OWN_FLAGS)
 }
 

@@ -29,10 +29,10 @@ pub enum Workload {
 }
 
 impl Workload {
-    /// The model's hidden size, where ds-rs knows the model (fills "auto" bucket sizes).
-    pub fn hidden_size(&self) -> Option<usize> {
+    /// The model, where ds-rs knows it (the job plan checks it against each trial's layout).
+    pub fn architecture(&self) -> Option<&dyn ds_engine::Architecture> {
         match self {
-            Workload::Train { model, .. } => Some(model.hidden_size()),
+            Workload::Train { model, .. } => Some(model.as_ref()),
             Workload::Program { .. } => None,
         }
     }
