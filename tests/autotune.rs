@@ -283,8 +283,8 @@ fn ctrl_c_stops_the_trials_and_keeps_the_results() {
 
 /// A program that embeds the engine (the custom-loop example), tuned through its own flag:
 /// `arg_mappings` puts each trial's micro-batch on its command line (`--micro-batch`), and
-/// the engine's trial hook times the profiled steps, writes the metrics file and ends the
-/// program, whose own loop would run 100 steps.
+/// the engine's trial hook times the profiled steps, writes the metrics file and says so in
+/// the step's outcome, on which the program ends its own loop of 100 steps.
 #[test]
 fn a_program_embedding_the_engine_is_tuned_through_its_own_flags() {
     let s = Scratch::new("autotune-program");

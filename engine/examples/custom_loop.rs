@@ -227,13 +227,15 @@ fn run(args: &Args) -> Result<(), Error> {
     let world = comm.world();
     for step in 0..args.steps {
         let mut loss_sum = 0.0f32;
+        // an autotuning trial (`ds-rs launch --autotuning`) ends after its profiled steps
+        let mut trial_complete = false;
         for k in 0..accum {
             let batch = loader.micro_batch(step, k)?.to_inputs(&engine.device())?;
             let loss = engine.forward(&batch)?;
             engine.backward(&loss)?;
             // Steps the optimizer at the end of the accumulation window only (DeepSpeed's
             // engine.step()); the gradients are averaged over all ranks first.
-            engine.step()?;
+            trial_complete |= engine.step()?.is_some_and(|o| o.trial_complete);
             loss_sum += loss.to_scalar::<f32>()?;
         }
         // This rank's loss is the mean over its own samples; the mean over the ranks is the
@@ -247,6 +249,9 @@ fn run(args: &Args) -> Result<(), Error> {
                 loss[0],
                 engine.get_lr()
             );
+        }
+        if trial_complete {
+            break;
         }
     }
     Ok(())

@@ -384,6 +384,10 @@ impl Run<'_> {
                 evals.push(e);
             }
             self.checkpoint(engine, data, step)?;
+            if out.trial_complete {
+                // an autotuning trial's profile is measured: the run ends, as DeepSpeed's
+                break;
+            }
         }
         if rank0 {
             progress.finish();

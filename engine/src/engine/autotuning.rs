@@ -1,10 +1,12 @@
 //! DeepSpeed's autotuning trial hook (runtime/engine.py `_autotuning_exit`): when a trial's
 //! ds_config has `autotuning.enabled` and a `metric_path` (the autotuner writes both), the
-//! engine times its optimizer steps from `start_profile_step` to `end_profile_step`, rank 0
-//! writes DeepSpeed's metrics file there, and every rank ends its process, so that a program
-//! embedding the engine is tuned through its own loop without knowing it. Without a
-//! `metric_path` the section only configures `ds-rs launch --autotuning` and the engine
-//! trains as usual.
+//! engine times its optimizer steps from `start_profile_step` to `end_profile_step` and rank 0
+//! writes DeepSpeed's metrics file there. Where DeepSpeed then ends the process, ds-rs says so
+//! in the step's outcome (`StepOutcome::trial_complete`) and leaves the ending to the caller:
+//! a program that reads it stops its loop, and the autotuner stops a trial whose metrics are
+//! written, so a program embedding the engine is tuned through its own loop without knowing
+//! it. Without a `metric_path` the section only configures `ds-rs launch --autotuning` and
+//! the engine trains as usual.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -40,13 +42,14 @@ impl TrialProbe {
     }
 
     /// After the optimizer step that made `global_steps`: starts the clock at
-    /// `start_profile_step`; at `end_profile_step` writes the metrics and exits.
-    pub fn after_step(&mut self, global_steps: u64) -> Result<()> {
+    /// `start_profile_step`; at `end_profile_step` writes the metrics and says the trial is
+    /// complete.
+    pub fn after_step(&mut self, global_steps: u64) -> Result<bool> {
         if global_steps == self.start {
             self.began = Some(Instant::now());
         }
         let Some(began) = self.began.filter(|_| global_steps >= self.end) else {
-            return Ok(());
+            return Ok(false);
         };
         let latency = began.elapsed().as_secs_f64() / (global_steps - self.start) as f64;
         if self.rank0 {
@@ -56,14 +59,19 @@ impl TrialProbe {
                 "start_profile_step": self.start,
                 "end_profile_step": global_steps,
             });
-            std::fs::write(&self.path, metrics.to_string()).map_err(|e| {
-                EngineError::Invalid(format!(
-                    "autotuning.metric_path {}: {e}",
-                    self.path.display()
-                ))
-            })?;
+            // whole or absent: the autotuner may read it as soon as it is there
+            let partial = self.path.with_extension("partial");
+            std::fs::write(&partial, metrics.to_string())
+                .and_then(|_| std::fs::rename(&partial, &self.path))
+                .map_err(|e| {
+                    EngineError::Invalid(format!(
+                        "autotuning.metric_path {}: {e}",
+                        self.path.display()
+                    ))
+                })?;
         }
         // DeepSpeed's trial ends here, on every rank, after the same step
-        std::process::exit(0)
+        self.began = None;
+        Ok(true)
     }
 }

@@ -436,19 +436,17 @@ impl Engine {
     pub fn step(&mut self) -> Result<Option<StepOutcome>> {
         self.not_pipelined("step")?;
         let outcome = each!(&mut self.core, t => t.step())?;
-        if outcome.is_some() {
-            self.after_step()?;
-        }
-        Ok(outcome)
+        outcome.map(|o| self.after_step(o)).transpose()
     }
 
-    /// An autotuning trial ends its process after its last profiled step.
-    fn after_step(&mut self) -> Result<()> {
+    /// An autotuning trial's probe after each optimizer step: the outcome says when the
+    /// trial's last profiled step is done (the program ends there).
+    fn after_step(&mut self, mut outcome: StepOutcome) -> Result<StepOutcome> {
         let steps = self.global_steps();
-        match &mut self.probe {
-            Some(probe) => probe.after_step(steps),
-            None => Ok(()),
+        if let Some(probe) = &mut self.probe {
+            outcome.trial_complete = probe.after_step(steps)?;
         }
+        Ok(outcome)
     }
 
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
@@ -507,8 +505,7 @@ impl Engine {
             .broadcast(&mut loss, stage.last())
             .map_err(|e| pipe::name_stages(e.into(), stage))?;
         let loss = self.mean_over_ranks(loss[0])?;
-        self.after_step()?;
-        Ok((loss, outcome))
+        Ok((loss, self.after_step(outcome)?))
     }
 
     /// The loss of `gradient_accumulation_steps` micro-batches from `next` without

@@ -26,6 +26,9 @@ pub struct StepOutcome {
     pub loss_scale: f64,
     /// What DeepSpeed's rank 0 would log about the loss scale at this step.
     pub messages: Vec<String>,
+    /// This step ended an autotuning trial's profile (its metrics are written): the program
+    /// should end here, as DeepSpeed's engine ends the process.
+    pub trial_complete: bool,
 }
 
 /// Optimizer, LR schedule and loss scaler, with the step counters DeepSpeed keeps.
@@ -205,6 +208,7 @@ impl Updater {
             skipped: scaled.skipped,
             loss_scale: scale,
             messages,
+            trial_complete: false,
         };
         if scaled.skipped {
             self.skipped_steps += 1;

@@ -176,13 +176,21 @@ impl Runner<'_> {
         let t = self.tuner;
         let status = match trial.child.try_wait() {
             Ok(Some(status)) => status,
+            Ok(None) if self.profiled(trial) => {
+                // the engine wrote the metrics after the last profiled step: the program,
+                // told so by its step's outcome, need not train on (DeepSpeed exits there)
+                end(trial);
+                let outcome = self.measured(&trial.dir);
+                return Some(self.finish(
+                    trial,
+                    outcome.unwrap_or_else(|e| Outcome::Failed(format!("{e:#}"))),
+                ));
+            }
             Ok(None) if trial.started.elapsed() <= t.trial_timeout && self.stop.get().is_none() => {
                 return None
             }
             Ok(None) => {
-                // the launcher stops its ranks on SIGTERM
-                unsafe { libc::kill(trial.child.id() as i32, libc::SIGTERM) };
-                let _ = trial.child.wait();
+                end(trial);
                 let why = match self.stop.get() {
                     Some(_) => "stopped".to_string(),
                     None => format!(
@@ -213,6 +221,13 @@ impl Runner<'_> {
             }
         };
         Some(self.finish(trial, outcome))
+    }
+
+    /// Whether the engine's trial hook has written the trial's metrics (a program that
+    /// embeds the engine; `train`'s trials end by themselves after their steps).
+    fn profiled(&self, trial: &Running) -> bool {
+        matches!(self.tuner.workload, Workload::Program { .. })
+            && trial.dir.join("metrics.json").exists()
     }
 
     /// `train` with the trial's steps, its metrics directory in `dir`, and no evaluation.
@@ -275,6 +290,12 @@ impl Runner<'_> {
             step_s: get("latency"),
         })
     }
+}
+
+/// Stops a running trial: the launcher stops its ranks on SIGTERM.
+fn end(trial: &mut Running) {
+    unsafe { libc::kill(trial.child.id() as i32, libc::SIGTERM) };
+    let _ = trial.child.wait();
 }
 
 /// The rates of the time model: this host's compute and memory per rank, and an all-reduce
