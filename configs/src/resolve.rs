@@ -11,6 +11,7 @@ use crate::optim::{self, OptimizerParams, SchedulerParams, TypedSection};
 use crate::precision::{Bf16Config, Fp16Config};
 use crate::runtime::{
     ActivationCheckpointingConfig, AioConfig, AutotuningConfig, CheckpointConfig, DataTypesConfig,
+    PipelineConfig,
 };
 use crate::section::Section;
 use crate::toplevel::{self, Scalars};
@@ -206,17 +207,7 @@ fn pipeline_stages(doc: &Value) -> Result<usize> {
     let Value::Dict(root) = doc else {
         return Ok(1);
     };
-    let pipeline = crate::runtime::read_pipeline(root)?;
-    match &pipeline["stages"] {
-        Json::String(s) if s == "auto" => Ok(1),
-        v => v
-            .as_u64()
-            .filter(|&n| n > 0)
-            .map(|n| n as usize)
-            .ok_or_else(|| {
-                ConfigError::invalid("pipeline.stages", v, "a positive integer or \"auto\"")
-            }),
-    }
+    PipelineConfig::read(root)?.stages()
 }
 
 /// The resolved configuration: DeepSpeed's defaults applied, the batch triad filled, every
@@ -242,7 +233,7 @@ pub struct Config {
     pub monitor: MonitorConfig,
     pub flops_profiler: FlopsProfilerConfig,
     pub wall_clock_breakdown: bool,
-    pub pipeline: Json,
+    pub pipeline: PipelineConfig,
     /// `tensor_parallel.autotp_size`: DeepSpeed's AutoTP degree (0 = off).
     pub autotp_size: i64,
     /// `tensor_parallel.sequence_parallel` (a ds-rs extension): activations between the
@@ -499,11 +490,11 @@ fn read_precision(root: &Dict, notes: &mut Notes) -> Result<(Fp16Config, Bf16Con
     Ok((fp16, bf16))
 }
 
-type Runtime = (Json, CheckpointConfig, DataTypesConfig, AioConfig);
+type Runtime = (PipelineConfig, CheckpointConfig, DataTypesConfig, AioConfig);
 
 fn read_runtime(root: &Dict, notes: &mut Notes) -> Result<Runtime> {
     extras::hybrid_engine(root, &mut notes.autos)?;
-    let pipeline = crate::runtime::read_pipeline(root)?;
+    let pipeline = PipelineConfig::read(root)?;
     notes.warnings.extend(pipeline_warnings(root)?);
     notes.warnings.extend(aio_warnings(root));
     extras::data_efficiency(root)?;

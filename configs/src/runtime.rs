@@ -266,22 +266,74 @@ impl AioConfig {
     }
 }
 
-/// `pipeline`: DeepSpeed's pipeline-engine defaults with the user's keys laid over them.
-pub fn read_pipeline(root: &Dict) -> Result<Json> {
-    let mut out = serde_json::json!({
-        "stages": "auto",
-        "partition": "best",
-        "seed_layers": false,
-        "activation_checkpoint_interval": 0,
-        "pipe_partitioned": true,
-        "grad_partitioned": true,
-    });
-    if let Some(d) = dict_at(root, "pipeline")? {
-        for (k, v) in d.iter() {
-            out[k] = v.to_json();
+/// `pipeline`: DeepSpeed's pipeline-engine section, its defaults with the user's keys laid
+/// over them. DeepSpeed reads it with `dict.get`, so any value resolves (the verdict stays
+/// DeepSpeed's, and the resolved document keeps every key as written); each key a run reads
+/// is typed and checked by its accessor.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct PipelineConfig(Json);
+
+impl PipelineConfig {
+    pub fn read(root: &Dict) -> Result<PipelineConfig> {
+        let mut out = serde_json::json!({
+            "stages": "auto",
+            "partition": "best",
+            "seed_layers": false,
+            "activation_checkpoint_interval": 0,
+            "pipe_partitioned": true,
+            "grad_partitioned": true,
+        });
+        if let Some(d) = dict_at(root, "pipeline")? {
+            for (k, v) in d.iter() {
+                out[k] = v.to_json();
+            }
+        }
+        Ok(PipelineConfig(out))
+    }
+
+    /// `stages`: a positive integer, or "auto" (one stage).
+    pub fn stages(&self) -> Result<usize> {
+        match &self.0["stages"] {
+            Json::String(s) if s == "auto" => Ok(1),
+            v => positive(v).ok_or_else(|| {
+                ConfigError::invalid("pipeline.stages", v, "a positive integer or \"auto\"")
+            }),
         }
     }
-    Ok(out)
+
+    /// `partition`: how the layers are cut into stages (DeepSpeed's `partition_method`:
+    /// parameters, uniform, type:REGEX); "parameters" when it is not a string.
+    pub fn partition(&self) -> &str {
+        self.0["partition"].as_str().unwrap_or("parameters")
+    }
+
+    /// `activation_checkpoint_interval`: layers per recomputed chunk (0: none).
+    pub fn activation_checkpoint_interval(&self) -> Result<usize> {
+        const PATH: &str = "pipeline.activation_checkpoint_interval";
+        match &self.0["activation_checkpoint_interval"] {
+            Json::Null => Ok(0),
+            v => v
+                .as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| ConfigError::invalid(PATH, v, "a whole number of layers")),
+        }
+    }
+
+    /// `virtual_stages` (a ds-rs extension, Megatron-LM's interleaved schedule): model
+    /// chunks per stage, 1 by default.
+    pub fn virtual_stages(&self) -> Result<usize> {
+        match &self.0["virtual_stages"] {
+            Json::Null => Ok(1),
+            v => positive(v).ok_or_else(|| {
+                ConfigError::invalid("pipeline.virtual_stages", v, "a positive integer")
+            }),
+        }
+    }
+}
+
+fn positive(v: &Json) -> Option<usize> {
+    v.as_u64().filter(|&n| n > 0).map(|n| n as usize)
 }
 
 /// `data_types`: the dtypes of gradient accumulation, parameters and buffers.

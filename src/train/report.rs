@@ -49,9 +49,7 @@ impl Run<'_> {
         let Ok(model) = self.model.build(&ds_engine::parallel::Tp::none()) else {
             return "pipeline: (no partition)".into();
         };
-        let method = self.cfg.pipeline["partition"]
-            .as_str()
-            .unwrap_or("parameters");
+        let method = self.cfg.pipeline.partition();
         let Ok(layout) = ds_engine::pipeline_layout(self.cfg, &model) else {
             return "pipeline: (no partition)".into();
         };

@@ -128,22 +128,6 @@ fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>
         .map_err(|e| EngineError::Invalid(format!("pipeline: {e}")))
 }
 
-/// `pipeline.virtual_stages` (a ds-rs extension, Megatron-LM's interleaved schedule): model
-/// chunks per stage, 1 by default.
-fn virtual_stages(config: &ds_config::Config) -> Result<usize> {
-    const PATH: &str = "pipeline.virtual_stages";
-    match config.pipeline.get("virtual_stages") {
-        None | Some(serde_json::Value::Null) => Ok(1),
-        Some(v) => v
-            .as_u64()
-            .filter(|&n| n >= 1)
-            .map(|n| n as usize)
-            .ok_or_else(|| {
-                EngineError::Invalid(format!("{PATH} = {v}: expected a positive integer"))
-            }),
-    }
-}
-
 /// The pipeline layout of `model` for a config with `pipeline.stages` > 1, after the checks
 /// DeepSpeed's PipelineEngine makes (ZeRO-2 and -3 do not combine with pipelines) and, with
 /// `pipeline.virtual_stages`, Megatron's for interleaving; `train` calls it before any rank
@@ -156,10 +140,8 @@ pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Pipe
             config.zero_stage()
         )));
     }
-    let chunks = virtual_stages(config)?;
-    let method = config.pipeline["partition"]
-        .as_str()
-        .unwrap_or("parameters");
+    let chunks = config.pipeline.virtual_stages()?;
+    let method = config.pipeline.partition();
     let layout = PipeLayout {
         parts: stage_layers(model, stages * chunks, method)?,
         stages,

@@ -73,7 +73,7 @@ impl CpuOffload {
 
 impl Settings {
     pub fn from_config(cfg: &Config, recompute: bool) -> Result<Settings> {
-        let interval = checkpoint_interval(cfg)?;
+        let interval = cfg.pipeline.activation_checkpoint_interval()?;
         let recompute = recompute || cfg.activation_checkpointing.in_config || interval > 0;
         let precision = match (cfg.fp16.enabled, cfg.bf16.enabled) {
             (true, _) => Precision::F16,
@@ -167,19 +167,6 @@ fn nvme_dir(
         None => Err(EngineError::Invalid(format!(
             "{section}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
         ))),
-    }
-}
-
-/// `pipeline.activation_checkpoint_interval` (DeepSpeed's default 0: no checkpointing).
-fn checkpoint_interval(cfg: &Config) -> Result<usize> {
-    const PATH: &str = "pipeline.activation_checkpoint_interval";
-    match cfg.pipeline.get("activation_checkpoint_interval") {
-        None | Some(Json::Null) => Ok(0),
-        Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
-            EngineError::Invalid(format!(
-                "{PATH}: expected a whole number of layers, got {v}"
-            ))
-        }),
     }
 }
 
