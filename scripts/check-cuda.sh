@@ -13,7 +13,7 @@ eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
 CARGO_TARGET_DIR=target/cuda nice -n 19 cargo build --release -j "${JOBS:-1}" --features cuda --bin ds-rs
 # The fused kernels launch up to 1024 threads a block (src/kernels/gpu/launch.rs): each may
 # use at most 64 registers (65,536 per SM on every GPU since sm_50) and must not spill.
-regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null engine/kernels/fused.cu 2>&1)
+regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null nn/kernels/fused.cu 2>&1)
 most=$(grep -oE 'Used [0-9]+ registers' <<<"$regs" | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')
 if [ "$most" -gt 64 ] || grep -qE '[1-9][0-9]* bytes spill' <<<"$regs"; then
     echo "check-cuda: fused.cu needs $most registers a thread or spills; 1024-thread blocks would not launch" >&2
@@ -23,7 +23,7 @@ echo "check-cuda: fused.cu's kernels use at most $most registers a thread, no sp
 # The flash kernels run blocks of 64 or 128 threads, so up to 255 registers a thread launch;
 # their tiles are dynamic shared memory (launch.rs's flash_shared_bytes, up to 56 KiB), so
 # ptxas reports no static shared memory for them. Spills are reported (none so far).
-regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null engine/kernels/flash.cu 2>&1)
+regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null nn/kernels/flash.cu 2>&1)
 most=$(grep -oE 'Used [0-9]+ registers' <<<"$regs" | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')
 spill=$(grep -oE '[0-9]+ bytes spill stores' <<<"$regs" | awk '{ if ($1 > m) m = $1 } END { print m + 0 }')
 smem=$({ grep -oE '[0-9]+ bytes smem' <<<"$regs" || true; } | awk '{ if ($1 > m) m = $1 } END { print m + 0 }')

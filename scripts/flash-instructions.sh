@@ -95,9 +95,12 @@ PY
     done
 }
 
-count "$repo/engine/kernels" "tree"
+count "$repo/nn/kernels" "tree"
 if [ $# -gt 0 ]; then
     mkdir -p "$work/rev"
-    git archive "$1" engine/kernels | tar -x -C "$work/rev"
-    count "$work/rev/engine/kernels" "$1"
+    # the kernels lived in engine/kernels before the model layer (nn/) was its own crate
+    kernels=nn/kernels
+    git cat-file -e "$1:$kernels" 2>/dev/null || kernels=engine/kernels
+    git archive "$1" "$kernels" | tar -x -C "$work/rev"
+    count "$work/rev/$kernels" "$1"
 fi

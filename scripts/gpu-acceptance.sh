@@ -233,7 +233,7 @@ gpu_buffers() {
         "$log" "2 ranks on one GPU: buckets and gathers in GPU memory, the host's bits"
 }
 
-# engine/tests/gpu_kernels.rs: the fused kernels (kernels/fused.cu) on the GPU against the CPU
+# nn/tests/gpu_kernels.rs: the fused kernels (kernels/fused.cu) on the GPU against the CPU
 # kernels at GPT-2's sizes, f32/bf16/f16, and the flash attention kernels (kernels/flash.cu)
 # against f64 attention; a row per test, then one per kernel and dtype with the largest
 # difference it printed (for flash_*, as a fraction of each element's own bound).

@@ -49,13 +49,14 @@ mkdir -p "$out/bench"
 pack "$bin" "$out/nccl_device"
 # ds-rs with the cuda feature (scripts/check-cuda.sh builds it: 20-40 minutes the first time),
 # and the GPU buffers' and fused kernels' tests against their host side (engine/tests/gpu_buffers.rs,
-# gpu_kernels.rs) built beside it.
+# nn/tests/gpu_kernels.rs) built beside it.
 cuda_bin=${DS_RS_CUDA_BIN:-$repo/target/cuda/release/ds-rs}
 if [ -x "$cuda_bin" ]; then
     pack "$cuda_bin" "$out/ds-rs"
     eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
-    for t in gpu_buffers gpu_kernels; do
-        b=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary ds-engine cuda $t)
+    for crate_test in ds-engine:gpu_buffers ds-nn:gpu_kernels; do
+        t=${crate_test#*:}
+        b=$(CARGO_TARGET_DIR=$(dirname "$(dirname "$cuda_bin")") test_binary "${crate_test%%:*}" cuda "$t")
         [ -n "$b" ] && pack "$b" "$out/$t"
     done
 else

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU host: the engine's kernels (engine/kernels/fused.cu, flash.cu) of the working tree
+# On a GPU host: the model layer's kernels (nn/kernels/fused.cu, flash.cu) of the working tree
 # compiled to PTX in DIR, with the flags the build uses (read from build-support/ptx.rs), for
 # DS_RS_PTX_DIR=DIR: a kernel's body changed there is measured by the bundle's ds-rs without
-# rebuilding it (engine/src/kernels/gpu/ptx.rs). The launches stay the build's, so a change
+# rebuilding it (nn/src/kernels/gpu/ptx.rs). The launches stay the build's, so a change
 # must keep the kernel's arguments, grid and shared memory as they are.
 #
 #   scripts/gpu-ptx.sh DIR [fused] [flash]    # both when none is named
@@ -19,7 +19,7 @@ flags=$(grep -o '\.args(\["--ptx"[^]]*\])' "$repo/build-support/ptx.rs" | grep -
 [ -n "$flags" ] || { echo "gpu-ptx: no nvcc flags found in build-support/ptx.rs" >&2; exit 1; }
 mkdir -p "$dir"
 for k in "${kernels[@]}"; do
-    src=$repo/engine/kernels/$k.cu
+    src=$repo/nn/kernels/$k.cu
     [ -f "$src" ] || { echo "gpu-ptx: no $src" >&2; exit 2; }
     # shellcheck disable=SC2086 # the flags, one word each
     nvcc $flags -o "$dir/$k.ptx" "$src"

@@ -73,11 +73,3 @@ pub(super) fn span(
         }),
     }
 }
-
-/// A training loop's batch closure returns the engine's error: a data error passes through
-/// with its message (it already names the source).
-impl From<DataError> for ds_engine::EngineError {
-    fn from(e: DataError) -> Self {
-        ds_engine::EngineError::Invalid(e.to_string())
-    }
-}

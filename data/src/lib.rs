@@ -57,7 +57,7 @@ pub use split::{Part, Split};
 pub use synthetic::SyntheticTokens;
 pub use tokenizer::TextTokenizer;
 
-pub use ds_engine::Batch;
+pub use ds_nn::Batch;
 
 /// A flat, random-access sequence of token ids, each below [`TokenSource::vocab`].
 ///

@@ -7,7 +7,7 @@
 
 use super::error::{DataError, Result};
 use super::{Batch, Samples};
-use ds_engine::IGNORE;
+use ds_nn::IGNORE;
 
 /// The sample order of one data-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

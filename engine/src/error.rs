@@ -4,6 +4,8 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum EngineError {
     #[error(transparent)]
+    Nn(#[from] ds_nn::NnError),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Partition(#[from] ds_partition::PartitionError),
@@ -22,11 +24,25 @@ pub enum EngineError {
         origin: String,
         error: Box<EngineError>,
     },
+    /// A program's closure failed to give the engine its input (a data loader's error).
+    #[error(transparent)]
+    Input(BoxError),
     #[error("{0}")]
     Invalid(String),
 }
 
+/// Any error a program's closure returns to the engine.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl EngineError {
+    /// The error of a program's closure: an engine error as itself, any other as `Input`.
+    pub fn input(e: impl Into<BoxError>) -> EngineError {
+        match e.into().downcast::<EngineError>() {
+            Ok(engine) => *engine,
+            Err(other) => EngineError::Input(other),
+        }
+    }
+
     /// `error`, named by where it lies (see `Plan`).
     pub fn at(origin: String, error: EngineError) -> EngineError {
         EngineError::Plan {

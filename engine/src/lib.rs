@@ -13,28 +13,22 @@
 //! `parallel` (tensor parallelism) uses both; the engine uses everything and nothing below it
 //! knows the engine.
 
-mod batch;
 mod error;
 mod job;
-pub mod kernels;
-/// candle-nn's modules and ops with a backward (RMSNorm, LayerNorm, softmax, rotary
-/// embeddings, the cross-entropy), for users' models.
-pub use kernels::nn;
-pub mod model;
 pub mod monitor;
 
-pub use batch::{Batch, Inputs, Targets, IGNORE};
-pub use candle_core::Device;
-pub use error::{EngineError, Result};
+/// The model layer (ds-nn), which the engine trains: its modules under the engine's name too,
+/// so a program that embeds the engine needs one crate.
+pub use ds_nn::{device, kernels, model, nn, parallel};
+pub use ds_nn::{Architecture, Batch, CpuOffload, Device, Inputs, Targets, IGNORE};
+pub use error::{BoxError, EngineError, Result};
 pub use job::Job;
-pub use plan::{Architecture, ConfigSource, JobPlan, LayoutFlags, Overrides};
+pub use plan::{ConfigSource, JobPlan, LayoutFlags, Overrides};
 pub mod checkpoint;
 pub mod crash_point;
-pub mod device;
 mod engine;
 pub mod loss_scale;
 pub mod optim;
-pub mod parallel;
 pub mod plan;
 pub mod schedule;
 

@@ -9,14 +9,14 @@
 //! refuse what is left "auto" or not carried out, check the optimizer and the model against
 //! the layout, the pipeline's stages, and the engine's settings.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ds_comm::Groups;
 
 use ds_config::{Config, FillContext, TrainingArgs, Value};
 
-use crate::model::Model;
 use crate::parallel::{Parallel, Tp};
+use crate::Architecture;
 use crate::{Engine, EngineError, EngineOptions, Result};
 
 /// Where a job's ds_config comes from.
@@ -66,24 +66,6 @@ pub struct Overrides {
     pub training: Option<TrainingArgs>,
     /// The steps the run trains (the schedule's length when the arguments give no max_steps).
     pub run_steps: Option<u64>,
-}
-
-/// What the plan asks of a model: its width (ZeRO's "auto" bucket sizes), whether it splits in
-/// the config's layout, and its layers (the pipeline's stages, the engine). ds-models'
-/// `ModelSpec` is one; a program's own model can be another.
-pub trait Architecture {
-    /// The model's name in messages, as the user gave it (`--model tiny`).
-    fn describe(&self) -> String;
-    fn hidden_size(&self) -> usize;
-    /// Whether the model divides in the config's layout (tensor, expert, pipeline, sequence
-    /// parallelism, tiling, the config's expert_parallel section); why not.
-    fn check_layout(&self, config: &Config) -> std::result::Result<(), String>;
-    /// The model's layers, split over `parallel`.
-    fn build(&self, parallel: &Parallel) -> std::result::Result<Model, String>;
-    /// The weights the model starts from when the run names none (a model directory's).
-    fn weights(&self) -> Option<PathBuf> {
-        None
-    }
 }
 
 /// A job's resolved config, checked against its model and layout.

@@ -158,7 +158,9 @@ fn train_batch_inside_an_open_accumulation_window_is_an_error() {
 }
 
 /// The error from building a model of candle-nn modules with `build`.
-fn module_error(build: fn() -> ds_engine::Result<ds_engine::model::Model>) -> String {
+fn module_error<E: std::fmt::Display>(
+    build: impl FnOnce() -> Result<ds_engine::model::Model, E>,
+) -> String {
     match build() {
         Ok(_) => panic!("the model was accepted"),
         Err(e) => e.to_string(),

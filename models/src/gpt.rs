@@ -13,17 +13,17 @@ use crate::gpt_moe::GptMoe;
 use crate::loss::{tiles, CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
-use ds_engine::kernels::fused_norm_loss::layer_norm_backward;
-use ds_engine::kernels::grad::{
+use ds_nn::kernels::fused_norm_loss::layer_norm_backward;
+use ds_nn::kernels::grad::{
     bias_backward, gelu_linear_backward, linear, linear_backward, linear_gelu,
 };
-use ds_engine::kernels::nn::layer_norm;
-use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
-use ds_engine::kernels::{cpu_attention, flash_attention};
-use ds_engine::model::{
+use ds_nn::kernels::nn::layer_norm;
+use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
+use ds_nn::kernels::{cpu_attention, flash_attention};
+use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{row_parallel_linear, vocab, Parallel, Sp, Tp};
+use ds_nn::parallel::{row_parallel_linear, vocab, Parallel, Sp, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -143,13 +143,11 @@ impl GptConfig {
     }
 
     /// A model JSON: `{"V": .., "T": .., "d": .., "H": .., "L": ..}`.
-    pub fn from_json_file(path: &Path) -> ds_engine::Result<GptConfig> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| ds_engine::EngineError::file(path, e))?;
+    pub fn from_json_file(path: &Path) -> ds_nn::Result<GptConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| ds_nn::NnError::file(path, e))?;
         let cfg: GptConfig =
-            serde_json::from_str(&text).map_err(|e| ds_engine::EngineError::file(path, e))?;
-        cfg.validate()
-            .map_err(|e| ds_engine::EngineError::file(path, e))?;
+            serde_json::from_str(&text).map_err(|e| ds_nn::NnError::file(path, e))?;
+        cfg.validate().map_err(|e| ds_nn::NnError::file(path, e))?;
         Ok(cfg)
     }
 
@@ -1083,7 +1081,7 @@ mod tests {
     /// the attention that holds them, at and beyond a whole number of blocks.
     #[test]
     fn long_sequences_take_the_blockwise_attention() {
-        let t = ds_engine::kernels::cpu_flash_attention::MIN_SEQ;
+        let t = ds_nn::kernels::cpu_flash_attention::MIN_SEQ;
         let c = GptConfig {
             V: 24,
             T: t + 40,

@@ -142,7 +142,7 @@ mod tests {
         assert_eq!(c.gpt.n_params_of(&c.variant), 124_439_808);
         let declared: usize = c
             .gpt
-            .build_variant(&ds_engine::parallel::Tp::none(), &c.variant)
+            .build_variant(&ds_nn::parallel::Tp::none(), &c.variant)
             .unwrap()
             .params()
             .iter()

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::moe::gating::{DropPolicy, GateConfig};
 use crate::moe::{MoeLayer, MoeStyle};
-use ds_engine::parallel::{Ep, Tp};
+use ds_nn::parallel::{Ep, Tp};
 
 /// The mixture's settings, named as `deepspeed.moe.layer.MoE`'s arguments (a model JSON's
 /// `"moe"` object).

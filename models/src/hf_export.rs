@@ -1,11 +1,11 @@
 //! Hugging Face model directories out: config.json and safetensors under transformers'
 //! names, shapes and a chosen dtype, sharded with `model.safetensors.index.json` above a size,
-//! written from a ds-rs checkpoint one tensor at a time (no process holds the model).
+//! written from a stream of tensors one at a time (a ds-rs checkpoint's, read by the binary
+//! through ds-engine's checkpoints: no process holds the model).
 
 use std::path::Path;
 
-use ds_engine::checkpoint::{self, Manifest};
-use ds_engine::model::weights::{SaveDtype, StreamingWriter, HF_INDEX, HF_WEIGHTS};
+use ds_nn::model::weights::{SaveDtype, StreamingWriter, HF_INDEX, HF_WEIGHTS};
 use serde_json::Value;
 
 use crate::{err, Arch, ModelError, ModelSpec};
@@ -28,36 +28,53 @@ pub struct Exported {
     pub files: Vec<String>,
     pub tensors: usize,
     pub bytes: u64,
-    pub global_steps: u64,
 }
 
-/// Writes Hugging Face directory `out` from checkpoint `tag_dir` (a tag's directory) and the
-/// model's `config` (config.json's object): the tensors in the checkpoint's order, a tied
-/// LM head left out as save_pretrained leaves it.
-pub fn export_checkpoint(
-    tag_dir: &Path,
+/// A model's tensors in their stored order, read one at a time.
+pub struct TensorStream<'a> {
+    /// Where they come from, for messages (a checkpoint's directory).
+    pub source: String,
+    /// Each tensor's name and shape, in the order `read` hands them over.
+    pub tensors: Vec<(String, Vec<usize>)>,
+    /// Calls its argument with each tensor's name and values, in that order.
+    #[allow(clippy::type_complexity)]
+    pub read: Box<
+        dyn FnOnce(&mut dyn FnMut(&str, &[f32]) -> Result<(), ModelError>) -> Result<(), ModelError>
+            + 'a,
+    >,
+}
+
+/// Writes Hugging Face directory `out` from the tensors of `stream` and the model's `config`
+/// (config.json's object): the tensors in the stream's order, a tied LM head left out as
+/// save_pretrained leaves it.
+pub fn export(
+    stream: TensorStream,
     out: &Path,
     config: &Value,
     opts: &ExportOptions,
 ) -> Result<Exported, ModelError> {
-    let m = Manifest::read(tag_dir).map_err(|e| err(e.to_string()))?;
     let layout = FileLayout::of(config)?;
     let transposed = &layout.transposed;
     let keep = |name: &str| !layout.tied.iter().any(|(copy, _)| copy == name);
-    let tensors: Vec<(String, Vec<usize>)> = m
-        .params
+    let shapes: std::collections::HashMap<&str, &[usize]> = stream
+        .tensors
         .iter()
-        .filter(|p| keep(&p.name))
-        .map(|p| match transposed.contains(&p.name) {
-            true => (p.name.clone(), p.shape.iter().rev().copied().collect()),
-            false => (p.name.clone(), p.shape.clone()),
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
+    let tensors: Vec<(String, Vec<usize>)> = stream
+        .tensors
+        .iter()
+        .filter(|(name, _)| keep(name))
+        .map(|(name, shape)| match transposed.contains(name) {
+            true => (name.clone(), shape.iter().rev().copied().collect()),
+            false => (name.clone(), shape.clone()),
         })
         .collect();
     for (copy, owner) in &layout.tied {
         if !tensors.iter().any(|(n, _)| n == owner) {
             return Err(err(format!(
                 "{}: {copy} is tied to {owner}, which the checkpoint does not hold",
-                tag_dir.display()
+                stream.source
             )));
         }
     }
@@ -69,13 +86,12 @@ pub fn export_checkpoint(
         files: names.clone(),
         tensors: tensors.len(),
         bytes: 0,
-        global_steps: m.global_steps,
     };
     let mut k = 0; // the next exported tensor
     let mut writer: Option<StreamingWriter> = None;
     let shard_of = |k: usize| shards.iter().position(|r| r.contains(&k));
-    checkpoint::each_tensor(tag_dir, |p, values| {
-        if !keep(&p.name) {
+    (stream.read)(&mut |name, values| {
+        if !keep(name) {
             return Ok(());
         }
         let s = shard_of(k).expect("invariant: every tensor is in a shard");
@@ -90,8 +106,11 @@ pub fn export_checkpoint(
             )?);
         }
         let w = writer.as_mut().expect("invariant: a shard is open");
-        match transposed.contains(&p.name) {
-            true => w.put(&transpose(values, p.shape[0], p.shape[1]))?,
+        match transposed.contains(name) {
+            true => {
+                let shape = shapes[name];
+                w.put(&transpose(values, shape[0], shape[1]))?
+            }
             false => w.put(values)?,
         }
         exported.bytes += (values.len() * opts.dtype.width()) as u64;
@@ -103,8 +122,7 @@ pub fn export_checkpoint(
         }
         k += 1;
         Ok(())
-    })
-    .map_err(|e| err(e.to_string()))?;
+    })?;
     if names.len() > 1 {
         write_index(out, &tensors, &shards, &names, exported.bytes)?;
     }
@@ -133,7 +151,7 @@ impl FileLayout {
             tile: None,
         };
         let params = spec
-            .build(&ds_engine::parallel::Tp::none())
+            .build(&ds_nn::parallel::Tp::none())
             .map_err(err)?
             .params();
         Ok(FileLayout {

@@ -1,7 +1,7 @@
 //! ds-rs's model families, behind one interface (`ModelSpec`) that every command taking
 //! `--model` uses: the built-in GPT (the peer benchmark's), and Hugging Face's Llama-family
 //! decoders from a preset or a model directory (config.json, and safetensors weights when
-//! present). The engine stays model-agnostic: it sees `ds_engine::model::Model`s.
+//! present). The engine stays model-agnostic: it sees `ds_nn::model::Model`s.
 
 mod fields;
 pub mod gpt;
@@ -17,9 +17,9 @@ mod taped_check;
 use std::path::{Path, PathBuf};
 
 use crate::gpt::GptConfig;
-use ds_engine::model::weights;
-use ds_engine::model::Model;
-use ds_engine::parallel::{Parallel, Tp};
+use ds_nn::model::weights;
+use ds_nn::model::Model;
+use ds_nn::parallel::{Parallel, Tp};
 
 pub use fields::ConfigProblem;
 pub use gpt2::Gpt2Config;
@@ -32,6 +32,19 @@ pub struct ModelError(String);
 
 fn err(msg: impl Into<String>) -> ModelError {
     ModelError(msg.into())
+}
+
+impl ModelError {
+    /// An error of another layer (a checkpoint's reader), by its message.
+    pub fn from_message(message: String) -> ModelError {
+        ModelError(message)
+    }
+}
+
+impl From<ds_nn::NnError> for ModelError {
+    fn from(e: ds_nn::NnError) -> ModelError {
+        ModelError(e.to_string())
+    }
 }
 
 /// The architecture and its sizes.
@@ -359,8 +372,8 @@ impl ModelSpec {
     }
 }
 
-/// What the job plan asks of a model (`ds_engine::JobPlan`).
-impl ds_engine::Architecture for ModelSpec {
+/// What the job plan asks of a model (`ds_nn::JobPlan`).
+impl ds_nn::Architecture for ModelSpec {
     fn describe(&self) -> String {
         format!("--model {}", self.name)
     }

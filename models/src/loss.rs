@@ -1,7 +1,7 @@
 //! The language-modelling losses every family ends with: the mean cross-entropy of the logits
 //! against the next tokens, whole or split by vocabulary over the tensor-parallel group.
 //!
-//! Targets that do not count (`ds_engine::IGNORE`, Hugging Face's -100: instruction data's
+//! Targets that do not count (`ds_nn::IGNORE`, Hugging Face's -100: instruction data's
 //! prompts) are left out: the loss is the mean over the counted targets times the
 //! micro-batch's weight (`Targets::weight`, which the data sets so that the step averages
 //! over the counted targets of the whole global batch), and their rows get no gradient.
@@ -10,16 +10,16 @@
 use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use ds_engine::kernels::fused_norm_loss::{
+use ds_nn::kernels::fused_norm_loss::{
     cross_entropy_and_lse, cross_entropy_backward, cross_entropy_grad, cross_entropy_grad_from_lse,
     cross_entropy_with_probs,
 };
-use ds_engine::kernels::grad::{linear, linear_backward};
-use ds_engine::kernels::nn::cross_entropy;
-use ds_engine::kernels::scatter_rows::sum_into_rows;
-use ds_engine::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
-use ds_engine::parallel::{vocab, Tp};
-use ds_engine::Targets;
+use ds_nn::kernels::grad::{linear, linear_backward};
+use ds_nn::kernels::nn::cross_entropy;
+use ds_nn::kernels::scatter_rows::sum_into_rows;
+use ds_nn::model::{tensor_bytes, Context, Grads, Layer, ParamSpec, Tape, Taped};
+use ds_nn::parallel::{vocab, Tp};
+use ds_nn::Targets;
 
 /// The rows of the loss: the targets [k] of the counted positions among n, and what the mean
 /// over them is multiplied by.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
-use ds_engine::model::{Context, Model};
+use ds_nn::model::{Context, Model};
 
 /// Values in [-1, 1) from a fixed linear congruential sequence.
 pub fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -36,7 +36,7 @@ pub fn check_layers(model: &Model, (b, t): (usize, usize), width: usize, vocab: 
     let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % vocab) as u32).collect();
     let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
     let targets: Vec<u32> = (0..b * t).map(|i| (i * 5 % vocab) as u32).collect();
-    let targets = ds_engine::Targets::all(Tensor::from_vec(targets, (b, t), &dev).unwrap());
+    let targets = ds_nn::Targets::all(Tensor::from_vec(targets, (b, t), &dev).unwrap());
     // the seed of added losses: unlike 1, so that a tape that ignores it fails
     const ADDED_SEED: f64 = 0.75;
     let last = model.layers().len() - 1;

@@ -95,6 +95,34 @@ pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Hugging Face directory `out` from checkpoint `tag_dir` (a tag's directory): ds-models names
+/// and writes the tensors, read from the checkpoint one at a time.
+pub(crate) fn export_hf_from(
+    tag_dir: &Path,
+    out: &Path,
+    config: &serde_json::Value,
+    opts: &ds_models::hf_export::ExportOptions,
+) -> anyhow::Result<ds_models::hf_export::Exported> {
+    use ds_models::hf_export::{export, TensorStream};
+    let m = Manifest::read(tag_dir)?;
+    let stream = TensorStream {
+        source: tag_dir.display().to_string(),
+        tensors: m
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect(),
+        read: Box::new(|put| {
+            checkpoint::each_tensor(tag_dir, |p, values| {
+                put(&p.name, values).map_err(ds_engine::EngineError::input)
+            })
+            .map(drop)
+            .map_err(|e| ds_models::ModelError::from_message(e.to_string()))
+        }),
+    };
+    Ok(export(stream, out, config, opts)?)
+}
+
 fn export_hf(a: &ExportHfArgs) -> anyhow::Result<ExitCode> {
     let dtype = weights::SaveDtype::parse(&a.dtype).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
     let dir = tag_dir(&a.dir, a.tag.as_deref())?;
@@ -109,12 +137,12 @@ fn export_hf(a: &ExportHfArgs) -> anyhow::Result<ExitCode> {
         dtype,
         max_shard_bytes: a.shard_bytes,
     };
-    let e = ds_models::hf_export::export_checkpoint(&dir, &a.out, &config, &opts)?;
+    let e = export_hf_from(&dir, &a.out, &config, &opts)?;
     println!(
         "{}: {} tensors of step {} -> {} ({} file{}, {:.1} MB, {})",
         dir.display(),
         e.tensors,
-        e.global_steps,
+        m.global_steps,
         a.out.display(),
         e.files.len(),
         if e.files.len() == 1 { "" } else { "s" },

@@ -5,7 +5,7 @@ mod bench_adam;
 mod bench_attention;
 mod bench_comm;
 mod bench_train;
-mod checkpoint;
+pub(crate) mod checkpoint;
 mod config_check;
 mod data;
 mod estimate;

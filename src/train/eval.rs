@@ -140,7 +140,11 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("--data {}", args.data))?;
     let mut sum = 0.0f64;
     for b in 0..batches {
-        sum += engine.eval_batch(|k| Ok(loader.micro_batch(b, k)?))? as f64;
+        sum += engine.eval_batch(|k| {
+            loader
+                .micro_batch(b, k)
+                .map_err(ds_engine::EngineError::input)
+        })? as f64;
     }
     let loss = sum / batches as f64;
     if comm.rank() == 0 {

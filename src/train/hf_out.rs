@@ -10,7 +10,7 @@ use ds_comm::Communicator;
 use ds_config::{Config, ZeroStage};
 use ds_engine::model::weights::SaveDtype;
 use ds_engine::{Engine, Precision};
-use ds_models::hf_export::{export_checkpoint, ExportOptions};
+use ds_models::hf_export::ExportOptions;
 use ds_models::ModelSpec;
 
 use super::{Run, TrainArgs};
@@ -77,19 +77,17 @@ pub(super) fn save(
             dtype,
             max_shard_bytes: run.args.save_hf_shard_bytes,
         };
-        result = export_checkpoint(&saved, dir, &config, &opts)
-            .map(|e| {
-                println!(
-                    "saved the Hugging Face model in {} ({} tensors, {} file{}, {:.1} MB, {})",
-                    dir.display(),
-                    e.tensors,
-                    e.files.len(),
-                    if e.files.len() == 1 { "" } else { "s" },
-                    e.bytes as f64 / 1e6,
-                    dtype.torch_name()
-                )
-            })
-            .map_err(anyhow::Error::from);
+        result = crate::cli::checkpoint::export_hf_from(&saved, dir, &config, &opts).map(|e| {
+            println!(
+                "saved the Hugging Face model in {} ({} tensors, {} file{}, {:.1} MB, {})",
+                dir.display(),
+                e.tensors,
+                e.files.len(),
+                if e.files.len() == 1 { "" } else { "s" },
+                e.bytes as f64 / 1e6,
+                dtype.torch_name()
+            )
+        });
         std::fs::remove_dir_all(&staging)
             .with_context(|| format!("removing {}", staging.display()))?;
     }

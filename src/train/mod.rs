@@ -21,7 +21,9 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::Config;
 use ds_engine::monitor::Monitor;
-use ds_engine::{ConfigSource, Engine, EngineOptions, JobPlan, LayoutFlags, Overrides};
+use ds_engine::{
+    ConfigSource, Engine, EngineError, EngineOptions, JobPlan, LayoutFlags, Overrides,
+};
 use ds_models::ModelSpec;
 
 pub use metrics::{gather_memory, gpu_peak, memory_line, RankMemory};
@@ -338,7 +340,7 @@ impl Run<'_> {
                 let t = Instant::now();
                 let batch = data.train.micro_batch(step, k);
                 reading += t.elapsed();
-                Ok(batch?)
+                batch.map_err(EngineError::input)
             })?;
             let dt = t0.elapsed().as_secs_f64();
             first_step_s.get_or_insert(started.elapsed().as_secs_f64());
@@ -429,7 +431,7 @@ impl Run<'_> {
         let (batches, ga) = (self.args.eval_batches.max(1), engine.settings().grad_accum);
         let mut sum = 0.0f64;
         for b in 0..batches {
-            let micro = |k| Ok(data.eval.micro_batch(b, k)?);
+            let micro = |k| data.eval.micro_batch(b, k).map_err(EngineError::input);
             sum += engine.eval_batch(micro)? as f64 * ga as f64;
         }
         Ok(EvalRecord {

@@ -104,7 +104,7 @@ fn permutation(n: usize, epoch: u64) -> Vec<usize> {
 
 /// The classifier as ds-rs trains it: one module, built by candle-nn code.
 pub fn build() -> ds_engine::Result<Model> {
-    Model::new().module("", Cnn::new)
+    Ok(Model::new().module("", Cnn::new)?)
 }
 
 /// Trains `steps` optimizer steps; returns each step's loss on this rank's samples (the mean

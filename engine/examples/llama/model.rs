@@ -223,7 +223,7 @@ pub fn build(c: Config, tp: Tp) -> ds_engine::Result<Model> {
             Block::new(&c, rotary.clone(), tp.clone(), vb)
         })?;
     }
-    m.module("", move |vb| Head::new(&c, tp.clone(), vb))
+    Ok(m.module("", move |vb| Head::new(&c, tp.clone(), vb))?)
 }
 
 /// This rank's memory report in one line, MiB: the model states (trainable parameters, their

@@ -807,7 +807,7 @@ pub fn write_weights(
     for i in 0..ck.params.len() {
         w.put(&ck.read(i, Part::Master)?)?;
     }
-    w.finish()
+    Ok(w.finish()?)
 }
 
 #[cfg(test)]

@@ -950,7 +950,7 @@ pub fn write_weights_with(
         .collect();
     let mut w =
         crate::model::weights::StreamingWriter::create(out, &tensors, dtype, &[("format", "pt")])?;
-    each_tensor(dir, |_, values| w.put(values))?;
+    each_tensor(dir, |_, values| Ok(w.put(values)?))?;
     for (_, _, values) in extra {
         w.put(values)?;
     }

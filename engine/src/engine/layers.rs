@@ -13,15 +13,12 @@ use std::sync::OnceLock;
 use candle_core::{backprop::GradStore, DType, Device, Shape, Storage, Tensor, Var, WithDType};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
-use ds_comm::Element;
 use ds_partition::{FlatIndex, Values};
 
 use crate::model::{Context, NamedLayer, Taped};
 use crate::{EngineError, Result};
 
-/// An element type the engine computes in: a ds-comm element and a candle dtype.
-pub trait Dtype: Element + WithDType {}
-impl<T: Element + WithDType> Dtype for T {}
+pub use ds_nn::Dtype;
 
 /// A layer's parameters as candle tensors, in its declaration order: views of one flat
 /// tensor of the layer's range.
@@ -327,9 +324,10 @@ impl<T: Dtype> LayerGrads<T> {
         // `f` moves into the staging closure only if it is called
         let mut f = Some(f);
         if to_gpu {
-            let staged = crate::device::with_staged_grads::<T, R>(&self.tensors, |all| {
-                (f.take().expect("called once"))(&[all])
-            })?;
+            let staged =
+                crate::device::with_staged_grads::<T, R, EngineError>(&self.tensors, |all| {
+                    (f.take().expect("called once"))(&[all])
+                })?;
             if let Some(r) = staged {
                 return Ok(r);
             }

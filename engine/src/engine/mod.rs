@@ -40,7 +40,7 @@ pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
 pub use program::{check_optimizer, lr_schedule, optimizer_section, program_optimizer_line};
-pub use settings::{CpuOffload, Precision, Settings};
+pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::{StepOutcome, STEP_PIECE};
 
@@ -455,6 +455,7 @@ impl Engine {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches from `next`;
     /// returns the loss averaged over the micro-batches and the data-parallel ranks.
+    /// (A data loader's error becomes the engine's with `EngineError::input`.)
     pub fn train_batch(
         &mut self,
         mut next: impl FnMut(usize) -> Result<Batch>,

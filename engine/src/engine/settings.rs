@@ -7,7 +7,7 @@ use ds_config::{Config, OffloadDevice, ZeroStage};
 use ds_partition::{ReduceConfig, Stage3Config, ZeroOptions};
 use serde_json::Value as Json;
 
-use crate::{EngineError, Result};
+use crate::{CpuOffload, EngineError, Result};
 
 /// The dtype parameters, gradients and activations are computed in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,23 +51,14 @@ pub struct Settings {
     pub cpu_offload: CpuOffload,
 }
 
-/// Which states ZeRO-Offload keeps in host memory while a GPU computes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CpuOffload {
-    pub optimizer: bool,
-    pub params: bool,
-}
-
-impl CpuOffload {
-    fn from_config(cfg: &Config) -> CpuOffload {
-        let z = &cfg.zero_optimization;
-        let cpu = |d: Option<OffloadDevice>| d == Some(OffloadDevice::Cpu);
-        CpuOffload {
-            optimizer: cpu(z.offload_optimizer.as_ref().map(|o| o.device)),
-            // stages 0-2 keep parameters whole on every rank and offload none (DeepSpeed)
-            params: z.stage == ZeroStage::Weights
-                && cpu(z.offload_param.as_ref().map(|o| o.device)),
-        }
+/// Which states ZeRO-Offload keeps in host memory, as the config's offload sections say.
+fn cpu_offload(cfg: &Config) -> CpuOffload {
+    let z = &cfg.zero_optimization;
+    let cpu = |d: Option<OffloadDevice>| d == Some(OffloadDevice::Cpu);
+    CpuOffload {
+        optimizer: cpu(z.offload_optimizer.as_ref().map(|o| o.device)),
+        // stages 0-2 keep parameters whole on every rank and offload none (DeepSpeed)
+        params: z.stage == ZeroStage::Weights && cpu(z.offload_param.as_ref().map(|o| o.device)),
     }
 }
 
@@ -102,7 +93,7 @@ impl Settings {
             wall_clock_breakdown: cfg.wall_clock_breakdown,
             nvme_optimizer: nvme_optimizer(cfg)?,
             nvme_params: nvme_params(cfg)?,
-            cpu_offload: CpuOffload::from_config(cfg),
+            cpu_offload: cpu_offload(cfg),
         })
     }
 }

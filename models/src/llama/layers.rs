@@ -11,13 +11,13 @@
 use crate::loss::{CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_engine::kernels::flash_attention;
-use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
-use ds_engine::kernels::ops::{causal_softmax, causal_softmax_backward};
-use ds_engine::model::{
+use ds_nn::kernels::flash_attention;
+use ds_nn::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
+use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_engine::parallel::{vocab, Ep, Parallel, Sp, Tp};
+use ds_nn::parallel::{vocab, Ep, Parallel, Sp, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
 use super::ops::{

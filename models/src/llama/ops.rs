@@ -5,8 +5,8 @@
 //! float dtype on a GPU in the cuda build).
 
 use candle_core::{DType, Result, Tensor, D};
-use ds_engine::kernels::primitive::softmax_last_dim;
-use ds_engine::kernels::rms_swiglu;
+use ds_nn::kernels::primitive::softmax_last_dim;
+use ds_nn::kernels::rms_swiglu;
 
 /// `w * (x / sqrt(mean(x^2) + eps))`, the normalisation in f32 and cast back before the
 /// weight; also returns the reciprocal root [.., 1] (f32) for the backward.

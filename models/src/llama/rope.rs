@@ -276,7 +276,7 @@ fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
 
 /// `x cos + rotate_half(x) sin` for x [B, H, T, hd] and tables [T, hd].
 pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if let Some(fused) = ds_engine::kernels::rotary::apply(x, cos, sin)? {
+    if let Some(fused) = ds_nn::kernels::rotary::apply(x, cos, sin)? {
         return Ok(fused);
     }
     x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)?
@@ -284,7 +284,7 @@ pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// The gradient of `apply`'s input from its output's `dy`.
 pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if let Some(fused) = ds_engine::kernels::rotary::apply_backward(dy, cos, sin)? {
+    if let Some(fused) = ds_nn::kernels::rotary::apply_backward(dy, cos, sin)? {
         return Ok(fused);
     }
     dy.broadcast_mul(cos)? + rotate_half_t(&dy.broadcast_mul(sin)?)?

@@ -20,10 +20,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_engine::kernels::grad::{linear, linear_backward};
-use ds_engine::kernels::primitive::softmax_last_dim;
-use ds_engine::model::{tensor_bytes, ParamSpec, Split};
-use ds_engine::parallel::{Ep, Tp};
+use ds_nn::kernels::grad::{linear, linear_backward};
+use ds_nn::kernels::primitive::softmax_last_dim;
+use ds_nn::model::{tensor_bytes, ParamSpec, Split};
+use ds_nn::parallel::{Ep, Tp};
 
 use super::config::{Family, LlamaConfig, SparseMlp};
 use super::layers::weight_init;

@@ -1,4 +1,4 @@
-use ds_engine::parallel::Parallel;
+use ds_nn::parallel::Parallel;
 use serde_json::json;
 
 use super::*;
@@ -38,7 +38,7 @@ fn taped_backward_matches_autograd() {
 /// norms, against candle's autograd of the attention that holds them.
 #[test]
 fn long_sequences_take_the_blockwise_attention() {
-    let t = ds_engine::kernels::cpu_flash_attention::MIN_SEQ + 30;
+    let t = ds_nn::kernels::cpu_flash_attention::MIN_SEQ + 30;
     let qwen3 = LlamaConfig::from_hf_json(&json!({
         "model_type": "qwen3_moe", "vocab_size": 24, "hidden_size": 16,
         "intermediate_size": 12, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -14,9 +14,9 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
-use ds_engine::kernels::scatter_rows::sum_into_rows;
-use ds_engine::model::tensor_bytes;
-use ds_engine::parallel::{Ep, Tp};
+use ds_nn::kernels::scatter_rows::sum_into_rows;
+use ds_nn::model::tensor_bytes;
+use ds_nn::parallel::{Ep, Tp};
 
 /// One expert's MLP, as a mixture's experts are all built.
 pub(crate) trait ExpertMlp {

@@ -19,11 +19,11 @@
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_engine::kernels::grad::{bias_backward, linear, linear_backward};
-use ds_engine::kernels::ops::{gelu, gelu_backward};
-use ds_engine::kernels::primitive::softmax_last_dim;
-use ds_engine::model::{tensor_bytes, Context, Grads, Init, Layer, ParamSpec, Split, Tape, Taped};
-use ds_engine::parallel::{Ep, Tp};
+use ds_nn::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_nn::kernels::ops::{gelu, gelu_backward};
+use ds_nn::kernels::primitive::softmax_last_dim;
+use ds_nn::model::{tensor_bytes, Context, Grads, Init, Layer, ParamSpec, Split, Tape, Taped};
+use ds_nn::parallel::{Ep, Tp};
 
 use super::dispatch::{
     route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp,
@@ -658,8 +658,8 @@ mod tests {
 
     use candle_core::{DType, Device, Tensor};
     use candle_nn::VarBuilder;
-    use ds_engine::model::{Context, Layer};
-    use ds_engine::Inputs;
+    use ds_nn::model::{Context, Layer};
+    use ds_nn::Inputs;
 
     use super::MoeLayer;
     use crate::moe::gating::{DropPolicy, GateConfig};

@@ -1,5 +1,5 @@
 //! ds-rs's MoE layer against DeepSpeed 0.19.8's (`deepspeed.moe.layer.MoE`, ep_size 1, run on
-//! the CPU by fixtures/moe_layer/gen_moe_layer.py): on the same weights and tokens, top-1, 2
+//! the CPU by models/tests/fixtures/moe_layer/gen_moe_layer.py): on the same weights and tokens, top-1, 2
 //! and 3 with and without dropping, the output, `l_aux`, and the gradients of
 //! `(output * R).sum() + 0.01 * l_aux` for the router, every expert weight and the input. The
 //! layer adds `0.01 * l_aux` itself (`Context::add_loss`), as the engine then differentiates.
@@ -55,7 +55,7 @@ fn grad_ok(got: &[f32], want: &[f32]) -> bool {
 fn fixture() -> Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/moe_layer/moe_layer.json"
+        "/models/tests/fixtures/moe_layer/moe_layer.json"
     );
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }

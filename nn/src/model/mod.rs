@@ -374,10 +374,10 @@ impl Model {
     /// matches no parameter is an error.
     pub fn freeze(mut self, pattern: &str) -> crate::Result<Model> {
         let re = regex::Regex::new(pattern)
-            .map_err(|e| crate::EngineError::Invalid(format!("freeze pattern {pattern:?}: {e}")))?;
+            .map_err(|e| crate::NnError::Invalid(format!("freeze pattern {pattern:?}: {e}")))?;
         if !self.params().iter().any(|p| re.is_match(&p.name)) {
             let some: Vec<String> = self.params().into_iter().take(4).map(|p| p.name).collect();
-            return Err(crate::EngineError::Invalid(format!(
+            return Err(crate::NnError::Invalid(format!(
                 "freeze pattern {pattern:?} matches no parameter of the model (its names look like {some:?})"
             )));
         }

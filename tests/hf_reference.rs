@@ -1,4 +1,4 @@
-//! ds-rs's Llama-family layers against transformers itself (fixtures/hf/gen_hf_fixtures.py,
+//! ds-rs's Llama-family layers against transformers itself (models/tests/fixtures/hf/gen_hf_fixtures.py,
 //! run once with the peer's Python): from the same save_pretrained directories, one fixed
 //! batch's logits, loss and every parameter's gradient in float32, and the losses of 5
 //! steps of AdamW through the engine (weights read from the directory as `--model DIR`
@@ -53,7 +53,7 @@ impl Drop for Scratch {
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
+        .join("models/tests/fixtures/hf")
         .join(name)
 }
 

@@ -16,7 +16,7 @@ use ds_models::ModelSpec;
 
 fn losses(family: &str, extra: &str) -> Vec<f32> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
+        .join("models/tests/fixtures/hf")
         .join(family);
     let r = candle_core::safetensors::load(
         dir.join("reference.safetensors"),

@@ -14,8 +14,8 @@ use ds_partition::gpu::{device_ptr, gpu_of, Gpu, Span};
 use ds_partition::{FlatBuf, Placement};
 use half::{bf16, f16};
 
-use crate::engine::Dtype;
-use crate::{EngineError, Result};
+use crate::Dtype;
+use crate::{NnError, Result};
 
 /// The `Gpu` of candle device `d`: one per device and stream, so kernels load once.
 pub fn gpu_for(d: &CudaDevice) -> Arc<Gpu> {
@@ -76,7 +76,7 @@ fn check_driver() -> Result<()> {
         .map_err(cuda)?;
     match version >= CUDA_BUILT_FOR {
         true => Ok(()),
-        false => Err(EngineError::Invalid(format!(
+        false => Err(NnError::Invalid(format!(
             "the NVIDIA driver supports CUDA {}.{}, and this ds-rs was built for CUDA {}.{}: \
              update the driver (R580 or later), or build with a CUDA {}.x toolchain",
             version / 1000,
@@ -199,11 +199,11 @@ fn keep_staging<T: Dtype>(key: StreamKey, buf: FlatBuf<T>) {
 /// Calls `f` with the gradients `tensors` (contiguous, on GPU `d`, in the compute dtype)
 /// copied one after the other into a GPU staging buffer, which the gradient stores then add
 /// on the GPU. The buffer is kept for the next call.
-pub fn with_staged<T: Dtype, R>(
+pub fn with_staged<T: Dtype, R, E: From<NnError>>(
     tensors: &[Tensor],
     d: &CudaDevice,
-    f: impl FnOnce(&[T]) -> Result<R>,
-) -> Result<R> {
+    f: impl FnOnce(&[T]) -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
     let total = tensors.iter().map(|t| t.elem_count()).sum();
     let key = stream_key(d);
     let staged = take_staging::<T>(gpu_for(d), key, total)?;
@@ -218,12 +218,12 @@ pub fn with_staged<T: Dtype, R>(
 }
 
 /// `tensors` copied into the front of `staged`, then `f` of that front.
-fn copy_into<T: Dtype, R>(
+fn copy_into<T: Dtype, R, E: From<NnError>>(
     tensors: &[Tensor],
     d: &CudaDevice,
     staged: &FlatBuf<T>,
-    f: impl FnOnce(&[T]) -> Result<R>,
-) -> Result<R> {
+    f: impl FnOnce(&[T]) -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
     let total: usize = tensors.iter().map(|t| t.elem_count()).sum();
     let stream = d.cuda_stream();
     let mut at = 0;
@@ -231,9 +231,10 @@ fn copy_into<T: Dtype, R>(
         let n = t.elem_count();
         let (storage, layout) = t.storage_and_layout();
         let (Storage::Cuda(cs), Some((a, _))) = (&*storage, layout.contiguous_offsets()) else {
-            return Err(EngineError::Invalid(
+            return Err(NnError::Invalid(
                 "a gradient on the GPU that is not a contiguous GPU tensor".into(),
-            ));
+            )
+            .into());
         };
         let src = match <T as ds_comm::Element>::DTYPE {
             DType::F32 => address::<f32>(cs, a, &stream)?,
@@ -266,6 +267,6 @@ fn address<U: CudaDType>(
     Ok(base + (offset * std::mem::size_of::<U>()) as sys::CUdeviceptr)
 }
 
-fn cuda(e: result::DriverError) -> EngineError {
-    EngineError::Invalid(format!("GPU: {e}"))
+fn cuda(e: result::DriverError) -> NnError {
+    NnError::Invalid(format!("GPU: {e}"))
 }

@@ -16,7 +16,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use super::{Context, Grads, Init, Layer, Model, ParamSpec, Tape, Taped};
-use crate::{EngineError, Result};
+use crate::{NnError, Result};
 
 /// Which linear weights get adapters, and their rank and scale.
 #[derive(Debug, Clone)]
@@ -66,10 +66,10 @@ impl Model {
     /// other parameter. A target that matches no two-dimensional weight is an error.
     pub fn lora(mut self, cfg: &LoraConfig) -> Result<Model> {
         let re = regex::Regex::new(&cfg.target_modules).map_err(|e| {
-            EngineError::Invalid(format!("lora target_modules {:?}: {e}", cfg.target_modules))
+            NnError::Invalid(format!("lora target_modules {:?}: {e}", cfg.target_modules))
         })?;
         if cfg.r == 0 {
-            return Err(EngineError::Invalid("lora r must be at least 1".into()));
+            return Err(NnError::Invalid("lora r must be at least 1".into()));
         }
         let mut adapted = 0;
         for l in &mut self.layers {
@@ -100,7 +100,7 @@ impl Model {
         }
         if adapted == 0 {
             let some: Vec<String> = self.params().into_iter().take(4).map(|p| p.name).collect();
-            return Err(EngineError::Invalid(format!(
+            return Err(NnError::Invalid(format!(
                 "lora target_modules {:?} matches no linear weight of the model (its names look like {some:?})",
                 cfg.target_modules
             )));

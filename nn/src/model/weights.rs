@@ -9,7 +9,7 @@ use memmap2::Mmap;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 
 use super::ParamSpec;
-use crate::{EngineError, Result};
+use crate::{NnError, Result};
 
 /// Writes `values[i]` (f32, row-major) under `specs[i]`'s name and shape.
 pub fn save(path: &Path, specs: &[ParamSpec], values: &[Vec<f32>]) -> Result<()> {
@@ -39,11 +39,11 @@ pub fn save_as(path: &Path, tensors: &[(&str, &[usize], &[f32])], bf16: bool) ->
         .zip(&bytes)
         .map(|((name, shape, _), b)| {
             let view = TensorView::new(dtype, shape.to_vec(), b)
-                .map_err(|e| EngineError::file(path, format!("{name}: {e}")))?;
+                .map_err(|e| NnError::file(path, format!("{name}: {e}")))?;
             Ok((name.to_string(), view))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| EngineError::file(path, e))
+    safetensors::serialize_to_file(views, None, path).map_err(|e| NnError::file(path, e))
 }
 
 /// Weights opened for reading parts of parameters: memory-mapped, so a rank that reads only
@@ -91,7 +91,7 @@ pub fn weight_files(path: &Path) -> Result<Vec<PathBuf>> {
     let single = path.join(HF_WEIGHTS);
     match single.exists() {
         true => Ok(vec![single]),
-        false => Err(EngineError::file(
+        false => Err(NnError::file(
             path,
             format!("holds neither {HF_WEIGHTS} nor {HF_INDEX}"),
         )),
@@ -105,22 +105,21 @@ pub fn has_weights(dir: &Path) -> bool {
 
 /// The shard files an index names (`weight_map`: tensor -> file), each once, in order.
 fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|e| EngineError::file(index, e))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| EngineError::file(index, e))?;
+    let text = std::fs::read_to_string(index).map_err(|e| NnError::file(index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| NnError::file(index, e))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| EngineError::file(index, "`weight_map` is missing or not an object"))?;
+        .ok_or_else(|| NnError::file(index, "`weight_map` is missing or not an object"))?;
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
     for (tensor, file) in map {
         let name = file.as_str().ok_or_else(|| {
-            EngineError::file(index, format!("`weight_map.{tensor}` is not a file name"))
+            NnError::file(index, format!("`weight_map.{tensor}` is not a file name"))
         })?;
         let path = dir.join(name);
         if !path.is_file() {
-            return Err(EngineError::file(
+            return Err(NnError::file(
                 index,
                 format!("shard '{name}' (holding '{tensor}') is missing"),
             ));
@@ -148,7 +147,7 @@ impl WeightsFile {
                 let prefixed = format!("{GPT2_PREFIX}{name}");
                 let known = model.iter().any(|s| s.name == name || s.name == prefixed);
                 if !known && !HF_BUFFERS.iter().any(|b| name.ends_with(b)) {
-                    return Err(EngineError::file(
+                    return Err(NnError::file(
                         &file_path,
                         format!("tensor '{name}' is not a parameter of this model"),
                     ));
@@ -173,11 +172,11 @@ impl WeightsFile {
                         bare(&s.name).or_else(|| bare(s.value_name()))
                     })
                     .ok_or_else(|| {
-                        EngineError::file(path, format!("parameter '{}' is missing", s.name))
+                        NnError::file(path, format!("parameter '{}' is missing", s.name))
                     })?;
                 let file = &files[*f].0;
                 if t.shape != s.stored_shape() {
-                    return Err(EngineError::file(
+                    return Err(NnError::file(
                         file,
                         format!(
                             "'{}' has shape {:?}, the model expects {:?}",
@@ -188,7 +187,7 @@ impl WeightsFile {
                     ));
                 }
                 float_width(t.dtype)
-                    .map_err(|e| EngineError::file(file, format!("'{}': {e}", s.name)))?;
+                    .map_err(|e| NnError::file(file, format!("'{}': {e}", s.name)))?;
                 let transposed =
                     (s.stored_transposed && s.shape.len() == 2).then(|| (s.shape[0], s.shape[1]));
                 Ok(Some(Located {
@@ -216,12 +215,12 @@ impl WeightsFile {
             transposed,
         }) = self.params[i]
         else {
-            return Err(EngineError::Invalid(format!(
+            return Err(NnError::Invalid(format!(
                 "parameter {i} is not in the weights file (an adapter): start it from its initialiser"
             )));
         };
         let (path, map) = &self.files[file];
-        let width = float_width(dtype).map_err(|e| EngineError::file(path, e))?;
+        let width = float_width(dtype).map_err(|e| NnError::file(path, e))?;
         if let Some((rows, cols)) = transposed {
             // element (r, c) of the model's matrix is the file's (c, r)
             for (k, d) in dst.iter_mut().enumerate() {
@@ -268,12 +267,12 @@ struct TensorInfo {
 
 /// Maps a safetensors file and lists its tensors.
 fn map_file(path: &Path) -> Result<(Mmap, Vec<(String, TensorInfo)>)> {
-    let file = File::open(path).map_err(|e| EngineError::file(path, e))?;
+    let file = File::open(path).map_err(|e| NnError::file(path, e))?;
     // Safety: the file is only read; a writer changing it meanwhile is the user's race, as
     // with any reader of a file being rewritten.
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::file(path, e))?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| NnError::file(path, e))?;
     let (header_len, meta) =
-        SafeTensors::read_metadata(&map).map_err(|e| EngineError::file(path, e))?;
+        SafeTensors::read_metadata(&map).map_err(|e| NnError::file(path, e))?;
     let data_start = 8 + header_len;
     let tensors = meta
         .tensors()
@@ -402,12 +401,12 @@ impl StreamingWriter {
         // the data starts 8-byte aligned, as safetensors' own writer pads it
         text.resize(text.len().div_ceil(8) * 8, b' ');
         let partial = path.with_extension("safetensors.partial");
-        let file = File::create(&partial).map_err(|e| EngineError::file(&partial, e))?;
+        let file = File::create(&partial).map_err(|e| NnError::file(&partial, e))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         use std::io::Write;
         out.write_all(&(text.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(&text))
-            .map_err(|e| EngineError::file(&partial, e))?;
+            .map_err(|e| NnError::file(&partial, e))?;
         Ok(StreamingWriter {
             path: path.to_path_buf(),
             partial,
@@ -424,7 +423,7 @@ impl StreamingWriter {
         use std::io::Write;
         let want = self.sizes.get(self.written).copied();
         if want != Some(values.len()) {
-            return Err(EngineError::file(
+            return Err(NnError::file(
                 &self.path,
                 format!(
                     "tensor {} of {} has {} values, the header says {want:?}",
@@ -437,7 +436,7 @@ impl StreamingWriter {
         self.dtype.bytes(values, &mut self.bytes);
         self.out
             .write_all(&self.bytes)
-            .map_err(|e| EngineError::file(&self.partial, e))?;
+            .map_err(|e| NnError::file(&self.partial, e))?;
         self.written += 1;
         Ok(())
     }
@@ -445,7 +444,7 @@ impl StreamingWriter {
     /// Every tensor written: synced and renamed into place.
     pub fn finish(self) -> Result<()> {
         if self.written != self.sizes.len() {
-            return Err(EngineError::file(
+            return Err(NnError::file(
                 &self.path,
                 format!("{} of {} tensors written", self.written, self.sizes.len()),
             ));
@@ -453,9 +452,9 @@ impl StreamingWriter {
         let file = self
             .out
             .into_inner()
-            .map_err(|e| EngineError::file(&self.partial, e.error().to_string()))?;
+            .map_err(|e| NnError::file(&self.partial, e.error().to_string()))?;
         file.sync_all()
-            .map_err(|e| EngineError::file(&self.partial, e))?;
-        std::fs::rename(&self.partial, &self.path).map_err(|e| EngineError::file(&self.path, e))
+            .map_err(|e| NnError::file(&self.partial, e))?;
+        std::fs::rename(&self.partial, &self.path).map_err(|e| NnError::file(&self.path, e))
     }
 }

@@ -13,7 +13,7 @@ use serde_json::Value as Json;
 
 use super::Split;
 use crate::model::ParamSpec;
-use crate::{EngineError, Result};
+use crate::{NnError, Result};
 
 const PATH: &str = "tensor_parallel.partition_config";
 
@@ -60,7 +60,7 @@ impl PartitionConfig {
             for (p, src) in spec.patterns.iter().zip(&spec.sources) {
                 if !specs.iter().any(|s| p.is_match(&s.name)) {
                     let names: Vec<&str> = specs.iter().take(4).map(|s| s.name.as_str()).collect();
-                    return Err(EngineError::Invalid(format!(
+                    return Err(NnError::Invalid(format!(
                         "{PATH}.layer_specs[{i}].patterns: {src:?} matches no parameter of the model \
                          (its names look like {names:?})"
                     )));
@@ -75,7 +75,7 @@ impl PartitionConfig {
             let split = kind.split(spec, weight)?;
             let declared = spec.split;
             if !declared.is_replicated() && declared != split {
-                return Err(EngineError::Invalid(format!(
+                return Err(NnError::Invalid(format!(
                     "{PATH}: parameter {} is split {declared:?} by its layer, the config asks for {split:?}",
                     spec.name
                 )));
@@ -129,7 +129,7 @@ impl LayerSpec {
             .map(|p| {
                 // re.match: anchored at the start, not the end
                 Regex::new(&format!("^(?:{p})")).map_err(|e| {
-                    EngineError::Invalid(format!(
+                    NnError::Invalid(format!(
                         "{path}.patterns: {p:?} is not a regular expression: {e}"
                     ))
                 })
@@ -200,7 +200,7 @@ impl Kind {
             (Kind::Column { blocks }, true) if dims == 2 => Split::Dim { dim: 0, blocks },
             (Kind::Row, true) if dims == 2 => Split::dim(1),
             _ => {
-                return Err(EngineError::Invalid(format!(
+                return Err(NnError::Invalid(format!(
                     "{PATH}: parameter {} has shape {:?}; column and row splits are for linear weights [out, in]",
                     spec.name, spec.shape
                 )))
@@ -210,8 +210,8 @@ impl Kind {
     }
 }
 
-fn invalid(path: &str, found: &Json, expected: &str) -> EngineError {
-    EngineError::Invalid(format!("{path}: expected {expected}, got {found}"))
+fn invalid(path: &str, found: &Json, expected: &str) -> NnError {
+    NnError::Invalid(format!("{path}: expected {expected}, got {found}"))
 }
 
 #[cfg(test)]

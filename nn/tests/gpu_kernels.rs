@@ -12,17 +12,17 @@
 //! Without a usable GPU each test prints why and passes; with `DS_RS_REQUIRE_GPU=1` it fails.
 
 use candle_core::{DType, Device, Result, Tensor};
-use ds_engine::kernels::fused_norm_loss::{
+use ds_nn::kernels::fused_norm_loss::{
     cross_entropy_and_lse, cross_entropy_backward, cross_entropy_grad, cross_entropy_grad_from_lse,
     cross_entropy_with_probs, layer_norm, layer_norm_backward,
 };
-use ds_engine::kernels::grad::{gelu_linear_backward, linear, linear_gelu};
-use ds_engine::kernels::nn::cross_entropy;
-use ds_engine::kernels::ops::{
+use ds_nn::kernels::grad::{gelu_linear_backward, linear, linear_gelu};
+use ds_nn::kernels::nn::cross_entropy;
+use ds_nn::kernels::ops::{
     causal_softmax, causal_softmax_backward, column_sum, gelu, gelu_backward,
 };
-use ds_engine::kernels::scatter_rows::sum_into_rows;
-use ds_engine::kernels::{rms_swiglu, rotary};
+use ds_nn::kernels::scatter_rows::sum_into_rows;
+use ds_nn::kernels::{rms_swiglu, rotary};
 
 fn gpu() -> Option<Device> {
     let why = match Device::new_cuda(0) {
@@ -441,7 +441,7 @@ fn llama_rms_norm_swiglu_and_rotary() {
 
 #[test]
 fn users_rms_norm_and_rope_train_on_the_gpu() {
-    use ds_engine::kernels::nn::{rms_norm, rope};
+    use ds_nn::kernels::nn::{rms_norm, rope};
     let Some(dev) = gpu() else { return };
     // candle's autograd through the custom ops: the outputs and the input gradients
     let grads = |t: &[Tensor], f: &dyn Fn(&Tensor) -> Result<Tensor>| -> Result<Vec<Tensor>> {
@@ -481,7 +481,7 @@ use flash_reference::Case;
 /// (src/kernels/gpu/flash_reference.rs); prints the largest difference as a fraction of its
 /// element's bound.
 fn flash_case(dev: &Device, c: &Case) {
-    use ds_engine::kernels::flash_attention as fa;
+    use ds_nn::kernels::flash_attention as fa;
     let (d, dtype) = (c.h * c.hd, c.dtype);
     let scale = c.scale();
     let window = (c.window > 0).then_some(c.window);

@@ -1,5 +1,5 @@
-// The CUDA C subset of engine/kernels/*.cu on the host (Note [kernels on the host] in
-// engine/src/kernels/gpu/mod.rs): a kernel's source, unchanged, compiled by g++ and run by
+// The CUDA C subset of nn/kernels/*.cu on the host (Note [kernels on the host] in
+// nn/src/kernels/gpu/mod.rs): a kernel's source, unchanged, compiled by g++ and run by
 // this header's scheduler, so the CPU tests run the very code the GPU runs, with the launch
 // the engine computes.
 //

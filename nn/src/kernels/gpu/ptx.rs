@@ -3,7 +3,7 @@
 //! Constraint: a GPU is lent for minutes, and tuning a kernel means changing its body and
 //! measuring again, while a cuda build of ds-rs takes minutes here and cannot be made there.
 //! Solution: the GPU host has nvcc; scripts/gpu-ptx.sh compiles the working tree's
-//! engine/kernels/*.cu there with the build's flags, and `DS_RS_PTX_DIR` makes ds-rs load that
+//! nn/kernels/*.cu there with the build's flags, and `DS_RS_PTX_DIR` makes ds-rs load that
 //! PTX in place of the PTX it was built with. Only a kernel's body may change this way: the
 //! launches (grids, shared memory, arguments) are the build's.
 

@@ -16,7 +16,7 @@
 //! launch arithmetic are tested in CI; a missing barrier shows as a wrong result (threads run
 //! one at a time), a barrier some threads skip as a reported deadlock. Cons: nothing about
 //! speed, memory coalescing or the GPU's math library (a few ulp from the host's libm) is
-//! tested; scripts/gpu-acceptance.sh runs the same comparisons on a GPU (engine/tests/
+//! tested; scripts/gpu-acceptance.sh runs the same comparisons on a GPU (nn/tests/
 //! gpu_kernels.rs) for that.
 
 // The calls serve the cuda build (cuda.rs) and the tests (emu.rs): a CPU build uses neither.

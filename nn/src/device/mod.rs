@@ -5,11 +5,17 @@
 use candle_core::Device;
 use ds_partition::{Placement, Placements};
 
-use crate::engine::CpuOffload;
-use crate::{EngineError, Result};
+use crate::{NnError, Result};
 
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
+
+/// Which states ZeRO-Offload keeps in host memory while a GPU computes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuOffload {
+    pub optimizer: bool,
+    pub params: bool,
+}
 
 /// A `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +91,7 @@ pub fn gpu_placement(dev: &Device) -> Option<Placement> {
 /// A tensor of `values` on `dev` made on the device, when `values` lie in a GPU buffer of
 /// the same GPU (a layer's parameters materialised without passing through the host); None
 /// otherwise (the caller copies them from host memory).
-pub fn tensor_from_buffer<T: crate::engine::Dtype>(
+pub fn tensor_from_buffer<T: crate::Dtype>(
     values: &[T],
     dev: &Device,
 ) -> Result<Option<candle_core::Tensor>> {
@@ -100,10 +106,10 @@ pub fn tensor_from_buffer<T: crate::engine::Dtype>(
 /// `f` of the gradient tensors copied one after the other into a GPU staging buffer (for the
 /// gradient stores to add on the GPU), when they are on a GPU; None (and `f` not called)
 /// otherwise.
-pub fn with_staged_grads<T: crate::engine::Dtype, R>(
+pub fn with_staged_grads<T: crate::Dtype, R, E: From<NnError>>(
     tensors: &[candle_core::Tensor],
-    f: impl FnOnce(&[T]) -> Result<R>,
-) -> Result<Option<R>> {
+    f: impl FnOnce(&[T]) -> std::result::Result<R, E>,
+) -> std::result::Result<Option<R>, E> {
     #[cfg(feature = "cuda")]
     if let Some(Device::Cuda(d)) = tensors.first().map(|t| t.device()) {
         return gpu::with_staged(tensors, d, f).map(Some);
@@ -172,17 +178,17 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
         // candle's message carries a backtrace on the lines after the first
         let e = e.to_string();
         let first = e.lines().next().unwrap_or_default();
-        EngineError::Invalid(format!("device cuda:{ordinal}: {first}"))
+        NnError::Invalid(format!("device cuda:{ordinal}: {first}"))
     })?;
     if let Device::Cuda(d) = &dev {
-        gpu::prepare(d).map_err(|e| EngineError::Invalid(format!("device cuda:{ordinal}: {e}")))?;
+        gpu::prepare(d).map_err(|e| NnError::Invalid(format!("device cuda:{ordinal}: {e}")))?;
     }
     Ok(dev)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    Err(EngineError::Invalid(format!(
+    Err(NnError::Invalid(format!(
         "device cuda:{ordinal}: this ds-rs was built without CUDA; build it with `--features cuda` \
          (scripts/check-cuda.sh)"
     )))

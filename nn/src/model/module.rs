@@ -19,7 +19,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use super::{Context, Init, Layer, Model, ParamSpec};
-use crate::{EngineError, Result};
+use crate::{NnError, Result};
 
 type Build<M> = dyn Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync;
 type Run<M> = dyn Fn(&M, &Tensor, &Context) -> candle_core::Result<Tensor> + Send + Sync;
@@ -79,7 +79,7 @@ impl Model {
     {
         let params = discover(prefix, &build)?;
         if params.is_empty() {
-            return Err(EngineError::Invalid(format!(
+            return Err(NnError::Invalid(format!(
                 "module {prefix:?} reads no parameter from its VarBuilder, so it is no gather unit; add a parameterless step with Model::function"
             )));
         }
@@ -92,7 +92,7 @@ impl Model {
             .iter()
             .find(|p| existing.iter().any(|e| e.name == full(p)))
         {
-            return Err(EngineError::Invalid(format!(
+            return Err(NnError::Invalid(format!(
                 "parameter {} is built twice, by an earlier module and by module {prefix:?}: a parameter belongs to one module",
                 full(p)
             )));
@@ -125,18 +125,18 @@ fn discover<M>(prefix: &str, build: &Build<M>) -> Result<Vec<ParamSpec>> {
         _ => format!("{prefix}.{name}"),
     };
     if let Some(name) = recorded.twice {
-        return Err(EngineError::Invalid(format!(
+        return Err(NnError::Invalid(format!(
             "parameter {} is built twice in module {prefix:?} (its VarBuilder was asked for it twice): a parameter belongs to one module",
             at(&name)
         )));
     }
     if let Some(name) = recorded.unshaped {
-        return Err(EngineError::Invalid(format!(
+        return Err(NnError::Invalid(format!(
             "module {prefix:?} reads {} without a shape (VarBuilder::get_unchecked): ds-rs creates each parameter, so it needs its shape",
             at(&name)
         )));
     }
-    built.map_err(|e| EngineError::Invalid(format!("building module {prefix:?}: {e}")))?;
+    built.map_err(|e| NnError::Invalid(format!("building module {prefix:?}: {e}")))?;
     Ok(recorded.params)
 }
 
