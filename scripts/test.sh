@@ -15,6 +15,8 @@ export DS_RS_PYTHON="$PWD/.venv/bin/python"
 before="$(mktemp)"
 trap 'rm -f "$before"' EXIT
 scripts/leftovers.sh snapshot "$before"
+# The crates as floors: no dependency (dev-dependencies included) from a lower floor to a higher.
+python3 scripts/floors.py >/dev/null
 cargo test --workspace --release
 # The NCCL backend builds without CUDA; its GPU smoke test says why it skips.
 # (--workspace keeps the first command's feature resolution: only ds-comm and its dependents

@@ -240,7 +240,7 @@ fn sequence_parallel_and_tiled_activations_equal_memory_report() {
 
 /// The predicted peak RSS against the measured one (VmHWM of each rank) on model tiny: within
 /// 15%, where this machine measures at most 8% on tiny and small over ZeRO 0-3, dp 1-2, tp 2,
-/// pp 2 and checkpointing (ARCHITECTURE.md, ds-autotune). The rest of the gap is the
+/// pp 2 and checkpointing (autotune/ARCHITECTURE.md). The rest of the gap is the
 /// allocator's (freed blocks kept in arenas), which no byte count sees.
 #[test]
 fn predicted_peak_rss_is_within_15_percent_of_the_measured() {

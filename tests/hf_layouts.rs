@@ -1,4 +1,4 @@
-//! One logical model, many layouts, for the Hugging Face Llama family (DESIGN.md invariant
+//! One logical model, many layouts, for the Hugging Face Llama family (ARCHITECTURE.md invariant
 //! 3): the Llama fixture of models/tests/fixtures/hf (grouped-query attention, llama3 rope,
 //! untied), started from its weights (`--model DIR`), trained 10 steps in fp32 on the same
 //! global batch (8 samples) at tp 2, tp 2 x dp 2 ZeRO-3, pp 2, pp 2 x tp 2 x dp 2 ZeRO-1, with

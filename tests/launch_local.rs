@@ -1,6 +1,6 @@
 //! `ds-rs launch ... train` end to end on this host: real processes, real sockets, real files.
 //! Every layout trains the same model on the same samples, so its losses must match one plain
-//! process's (DESIGN.md invariant 3); failures and signals bring the whole job down.
+//! process's (ARCHITECTURE.md invariant 3); failures and signals bring the whole job down.
 
 mod common;
 

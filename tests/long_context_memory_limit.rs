@@ -10,7 +10,7 @@
 //! memory report: 505 MB at ZeRO-1, tiles of 1024), a rank of sp 4 about 160 MB; the limit,
 //! 2 GiB for the job, is under 4 ranks of the first and over 4 of the second (measured below).
 //! `DS_RS_LONG_CONTEXT=MODEL_DIR:T:LIMIT_MIB` runs the same comparison on another model (a
-//! Hugging Face config directory), context and limit: ARCHITECTURE.md records the ~100M model
+//! Hugging Face config directory), context and limit: engine/ARCHITECTURE.md records the ~100M model
 //! at 32k positions run that way.
 //!
 //! The sp 1 run must fail because the kernel's OOM killer killed one of its processes (the

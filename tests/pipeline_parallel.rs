@@ -1,4 +1,4 @@
-//! Pipeline parallelism's equality test (DESIGN.md invariant 3): the built-in GPT trained for
+//! Pipeline parallelism's equality test (ARCHITECTURE.md invariant 3): the built-in GPT trained for
 //! 10 steps with DeepSpeed's TrainSchedule (synchronous 1F1B) at pp = 2, pp = 4, pp = 2 x dp = 2,
 //! pp = 2 x tp = 2 and pp = 2 x tp = 2 x dp = 2 (8 ranks) gives every step's loss of the
 //! single-process run on the same global batch (8 samples: 4 micro-batches of 2 per replica

@@ -1,4 +1,4 @@
-//! Tensor parallelism's equality test (DESIGN.md invariant 3): the built-in GPT trained for
+//! Tensor parallelism's equality test (ARCHITECTURE.md invariant 3): the built-in GPT trained for
 //! 10 steps at tp = 2, tp = 4, tp = 2 x dp = 2 at every ZeRO stage, and with sequence
 //! parallelism gives every step's loss, and the final whole weights, of the single-process
 //! run on the same global batch. Ranks are processes started by `ds-rs launch`.
@@ -229,7 +229,7 @@ fn one_logged_step(name: &str, extra: &str) -> HashMap<(String, String), usize> 
     comms_counts(&f.stdout)
 }
 
-/// Megatron's tensor-parallel communication (ARCHITECTURE.md, "Tensor parallelism"): per
+/// Megatron's tensor-parallel communication (nn/ARCHITECTURE.md, "Tensor parallelism"): per
 /// micro-step, forward all-reduces the embedding and the two row-parallel outputs of each
 /// block, backward the two column-parallel input gradients of each block and the LM head's:
 /// 4L + 2 all-reduces of [B, T, d]; the vocabulary-parallel loss adds one of [B*T] (maxima)

@@ -1,5 +1,5 @@
 //! DeepSpeed-Ulysses sequence parallelism and tiled compute (issue 38), one logical model in
-//! many layouts (DESIGN.md invariant 3): the Llama-family tiny model at T = 4096 positions,
+//! many layouts (ARCHITECTURE.md invariant 3): the Llama-family tiny model at T = 4096 positions,
 //! fp32, 5 steps on the same global batch (2 samples), at sp 2, sp 4 (its 2 key/value heads
 //! copied to 4), sp 2 x dp 2 ZeRO-3, sp 2 x tp 2, and with the MLPs and the loss tiled, alone
 //! and at sp 2: every step's loss and gradient norm that of one process. The GPT (learned

@@ -268,7 +268,7 @@ pub fn estimate(run: &Run) -> anyhow::Result<Vec<RankEstimate>> {
 }
 
 /// The peak RSS of a rank training a one-layer model (V = 64, d = 64) at ZeRO-0 and ZeRO-3:
-/// 19-20 MiB (ARCHITECTURE.md, ds-partition decisions).
+/// 19-20 MiB (partition/ARCHITECTURE.md, decisions).
 const FIXED: u64 = 20 << 20;
 
 /// The most elements held in reduction buckets and ZeRO-3 prefetches at once: at stages 2-3

@@ -203,7 +203,7 @@ fn real_configs_get_deepspeeds_verdict() {
     );
 }
 
-/// Cases where ds-rs knowingly differs from DeepSpeed, and why (ARCHITECTURE.md, Decisions).
+/// Cases where ds-rs knowingly differs from DeepSpeed, and why (configs/ARCHITECTURE.md, Decisions).
 const KNOWN_DEVIATIONS: [(&str, &str); 4] = [
     (
         "633_file_root_base64.json",

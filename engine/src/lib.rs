@@ -1,17 +1,14 @@
-//! The ds-rs engine: the model API, the training loop over ZeRO stages 0-3 (`Engine`),
-//! optimizers, LR schedules and mixed precision with loss scaling. The models themselves
-//! (the built-in GPT, Hugging Face's families) are ds-models'.
+//! The ds-rs engine: training only. The job plan (`JobPlan`, `Job`), `Engine` (initialize,
+//! forward/backward/step, train_batch) over ZeRO stages 0-3 (ds-partition's stores),
+//! optimizers, LR schedules, mixed precision with loss scaling, the pipeline executor,
+//! checkpoints and monitors.
 //!
-//! It owns every parameter (DESIGN.md invariant 1): layers read their weights from a
-//! `VarBuilder` the engine fills, and forward and backward run layer by layer, so gathering,
-//! recomputation and communication happen between layers, never inside user code. Where a
-//! parameter lives and how gradients are reduced is ds-partition's business; how ranks talk is
-//! ds-comm's.
-//!
-//! Modules import one way: `model` (the API: `Layer`, `ParamSpec`, `Model`) and `kernels`
-//! (differentiable ops and CPU fast paths) know nothing of each other or of anything above;
-//! `parallel` (tensor parallelism) uses both; the engine uses everything and nothing below it
-//! knows the engine.
+//! It owns every parameter: layers (ds-nn's model API) read their weights from a `VarBuilder`
+//! the engine fills, and forward and backward run layer by layer, so gathering, recomputation
+//! and communication happen between layers, never inside a model's code. It knows a model only
+//! through ds-nn (`Model`, `Architecture`), never a family (ds-models) or a data source
+//! (ds-data). ds-nn's modules are re-exported under the engine's name, so a program that embeds
+//! the engine needs this one crate.
 
 mod error;
 mod job;

@@ -1,4 +1,4 @@
-//! The main correctness test (DESIGN.md invariant 3): one logical model trained with any
+//! The main correctness test (ARCHITECTURE.md invariant 3): one logical model trained with any
 //! data-parallel degree, ZeRO stage and accumulation gives the losses and parameters of a
 //! single rank with the same global batch.
 //!

@@ -1,5 +1,5 @@
 //! The memory report under tensor parallelism: each rank holds its slices of the split
-//! parameters and the whole replicated ones (ARCHITECTURE.md, "Tensor parallelism"), sharded
+//! parameters and the whole replicated ones (nn/ARCHITECTURE.md, "Tensor parallelism"), sharded
 //! over its data-parallel group by the ZeRO stage's formula.
 
 use std::time::Duration;

@@ -133,7 +133,7 @@ impl<T: Element> Zero<T> {
             )?),
             ZeroStage::Weights => {
                 // The two buckets alive at once (Note [bounded buckets]) hold no more than
-                // the live parameters' gradients (ARCHITECTURE.md, ds-partition decisions).
+                // the live parameters' gradients (partition/ARCHITECTURE.md, decisions).
                 let mut reduce = opts.reduce;
                 let live = opts.stage3.max_live_parameters / 2;
                 reduce.bucket_size = reduce.bucket_size.min(live);

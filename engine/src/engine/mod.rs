@@ -745,7 +745,7 @@ impl Engine {
     /// Every parameter's fp32 master value by name, whole: the logical tensors, assembled
     /// from every tensor-parallel rank's slices (a collective: all ranks call it). A
     /// replicated parameter that differs between tensor-parallel ranks (an invariant of
-    /// tensor parallelism, ARCHITECTURE.md) is an error naming it.
+    /// tensor parallelism, nn/ARCHITECTURE.md) is an error naming it.
     /// Under expert parallelism each rank holds only its experts: an error there (the
     /// weights file and the checkpoint of `save_weights` / `save_checkpoint` hold them all).
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {

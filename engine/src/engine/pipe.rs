@@ -4,7 +4,7 @@
 //!
 //! Note [pipeline transfers]: a transfer is a header (dtype and shape) then the data, over the
 //! pipeline group, issued in the schedule's order into ds-comm's one issue order (the order
-//! rules in ARCHITECTURE.md, "Pipeline parallelism"). DeepSpeed's schedules pair each send of
+//! rules in pipeline/ARCHITECTURE.md). DeepSpeed's schedules pair each send of
 //! a step with its neighbour's receive in the same step and order, so the blocking sequence
 //! cannot deadlock; sends leave asynchronously (on the communicator's worker, in their place
 //! in the order) while the stage computes, and are waited for before the optimizer step.

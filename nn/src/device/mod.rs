@@ -1,6 +1,6 @@
 //! Where a rank computes (`--device cpu|cuda[:N]`): candle's device for the layers' tensors,
 //! and where the flat ZeRO buffers live (`placements`): on the GPU that computes, except what
-//! ZeRO-Offload keeps in host memory (see ARCHITECTURE.md, "The engine on a GPU").
+//! ZeRO-Offload keeps in host memory (see engine/ARCHITECTURE.md, "The engine on a GPU").
 
 use candle_core::Device;
 use ds_partition::{Placement, Placements};

@@ -1,6 +1,6 @@
 //! Initial parameter values from (run seed, parameter name) alone.
 //!
-//! Every rank computes the same logical tensor whatever the layout (DESIGN.md invariant 3).
+//! Every rank computes the same logical tensor whatever the layout (ARCHITECTURE.md invariant 3).
 //! The generator is written out here (SplitMix64 and Box-Muller, a few lines) rather than
 //! taken from a crate so that the stream can never change under a dependency update: initial
 //! weights, and so every equality test and resumed run, depend on it.

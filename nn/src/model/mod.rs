@@ -1,6 +1,6 @@
 //! The model API: a model is an ordered list of layers; a layer declares its parameters
 //! (`ParamSpec`) and computes its output from a `VarBuilder` the engine fills with the values
-//! it has materialised for that layer at that moment (DESIGN.md invariant 1). The loss is the
+//! it has materialised for that layer at that moment (ARCHITECTURE.md invariant 1). The loss is the
 //! last layer. The engine runs forward and backward layer by layer, so it can gather (ZeRO-3),
 //! recompute (activation checkpointing), slice (TP: `ParamSpec::split`) and, later, place (PP)
 //! each layer without hooks into the layer's code.

@@ -1,4 +1,4 @@
-//! Where a flat buffer's memory lives: the device-buffer module of DESIGN.md invariant 5.
+//! Where a flat buffer's memory lives: the device-buffer module of ARCHITECTURE.md invariant 5.
 //!
 //! Every long-lived ZeRO buffer (parameters, gradients, the master copy, the optimizer's
 //! moments) is a [`FlatBuf`] at a [`Placement`]: host memory (a `Vec`), or, with the `cuda`
