@@ -2,6 +2,7 @@
 //! `backward`, `step` (which knows accumulation boundaries), `train_batch`, `eval_batch`,
 //! `get_lr`, `global_steps`, `memory_report` and wall-clock timings.
 
+mod assemble;
 mod autotuning;
 mod groups;
 mod initial;
@@ -17,7 +18,6 @@ mod trainer;
 mod update;
 mod whole;
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -25,17 +25,14 @@ use candle_core::Device;
 use ds_comm::{Groups, ReduceOp};
 use ds_config::Config;
 use ds_partition::swap::IoTotals;
-use ds_partition::{runs, FlatIndex, Placement, TpRank};
+use ds_partition::{runs, FlatIndex, TpRank};
 use half::{bf16, f16};
 
 use crate::checkpoint;
-use crate::loss_scale::LossScaler;
-use crate::model::{weights, Model, ParamSpec};
-use crate::parallel::PartitionConfig;
+use crate::model::{weights, ParamSpec};
 use crate::{Batch, Inputs};
 use crate::{EngineError, Result};
 pub use groups::{DecayGroups, ParamGroup};
-use groups::{GroupPlan, GroupRules};
 pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
@@ -156,191 +153,6 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Builds the engine for `model` from a resolved ds_config, on this rank's `groups` (whose
-    /// layout must be the one the config was resolved for). A model split by tensor
-    /// parallelism must have been built for `groups.tp()`.
-    pub fn initialize(
-        model: Model,
-        config: &Config,
-        groups: &Groups,
-        opts: &EngineOptions,
-    ) -> Result<Engine> {
-        if groups.dims() != config.dims {
-            return Err(EngineError::Invalid(format!(
-                "the config was resolved for {}, the groups are {}",
-                config.dims,
-                groups.dims()
-            )));
-        }
-
-        // Settings the engine cannot carry out would otherwise be ignored.
-        config.check_implemented()?;
-        let asked = config.expert_parallel.size();
-        if asked > 1 && config.dims.ep != asked {
-            return Err(EngineError::Invalid(format!(
-                "expert_parallel.autoep_size {asked} is not in the layout ({}): resolve the config with Config::with_expert_parallel, as Job::init does",
-                config.dims
-            )));
-        }
-        let settings = Settings::from_config(config, opts.activation_checkpointing)?;
-        // every parameter of the whole model, split as tensor parallelism asks, and the
-        // pipeline stage that holds it (checkpoints record the whole model)
-        let mut all_specs = model.params();
-        if let Some(rules) = &config.tp_partition_config {
-            PartitionConfig::parse(rules)?.apply(&mut all_specs)?;
-        }
-        let layer_of = whole::layer_of(&model);
-        let (model, stage, stage_of) = match config.dims.pp {
-            1 => (model, None, vec![0; all_specs.len()]),
-            stages => {
-                let layout = pipe::pipeline_layout(config, &model)?;
-                let stage_of = layout.param_stages(&model);
-                let s = groups.grid().stage_id();
-                let chunks = layout.chunk_layers(s);
-                // the chunks as ranges of the stage's own layers
-                let mut at = 0;
-                let local = chunks
-                    .iter()
-                    .map(|r| {
-                        at += r.len();
-                        at - r.len()..at
-                    })
-                    .collect();
-                let stage = pipe::Stage {
-                    group: groups.pp().clone(),
-                    stage: s,
-                    stages,
-                    chunks: local,
-                };
-                (model.into_stage(&chunks), Some(stage), stage_of)
-            }
-        };
-        let my_stage = stage.as_ref().map_or(0, |s| s.stage);
-        check_frozen(&all_specs, stage.is_some())?;
-        // this stage's parameters, trainable and frozen apart
-        let (frozen_specs, specs): (Vec<ParamSpec>, Vec<ParamSpec>) = all_specs
-            .iter()
-            .zip(&stage_of)
-            .filter(|(_, s)| **s == my_stage)
-            .map(|(p, _)| p.clone())
-            .partition(|p| p.frozen);
-        let model_specs = all_specs.clone();
-        // what a weights file of the whole model may hold: other expert-parallel ranks'
-        // experts too
-        let known: Vec<ParamSpec> = model_specs
-            .iter()
-            .chain(model.elsewhere())
-            .cloned()
-            .collect();
-        let frozen = frozen_part(&model_specs, opts);
-        let ep = &groups.experts().ep;
-        let declared = whole::declared(&all_specs, &layer_of, &stage_of);
-        let checkpoint_params =
-            whole::whole_model(declared, model.elsewhere(), (ep.rank(), ep.size()))
-                .map(|placed| logical_entries(placed.into_iter().filter(|p| !p.spec.frozen)));
-        // checkpoints, ties and the optimizer know the trainable parameters only
-        let (all_specs, stage_of): (Vec<ParamSpec>, Vec<usize>) = all_specs
-            .into_iter()
-            .zip(stage_of)
-            .filter(|(p, _)| !p.frozen)
-            .unzip();
-        let all_params = logical_entries(whole::in_place(&all_specs, &stage_of));
-        let tp = TpRank {
-            rank: groups.tp().rank(),
-            size: groups.tp().size(),
-        };
-        // under expert parallelism this rank's experts live in a store of their own
-        let expert_parallel = groups.experts().ep.size() > 1;
-        check_experts(&frozen_specs, &settings, expert_parallel)?;
-        let (expert_specs, specs): (Vec<ParamSpec>, Vec<ParamSpec>) =
-            specs.into_iter().partition(|p| p.expert && expert_parallel);
-        let (index, frozen_index) = (flat_index(&specs, tp)?, flat_index(&frozen_specs, tp)?);
-        let expert_index = flat_index(&expert_specs, tp)?;
-        let rank_of = |s: usize| stage.as_ref().map_or(0, |st| st.rank_of(s));
-        let ties = tied::ties(&all_specs, &stage_of, my_stage, &index, rank_of)?;
-        let source = |specs: &[ParamSpec]| -> Result<initial::Source> {
-            Ok(match &opts.init {
-                Some(path) => initial::Source::File(
-                    weights::WeightsFile::open(path, specs, &known)?,
-                    opts.seed,
-                ),
-                None => initial::Source::Seed(opts.seed),
-            })
-        };
-        let expert_source = source(&expert_specs)?;
-        let (frozen_source, source) = (source(&frozen_specs)?, source(&specs)?);
-        let program = program::optimizer_and_schedule(config)?;
-        let scaler = LossScaler::new(&settings.fp16, settings.zero.stage)?;
-        let rules = GroupRules {
-            decay: program.groups,
-            named: &opts.param_groups,
-        };
-        rules.check(&all_specs)?;
-        let (specs_ref, index_ref, rules_ref) = (&specs, &index, &rules);
-        let (expert_section, experts_ref) =
-            (program.optimizer.clone(), (&expert_specs, &expert_index));
-        let expert_optimizer = move |owned: Range<usize>, len: usize, place: &Placement| {
-            let mut optimizer = crate::optim::build_from_section(&expert_section, len, place)?;
-            optimizer.set_groups(rules_ref.hypers());
-            let groups = GroupPlan::new(rules_ref, experts_ref.0, experts_ref.1, &owned);
-            Ok(update::ShardOptimizer { optimizer, groups })
-        };
-        let updater = move |owned: Range<usize>, len: usize, place: &Placement| {
-            let mut opt = crate::optim::build_from_section(&program.optimizer, len, place)?;
-            opt.set_groups(rules_ref.hypers());
-            let plan = GroupPlan::new(rules_ref, specs_ref, index_ref, &owned);
-            Ok(update::Updater::new(opt, program.schedule, scaler, plan))
-        };
-        let init = initial::InitialValues::new(&specs, &index, source);
-        let mut fill = |range, dst: &mut [f32]| init.fill(range, dst);
-        let frozen_init = initial::InitialValues::new(&frozen_specs, &frozen_index, frozen_source);
-        let mut frozen_fill = |range, dst: &mut [f32]| frozen_init.fill(range, dst);
-        let expert_init = initial::InitialValues::new(&expert_specs, &expert_index, expert_source);
-        let mut expert_fill = |range, dst: &mut [f32]| expert_init.fill(range, dst);
-        let parts = trainer::Parts {
-            model,
-            index: index.clone(),
-            frozen_index: frozen_index.clone(),
-            experts: (expert_index.numel() > 0).then(|| side_stores::ExpertPart {
-                index: expert_index.clone(),
-                expert_dp: groups.experts().expert_dp.clone(),
-                ep: groups.experts().ep.clone(),
-            }),
-            settings: settings.clone(),
-            dp: groups.dp().clone(),
-            tp: groups.tp().clone(),
-            pp: stage.as_ref().map(|s| s.group.clone()),
-            first_stage: stage.as_ref().is_none_or(pipe::Stage::is_first),
-            ties,
-            dev: opts.device.clone(),
-        };
-        let inits = trainer::Inits {
-            dense: &mut fill,
-            frozen: &mut frozen_fill,
-            experts: &mut expert_fill,
-        };
-        let core = match settings.precision {
-            Precision::F32 => Core::F32(Trainer::new(parts, inits, updater, expert_optimizer)?),
-            Precision::BF16 => Core::Bf16(Trainer::new(parts, inits, updater, expert_optimizer)?),
-            Precision::F16 => Core::F16(Trainer::new(parts, inits, updater, expert_optimizer)?),
-        };
-        let samples = settings.micro_batch * settings.grad_accum * config.dims.replicas();
-        let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
-        Ok(Engine {
-            core,
-            settings,
-            specs,
-            config: config.clone(),
-            groups: groups.clone(),
-            stage,
-            all_params,
-            checkpoint_params,
-            probe,
-            output: None,
-            frozen,
-        })
-    }
-
     /// The device this rank computes on.
     pub fn device(&self) -> Device {
         each!(&self.core, t => t.device().clone())
@@ -869,31 +681,6 @@ fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) 
 /// A parameter's name, logical shape and values.
 type WholeTensor = (String, Vec<usize>, Vec<f32>);
 
-/// The model's frozen parameters and where their values come from, when it has any.
-fn frozen_part(specs: &[ParamSpec], opts: &EngineOptions) -> Option<checkpoint::FrozenPart> {
-    let params: Vec<(String, Vec<usize>)> = specs
-        .iter()
-        .filter(|p| p.frozen)
-        .map(|p| (p.name.clone(), p.shape.clone()))
-        .collect();
-    if params.is_empty() {
-        return None;
-    }
-    let source = match &opts.init {
-        None => format!("seed {}", opts.seed),
-        Some(path) => {
-            let name = path.file_name().map_or(path.display().to_string(), |n| {
-                n.to_string_lossy().into_owned()
-            });
-            match std::fs::metadata(path) {
-                Ok(m) if m.is_file() => format!("weights file {name} ({} bytes)", m.len()),
-                _ => format!("weights directory {name}"),
-            }
-        }
-    };
-    Some(checkpoint::FrozenPart { params, source })
-}
-
 /// A checkpoint holds only the trainable parameters: resuming it where the frozen ones are
 /// other ones, or start from another source, would train the adapters of another model.
 fn check_frozen_source(
@@ -916,85 +703,4 @@ fn check_frozen_source(
             describe(now)
         ),
     ))
-}
-
-/// The flat layout of `specs` on this tensor-parallel rank.
-fn flat_index(specs: &[ParamSpec], tp: TpRank) -> Result<FlatIndex> {
-    let mut index = FlatIndex::sliced(tp);
-    for s in specs {
-        index.push_split(&s.name, &s.shape, s.split)?;
-    }
-    Ok(index)
-}
-
-/// What the experts' store of expert parallelism does not do yet: hold frozen experts (a
-/// frozen store over the expert-data-parallel group) or reach NVMe.
-fn check_experts(frozen: &[ParamSpec], settings: &Settings, expert_parallel: bool) -> Result<()> {
-    if !expert_parallel {
-        return Ok(());
-    }
-    if let Some(p) = frozen.iter().find(|p| p.expert) {
-        return Err(EngineError::Invalid(format!(
-            "{} is a frozen expert: freezing experts under expert parallelism is not built yet",
-            p.name
-        )));
-    }
-    if settings.nvme_optimizer.is_some() || settings.nvme_params.is_some() {
-        return Err(EngineError::Invalid(
-            "zero_optimization.offload_optimizer/offload_param to nvme under expert parallelism is not built yet (the experts' store stays in memory): offload to cpu, or train at ep 1".into(),
-        ));
-    }
-    Ok(())
-}
-
-/// What freezing parameters (`Model::freeze`) cannot do: freeze everything, a tied pair, or
-/// (for now) run under pipeline parallelism.
-fn check_frozen(specs: &[ParamSpec], pipelined: bool) -> Result<()> {
-    if !specs.iter().any(|p| p.frozen) {
-        return Ok(());
-    }
-    if specs.iter().all(|p| p.frozen) {
-        return Err(EngineError::Invalid(
-            "every parameter of the model is frozen: nothing would train".into(),
-        ));
-    }
-    let frozen = |name: &str| specs.iter().any(|o| o.name == name && o.frozen);
-    let tied = specs.iter().filter(|p| p.tied.is_some());
-    if let Some(p) = tied
-        .into_iter()
-        .find(|p| p.frozen || frozen(p.value_name()))
-    {
-        return Err(EngineError::Invalid(format!(
-            "{} is tied to {}: tied parameters cannot be frozen yet",
-            p.name,
-            p.value_name()
-        )));
-    }
-    if pipelined {
-        return Err(EngineError::Invalid(
-            "frozen parameters under pipeline parallelism are not supported yet".into(),
-        ));
-    }
-    Ok(())
-}
-
-/// The logical parameters as a checkpoint records them: logical shapes, offsets in the
-/// logical flat order, how tensor parallelism splits each, which stage holds it and, under
-/// expert parallelism, which expert-parallel rank's experts' store.
-fn logical_entries(placed: impl Iterator<Item = whole::Placed>) -> Vec<checkpoint::ParamEntry> {
-    let mut offset = 0;
-    placed
-        .map(|p| {
-            let entry = checkpoint::ParamEntry {
-                name: p.spec.name.clone(),
-                shape: p.spec.shape.clone(),
-                offset,
-                split: p.spec.split.into(),
-                stage: p.stage,
-                ep_rank: p.holder,
-            };
-            offset += p.spec.numel();
-            entry
-        })
-        .collect()
 }
