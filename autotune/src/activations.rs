@@ -187,11 +187,11 @@ fn moe_tape(moe: &GptMoe, tokens: u64, d: u64, mlp: u64, m: MicroBatch) -> u64 {
 
 /// The GPT's layers in model order: embeddings, the blocks, ln_f + lm_head, the loss.
 fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec<LayerActivations> {
-    let (b, d, v) = (m.rows, c.d as u64, c.V as u64);
+    let (b, d, v) = (m.rows, c.hidden as u64, c.vocab_size as u64);
     let (tp, e) = (m.tp, m.dtype);
     let tokens = m.tokens(seq);
     let hidden = tokens * d * e;
-    let probs = softmax_bytes(b * (c.H as u64 / tp / m.sp), seq, e);
+    let probs = softmax_bytes(b * (c.heads as u64 / tp / m.sp), seq, e);
     let attention = 4 * hidden // x, ln_1(x), x2, ln_2(x2)
         + tokens * 3 * d / tp * e // q|k|v
         + probs
@@ -204,7 +204,7 @@ fn gpt_layers(c: &GptConfig, var: &GptVariant, seq: usize, m: MicroBatch) -> Vec
         input: tokens * 4,
         tape: tokens * 4,
     }];
-    layers.extend((0..c.L).map(|i| LayerActivations {
+    layers.extend((0..c.layers).map(|i| LayerActivations {
         input: hidden,
         tape: match c.moe.filter(|moe| moe.holds_experts(i)) {
             Some(moe) => attention + moe_tape(&moe, tokens, d, var.mlp as u64, m),

@@ -9,11 +9,11 @@ use ds_engine::{Engine, EngineOptions};
 use ds_models::gpt::GptConfig;
 
 const MODEL: GptConfig = GptConfig {
-    V: 32,
-    T: 8,
-    d: 16,
-    H: 2,
-    L: 1,
+    vocab_size: 32,
+    seq_len: 8,
+    hidden: 16,
+    heads: 2,
+    layers: 1,
     tie_embeddings: false,
     moe: None,
 };
@@ -94,9 +94,9 @@ fn init_files_of_another_model_are_named() {
         "{e}"
     );
     // one parameter of another shape
-    specs[0].shape = vec![MODEL.V, MODEL.d + 1];
+    specs[0].shape = vec![MODEL.vocab_size, MODEL.hidden + 1];
     let mut values = values;
-    values[0] = vec![0.0; MODEL.V * (MODEL.d + 1)];
+    values[0] = vec![0.0; MODEL.vocab_size * (MODEL.hidden + 1)];
     let shaped = dir.join("shape.safetensors");
     weights::save(&shaped, &specs, &values).unwrap();
     let opts = EngineOptions {
@@ -147,7 +147,7 @@ fn train_batch_inside_an_open_accumulation_window_is_an_error() {
             &ds_comm::Groups::data_parallel(&comm)?,
             &EngineOptions::default(),
         )?;
-        let w: Vec<u32> = (0..=MODEL.T as u32).collect();
+        let w: Vec<u32> = (0..=MODEL.seq_len as u32).collect();
         let batch = ds_engine::Batch::from_windows(&[w]);
         let loss = engine.forward(&batch.to_inputs(&engine.device())?)?;
         engine.backward(&loss)?;

@@ -56,15 +56,15 @@ fn batch(c: GptConfig, s: u64, r: usize, ga: usize, k: usize, micro: usize) -> B
     let (mut inputs, mut targets) = (Vec::new(), Vec::new());
     for b in 0..micro {
         let g = s as usize * GLOBAL_BATCH + (r * ga + k) * micro + b;
-        let w = sample(g, c.V, c.T);
-        inputs.extend(&w[..c.T]);
+        let w = sample(g, c.vocab_size, c.seq_len);
+        inputs.extend(&w[..c.seq_len]);
         targets.extend(&w[1..]);
     }
     Batch {
         inputs,
         targets,
         batch: micro,
-        seq: c.T,
+        seq: c.seq_len,
         loss_weight: 1.0,
     }
 }

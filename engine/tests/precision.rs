@@ -23,17 +23,17 @@ fn config(world: usize, stage: u8, extra: &str) -> ds_config::Config {
 
 /// A small GPT and a learnable token stream (16 symbols with a fixed successor rule).
 const SMALL: GptConfig = GptConfig {
-    V: 64,
-    T: 32,
-    d: 64,
-    H: 4,
-    L: 2,
+    vocab_size: 64,
+    seq_len: 32,
+    hidden: 64,
+    heads: 4,
+    layers: 2,
     tie_embeddings: false,
     moe: None,
 };
 
 fn batch(step: u64, rank: usize) -> Batch {
-    let t = SMALL.T;
+    let t = SMALL.seq_len;
     let start = (step as usize * 7 + rank * 3) % 16;
     let w: Vec<u32> = (0..2 * (t + 1))
         .map(|i| ((start + i * 5) % 16) as u32)

@@ -12,11 +12,11 @@ use ds_engine::{Engine, EngineOptions};
 use ds_models::gpt::GptConfig;
 
 const GPT: GptConfig = GptConfig {
-    V: 128,
-    T: 16,
-    d: 32,
-    H: 4,
-    L: 2,
+    vocab_size: 128,
+    seq_len: 16,
+    hidden: 32,
+    heads: 4,
+    layers: 2,
     tie_embeddings: false,
     moe: None,
 };
@@ -27,9 +27,9 @@ const GPT: GptConfig = GptConfig {
 /// the two output projections' biases); wte and lm_head split by vocabulary; wpe and ln_f
 /// replicated.
 fn per_tp_rank(c: GptConfig, tp: usize) -> usize {
-    let GptConfig { V, T, d, L, .. } = c;
-    let split = 2 * V * d + L * (12 * d * d + 7 * d);
-    let replicated = T * d + L * 6 * d + 2 * d;
+    let (v, t, d, l) = (c.vocab_size, c.seq_len, c.hidden, c.layers);
+    let split = 2 * v * d + l * (12 * d * d + 7 * d);
+    let replicated = t * d + l * 6 * d + 2 * d;
     assert_eq!(
         split + replicated,
         c.n_params(),

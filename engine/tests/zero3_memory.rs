@@ -286,11 +286,11 @@ impl Phases {
 /// A GPT whose whole fp32 copy (4 Psi = 33.7 MB) is large next to one layer (4.2 MB), so a
 /// whole-model buffer cannot hide in the per-layer terms or the slack.
 const GPT: GptConfig = GptConfig {
-    V: 4096,
-    T: 16,
-    d: 256,
-    H: 4,
-    L: 8,
+    vocab_size: 4096,
+    seq_len: 16,
+    hidden: 256,
+    heads: 4,
+    layers: 8,
     tie_embeddings: false,
     moe: None,
 };
@@ -318,7 +318,7 @@ fn config(world: usize) -> ds_config::Config {
 
 /// A learnable micro-batch (the same on every rank: memory does not depend on the tokens).
 fn batch() -> Batch {
-    let (b, t) = (MICRO, GPT.T);
+    let (b, t) = (MICRO, GPT.seq_len);
     let w: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 7 % 97) as u32).collect();
     let (mut inputs, mut targets) = (Vec::new(), Vec::new());
     for s in w.chunks(t + 1) {
@@ -350,7 +350,7 @@ fn measure(world: usize) -> Vec<Measure> {
         // so that the process's fixed cost (rayon's workers, gemm's per-thread packing
         // slabs, candle's lazy statics, the communicator's first buffers) is in the baseline
         shared.begin(false);
-        let one_block = GptConfig { L: 1, ..GPT };
+        let one_block = GptConfig { layers: 1, ..GPT };
         let mut warm = Engine::initialize(
             one_block.build(),
             &cfg,
@@ -407,10 +407,10 @@ const MIB: f64 = (1 << 20) as f64;
 /// block 2 LayerNorms (2d each), q|k|v (3d^2 + 3d), attention projection (d^2 + d), MLP
 /// (4d^2 + 4d and 4d^2 + d): 12d^2 + 13d; head ln_f (2d) + lm_head [V, d]; the loss none.
 fn layer_sizes(c: GptConfig) -> Vec<usize> {
-    let GptConfig { V, T, d, L, .. } = c;
-    let mut sizes = vec![V * d + T * d];
-    sizes.extend(std::iter::repeat_n(12 * d * d + 13 * d, L));
-    sizes.push(2 * d + V * d);
+    let (v, t, d, l) = (c.vocab_size, c.seq_len, c.hidden, c.layers);
+    let mut sizes = vec![v * d + t * d];
+    sizes.extend(std::iter::repeat_n(12 * d * d + 13 * d, l));
+    sizes.push(2 * d + v * d);
     sizes.push(0);
     sizes
 }
@@ -443,10 +443,10 @@ fn per_rank_bound(c: GptConfig, world: usize) -> Bound {
     //                    h2, MLP pre-activation 4 and GELU 4 = 16 B T d, probabilities
     //                    B H T^2) and as much again for its backward's temporaries
     // + 4 B T V          logits, the loss's kept probabilities, their gradient, one more
-    let GptConfig { V, T, d, H, L, .. } = c;
-    let btd = MICRO * T * d;
+    let (v, t, d, h, l) = (c.vocab_size, c.seq_len, c.hidden, c.heads, c.layers);
+    let btd = MICRO * t * d;
     let activations =
-        F32 * ((L + 2) * btd + 2 * (16 * btd + MICRO * H * T * T) + 4 * MICRO * T * V);
+        F32 * ((l + 2) * btd + 2 * (16 * btd + MICRO * h * t * t) + 4 * MICRO * t * v);
     // Allocator-visible bookkeeping: the communicator's per-collective send/receive lists
     // and worker hand-offs, candle's tensor headers, the layer list and flat index, rayon's
     // and gemm's per-thread buffers: 2 MiB per rank.

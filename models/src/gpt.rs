@@ -31,21 +31,26 @@ const WEIGHT_INIT: Init = Init::Normal {
     std: 0.02,
 };
 
-/// The architecture's sizes, named as in the peer benchmark's README.
+/// The architecture's sizes. A model JSON names them as the peer benchmark's README does
+/// (`{"V", "T", "d", "H", "L"}`); the long names are accepted too.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(non_snake_case)]
 pub struct GptConfig {
-    /// Vocabulary size.
-    pub V: usize,
-    /// Sequence length (context).
-    pub T: usize,
-    /// Model width.
-    pub d: usize,
-    /// Attention heads.
-    pub H: usize,
-    /// Blocks.
-    pub L: usize,
+    /// Vocabulary size (`V`).
+    #[serde(rename = "V", alias = "vocab_size")]
+    pub vocab_size: usize,
+    /// Positions: the sequence length it trains at, the position table's rows (`T`).
+    #[serde(rename = "T", alias = "seq_len")]
+    pub seq_len: usize,
+    /// Model width (`d`).
+    #[serde(rename = "d", alias = "hidden")]
+    pub hidden: usize,
+    /// Attention heads (`H`).
+    #[serde(rename = "H", alias = "heads")]
+    pub heads: usize,
+    /// Blocks (`L`).
+    #[serde(rename = "L", alias = "layers")]
+    pub layers: usize,
     /// The LM head reads the token embedding (`lm_head.weight` tied to `wte.weight`); the
     /// peer's model, and the default, is untied.
     #[serde(default)]
@@ -69,7 +74,7 @@ impl GptVariant {
     /// The peer benchmark's GPT: 4d, 1e-5, its own names.
     pub fn peer(c: &GptConfig) -> GptVariant {
         GptVariant {
-            mlp: 4 * c.d,
+            mlp: 4 * c.hidden,
             ln_eps: LN_EPS,
             hf_names: false,
         }
@@ -90,11 +95,11 @@ pub const PRESETS: [(&str, GptConfig); 4] = [
     (
         "tiny",
         GptConfig {
-            V: 4096,
-            T: 128,
-            d: 256,
-            H: 4,
-            L: 4,
+            vocab_size: 4096,
+            seq_len: 128,
+            hidden: 256,
+            heads: 4,
+            layers: 4,
             tie_embeddings: false,
             moe: None,
         },
@@ -102,11 +107,11 @@ pub const PRESETS: [(&str, GptConfig); 4] = [
     (
         "small",
         GptConfig {
-            V: 8192,
-            T: 256,
-            d: 512,
-            H: 8,
-            L: 6,
+            vocab_size: 8192,
+            seq_len: 256,
+            hidden: 512,
+            heads: 8,
+            layers: 6,
             tie_embeddings: false,
             moe: None,
         },
@@ -114,11 +119,11 @@ pub const PRESETS: [(&str, GptConfig); 4] = [
     (
         "gpt2",
         GptConfig {
-            V: 50304,
-            T: 1024,
-            d: 768,
-            H: 12,
-            L: 12,
+            vocab_size: 50304,
+            seq_len: 1024,
+            hidden: 768,
+            heads: 12,
+            layers: 12,
             tie_embeddings: false,
             moe: None,
         },
@@ -126,11 +131,11 @@ pub const PRESETS: [(&str, GptConfig); 4] = [
     (
         "gpt-moe-tiny",
         GptConfig {
-            V: 4096,
-            T: 128,
-            d: 256,
-            H: 4,
-            L: 4,
+            vocab_size: 4096,
+            seq_len: 128,
+            hidden: 256,
+            heads: 4,
+            layers: 4,
             tie_embeddings: false,
             moe: Some(GptMoe::top1(8)),
         },
@@ -152,12 +157,19 @@ impl GptConfig {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let GptConfig { V, T, d, H, L, .. } = *self;
-        if [V, T, d, H, L].contains(&0) {
+        let sizes = [
+            self.vocab_size,
+            self.seq_len,
+            self.hidden,
+            self.heads,
+            self.layers,
+        ];
+        if sizes.contains(&0) {
             return Err(format!("every size must be positive, got {self:?}"));
         }
-        if d % H != 0 {
-            return Err(format!("d ({d}) must be a multiple of H ({H})"));
+        let (d, h) = (self.hidden, self.heads);
+        if d % h != 0 {
+            return Err(format!("d ({d}) must be a multiple of H ({h})"));
         }
         match &self.moe {
             Some(moe) => moe.validate(),
@@ -175,22 +187,22 @@ impl GptConfig {
     /// mixtures' experts and routers.
     pub fn n_params_of(&self, v: &GptVariant) -> usize {
         let experts = self.moe.map_or(0, |moe| {
-            moe.moe_blocks(self.L) * moe.extra_params(self.d, v.mlp)
+            moe.moe_blocks(self.layers) * moe.extra_params(self.hidden, v.mlp)
         });
         self.dense_params(v) + experts
     }
 
     fn dense_params(&self, v: &GptVariant) -> usize {
-        let GptConfig { V, T, d, L, .. } = *self;
-        let m = v.mlp;
-        let head = if self.tie_embeddings { 0 } else { V * d };
-        V * d + T * d + L * (4 * d * d + 2 * d * m + 9 * d + m) + 2 * d + head
+        let (vocab, positions, d, m) = (self.vocab_size, self.seq_len, self.hidden, v.mlp);
+        let head = if self.tie_embeddings { 0 } else { vocab * d };
+        let block = 4 * d * d + 2 * d * m + 9 * d + m;
+        vocab * d + positions * d + self.layers * block + 2 * d + head
     }
 
     /// The parameters one token meets: a mixture's router and its k experts, not all.
     pub fn active_params_of(&self, v: &GptVariant) -> usize {
         let experts = self.moe.map_or(0, |moe| {
-            moe.moe_blocks(self.L) * moe.extra_active_params(self.d, v.mlp)
+            moe.moe_blocks(self.layers) * moe.extra_active_params(self.hidden, v.mlp)
         });
         self.dense_params(v) + experts
     }
@@ -203,7 +215,8 @@ impl GptConfig {
     }
 
     pub fn flops_per_token_of(&self, v: &GptVariant) -> f64 {
-        6.0 * self.active_params_of(v) as f64 + 12.0 * (self.L * self.T * self.d) as f64
+        6.0 * self.active_params_of(v) as f64
+            + 12.0 * (self.layers * self.seq_len * self.hidden) as f64
     }
 
     /// The model as layers: embeddings, the blocks, ln_f + lm_head, the loss.
@@ -220,10 +233,13 @@ impl GptConfig {
     }
 
     pub fn check_tp_of(&self, tp: usize, v: &GptVariant) -> std::result::Result<(), String> {
-        let GptConfig { V, H, .. } = *self;
         crate::check_tp_divides(
             tp,
-            &[("heads H", H), ("MLP width", v.mlp), ("vocabulary V", V)],
+            &[
+                ("heads H", self.heads),
+                ("MLP width", v.mlp),
+                ("vocabulary V", self.vocab_size),
+            ],
         )
     }
 
@@ -260,7 +276,7 @@ impl GptConfig {
                 "sequence-parallel size {sp}: the MoE GPT's experts do not combine with sequence parallelism"
             ));
         }
-        crate::check_sp_divides(sp, tp, &[("heads H", self.H)])
+        crate::check_sp_divides(sp, tp, &[("heads H", self.heads)])
     }
 
     /// The model of variant `v` in layout `p`: its layers split over `p.tp`, its mixtures'
@@ -275,9 +291,9 @@ impl GptConfig {
         let embeddings = Embeddings(*self, tp.clone(), p.sp.clone());
         let mut m = Model::new().layer(top, embeddings);
         let mut elsewhere = Vec::new();
-        for i in 0..self.L {
+        for i in 0..self.layers {
             let moe = match self.moe.filter(|moe| moe.holds_experts(i)) {
-                Some(moe) => Some(moe.layer(self.d, v.mlp, tp, ep)?),
+                Some(moe) => Some(moe.layer(self.hidden, v.mlp, tp, ep)?),
                 None => None,
             };
             let prefix = v.module(&format!("h.{i}"));
@@ -323,19 +339,19 @@ impl Embeddings {
         let c = self.0;
         let (_, t) = ids.dims2()?;
         let (tp, sp) = (&self.1, &self.2);
-        if t * sp.size() > c.T {
+        if t * sp.size() > c.seq_len {
             candle_core::bail!(
                 "sequence of {} tokens is longer than the model's T = {}",
                 t * sp.size(),
-                c.T
+                c.seq_len
             );
         }
-        let wte = vb.get((c.V / tp.size(), c.d), "wte.weight")?;
-        let rows = vocab::embed(tp, &wte, ids)?.reshape((ids.dim(0)?, t, c.d))?;
+        let wte = vb.get((c.vocab_size / tp.size(), c.hidden), "wte.weight")?;
+        let rows = vocab::embed(tp, &wte, ids)?.reshape((ids.dim(0)?, t, c.hidden))?;
         let tokens = tp.reduce(&rows)?;
         let pos = Embeddings::positions(tp, sp, t);
         let wpe = vb
-            .get((c.T, c.d), "wpe.weight")?
+            .get((c.seq_len, c.hidden), "wpe.weight")?
             .narrow(0, pos.start, pos.len())?;
         let output = tokens.broadcast_add(&wpe)?;
         let tape = EmbeddingsTape {
@@ -355,8 +371,9 @@ impl Layer for Embeddings {
     fn params(&self) -> Vec<ParamSpec> {
         let c = self.0;
         vec![
-            ParamSpec::new("wte.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0)),
-            ParamSpec::new("wpe.weight", &[c.T, c.d], WEIGHT_INIT),
+            ParamSpec::new("wte.weight", &[c.vocab_size, c.hidden], WEIGHT_INIT)
+                .split(Split::dim(0)),
+            ParamSpec::new("wpe.weight", &[c.seq_len, c.hidden], WEIGHT_INIT),
         ]
     }
 
@@ -370,7 +387,7 @@ impl Layer for Embeddings {
 
     /// The lookup is free; adding the positions costs one operation per element.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        Some((rows(shape) * self.0.d) as u64)
+        Some((rows(shape) * self.0.hidden) as u64)
     }
 }
 
@@ -394,10 +411,12 @@ impl Tape for EmbeddingsTape {
         let whole = tp.gather(dy)?;
         let (b, t, d) = whole.dims3()?;
         let rows = whole.reshape((b * t, d))?;
-        let wte = vb.get((c.V / tp.size(), d), "wte.weight")?;
+        let wte = vb.get((c.vocab_size / tp.size(), d), "wte.weight")?;
         let dwte = vocab::embed_backward(tp, &wte, &self.ids, &rows)?;
         let pos = Embeddings::positions(tp, &self.sp, t);
-        let dwpe = dy.sum(0)?.pad_with_zeros(0, pos.start, c.T - pos.end)?;
+        let dwpe = dy
+            .sum(0)?
+            .pad_with_zeros(0, pos.start, c.seq_len - pos.end)?;
         let mut dwpe = tp.sum_partial_grads(vec![dwpe])?;
         Ok(Grads {
             input: None,
@@ -489,25 +508,25 @@ enum MlpTape {
 impl Block {
     fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
         let (c, tp, v) = (self.c, &self.tp, self.v);
-        let p = BlockParams::new(vb, c.d, tp.size())?;
+        let p = BlockParams::new(vb, c.hidden, tp.size())?;
         let x = x.contiguous()?;
         // Note [gather and reduce]: x, h1, x2, h2 and the output are this rank's positions
         // under sequence parallelism, whole otherwise
         let h1 = layer_norm(&x, &p.ln_1.0, &p.ln_1.1, v.ln_eps)?;
-        let attn = Attention::forward(c.H / tp.size(), &tp.gather(&h1)?, &p.c_attn, &self.sp)?;
+        let attn = Attention::forward(c.heads / tp.size(), &tp.gather(&h1)?, &p.c_attn, &self.sp)?;
         let x2 = (&x + row_parallel_linear(tp, &attn.out, &p.attn_proj.0, &p.attn_proj.1)?)?;
         let h2 = layer_norm(&x2, &p.ln_2.0, &p.ln_2.1, v.ln_eps)?;
         let whole = tp.gather(&h2)?;
         let (branch, mlp) = match &self.moe {
             Some(moe) => {
-                let xs = whole.reshape(((), c.d))?;
+                let xs = whole.reshape(((), c.hidden))?;
                 let (out, aux, tape) = moe.run(&vb.pp("mlp"), &xs, cx.evaluating())?;
                 cx.add_loss(aux)?;
                 (tp.reduce(&out.reshape(whole.shape())?)?, MlpTape::Moe(tape))
             }
             None if self.tile.is_some() => {
                 let tile = self.tile.expect("invariant: matched");
-                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let [c_fc, c_proj] = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
                 let (b, t, d) = whole.dims3()?;
                 let rows = whole.reshape((b * t, d))?;
                 let mut parts = Vec::new();
@@ -520,7 +539,7 @@ impl Block {
                 (out, MlpTape::Tiled(tile))
             }
             None => {
-                let [c_fc, c_proj] = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let [c_fc, c_proj] = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
                 let (f, g) = linear_gelu(&whole, &c_fc.0, &c_fc.1)?;
                 let out = row_parallel_linear(tp, &g, &c_proj.0, &c_proj.1)?;
                 (out, MlpTape::Dense { f, g })
@@ -548,7 +567,7 @@ impl Block {
 
     /// The attention half's and the MLP's specs; `mlp.`'s mixture in an expert block.
     fn mlp_specs(&self, matrix: impl Fn(String, &[usize]) -> ParamSpec) -> Vec<ParamSpec> {
-        let (d, m) = (self.c.d, self.v.mlp);
+        let (d, m) = (self.c.hidden, self.v.mlp);
         match &self.moe {
             Some(moe) => moe
                 .specs()
@@ -598,7 +617,7 @@ fn row(
 
 impl Layer for Block {
     fn params(&self) -> Vec<ParamSpec> {
-        let d = self.c.d;
+        let d = self.c.hidden;
         // GPT-2's Conv1D keeps its weights as [in, out] in Hugging Face's files
         let hf = self.v.hf_names;
         let matrix = move |name: String, shape: &[usize]| {
@@ -637,7 +656,10 @@ impl Layer for Block {
     /// sequence (2 T d per token); a mixture's router and routes instead of the MLP.
     /// Normalisation and activations are left out.
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        let (d, seq) = (self.c.d as u64, (*shape.get(1)? * self.sp.size()) as u64);
+        let (d, seq) = (
+            self.c.hidden as u64,
+            (*shape.get(1)? * self.sp.size()) as u64,
+        );
         let (tp, m) = (self.tp.size() as u64, self.v.mlp as u64);
         let attention = 2 * rows(shape) as u64 * (4 * d * d + 2 * seq * d) / tp;
         let mlp = match &self.moe {
@@ -672,7 +694,7 @@ impl Tape for BlockTape {
     }
 
     fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let p = BlockParams::new(vb, self.c.d, self.tp.size())?;
+        let p = BlockParams::new(vb, self.c.hidden, self.tp.size())?;
         let BlockTape {
             c,
             v,
@@ -689,7 +711,7 @@ impl Tape for BlockTape {
         // the MLP branch: y = x2 + mlp(ln_2(x2))
         let (dh2, mlp_grads, proj_bias) = match (mlp, &moe) {
             (MlpTape::Dense { f, g }, _) => {
-                let mlp = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let mlp = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
                 let (dx, grads) =
                     mlp_backward(&tp.gather(&h2)?, &tp.gather(dy)?, &mlp, Some((&f, &g)))?;
                 // a column-parallel input's gradient: the sum of every rank's part
@@ -697,7 +719,7 @@ impl Tape for BlockTape {
                 (tp.reduce(&dx)?, grads.to_vec(), Some(proj_bias))
             }
             (MlpTape::Tiled(tile), _) => {
-                let mlp = mlp_params(vb, c.d, v.mlp / tp.size())?;
+                let mlp = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
                 let (h, dout) = (tp.gather(&h2)?, tp.gather(dy)?);
                 let (b, t, d) = h.dims3()?;
                 let (h, dout) = (h.reshape((b * t, d))?, dout.reshape((b * t, d))?);
@@ -717,7 +739,7 @@ impl Tape for BlockTape {
             }
             (MlpTape::Moe(t), Some(moe)) => {
                 let whole = tp.gather(dy)?;
-                let g = moe.backward_parts(&vb.pp("mlp"), t, &whole.reshape(((), c.d))?)?;
+                let g = moe.backward_parts(&vb.pp("mlp"), t, &whole.reshape(((), c.hidden))?)?;
                 // the experts' input gradients are partial sums, the router's whole
                 let pos = tp.positions(whole.dim(1)?);
                 let router = g.dx_router.reshape(whole.shape())?;
@@ -735,7 +757,7 @@ impl Tape for BlockTape {
         let dx2 = (dy + dx2_ln)?;
         // the attention branch: x2 = x + c_proj(attention(ln_1(x)))
         let aproj = linear_backward(&attn.out, &p.attn_proj.0, &tp.gather(&dx2)?)?;
-        let dqkv = attn.backward(c.H / tp.size(), &aproj.dx, &sp)?;
+        let dqkv = attn.backward(c.heads / tp.size(), &aproj.dx, &sp)?;
         let qkv = linear_backward(&tp.gather(&h1)?, &p.c_attn.0, &dqkv)?;
         let dh1 = tp.reduce(&qkv.dx)?;
         let (dx_ln, dln_1w, dln_1b) =
@@ -972,10 +994,13 @@ impl Head {
         vb: &VarBuilder,
     ) -> Result<((Tensor, Tensor), Tensor)> {
         let ln_f = (
-            vb.get(c.d, &v.module("ln_f.weight"))?,
-            vb.get(c.d, &v.module("ln_f.bias"))?,
+            vb.get(c.hidden, &v.module("ln_f.weight"))?,
+            vb.get(c.hidden, &v.module("ln_f.bias"))?,
         );
-        Ok((ln_f, vb.get((c.V / tp.size(), c.d), "lm_head.weight")?))
+        Ok((
+            ln_f,
+            vb.get((c.vocab_size / tp.size(), c.hidden), "lm_head.weight")?,
+        ))
     }
 }
 
@@ -997,10 +1022,11 @@ impl Head {
 impl Layer for Head {
     fn params(&self) -> Vec<ParamSpec> {
         let (c, v) = (self.0, self.2);
-        let head = ParamSpec::new("lm_head.weight", &[c.V, c.d], WEIGHT_INIT).split(Split::dim(0));
+        let head = ParamSpec::new("lm_head.weight", &[c.vocab_size, c.hidden], WEIGHT_INIT)
+            .split(Split::dim(0));
         vec![
-            ParamSpec::new(&v.module("ln_f.weight"), &[c.d], Init::Ones).norm(),
-            ParamSpec::new(&v.module("ln_f.bias"), &[c.d], Init::Zeros).norm(),
+            ParamSpec::new(&v.module("ln_f.weight"), &[c.hidden], Init::Ones).norm(),
+            ParamSpec::new(&v.module("ln_f.bias"), &[c.hidden], Init::Zeros).norm(),
             match c.tie_embeddings {
                 true => head.tied_to(&v.module("wte.weight")),
                 false => head,
@@ -1017,7 +1043,7 @@ impl Layer for Head {
     }
 
     fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        Some(2 * (rows(shape) * self.0.d * self.0.V / self.1.size()) as u64)
+        Some(2 * (rows(shape) * self.0.hidden * self.0.vocab_size / self.1.size()) as u64)
     }
 }
 
@@ -1060,6 +1086,20 @@ mod tests {
         }
     }
 
+    /// A model JSON names the sizes as the peer benchmark does, or by their long names.
+    #[test]
+    fn a_model_json_reads_either_spelling() {
+        let short: GptConfig =
+            serde_json::from_str(r#"{"V": 64, "T": 16, "d": 32, "H": 4, "L": 2}"#).unwrap();
+        let long: GptConfig = serde_json::from_str(
+            r#"{"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2}"#,
+        )
+        .unwrap();
+        assert_eq!(short, long);
+        assert_eq!((short.vocab_size, short.seq_len), (64, 16));
+        assert_eq!((short.hidden, short.heads, short.layers), (32, 4, 2));
+    }
+
     #[test]
     fn names_follow_the_pytorch_state_dict() {
         let names: Vec<String> = GptConfig::preset("tiny")
@@ -1083,16 +1123,22 @@ mod tests {
     fn long_sequences_take_the_blockwise_attention() {
         let t = ds_nn::kernels::cpu_flash_attention::MIN_SEQ;
         let c = GptConfig {
-            V: 24,
-            T: t + 40,
-            d: 16,
-            H: 2,
-            L: 1,
+            vocab_size: 24,
+            seq_len: t + 40,
+            hidden: 16,
+            heads: 2,
+            layers: 1,
             tie_embeddings: false,
             moe: None,
         };
         for len in [t, t + 40] {
-            crate::taped_check::check_layers(&c.build(), (1, len), c.d, c.V, "long GPT");
+            crate::taped_check::check_layers(
+                &c.build(),
+                (1, len),
+                c.hidden,
+                c.vocab_size,
+                "long GPT",
+            );
         }
     }
 
@@ -1117,23 +1163,23 @@ mod tests {
     #[test]
     fn taped_backward_matches_autograd() {
         let c = GptConfig {
-            V: 24,
-            T: 8,
-            d: 16,
-            H: 2,
-            L: 1,
+            vocab_size: 24,
+            seq_len: 8,
+            hidden: 16,
+            heads: 2,
+            layers: 1,
             tie_embeddings: false,
             moe: None,
         };
         // t = 7 < T exercises the unused positions of wpe
-        crate::taped_check::check_layers(&c.build(), (3, 7), c.d, c.V, "GPT");
+        crate::taped_check::check_layers(&c.build(), (3, 7), c.hidden, c.vocab_size, "GPT");
         let gpt2 = GptVariant {
             mlp: 24,
             ln_eps: 1e-6,
             hf_names: true,
         };
         let model = c.build_variant(&Tp::none(), &gpt2).unwrap();
-        crate::taped_check::check_layers(&model, (3, 7), c.d, c.V, "GPT-2");
+        crate::taped_check::check_layers(&model, (3, 7), c.hidden, c.vocab_size, "GPT-2");
         // an expert block: top-1 and top-2, some tokens dropped (capacity 2 of 21 tokens over
         // 4 experts), others not
         for (k, capacity_factor, drop_tokens) in [(1, 0.3, true), (2, 0.3, true), (2, 1.0, false)] {
@@ -1153,7 +1199,7 @@ mod tests {
                 ..c
             };
             let what = format!("MoE GPT k {k} capacity {capacity_factor} drop {drop_tokens}");
-            crate::taped_check::check_layers(&c.build(), (3, 7), c.d, c.V, &what);
+            crate::taped_check::check_layers(&c.build(), (3, 7), c.hidden, c.vocab_size, &what);
         }
     }
 }

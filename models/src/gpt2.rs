@@ -51,11 +51,11 @@ impl Gpt2Config {
             ));
         }
         let gpt = GptConfig {
-            V: f.usize("vocab_size", Some(50257))?,
-            T: f.usize("n_positions", Some(1024))?,
-            d,
-            H: f.usize("n_head", Some(12))?,
-            L: f.usize("n_layer", Some(12))?,
+            vocab_size: f.usize("vocab_size", Some(50257))?,
+            seq_len: f.usize("n_positions", Some(1024))?,
+            hidden: d,
+            heads: f.usize("n_head", Some(12))?,
+            layers: f.usize("n_layer", Some(12))?,
             tie_embeddings: f.bool("tie_word_embeddings", true)?,
             moe: None,
         };
@@ -83,11 +83,11 @@ impl Gpt2Config {
         serde_json::json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
-            "vocab_size": c.V,
-            "n_positions": c.T,
-            "n_embd": c.d,
-            "n_head": c.H,
-            "n_layer": c.L,
+            "vocab_size": c.vocab_size,
+            "n_positions": c.seq_len,
+            "n_embd": c.hidden,
+            "n_head": c.heads,
+            "n_layer": c.layers,
             "n_inner": self.variant.mlp,
             "activation_function": "gelu_new",
             "layer_norm_epsilon": self.variant.ln_eps,
@@ -105,11 +105,11 @@ impl Gpt2Config {
 pub fn presets() -> Vec<(&'static str, Gpt2Config)> {
     let make = |v, t, d, h, l| Gpt2Config {
         gpt: GptConfig {
-            V: v,
-            T: t,
-            d,
-            H: h,
-            L: l,
+            vocab_size: v,
+            seq_len: t,
+            hidden: d,
+            heads: h,
+            layers: l,
             tie_embeddings: true,
             moe: None,
         },

@@ -94,25 +94,25 @@ impl ModelSpec {
     pub fn resolve(spec: &str, seq_len: Option<usize>) -> Result<ModelSpec, ModelError> {
         let mut source_config = None;
         let (arch, default_len, weights) = if let Some(c) = GptConfig::preset(spec) {
-            (Arch::Gpt(c), c.T, None)
+            (Arch::Gpt(c), c.seq_len, None)
         } else if let Some(p) = llama::presets().into_iter().find(|p| p.name == spec) {
             (Arch::Llama(p.config), p.seq_len, None)
         } else if let Some((_, c)) = gpt2::presets().into_iter().find(|(n, _)| *n == spec) {
-            (Arch::Gpt2(c), c.gpt.T, None)
+            (Arch::Gpt2(c), c.gpt.seq_len, None)
         } else if Path::new(spec).is_dir() {
             let dir = Path::new(spec);
             let (arch, json) = read_hf_config(dir)?;
             source_config = Some(json);
             let len = match &arch {
                 Arch::Llama(c) => c.max_position_embeddings,
-                Arch::Gpt2(c) => c.gpt.T,
-                Arch::Gpt(c) => c.T,
+                Arch::Gpt2(c) => c.gpt.seq_len,
+                Arch::Gpt(c) => c.seq_len,
             };
             let w = weights::has_weights(dir).then(|| dir.to_path_buf());
             (arch, len, w)
         } else if spec.ends_with(".json") {
             let c = GptConfig::from_json_file(Path::new(spec)).map_err(|e| err(e.to_string()))?;
-            (Arch::Gpt(c), c.T, None)
+            (Arch::Gpt(c), c.seq_len, None)
         } else {
             return Err(err(format!(
                 "--model {spec}: expected a preset ({}), a model JSON file or a Hugging Face model directory",
@@ -139,8 +139,8 @@ impl ModelSpec {
             return Err("the sequence length must be positive".into());
         }
         let positions = match &self.arch {
-            Arch::Gpt(c) => Some(c.T),
-            Arch::Gpt2(c) => Some(c.gpt.T),
+            Arch::Gpt(c) => Some(c.seq_len),
+            Arch::Gpt2(c) => Some(c.gpt.seq_len),
             Arch::Llama(_) => None,
         };
         match positions {
@@ -154,8 +154,8 @@ impl ModelSpec {
 
     pub fn vocab_size(&self) -> usize {
         match &self.arch {
-            Arch::Gpt(c) => c.V,
-            Arch::Gpt2(c) => c.gpt.V,
+            Arch::Gpt(c) => c.vocab_size,
+            Arch::Gpt2(c) => c.gpt.vocab_size,
             Arch::Llama(c) => c.vocab_size,
         }
     }
@@ -163,8 +163,8 @@ impl ModelSpec {
     /// The model width (HF's `hidden_size`, which "auto" values of a ds_config read).
     pub fn hidden_size(&self) -> usize {
         match &self.arch {
-            Arch::Gpt(c) => c.d,
-            Arch::Gpt2(c) => c.gpt.d,
+            Arch::Gpt(c) => c.hidden,
+            Arch::Gpt2(c) => c.gpt.hidden,
             Arch::Llama(c) => c.hidden_size,
         }
     }
@@ -180,8 +180,8 @@ impl ModelSpec {
     /// Transformer blocks (decoder layers).
     pub fn blocks(&self) -> usize {
         match &self.arch {
-            Arch::Gpt(c) => c.L,
-            Arch::Gpt2(c) => c.gpt.L,
+            Arch::Gpt(c) => c.layers,
+            Arch::Gpt2(c) => c.gpt.layers,
             Arch::Llama(c) => c.num_hidden_layers,
         }
     }
@@ -331,7 +331,7 @@ impl ModelSpec {
     pub fn summary(&self) -> serde_json::Value {
         let mut v = match &self.arch {
             Arch::Gpt(c) => {
-                let mut v = serde_json::json!({"V": c.V, "T": c.T, "d": c.d, "H": c.H, "L": c.L});
+                let mut v = serde_json::json!({"V": c.vocab_size, "T": c.seq_len, "d": c.hidden, "H": c.heads, "L": c.layers});
                 if let Some(m) = &c.moe {
                     v["moe"] = serde_json::to_value(m).unwrap_or_default();
                 }
