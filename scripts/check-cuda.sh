@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 nice -n 19 bash scripts/install-cuda-toolchain.sh >/dev/null
 eval "$(bash scripts/install-cuda-toolchain.sh --print-env)"
 CARGO_TARGET_DIR=target/cuda nice -n 19 cargo build --release -j "${JOBS:-1}" --features cuda --bin ds-rs
-# The fused kernels launch up to 1024 threads a block (src/kernels/gpu/launch.rs): each may
+# The fused kernels launch up to 1024 threads a block (nn/src/kernels/gpu/launch.rs): each may
 # use at most 64 registers (65,536 per SM on every GPU since sm_50) and must not spill.
 regs=$(nvcc -cubin -arch=sm_90 -fmad=false -O3 -Xptxas -v -o /dev/null nn/kernels/fused.cu 2>&1)
 most=$(grep -oE 'Used [0-9]+ registers' <<<"$regs" | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')

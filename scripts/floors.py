@@ -18,7 +18,7 @@ FLOORS = [
     ["ds-comm"],
     ["ds-partition", "ds-pipeline"],
     ["ds-nn"],
-    ["ds-models", "ds-data"],
+    ["ds-models", "ds-data", "ds-checkpoint"],
     ["ds-engine"],
     ["ds-autotune"],
     ["ds-rs"],

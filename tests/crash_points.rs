@@ -1,6 +1,6 @@
 //! SIGKILL at every moment of a checkpoint save (issue 20, item 1): a rank, the other rank, or
 //! the launcher (which takes every rank with it) is killed at a named crash point
-//! (`DS_RS_CRASH_AT`, engine/src/crash_point.rs) of the second or third save of a 2-rank
+//! (`DS_RS_CRASH_AT`, checkpoint/src/crash_point.rs) of the second or third save of a 2-rank
 //! ZeRO-3 job that saves every step and keeps two checkpoints, or while one of them removes
 //! the oldest. After each kill: `checkpoint inspect` verifies every checkpoint, `latest` names
 //! the step the moment implies, no process is left, and `--resume` ends with the losses of an

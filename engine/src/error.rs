@@ -6,6 +6,8 @@ pub enum EngineError {
     #[error(transparent)]
     Nn(#[from] ds_nn::NnError),
     #[error(transparent)]
+    Checkpoint(#[from] ds_checkpoint::CheckpointError),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Partition(#[from] ds_partition::PartitionError),

@@ -14,6 +14,8 @@ mod error;
 mod job;
 pub mod monitor;
 
+/// The checkpoint formats (ds-checkpoint), which the engine saves and loads.
+pub use ds_checkpoint::{self as checkpoint, crash_point};
 /// The model layer (ds-nn), which the engine trains: its modules under the engine's name too,
 /// so a program that embeds the engine needs one crate.
 pub use ds_nn::{device, kernels, model, nn, parallel};
@@ -21,8 +23,6 @@ pub use ds_nn::{Architecture, Batch, CpuOffload, Device, Inputs, Targets, IGNORE
 pub use error::{BoxError, EngineError, Result};
 pub use job::Job;
 pub use plan::{ConfigSource, JobPlan, LayoutFlags, Overrides};
-pub mod checkpoint;
-pub mod crash_point;
 mod engine;
 pub mod loss_scale;
 pub mod optim;

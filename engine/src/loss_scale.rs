@@ -15,21 +15,12 @@
 
 use ds_config::precision::Fp16Config;
 use ds_config::{ConfigError, ZeroStage};
-use serde::{Deserialize, Serialize};
 
 /// DeepSpeed's fixed growth / shrink factor.
 const SCALE_FACTOR: f64 = 2.0;
 
-/// The mutable part of a scaler: what a checkpoint has to carry. Without dynamic scaling
-/// `last_overflow_iter` stays -1 and `cur_hysteresis` 0.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LossScaleState {
-    pub cur_scale: f64,
-    /// Updates so far (one per optimizer step, skipped or not).
-    pub cur_iter: u64,
-    pub last_overflow_iter: i64,
-    pub cur_hysteresis: i64,
-}
+/// The mutable part of a scaler, as checkpoints record it.
+pub use ds_checkpoint::LossScaleState;
 
 /// DeepSpeed's `DynamicLossScaler` settings, from the `fp16` section.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -114,7 +114,8 @@ pub(crate) fn export_hf_from(
             .collect(),
         read: Box::new(|put| {
             checkpoint::each_tensor(tag_dir, |p, values| {
-                put(&p.name, values).map_err(ds_engine::EngineError::input)
+                put(&p.name, values)
+                    .map_err(|e| checkpoint::CheckpointError::Invalid(e.to_string()))
             })
             .map(drop)
             .map_err(|e| ds_models::ModelError::from_message(e.to_string()))

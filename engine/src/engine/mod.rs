@@ -414,7 +414,9 @@ impl Engine {
         let mut result = Ok(());
         if self.groups.world().rank() == 0 {
             let f32 = weights::SaveDtype::F32;
-            result = checkpoint::write_weights_with(&saved, path, f32, &frozen).map(|_| ());
+            result = checkpoint::write_weights_with(&saved, path, f32, &frozen)
+                .map(|_| ())
+                .map_err(EngineError::from);
             std::fs::remove_dir_all(&staging).map_err(|e| EngineError::file(&staging, e))?;
         }
         // no rank returns before the file is there
@@ -460,7 +462,13 @@ impl Engine {
                 writes: partitioned || self.groups.experts().expert_dp.rank() == 0,
             }),
         };
-        checkpoint::save(self.groups.world(), dir, tag, &shares, desc)
+        Ok(checkpoint::save(
+            self.groups.world(),
+            dir,
+            tag,
+            &shares,
+            desc,
+        )?)
     }
 
     /// Resumes from checkpoint `dir/tag` (`tag` None: the one `latest` names; Ok(None) when
@@ -521,7 +529,7 @@ impl Engine {
             ..dense
         });
         let expects: Vec<checkpoint::Expect> = std::iter::once(dense).chain(experts).collect();
-        checkpoint::load_stores(tag_dir, &expects)
+        Ok(checkpoint::load_stores(tag_dir, &expects)?)
     }
 
     /// The whole model's parameters as checkpoints record them.

@@ -11,7 +11,9 @@
 //! manifest, renames the directory to `<tag>` and only then replaces `latest` (write, fsync,
 //! rename). A crash at any moment leaves `latest` naming a complete checkpoint.
 
+pub mod crash_point;
 pub mod deepspeed;
+mod error;
 mod files;
 pub mod manifest;
 pub mod torch;
@@ -24,12 +26,12 @@ use std::path::{Path, PathBuf};
 use ds_comm::Group;
 use ds_partition::{runs, runs_within, FlatIndex, ParamId, TpRank};
 
+pub use error::{CheckpointError, Result};
 pub use files::sync_dir;
 use files::{write_atomic, ShardFile};
-pub use manifest::{FrozenPart, Layout, Manifest, ParamEntry, ShardEntry, MANIFEST};
-
-use crate::loss_scale::LossScaleState;
-use crate::{crash_point, EngineError, Result};
+pub use manifest::{
+    FrozenPart, Layout, LossScaleState, Manifest, ParamEntry, ShardEntry, MANIFEST,
+};
 
 /// The file that names the newest complete tag, as DeepSpeed's.
 pub const LATEST: &str = "latest";
@@ -109,10 +111,10 @@ pub fn save(
             })
             .and_then(|_| std::fs::create_dir(&partial));
         if let Err(e) = made {
-            return fail_all(group, EngineError::file(&partial, e));
+            return fail_all(group, CheckpointError::file(&partial, e));
         }
     }
-    agree(group, Ok(()))?;
+    agree::<(), CheckpointError>(group, Ok(()))?;
     crash_point::point("save.partial");
     let saved = write_and_commit(group, dir, tag, (&partial, &final_dir), shares, desc);
     if saved.is_err() && group.rank() == 0 {
@@ -204,7 +206,7 @@ fn write_store(
 fn remove_unpublished(dir: &Path, tag: &str) -> Result<()> {
     let existing = &dir.join(tag);
     let refuse = || {
-        Err(EngineError::file(
+        Err(CheckpointError::file(
             existing,
             "this checkpoint tag exists already; nothing was overwritten",
         ))
@@ -228,19 +230,23 @@ fn remove_unpublished(dir: &Path, tag: &str) -> Result<()> {
 
 /// Every rank learns whether every rank succeeded; a failure anywhere fails everywhere, so
 /// no rank goes on (or changes its state) while another has stopped.
-pub(crate) fn agree<T>(group: &Group, mine: Result<T>) -> Result<T> {
+pub fn agree<T, E>(group: &Group, mine: std::result::Result<T, E>) -> std::result::Result<T, E>
+where
+    E: From<CheckpointError> + From<ds_comm::CommError>,
+{
     let all = group.all_gather_u64(&[mine.is_err() as u64])?;
     match (mine, all.iter().position(|&f| f != 0)) {
         (Err(e), _) => Err(e),
-        (Ok(_), Some(r)) => Err(EngineError::Invalid(format!(
+        (Ok(_), Some(r)) => Err(CheckpointError::Invalid(format!(
             "checkpoint: rank {r} failed; see its error"
-        ))),
+        ))
+        .into()),
         (Ok(v), None) => Ok(v),
     }
 }
 
-fn fail_all<T>(group: &Group, e: EngineError) -> Result<T> {
-    agree::<()>(group, Err(e)).map(|_| unreachable!("an error was agreed"))
+fn fail_all<T>(group: &Group, e: CheckpointError) -> Result<T> {
+    agree::<(), CheckpointError>(group, Err(e)).map(|_| unreachable!("an error was agreed"))
 }
 
 fn check_tag(tag: &str) -> Result<()> {
@@ -251,7 +257,7 @@ fn check_tag(tag: &str) -> Result<()> {
             .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c));
     match ok {
         true => Ok(()),
-        false => Err(EngineError::Invalid(format!(
+        false => Err(CheckpointError::Invalid(format!(
             "checkpoint tag {tag:?}: use letters, digits, '_', '-', '.'"
         ))),
     }
@@ -367,7 +373,7 @@ fn commit(
     };
     let text = serde_json::to_string_pretty(&manifest).expect("invariant: plain JSON");
     write_atomic(&partial.join(MANIFEST), text.as_bytes())?;
-    std::fs::rename(partial, final_dir).map_err(|e| EngineError::file(final_dir, e))?;
+    std::fs::rename(partial, final_dir).map_err(|e| CheckpointError::file(final_dir, e))?;
     crash_point::point("commit.renamed");
     sync_dir(dir)?;
     write_atomic(&dir.join(LATEST), tag.as_bytes())?;
@@ -389,7 +395,7 @@ pub(crate) fn write_single(
     check_tag(tag)?;
     let (final_dir, partial) = (dir.join(tag), dir.join(format!(".{tag}.partial")));
     if final_dir.exists() {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             &final_dir,
             "this checkpoint tag exists already; nothing was overwritten",
         ));
@@ -400,7 +406,7 @@ pub(crate) fn write_single(
             false => Ok(()),
         })
         .and_then(|_| std::fs::create_dir(&partial))
-        .map_err(|e| EngineError::file(&partial, e))?;
+        .map_err(|e| CheckpointError::file(&partial, e))?;
     let store = Store {
         stage: 0,
         ep_rank: None,
@@ -451,7 +457,7 @@ pub fn latest(dir: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(&path) {
         Ok(t) => Ok(Some(t.trim().to_string())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(EngineError::file(&path, e)),
+        Err(e) => Err(CheckpointError::file(&path, e)),
     }
 }
 
@@ -757,7 +763,7 @@ impl<'a> Files<'a> {
         }
         match covered >= src.len() {
             true => Ok(()),
-            false => Err(EngineError::file(
+            false => Err(CheckpointError::file(
                 self.dir.join(MANIFEST),
                 format!("no shard covers elements {src:?} of {}", describe(buffer)),
             )),
@@ -775,7 +781,7 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
         match saved.get(now.name.as_str()) {
             Some(s) if s.shape == now.shape => {}
             Some(s) => {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     &path,
                     format!(
                         "parameter {} {:?} does not match this model's {:?}: a checkpoint of another model",
@@ -784,7 +790,7 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
                 ))
             }
             None => {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     &path,
                     format!(
                         "no parameter {} (this model's {:?}): a checkpoint of another model",
@@ -795,7 +801,7 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
         }
     }
     if m.params.len() != e.params.len() || saved.len() != m.params.len() {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             &path,
             format!(
                 "{} parameters, this model has {}",
@@ -805,7 +811,7 @@ fn check_model(dir: &Path, m: &Manifest, e: &Expect) -> Result<()> {
         ));
     }
     if e.buffers.is_some_and(|b| m.optimizer_buffers != b) {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             &path,
             format!(
                 "optimizer state {:?}, this run's optimizer keeps {:?}",
@@ -847,7 +853,7 @@ fn check_covered(dir: &Path, m: &Manifest) -> Result<()> {
             }
         }
         if at < numel {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 dir.join(MANIFEST),
                 format!(
                     "no shard covers elements {at}..{numel} of {}",
@@ -928,7 +934,7 @@ pub fn each_tensor_state(
 pub fn write_weights(
     dir: &Path,
     out: &Path,
-    dtype: crate::model::weights::SaveDtype,
+    dtype: ds_nn::model::weights::SaveDtype,
 ) -> Result<Manifest> {
     write_weights_with(dir, out, dtype, &[])
 }
@@ -938,7 +944,7 @@ pub fn write_weights(
 pub fn write_weights_with(
     dir: &Path,
     out: &Path,
-    dtype: crate::model::weights::SaveDtype,
+    dtype: ds_nn::model::weights::SaveDtype,
     extra: &[(String, Vec<usize>, Vec<f32>)],
 ) -> Result<Manifest> {
     let m = Manifest::read(dir)?;
@@ -949,7 +955,7 @@ pub fn write_weights_with(
         .chain(extra.iter().map(|(n, s, _)| (n.clone(), s.clone())))
         .collect();
     let mut w =
-        crate::model::weights::StreamingWriter::create(out, &tensors, dtype, &[("format", "pt")])?;
+        ds_nn::model::weights::StreamingWriter::create(out, &tensors, dtype, &[("format", "pt")])?;
     each_tensor(dir, |_, values| Ok(w.put(values)?))?;
     for (_, _, values) in extra {
         w.put(values)?;
@@ -984,12 +990,12 @@ fn on_disk(dir: &Path, m: &Manifest, numel: usize) -> Result<()> {
     for s in &m.shards {
         let path = m.shard_path(dir, s);
         let len = std::fs::metadata(&path)
-            .map_err(|e| EngineError::file(&path, e))?
+            .map_err(|e| CheckpointError::file(&path, e))?
             .len();
         bytes = bytes.saturating_add(len);
     }
     if (numel as u64).saturating_mul(4) > bytes {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             dir.join(MANIFEST),
             format!("{numel} parameters, but the shard files hold {bytes} bytes"),
         ));
@@ -1011,7 +1017,7 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
 /// first. A save killed after its manifest but before its rename leaves `.<tag>.partial/`
 /// with a manifest naming `<tag>`: not a checkpoint, and not listed.
 pub fn tags(dir: &Path) -> Result<Vec<(u64, String)>> {
-    let entries = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| CheckpointError::file(dir, e))?;
     let mut tags: Vec<(u64, String)> = entries
         .flatten()
         .filter(|e| e.path().join(MANIFEST).is_file())
@@ -1047,7 +1053,7 @@ fn remove_tag(dir: &Path, tag: &str) -> Result<()> {
     let (path, doomed) = (dir.join(tag), dir.join(format!(".{tag}.removed")));
     match std::fs::rename(&path, &doomed) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(EngineError::file(&path, e)),
+        Err(e) => return Err(CheckpointError::file(&path, e)),
         Ok(()) => {}
     }
     crash_point::point("remove.renamed");
@@ -1056,7 +1062,7 @@ fn remove_tag(dir: &Path, tag: &str) -> Result<()> {
 
 /// Deletes what a removal killed midway left (`.<tag>.removed/`).
 pub fn remove_leftovers(dir: &Path) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| CheckpointError::file(dir, e))?;
     for e in entries.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
@@ -1070,7 +1076,7 @@ pub fn remove_leftovers(dir: &Path) -> Result<()> {
 /// `remove_dir_all`, where a directory already gone is no error.
 fn remove_dir(path: &Path) -> Result<()> {
     match std::fs::remove_dir_all(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EngineError::file(path, e)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(CheckpointError::file(path, e)),
         _ => Ok(()),
     }
 }

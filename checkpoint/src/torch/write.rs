@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::{EngineError, Result};
+use crate::{CheckpointError, Result};
 
 /// A value to pickle. Tensors are fp32 and refer to the `tensors` passed to `save` by index.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,7 +50,7 @@ pub fn save(path: &Path, value: &Py, tensors: &[Tensor]) -> Result<()> {
         .file_stem()
         .map_or("archive".to_string(), |s| s.to_string_lossy().into_owned());
     let tmp = path.with_extension("partial");
-    let err = |e: String| EngineError::file(&tmp, e);
+    let err = |e: String| CheckpointError::file(&tmp, e);
     let mut pickle = vec![0x80, 2];
     encode(value, tensors, &mut pickle).map_err(err)?;
     pickle.push(b'.');
@@ -84,7 +84,7 @@ pub fn save(path: &Path, value: &Py, tensors: &[Tensor]) -> Result<()> {
     record(format!("{archive}/version"), &mut |w| w.write_all(b"3\n"))?;
     let file = zip.finish().map_err(|e| err(e.to_string()))?;
     file.sync_all().map_err(|e| err(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| EngineError::file(path, e))
+    std::fs::rename(&tmp, path).map_err(|e| CheckpointError::file(path, e))
 }
 
 fn encode(v: &Py, tensors: &[Tensor], out: &mut Vec<u8>) -> std::result::Result<(), String> {
@@ -212,7 +212,7 @@ fn encode_plain(v: &Py, out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::torch::TorchFile;
+    use crate::torch::TorchFile;
 
     #[test]
     fn what_is_written_reads_back() {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use pickle::{Id, Node, Pickle};
 
-use crate::{EngineError, Result};
+use crate::{CheckpointError, Result};
 
 /// An open checkpoint file: its object graph and where each storage's bytes lie.
 pub struct TorchFile {
@@ -87,7 +87,7 @@ impl TorchFile {
     /// damaged one and a pickle naming a global outside the allowed set are errors naming
     /// the file.
     pub fn open(path: &Path) -> Result<TorchFile> {
-        let err = |e: String| EngineError::file(path, e);
+        let err = |e: String| CheckpointError::file(path, e);
         let file = File::open(path).map_err(|e| err(e.to_string()))?;
         let len = file.metadata().map_err(|e| err(e.to_string()))?.len();
         let mut zip = zip::ZipArchive::new(&file).map_err(|e| {
@@ -161,7 +161,7 @@ impl TorchFile {
 
     /// Elements `range` of tensor `t` as f32 (from f32, bf16, f16 or f64 storages).
     pub fn read_f32(&self, t: &TensorRef, range: Range<usize>) -> Result<Vec<f32>> {
-        let err = |e: String| EngineError::file(&self.path, format!("{}: {e}", t.at));
+        let err = |e: String| CheckpointError::file(&self.path, format!("{}: {e}", t.at));
         if range.start > range.end || range.end > t.numel() {
             return Err(err(format!(
                 "elements {range:?} of a tensor of {} elements",
@@ -298,13 +298,13 @@ impl<'a> Obj<'a> {
     }
 
     /// An error about this value, naming the file and where the value sits.
-    pub fn error(&self, what: impl std::fmt::Display) -> EngineError {
+    pub fn error(&self, what: impl std::fmt::Display) -> CheckpointError {
         let at = if self.at.is_empty() {
             "the top object"
         } else {
             &self.at
         };
-        EngineError::file(&self.file.path, format!("{at}: {what}"))
+        CheckpointError::file(&self.file.path, format!("{at}: {what}"))
     }
 
     fn kind(&self) -> &'static str {
@@ -324,7 +324,7 @@ impl<'a> Obj<'a> {
         }
     }
 
-    fn expected(&self, what: &str) -> EngineError {
+    fn expected(&self, what: &str) -> CheckpointError {
         self.error(format!("expected {what}, found {}", self.kind()))
     }
 

@@ -24,8 +24,8 @@ use std::path::{Path, PathBuf};
 
 use super::torch::{Obj, TensorRef, TorchFile};
 use super::{manifest, Counters, Description};
-use crate::loss_scale::LossScaleState;
-use crate::{EngineError, Result};
+use crate::manifest::LossScaleState;
+use crate::{CheckpointError, Result};
 
 /// No parameter has more elements than this (2^48); the sums of shapes stay far from
 /// overflowing.
@@ -113,7 +113,7 @@ impl DeepSpeedCheckpoint {
             .collect::<Result<Vec<_>>>()?;
         let first = &parts[0];
         if let Some((s, p)) = parts.iter().enumerate().find(|(_, p)| !first.agrees(p)) {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 &stage_files[s],
                 format!(
                     "pipeline stage {s}: ZeRO-{} at dp {}, Adam at step {} keeping {:?}; stage 0's: ZeRO-{} at dp {}, step {}, {:?}",
@@ -164,7 +164,7 @@ impl DeepSpeedCheckpoint {
             ck.ranks.extend(part.ranks);
         }
         if pp > 1 {
-            ck.params = pipeline_names(&ck.params).map_err(|e| EngineError::file(dir, e))?;
+            ck.params = pipeline_names(&ck.params).map_err(|e| CheckpointError::file(dir, e))?;
         }
         Ok(ck)
     }
@@ -180,7 +180,7 @@ impl DeepSpeedCheckpoint {
             .get("last_batch_iteration")
             .and_then(|v| v.as_i64())
         {
-            Some(last) if last != applied as i64 - 1 => Err(EngineError::file(
+            Some(last) if last != applied as i64 - 1 => Err(CheckpointError::file(
                 model_states,
                 format!(
                     "lr_scheduler.last_batch_iteration {last} after {applied} applied steps \
@@ -262,7 +262,7 @@ impl StagePart {
         }
         let saved_world = m.get("dp_world_size")?.usize()?;
         if saved_world != world {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 model_path,
                 format!("dp_world_size {saved_world}, but {world} optimizer-states files"),
             ));
@@ -286,7 +286,7 @@ impl StagePart {
             if part.ranks.is_empty() {
                 (part.step, part.buffers) = (step, names);
             } else if names != part.buffers || step != part.step {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     rank.file.path(),
                     format!(
                         "optimizer state {names:?} at step {step}, rank 0's is {:?} at step {}",
@@ -300,7 +300,7 @@ impl StagePart {
             3 => {
                 let size = part.ranks[0].master.iter().map(|t| t.numel()).sum();
                 stage3_pieces(&part.params, world, size)
-                    .map_err(|e| EngineError::file(part.ranks[0].file.path(), e))?
+                    .map_err(|e| CheckpointError::file(part.ranks[0].file.path(), e))?
             }
             _ => part.flat_pieces(&groups)?,
         };
@@ -318,7 +318,7 @@ impl StagePart {
     fn flat_pieces(&self, groups: &[Group]) -> Result<Vec<Pieces>> {
         let parts: Vec<usize> = self.ranks[0].master.iter().map(|t| t.numel()).collect();
         if parts.len() != groups.len() {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 self.ranks[0].file.path(),
                 format!(
                     "{} fp32 partitions for {} parameter groups",
@@ -331,14 +331,14 @@ impl StagePart {
         let mut base = 0; // where group g starts in a rank's concatenated buffers
         for (group, &part) in groups.iter().zip(&parts) {
             if part == 0 && group.iter().any(|(_, s)| s.iter().product::<usize>() > 0) {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     self.ranks[0].file.path(),
                     "an empty fp32 partition for a group with parameters",
                 ));
             }
             let total: usize = group.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
             if total > part * self.ranks.len() {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     self.ranks[0].file.path(),
                     format!(
                         "a group of {total} elements in {} partitions of {part}: \
@@ -377,7 +377,7 @@ impl StagePart {
                 .iter()
                 .any(|b| b.iter().map(|t| t.numel()).collect::<Vec<_>>() != want);
             if sizes(rank) != want || bad_buffer {
-                return Err(EngineError::file(
+                return Err(CheckpointError::file(
                     rank.file.path(),
                     format!("rank {r}'s partitions differ in size from rank 0's {want:?}"),
                 ));
@@ -388,7 +388,7 @@ impl StagePart {
                 .any(|(rank, range)| *rank >= self.ranks.len() || range.end > total)
         });
         match beyond {
-            Some((_, (name, shape))) => Err(EngineError::file(
+            Some((_, (name, shape))) => Err(CheckpointError::file(
                 self.ranks[0].file.path(),
                 format!(
                     "parameter {name} {shape:?} lies beyond the {} ranks' partitions of {total} elements: \
@@ -462,7 +462,7 @@ fn model_states_files(dir: &Path) -> Result<Vec<PathBuf>> {
     };
     let files: Vec<PathBuf> = (0..).map_while(file).collect();
     match files.is_empty() {
-        true => Err(EngineError::file(
+        true => Err(CheckpointError::file(
             dir,
             "no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint's tag directory",
         )),
@@ -548,7 +548,7 @@ fn optimizer_files(dir: &Path, mp: usize) -> Result<(Vec<PathBuf>, bool)> {
             return Ok((files, prefix == "bf16_"));
         }
     }
-    Err(EngineError::file(
+    Err(CheckpointError::file(
         dir,
         format!(
             "no zero_pp_rank_0_mp_rank_{mp:02}_optim_states.pt: not a DeepSpeed ZeRO checkpoint. \
@@ -681,7 +681,7 @@ fn rank_tensors(file: TorchFile, stage: u8) -> Result<(RankFile, u64, Vec<String
     for (s, tensors) in &states {
         let these: Vec<&String> = tensors.iter().map(|(n, _)| n).collect();
         if these != names.iter().collect::<Vec<_>>() || *s != step {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 file.path(),
                 format!("the optimizer's groups keep different states ({names:?} at step {step}, {these:?} at step {s})"),
             ));
@@ -721,9 +721,9 @@ pub fn import_tag(src: &Path, out: &Path) -> Result<(DeepSpeedCheckpoint, PathBu
     let tag = src
         .file_name()
         .map(|t| t.to_string_lossy().into_owned())
-        .ok_or_else(|| EngineError::file(src, "not a checkpoint tag's directory"))?;
+        .ok_or_else(|| CheckpointError::file(src, "not a checkpoint tag's directory"))?;
     if let Some(latest) = super::latest(out)? {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             out,
             format!(
                 "holds checkpoints already (`latest` names {latest}); import into a new directory"
@@ -796,9 +796,9 @@ fn import(
 pub fn write_weights(
     ck: &DeepSpeedCheckpoint,
     out: &Path,
-    dtype: crate::model::weights::SaveDtype,
+    dtype: ds_nn::model::weights::SaveDtype,
 ) -> Result<()> {
-    let mut w = crate::model::weights::StreamingWriter::create(
+    let mut w = ds_nn::model::weights::StreamingWriter::create(
         out,
         &ck.params,
         dtype,

@@ -8,18 +8,19 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::{crash_point, EngineError, Result};
+use crate::{crash_point, CheckpointError, Result};
 
 /// Writes `bytes` to `path` so that `path` either keeps its old content or has all of the new
 /// one, durably: a temporary sibling, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("partial");
-    let mut f = std::fs::File::create(&tmp).map_err(|e| EngineError::file(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| EngineError::file(&tmp, e))?;
+    let mut f = std::fs::File::create(&tmp).map_err(|e| CheckpointError::file(&tmp, e))?;
+    f.write_all(bytes)
+        .map_err(|e| CheckpointError::file(&tmp, e))?;
     crash_point::point("file.written");
-    f.sync_all().map_err(|e| EngineError::file(&tmp, e))?;
+    f.sync_all().map_err(|e| CheckpointError::file(&tmp, e))?;
     crash_point::point("file.synced");
-    std::fs::rename(&tmp, path).map_err(|e| EngineError::file(path, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| CheckpointError::file(path, e))?;
     crash_point::point("file.renamed");
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
@@ -28,7 +29,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| EngineError::file(dir, e))
+        .map_err(|e| CheckpointError::file(dir, e))
 }
 
 /// Writes 1-D fp32 tensors as a safetensors file at `path`, atomically as `write_atomic`
@@ -53,7 +54,7 @@ pub fn write_tensors_streaming(
     mut fill: impl FnMut(usize, &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()>,
 ) -> Result<(u64, u32)> {
     let tmp = path.with_extension("partial");
-    let err = |e: std::io::Error| EngineError::file(&tmp, e);
+    let err = |e: std::io::Error| CheckpointError::file(&tmp, e);
     let mut header = serde_json::Map::new();
     let meta: serde_json::Map<String, serde_json::Value> = metadata
         .iter()
@@ -91,7 +92,7 @@ pub fn write_tensors_streaming(
             Ok(())
         })?;
         if written != *n {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 &tmp,
                 format!("tensor {name}: {written} values written, its header says {n}"),
             ));
@@ -102,7 +103,7 @@ pub fn write_tensors_streaming(
     crash_point::point("file.written");
     f.sync_all().map_err(err)?;
     crash_point::point("file.synced");
-    std::fs::rename(&tmp, path).map_err(|e| EngineError::file(path, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| CheckpointError::file(path, e))?;
     crash_point::point("file.renamed");
     sync_dir(path.parent().unwrap_or(Path::new(".")))?;
     Ok((bytes, crc))
@@ -144,23 +145,23 @@ const CRC_CHUNK: usize = 1 << 20;
 
 impl ShardFile {
     pub fn open(path: &Path, bytes: u64, crc: u32) -> Result<ShardFile> {
-        let err = |e: std::io::Error| EngineError::file(path, e);
+        let err = |e: std::io::Error| CheckpointError::file(path, e);
         let mut file = File::open(path).map_err(err)?;
         let len = file.metadata().map_err(err)?.len();
         if len != bytes {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 path,
                 format!("{len} bytes, the manifest says {bytes}: truncated or replaced"),
             ));
         }
         let found = checksum(&mut file).map_err(err)?;
         if found != crc {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 path,
                 format!("checksum {found:08x}, the manifest says {crc:08x}: the file is corrupted"),
             ));
         }
-        let tensors = header(&file, len).map_err(|e| EngineError::file(path, e))?;
+        let tensors = header(&file, len).map_err(|e| CheckpointError::file(path, e))?;
         Ok(ShardFile {
             path: path.to_path_buf(),
             file,
@@ -179,7 +180,7 @@ impl ShardFile {
             _ => (0, false),
         };
         if !fits {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 &self.path,
                 format!("tensor {name}: expected f32 covering {range:?}"),
             ));
@@ -187,7 +188,7 @@ impl ShardFile {
         let mut raw = vec![0u8; range.len() * 4];
         self.file
             .read_exact_at(&mut raw, at)
-            .map_err(|e| EngineError::file(&self.path, e))?;
+            .map_err(|e| CheckpointError::file(&self.path, e))?;
         Ok(raw
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

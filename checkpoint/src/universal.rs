@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use super::torch::write::{save, Py, Tensor};
 use super::{check_tag, each_tensor_state, Manifest};
-use crate::{EngineError, Result};
+use crate::{CheckpointError, Result};
 
 /// The optimizer state a universal checkpoint carries: Adam's.
 const ADAM: [&str; 2] = ["exp_avg", "exp_avg_sq"];
@@ -42,7 +42,7 @@ pub struct Resume {
 pub fn export(dir: &Path, out: &Path, resume: &Resume) -> Result<(Manifest, PathBuf)> {
     let m = Manifest::read(dir)?;
     if m.optimizer_buffers != ADAM {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             dir.join(super::MANIFEST),
             format!(
                 "optimizer state {:?}: DeepSpeed's universal checkpoints carry Adam's {ADAM:?}",
@@ -53,7 +53,7 @@ pub fn export(dir: &Path, out: &Path, resume: &Resume) -> Result<(Manifest, Path
     check_tag(&m.tag)?;
     for p in &m.params {
         if p.name.is_empty() || p.name.contains('/') || p.name.starts_with('.') {
-            return Err(EngineError::Invalid(format!(
+            return Err(CheckpointError::Invalid(format!(
                 "parameter {:?}: not a name DeepSpeed's universal checkpoint can use as a directory",
                 p.name
             )));
@@ -61,7 +61,7 @@ pub fn export(dir: &Path, out: &Path, resume: &Resume) -> Result<(Manifest, Path
     }
     let (tag_dir, partial) = (out.join(&m.tag), out.join(format!(".{}.partial", m.tag)));
     if tag_dir.exists() {
-        return Err(EngineError::file(
+        return Err(CheckpointError::file(
             &tag_dir,
             "exists already; nothing was overwritten",
         ));
@@ -72,9 +72,9 @@ pub fn export(dir: &Path, out: &Path, resume: &Resume) -> Result<(Manifest, Path
             false => Ok(()),
         })
         .and_then(|_| std::fs::create_dir_all(partial.join("zero")));
-    made.map_err(|e| EngineError::file(&partial, e))?;
+    made.map_err(|e| CheckpointError::file(&partial, e))?;
     let written = write_all(dir, &m, &partial, resume).and_then(|_| {
-        std::fs::rename(&partial, &tag_dir).map_err(|e| EngineError::file(&tag_dir, e))?;
+        std::fs::rename(&partial, &tag_dir).map_err(|e| CheckpointError::file(&tag_dir, e))?;
         super::files::write_atomic(&out.join("latest_universal"), m.tag.as_bytes())
     });
     if written.is_err() {
@@ -87,7 +87,7 @@ fn write_all(dir: &Path, m: &Manifest, to: &Path, resume: &Resume) -> Result<()>
     let step = Py::Int(m.optimizer_step as i64);
     each_tensor_state(dir, true, |p, master, buffers| {
         let param_dir = to.join("zero").join(&p.name);
-        std::fs::create_dir_all(&param_dir).map_err(|e| EngineError::file(&param_dir, e))?;
+        std::fs::create_dir_all(&param_dir).map_err(|e| CheckpointError::file(&param_dir, e))?;
         let wrapped = Py::dict([("param", Py::Tensor(0))]);
         let states = std::iter::once(("fp32", master))
             .chain(buffers.iter().map(|(n, v)| (n.as_str(), &v[..])));

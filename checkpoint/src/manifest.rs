@@ -7,8 +7,18 @@ use serde::{Deserialize, Serialize};
 
 use ds_partition::Split;
 
-use crate::loss_scale::LossScaleState;
-use crate::{EngineError, Result};
+use crate::{CheckpointError, Result};
+
+/// The mutable part of a scaler: what a checkpoint has to carry. Without dynamic scaling
+/// `last_overflow_iter` stays -1 and `cur_hysteresis` 0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    pub cur_scale: f64,
+    /// Updates so far (one per optimizer step, skipped or not).
+    pub cur_iter: u64,
+    pub last_overflow_iter: i64,
+    pub cur_hysteresis: i64,
+}
 
 /// The format this build writes and reads.
 pub const FORMAT: &str = "ds-rs checkpoint v1";
@@ -177,17 +187,17 @@ impl Manifest {
     /// Reads `dir/manifest.json`; errors name the file.
     pub fn read(dir: &Path) -> Result<Manifest> {
         let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path).map_err(|e| EngineError::file(&path, e))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::file(&path, e))?;
         let m: Manifest = serde_json::from_str(&text)
-            .map_err(|e| EngineError::file(&path, format!("not a checkpoint manifest: {e}")))?;
+            .map_err(|e| CheckpointError::file(&path, format!("not a checkpoint manifest: {e}")))?;
         if m.format != FORMAT {
-            return Err(EngineError::file(
+            return Err(CheckpointError::file(
                 &path,
                 format!("format {:?}, expected {FORMAT:?}", m.format),
             ));
         }
         m.check()
-            .map_err(|reason| EngineError::file(&path, reason))?;
+            .map_err(|reason| CheckpointError::file(&path, reason))?;
         Ok(m)
     }
 

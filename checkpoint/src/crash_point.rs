@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::{EngineError, Result};
+use crate::{CheckpointError, Result};
 
 pub const VAR: &str = "DS_RS_CRASH_AT";
 
@@ -52,7 +52,7 @@ fn plan() -> Result<&'static Option<Plan>> {
     }
     let parsed = match std::env::var(VAR) {
         Ok(text) => Some(parse(&text).map_err(|why| {
-            EngineError::Invalid(format!(
+            CheckpointError::Invalid(format!(
                 "{VAR}={text:?}: {why} (expected rank<R>:<point>:<hit>[:launcher])"
             ))
         })?),
