@@ -15,8 +15,10 @@ export DS_RS_PYTHON="$PWD/.venv/bin/python"
 before="$(mktemp)"
 trap 'rm -f "$before"' EXIT
 scripts/leftovers.sh snapshot "$before"
-# The crates as floors: no dependency (dev-dependencies included) from a lower floor to a higher.
+# The crates as floors: no dependency (dev-dependencies included) from a lower floor to a
+# higher; and no circle of imports between files of different modules.
 python3 scripts/floors.py >/dev/null
+python3 scripts/import-cycles.py
 cargo test --workspace --release
 # The NCCL backend builds without CUDA; its GPU smoke test says why it skips.
 # (--workspace keeps the first command's feature resolution: only ds-comm and its dependents

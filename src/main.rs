@@ -1,7 +1,9 @@
 //! The `ds-rs` binary: command-line parsing and dispatch. Exit status: 0 ok, 1 the command ran
 //! and failed (an invalid config, a failed job), 2 a usage error or a command not available yet.
 
+mod autotune;
 mod cli;
+mod flags;
 mod launch;
 mod train;
 

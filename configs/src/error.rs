@@ -1,9 +1,9 @@
 //! Errors of the config reader. Every variant names where the problem is (file or JSON path).
 
+use std::fmt;
 use std::path::PathBuf;
 
 use crate::hjson::HjsonError;
-use crate::unimplemented::NotImplemented;
 
 pub type Result<T> = std::result::Result<T, ConfigError>;
 
@@ -196,5 +196,42 @@ mod tests {
             e.to_string(),
             "zero_optimization.stagee: unknown key (did you mean `stage`?)"
         );
+    }
+}
+
+/// A setting DeepSpeed acts on that ds-rs reads but cannot carry out yet (unimplemented.rs
+/// finds them), named by its JSON path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotImplemented {
+    pub path: &'static str,
+    /// The value found, as JSON.
+    pub value: String,
+    /// What the value asks for.
+    pub feature: &'static str,
+    /// The issue that implements it.
+    pub issue: u32,
+    /// The value that asks for nothing.
+    pub off: &'static str,
+}
+
+impl NotImplemented {
+    /// `path = value: feature is not implemented yet in ds-rs (issue N)`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} = {}: {} is not implemented yet in ds-rs (issue {})",
+            self.path, self.value, self.feature, self.issue
+        )
+    }
+}
+
+/// The refusal: what is missing and how to do without it (several join with ". ").
+impl fmt::Display for NotImplemented {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}; remove it or set it to {}",
+            self.describe(),
+            self.off
+        )
     }
 }

@@ -12,6 +12,7 @@
 pub mod auto;
 pub mod batch;
 mod coerce;
+mod dims;
 pub mod error;
 pub mod expert_parallel;
 mod extras;
@@ -35,12 +36,11 @@ use std::path::Path;
 
 pub use auto::FillContext;
 pub use batch::PyNum;
-pub use error::{ConfigError, Result};
+pub use error::{ConfigError, NotImplemented, Result};
 pub use resolve::{parallel_dims, Config, ParallelDims};
 pub use summary::summary_json;
 pub use toplevel::expand_legacy_zero;
 pub use training_args::{LrSchedulerType, TrainingArgs};
-pub use unimplemented::NotImplemented;
 pub use value::Value;
 pub use zero::{OffloadDevice, ZeroStage};
 

@@ -5,6 +5,7 @@ use serde::Serialize;
 use serde_json::Value as Json;
 
 use crate::batch::{self, PyNum};
+pub use crate::dims::ParallelDims;
 use crate::error::{closest, ConfigError, Result};
 use crate::monitor::{CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig};
 use crate::optim::{self, OptimizerParams, SchedulerParams, TypedSection};
@@ -19,133 +20,6 @@ use crate::training_args::TrainingArgs;
 use crate::value::{Dict, Value};
 use crate::zero::{OffloadDevice, ZeroConfig, ZeroStage};
 use crate::{extras, removed};
-
-/// The parallel layout a config is resolved for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct ParallelDims {
-    pub world_size: usize,
-    pub tp: usize,
-    pub pp: usize,
-    /// Expert parallelism (DeepSpeed-MoE's `ep_size`): the data-parallel ranks in groups of
-    /// `ep`, among which a mixture of experts' experts are split (1: none).
-    #[serde(skip_serializing_if = "is_one")]
-    pub ep: usize,
-    /// Sequence parallelism (DeepSpeed-Ulysses' `sequence_parallel_size`): the data-parallel
-    /// ranks in groups of `sp` consecutive ones, which share samples and split each one's
-    /// sequence (1: none). ZeRO shards and gradients still span every data-parallel rank;
-    /// the batch counts `dp / sp` replicas.
-    #[serde(skip_serializing_if = "is_one")]
-    pub sp: usize,
-}
-
-fn is_one(n: &usize) -> bool {
-    *n == 1
-}
-
-impl ParallelDims {
-    /// Checks that tp * pp divides the world size; the error shows the product.
-    pub fn new(world_size: usize, tp: usize, pp: usize) -> Result<ParallelDims> {
-        let product = tp.checked_mul(pp).filter(|&p| p > 0);
-        if world_size == 0 || !product.is_some_and(|p| world_size.is_multiple_of(p)) {
-            let product = match tp.checked_mul(pp) {
-                Some(p) => p.to_string(),
-                None => "more than usize holds".to_string(),
-            };
-            return Err(ConfigError::conflict(
-                "world_size",
-                format!("world size {world_size} is not a positive multiple of tp * pp = {tp} * {pp} = {product}"),
-            ));
-        }
-        Ok(ParallelDims {
-            world_size,
-            tp,
-            pp,
-            ep: 1,
-            sp: 1,
-        })
-    }
-
-    /// The same layout with expert-parallel size `ep`, which must divide the data-parallel
-    /// size (DeepSpeed's `_create_expert_and_data_parallel` asserts it); the error says
-    /// which sizes, for the caller to name where `ep` came from.
-    pub fn with_ep(self, ep: usize) -> std::result::Result<ParallelDims, String> {
-        if ep > 1 && self.sp > 1 {
-            return Err(format!(
-                "expert-parallel size {ep} with sequence-parallel size {}: ds-rs does not combine the two",
-                self.sp
-            ));
-        }
-        if ep == 0 || !self.dp().is_multiple_of(ep) {
-            return Err(format!(
-                "expert-parallel size {ep} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
-                self.dp(),
-                self.world_size,
-                self.tp,
-                self.pp
-            ));
-        }
-        Ok(ParallelDims { ep, ..self })
-    }
-
-    /// The same layout with sequence-parallel size `sp`, which must divide the data-parallel
-    /// size (DeepSpeed's `initialize_sequence_parallel` asserts it of the world); the error
-    /// says which sizes.
-    pub fn with_sp(self, sp: usize) -> std::result::Result<ParallelDims, String> {
-        if sp > 1 && self.pp > 1 {
-            return Err(format!(
-                "sequence-parallel size {sp} with {} pipeline stages: Ulysses splits a stage's attention heads, and ds-rs does not combine it with pipeline parallelism (use pp 1)",
-                self.pp
-            ));
-        }
-        if sp > 1 && self.ep > 1 {
-            return Err(format!(
-                "sequence-parallel size {sp} with expert-parallel size {}: ds-rs does not combine the two",
-                self.ep
-            ));
-        }
-        if sp == 0 || !self.dp().is_multiple_of(sp) {
-            return Err(format!(
-                "sequence-parallel size {sp} does not divide the data-parallel size {} (world {} / (tp {} * pp {}))",
-                self.dp(),
-                self.world_size,
-                self.tp,
-                self.pp
-            ));
-        }
-        Ok(ParallelDims { sp, ..self })
-    }
-
-    /// The data-parallel ranks: where gradients are averaged and ZeRO shards the states
-    /// (DeepSpeed's sequence-data-parallel group under Ulysses).
-    pub fn dp(&self) -> usize {
-        self.world_size / (self.tp * self.pp)
-    }
-
-    /// The model replicas that read different samples: the data-parallel ranks over `sp`
-    /// (the batch rule's data-parallel size).
-    pub fn replicas(&self) -> usize {
-        self.dp() / self.sp
-    }
-
-    /// The ranks holding the same experts: the data-parallel size over `ep`.
-    pub fn expert_dp(&self) -> usize {
-        self.dp() / self.ep
-    }
-}
-
-/// `dp D x tp T x pp P`, with `(ep E)` under expert parallelism.
-impl std::fmt::Display for ParallelDims {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "dp {} x tp {} x pp {}", self.dp(), self.tp, self.pp)?;
-        if self.ep > 1 {
-            write!(f, " (ep {})", self.ep)?;
-        }
-        if self.sp > 1 {
-            write!(f, " (sp {})", self.sp)?;
-        }
-        Ok(())
-    }
-}
 
 /// The layout of a job of `world` ranks, decided once from the config and the command line:
 /// the tensor-parallel degree is `tp` when given (`--tp`), else the config's
@@ -405,7 +279,7 @@ pub fn resolve(doc: &Value, dims: &ParallelDims, filled: Vec<(String, Json)>) ->
     sanity_check(&config, deepcompile)?;
     notes
         .warnings
-        .extend(toplevel::warning_checks(root, &config)?);
+        .extend(toplevel::warning_checks(root, config.optimizer.as_ref())?);
     finish(config, root, notes)
 }
 
@@ -612,7 +486,13 @@ fn finish(mut c: Config, root: &Dict, notes: Notes) -> Result<Config> {
             .map_or(String::new(), |s| format!(" (did you mean `{s}`?)"));
         warnings.push(format!("{key}: not a DeepSpeed key; ignored{hint}"));
     }
-    warnings.extend(toplevel::unsupported_feature_warnings(root, &c));
+    let sections = toplevel::Sections {
+        zero: &c.zero_optimization,
+        checkpointing: &c.activation_checkpointing,
+        monitor: &c.monitor,
+        tp: c.dims.tp,
+    };
+    warnings.extend(toplevel::unsupported_feature_warnings(root, &sections));
     warnings.extend(
         c.optimizer
             .as_ref()

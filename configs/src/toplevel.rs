@@ -4,9 +4,13 @@ use serde::Serialize;
 use serde_json::Value as Json;
 
 use crate::batch::PyNum;
+use crate::dims::ParallelDims;
 use crate::error::{ConfigError, Result};
-use crate::resolve::{Config, ParallelDims};
+use crate::monitor::MonitorConfig;
+use crate::optim::TypedSection;
+use crate::runtime::ActivationCheckpointingConfig;
 use crate::value::{Dict, Value};
+use crate::zero::ZeroConfig;
 
 /// Every top-level key DeepSpeed 0.19.8 reads. Others are accepted (DeepSpeed ignores them)
 /// and reported with the closest known key.
@@ -236,7 +240,7 @@ pub fn wall_clock_breakdown(root: &Dict) -> Result<bool> {
 }
 
 /// DeepSpeed's `_do_warning_check`, which can also fail on values of the wrong type.
-pub fn warning_checks(root: &Dict, c: &Config) -> Result<Vec<String>> {
+pub fn warning_checks(root: &Dict, optimizer: Option<&TypedSection>) -> Result<Vec<String>> {
     let mut warnings = Vec::new();
     if let Some(v) = root.get("vocabulary_size").filter(|v| v.truthy()) {
         let n = match v {
@@ -249,7 +253,7 @@ pub fn warning_checks(root: &Dict, c: &Config) -> Result<Vec<String>> {
             ));
         }
     }
-    let params = c.optimizer.as_ref().and_then(|o| o.params.as_ref());
+    let params = optimizer.and_then(|o| o.params.as_ref());
     if let Some(p) = params {
         let Json::Object(map) = p else {
             return Err(ConfigError::invalid("optimizer.params", p, "an object"));
@@ -268,9 +272,18 @@ pub fn warning_checks(root: &Dict, c: &Config) -> Result<Vec<String>> {
     Ok(warnings)
 }
 
+/// The resolved sections `unsupported_feature_warnings` reads.
+pub struct Sections<'a> {
+    pub zero: &'a ZeroConfig,
+    pub checkpointing: &'a ActivationCheckpointingConfig,
+    pub monitor: &'a MonitorConfig,
+    /// The tensor-parallel degree.
+    pub tp: usize,
+}
+
 /// Settings DeepSpeed accepts that ask for something ds-rs does not do (yet).
-pub fn unsupported_feature_warnings(root: &Dict, c: &Config) -> Vec<String> {
-    let (z, ac) = (&c.zero_optimization, &c.activation_checkpointing);
+pub fn unsupported_feature_warnings(root: &Dict, s: &Sections) -> Vec<String> {
+    let (z, ac) = (s.zero, s.checkpointing);
     let checks = [
         // ds-rs checkpoints by recomputation (in_config, pipeline.activation_checkpoint_interval);
         // these tune where DeepSpeed's CUDA implementation keeps the checkpoints
@@ -292,7 +305,7 @@ pub fn unsupported_feature_warnings(root: &Dict, c: &Config) -> Vec<String> {
         ),
         (ac.profile, "activation_checkpointing.profile"),
         (
-            ac.partition_activations && c.dims.tp == 1,
+            ac.partition_activations && s.tp == 1,
             "activation_checkpointing.partition_activations at tensor-parallel size 1 (nothing to partition)",
         ),
         (root.contains_key("data_efficiency"), "data_efficiency"),
@@ -311,8 +324,8 @@ pub fn unsupported_feature_warnings(root: &Dict, c: &Config) -> Vec<String> {
             z.zero_hpz_partition_size > 1,
             "zero_optimization.zero_hpz_partition_size (ZeRO++)",
         ),
-        (c.monitor.wandb.enabled, "wandb (needs a network service)"),
-        (c.monitor.comet.enabled, "comet (needs a network service)"),
+        (s.monitor.wandb.enabled, "wandb (needs a network service)"),
+        (s.monitor.comet.enabled, "comet (needs a network service)"),
     ];
     checks
         .into_iter()

@@ -4,46 +4,8 @@
 //! commands that act on a config (`train`, `launch`, the engine) refuse it with
 //! `Config::check_implemented`; `config check` only warns.
 
-use std::fmt;
-
-use crate::error::{ConfigError, Result};
+use crate::error::{ConfigError, NotImplemented, Result};
 use crate::resolve::Config;
-
-/// One such setting, named by its JSON path.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NotImplemented {
-    pub path: &'static str,
-    /// The value found, as JSON.
-    pub value: String,
-    /// What the value asks for.
-    pub feature: &'static str,
-    /// The issue that implements it.
-    pub issue: u32,
-    /// The value that asks for nothing.
-    pub off: &'static str,
-}
-
-impl NotImplemented {
-    /// `path = value: feature is not implemented yet in ds-rs (issue N)`.
-    pub fn describe(&self) -> String {
-        format!(
-            "{} = {}: {} is not implemented yet in ds-rs (issue {})",
-            self.path, self.value, self.feature, self.issue
-        )
-    }
-}
-
-/// The refusal: what is missing and how to do without it (several join with ". ").
-impl fmt::Display for NotImplemented {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}; remove it or set it to {}",
-            self.describe(),
-            self.off
-        )
-    }
-}
 
 impl Config {
     /// The settings of this config that ds-rs cannot carry out yet: partitioned activation

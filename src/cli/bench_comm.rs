@@ -36,7 +36,7 @@ pub struct CommArgs {
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     #[command(flatten)]
-    backend: crate::cli::BackendArg,
+    backend: crate::flags::BackendArg,
 }
 
 /// The op, by nccl-tests' spelling or DeepSpeed's (`all_to_all`).

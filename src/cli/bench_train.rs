@@ -69,11 +69,11 @@ pub struct TrainBenchArgs {
     #[arg(long)]
     tile: Option<usize>,
     #[command(flatten)]
-    training: crate::cli::TrainingArgsCli,
+    training: crate::flags::TrainingArgsCli,
     #[command(flatten)]
-    backend: crate::cli::BackendArg,
+    backend: crate::flags::BackendArg,
     #[command(flatten)]
-    device: crate::cli::DeviceArg,
+    device: crate::flags::DeviceArg,
 }
 
 pub fn run(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {

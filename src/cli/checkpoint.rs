@@ -95,35 +95,6 @@ pub fn run(cmd: &CheckpointCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Hugging Face directory `out` from checkpoint `tag_dir` (a tag's directory): ds-models names
-/// and writes the tensors, read from the checkpoint one at a time.
-pub(crate) fn export_hf_from(
-    tag_dir: &Path,
-    out: &Path,
-    config: &serde_json::Value,
-    opts: &ds_models::hf_export::ExportOptions,
-) -> anyhow::Result<ds_models::hf_export::Exported> {
-    use ds_models::hf_export::{export, TensorStream};
-    let m = Manifest::read(tag_dir)?;
-    let stream = TensorStream {
-        source: tag_dir.display().to_string(),
-        tensors: m
-            .params
-            .iter()
-            .map(|p| (p.name.clone(), p.shape.clone()))
-            .collect(),
-        read: Box::new(|put| {
-            checkpoint::each_tensor(tag_dir, |p, values| {
-                put(&p.name, values)
-                    .map_err(|e| checkpoint::CheckpointError::Invalid(e.to_string()))
-            })
-            .map(drop)
-            .map_err(|e| ds_models::ModelError::from_message(e.to_string()))
-        }),
-    };
-    Ok(export(stream, out, config, opts)?)
-}
-
 fn export_hf(a: &ExportHfArgs) -> anyhow::Result<ExitCode> {
     let dtype = weights::SaveDtype::parse(&a.dtype).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
     let dir = tag_dir(&a.dir, a.tag.as_deref())?;
@@ -138,7 +109,7 @@ fn export_hf(a: &ExportHfArgs) -> anyhow::Result<ExitCode> {
         dtype,
         max_shard_bytes: a.shard_bytes,
     };
-    let e = export_hf_from(&dir, &a.out, &config, &opts)?;
+    let e = crate::train::hf_out::export_hf_from(&dir, &a.out, &config, &opts)?;
     println!(
         "{}: {} tensors of step {} -> {} ({} file{}, {:.1} MB, {})",
         dir.display(),

@@ -30,7 +30,7 @@ pub struct CheckArgs {
     steps: Option<i64>,
     /// Fill "auto" values exactly as `train` does with these arguments.
     #[command(flatten)]
-    training: crate::cli::TrainingArgsCli,
+    training: crate::flags::TrainingArgsCli,
 }
 
 pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {

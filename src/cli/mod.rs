@@ -1,23 +1,21 @@
-//! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling.
+//! The command-line shape of ds-rs, following DeepSpeed's and torchrun's spelling, and the
+//! dispatch to each command (the top of the binary: it imports the commands, none imports it).
 
-pub(crate) mod autotune;
 mod bench_adam;
 mod bench_attention;
 mod bench_comm;
 mod bench_train;
-pub(crate) mod checkpoint;
+mod checkpoint;
 mod config_check;
 mod data;
 mod estimate;
 mod local_ranks;
-mod training_args;
-
-pub(crate) use local_ranks::{BackendArg, DeviceArg};
-pub(crate) use training_args::TrainingArgsCli;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+use crate::flags::AutotuneMode;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -88,10 +86,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config {
             command: ConfigCommand::Check(args),
         } => config_check::run(&args),
-        Command::Launch(args) => crate::launch::run(&args),
+        Command::Launch(args) => match args.autotuning {
+            Some(mode) => crate::autotune::run(&args, mode),
+            None => crate::launch::run(&args),
+        },
         Command::Train(args) => crate::train::run(&args),
         Command::Eval(args) => crate::train::eval::run(&args),
-        Command::Autotune(args) => autotune::run(&args, autotune::Mode::Tune),
+        Command::Autotune(args) => crate::autotune::run(&args, AutotuneMode::Tune),
         Command::Estimate(args) => estimate::run(&args),
         Command::Bench {
             command: BenchCommand::Comm(args),

@@ -111,7 +111,7 @@ pub struct LaunchArgs {
     /// Tune the configuration first (DeepSpeed's autotuner, driven by the config's
     /// `autotuning` section): `tune` writes the best to its results_dir, `run` then runs it.
     #[arg(long, value_enum)]
-    pub(crate) autotuning: Option<crate::cli::autotune::Mode>,
+    pub(crate) autotuning: Option<crate::flags::AutotuneMode>,
     /// With --autotuning: the memory one rank may use, e.g. 2G (default: this host's RAM
     /// divided among its ranks); the memory model rules out what would not fit.
     #[arg(long = "memory_per_rank", alias = "memory-per-rank")]
@@ -141,9 +141,6 @@ impl LaunchArgs {
 }
 
 pub fn run(args: &LaunchArgs) -> anyhow::Result<ExitCode> {
-    if let Some(mode) = args.autotuning {
-        return crate::cli::autotune::run(args, mode);
-    }
     let stop = StopFlag::on_signals()?;
     if let (Some(node), Some(info)) = (args.node_rank, &args.world_info) {
         // A node launcher: the head holds our stdin and closes it when it stops.

@@ -51,9 +51,9 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 1234)]
     seed: u64,
     #[command(flatten)]
-    backend: crate::cli::BackendArg,
+    backend: crate::flags::BackendArg,
     #[command(flatten)]
-    device: crate::cli::DeviceArg,
+    device: crate::flags::DeviceArg,
 }
 
 impl EvalArgs {

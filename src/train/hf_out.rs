@@ -77,7 +77,7 @@ pub(super) fn save(
             dtype,
             max_shard_bytes: run.args.save_hf_shard_bytes,
         };
-        result = crate::cli::checkpoint::export_hf_from(&saved, dir, &config, &opts).map(|e| {
+        result = export_hf_from(&saved, dir, &config, &opts).map(|e| {
             println!(
                 "saved the Hugging Face model in {} ({} tensors, {} file{}, {:.1} MB, {})",
                 dir.display(),
@@ -94,4 +94,33 @@ pub(super) fn save(
     // no rank leaves before the directory is written
     comm.world().barrier()?;
     result
+}
+
+/// Hugging Face directory `out` from checkpoint `tag_dir` (a tag's directory): ds-models names
+/// and writes the tensors, read from the checkpoint one at a time.
+pub(crate) fn export_hf_from(
+    tag_dir: &Path,
+    out: &Path,
+    config: &serde_json::Value,
+    opts: &ds_models::hf_export::ExportOptions,
+) -> anyhow::Result<ds_models::hf_export::Exported> {
+    use ds_models::hf_export::{export, TensorStream};
+    let m = ds_engine::checkpoint::Manifest::read(tag_dir)?;
+    let stream = TensorStream {
+        source: tag_dir.display().to_string(),
+        tensors: m
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect(),
+        read: Box::new(|put| {
+            ds_engine::checkpoint::each_tensor(tag_dir, |p, values| {
+                put(&p.name, values)
+                    .map_err(|e| ds_engine::checkpoint::CheckpointError::Invalid(e.to_string()))
+            })
+            .map(drop)
+            .map_err(|e| ds_models::ModelError::from_message(e.to_string()))
+        }),
+    };
+    Ok(export(stream, out, config, opts)?)
 }

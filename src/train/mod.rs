@@ -7,7 +7,7 @@ pub(crate) mod chart;
 mod data;
 pub mod eval;
 mod flops;
-mod hf_out;
+pub(crate) mod hf_out;
 mod metrics;
 mod progress;
 mod report;
@@ -160,11 +160,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub(crate) tile: Option<usize>,
     #[command(flatten)]
-    pub(crate) training: crate::cli::TrainingArgsCli,
+    pub(crate) training: crate::flags::TrainingArgsCli,
     #[command(flatten)]
-    pub(crate) backend: crate::cli::BackendArg,
+    pub(crate) backend: crate::flags::BackendArg,
     #[command(flatten)]
-    pub(crate) device: crate::cli::DeviceArg,
+    pub(crate) device: crate::flags::DeviceArg,
 }
 
 pub(crate) const DEFAULT_STEPS: u64 = 300;

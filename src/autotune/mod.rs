@@ -26,16 +26,10 @@ use ds_autotune::tuning::{best, tune, Experiment, Space};
 use ds_engine::{ConfigSource, JobPlan, LayoutFlags, Overrides};
 use serde_json::{json, Value as Json};
 
+use crate::flags::AutotuneMode;
 use crate::launch::LaunchArgs;
 use cluster::{Group, GROUP_FLAGS};
 use workload::Workload;
-
-/// `--autotuning`: tune only, or tune and then run the best configuration.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    Tune,
-    Run,
-}
 
 /// Options of the tuner itself, not passed to the trials' launcher.
 const OWN_FLAGS: [&str; 4] = [
@@ -68,7 +62,7 @@ const TRIAL_FLAGS: [&str; 10] = [
     "--grad-accum",
 ];
 
-pub fn run(args: &LaunchArgs, mode: Mode) -> anyhow::Result<ExitCode> {
+pub fn run(args: &LaunchArgs, mode: AutotuneMode) -> anyhow::Result<ExitCode> {
     let mut tuner = Tuner::new(args)?;
     let stop = crate::launch::StopFlag::on_signals()?;
     tuner.rates = trial::measure_rates(&tuner, &stop)?;
@@ -95,7 +89,7 @@ pub fn run(args: &LaunchArgs, mode: Mode) -> anyhow::Result<ExitCode> {
         report::outcome_text(&tuner, &winner.outcome),
         tuner.results.join("ds_config_optimal.json").display()
     );
-    if mode == Mode::Run {
+    if mode == AutotuneMode::Run {
         let status = tuner
             .launch(
                 &tuner.results.join("ds_config_optimal.json"),
