@@ -9,8 +9,9 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use crate::blocks::{Embedding, Head, Norm, Positions};
 use crate::gpt_moe::GptMoe;
-use crate::loss::{tiles, CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
+use crate::loss::{tiles, CrossEntropyLoss, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_nn::kernels::fused_norm_loss::layer_norm_backward;
@@ -23,7 +24,7 @@ use ds_nn::kernels::{cpu_attention, flash_attention};
 use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_nn::parallel::{row_parallel_linear, vocab, Parallel, Sp, Tp};
+use ds_nn::parallel::{row_parallel_linear, Parallel, Sp, Tp};
 
 const LN_EPS: f64 = 1e-5;
 const WEIGHT_INIT: Init = Init::Normal {
@@ -279,6 +280,25 @@ impl GptConfig {
         crate::check_sp_divides(sp, tp, &[("heads H", self.heads)])
     }
 
+    /// The final LayerNorm and lm_head (tied to wte with `tie_embeddings`).
+    fn head(&self, v: &GptVariant, tp: &Tp, tile: Option<usize>) -> Head {
+        Head {
+            norm: Norm::Layer {
+                weight: v.module("ln_f.weight"),
+                bias: v.module("ln_f.bias"),
+                hidden: self.hidden,
+                eps: v.ln_eps,
+            },
+            name: "lm_head.weight".into(),
+            init: WEIGHT_INIT,
+            tied_to: self.tie_embeddings.then(|| v.module("wte.weight")),
+            vocab: self.vocab_size,
+            hidden: self.hidden,
+            tp: tp.clone(),
+            tile,
+        }
+    }
+
     /// The model of variant `v` in layout `p`: its layers split over `p.tp`, its mixtures'
     /// experts over `p.ep`, its sequences over `p.sp`.
     pub fn build_with(&self, p: &Parallel, v: &GptVariant) -> std::result::Result<Model, String> {
@@ -288,7 +308,19 @@ impl GptConfig {
         self.check_sp(p.sp.size(), tp.size())?;
         crate::check_tile(p.tile, tp.size())?;
         let top = if v.hf_names { "transformer" } else { "" };
-        let embeddings = Embeddings(*self, tp.clone(), p.sp.clone());
+        let embeddings = Embedding {
+            name: "wte.weight".into(),
+            init: WEIGHT_INIT,
+            vocab: self.vocab_size,
+            hidden: self.hidden,
+            positions: Some(Positions {
+                name: "wpe.weight".into(),
+                rows: self.seq_len,
+                init: WEIGHT_INIT,
+            }),
+            tp: tp.clone(),
+            sp: p.sp.clone(),
+        };
         let mut m = Model::new().layer(top, embeddings);
         let mut elsewhere = Vec::new();
         for i in 0..self.layers {
@@ -311,116 +343,13 @@ impl GptConfig {
             m = m.layer(&prefix, block);
         }
         let m = m
-            .layer("", Head(*self, tp.clone(), *v, p.tile))
+            .layer("", self.head(v, tp, p.tile))
             .held_elsewhere(elsewhere);
         // a tiled head computes the loss itself
         Ok(match (tp.size(), p.tile) {
             (_, Some(_)) => m,
             (1, None) => m.layer("", CrossEntropyLoss),
             _ => m.layer("", VocabParallelCrossEntropy(tp.clone())),
-        })
-    }
-}
-
-/// `wte` + `wpe`: token ids [B, T] to activations [B, T, d]. `wte` is split by rows
-/// (vocabulary-parallel); under sequence parallelism the ids are this rank's positions.
-struct Embeddings(GptConfig, Tp, Sp);
-
-impl Embeddings {
-    /// The rows of wpe of this rank's positions among `t` (each of sp ranks holds t).
-    fn positions(tp: &Tp, sp: &Sp, t: usize) -> std::ops::Range<usize> {
-        let (pos, offset) = (tp.positions(t), sp.offset(t));
-        pos.start + offset..pos.end + offset
-    }
-}
-
-impl Embeddings {
-    fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
-        let c = self.0;
-        let (_, t) = ids.dims2()?;
-        let (tp, sp) = (&self.1, &self.2);
-        if t * sp.size() > c.seq_len {
-            candle_core::bail!(
-                "sequence of {} tokens is longer than the model's T = {}",
-                t * sp.size(),
-                c.seq_len
-            );
-        }
-        let wte = vb.get((c.vocab_size / tp.size(), c.hidden), "wte.weight")?;
-        let rows = vocab::embed(tp, &wte, ids)?.reshape((ids.dim(0)?, t, c.hidden))?;
-        let tokens = tp.reduce(&rows)?;
-        let pos = Embeddings::positions(tp, sp, t);
-        let wpe = vb
-            .get((c.seq_len, c.hidden), "wpe.weight")?
-            .narrow(0, pos.start, pos.len())?;
-        let output = tokens.broadcast_add(&wpe)?;
-        let tape = EmbeddingsTape {
-            c,
-            tp: tp.clone(),
-            sp: sp.clone(),
-            ids: ids.flatten_all()?,
-        };
-        Ok(Taped {
-            output,
-            tape: Box::new(tape),
-        })
-    }
-}
-
-impl Layer for Embeddings {
-    fn params(&self) -> Vec<ParamSpec> {
-        let c = self.0;
-        vec![
-            ParamSpec::new("wte.weight", &[c.vocab_size, c.hidden], WEIGHT_INIT)
-                .split(Split::dim(0)),
-            ParamSpec::new("wpe.weight", &[c.seq_len, c.hidden], WEIGHT_INIT),
-        ]
-    }
-
-    fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, ids)?.output)
-    }
-
-    fn forward_taped(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, ids).map(Some)
-    }
-
-    /// The lookup is free; adding the positions costs one operation per element.
-    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        Some((rows(shape) * self.0.hidden) as u64)
-    }
-}
-
-struct EmbeddingsTape {
-    c: GptConfig,
-    tp: Tp,
-    sp: Sp,
-    /// The token ids, flattened.
-    ids: Tensor,
-}
-
-impl Tape for EmbeddingsTape {
-    fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.ids)
-    }
-
-    /// Each token's row of wte gets the gradients at its positions; each position's row of
-    /// wpe the sum over the batch (under sequence parallelism each rank has its positions').
-    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (c, tp) = (self.c, &self.tp);
-        let whole = tp.gather(dy)?;
-        let (b, t, d) = whole.dims3()?;
-        let rows = whole.reshape((b * t, d))?;
-        let wte = vb.get((c.vocab_size / tp.size(), d), "wte.weight")?;
-        let dwte = vocab::embed_backward(tp, &wte, &self.ids, &rows)?;
-        let pos = Embeddings::positions(tp, &self.sp, t);
-        let dwpe = dy
-            .sum(0)?
-            .pad_with_zeros(0, pos.start, c.seq_len - pos.end)?;
-        let mut dwpe = tp.sum_partial_grads(vec![dwpe])?;
-        Ok(Grads {
-            input: None,
-            params: vec![dwte, dwpe.remove(0)],
         })
     }
 }
@@ -969,101 +898,6 @@ fn heads(h: usize, qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
 /// The scores' scale, 1/sqrt(head size).
 fn scale(hd: usize) -> f64 {
     1.0 / (hd as f64).sqrt()
-}
-
-/// Final LayerNorm and lm_head (tied to wte with `tie_embeddings`): [B, T, d] to logits [B, T, V]; under tensor
-/// parallelism lm_head is split by vocabulary rows and a rank's logits are its V/tp columns.
-/// With a tile size (Note [tiles]) the head ends in the loss: the logits are computed a tile
-/// at a time and never whole.
-struct Head(GptConfig, Tp, GptVariant, Option<usize>);
-
-struct HeadTape {
-    c: GptConfig,
-    v: GptVariant,
-    tp: Tp,
-    x: Tensor,
-    h: HeadKept,
-}
-
-impl Head {
-    /// ln_f's (weight, bias) and this rank's rows of lm_head's weight.
-    fn params(
-        c: GptConfig,
-        v: &GptVariant,
-        tp: &Tp,
-        vb: &VarBuilder,
-    ) -> Result<((Tensor, Tensor), Tensor)> {
-        let ln_f = (
-            vb.get(c.hidden, &v.module("ln_f.weight"))?,
-            vb.get(c.hidden, &v.module("ln_f.bias"))?,
-        );
-        Ok((
-            ln_f,
-            vb.get((c.vocab_size / tp.size(), c.hidden), "lm_head.weight")?,
-        ))
-    }
-}
-
-impl Head {
-    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
-        let (c, tp, v) = (self.0, self.1.clone(), self.2);
-        let (ln_f, lm_head) = Head::params(c, &v, &tp, vb)?;
-        let x = x.contiguous()?;
-        let h = layer_norm(&x, &ln_f.0, &ln_f.1, v.ln_eps)?;
-        let (output, h) = HeadKept::forward(&tp, h, &lm_head, cx, self.3)?;
-        let tape = HeadTape { c, v, tp, x, h };
-        Ok(Taped {
-            output,
-            tape: Box::new(tape),
-        })
-    }
-}
-
-impl Layer for Head {
-    fn params(&self) -> Vec<ParamSpec> {
-        let (c, v) = (self.0, self.2);
-        let head = ParamSpec::new("lm_head.weight", &[c.vocab_size, c.hidden], WEIGHT_INIT)
-            .split(Split::dim(0));
-        vec![
-            ParamSpec::new(&v.module("ln_f.weight"), &[c.hidden], Init::Ones).norm(),
-            ParamSpec::new(&v.module("ln_f.bias"), &[c.hidden], Init::Zeros).norm(),
-            match c.tie_embeddings {
-                true => head.tied_to(&v.module("wte.weight")),
-                false => head,
-            },
-        ]
-    }
-
-    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x, cx)?.output)
-    }
-
-    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x, cx).map(Some)
-    }
-
-    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        Some(2 * (rows(shape) * self.0.hidden * self.0.vocab_size / self.1.size()) as u64)
-    }
-}
-
-impl Tape for HeadTape {
-    fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.x) + self.h.bytes()
-    }
-
-    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (ln_f, lm_head) = Head::params(self.c, &self.v, &self.tp, vb)?;
-        let (dh, dw_head) = self.h.backward(&self.tp, &lm_head, dy)?;
-        let (dx, dw, db) = layer_norm_backward(&self.x, &ln_f.0, &ln_f.1, &dh, self.v.ln_eps)?;
-        let mut ln_f = self.tp.sum_partial_grads(vec![dw, db])?;
-        let db = ln_f.pop().expect("invariant: two gradients");
-        let dw = ln_f.pop().expect("invariant: two gradients");
-        Ok(Grads {
-            input: Some(dx),
-            params: vec![dw, db, dw_head],
-        })
-    }
 }
 
 /// Token positions in an input of `shape` ([B, T] ids or [B, T, d] activations).

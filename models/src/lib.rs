@@ -3,6 +3,7 @@
 //! decoders from a preset or a model directory (config.json, and safetensors weights when
 //! present). The engine stays model-agnostic: it sees `ds_nn::model::Model`s.
 
+pub mod blocks;
 mod fields;
 pub mod gpt;
 pub mod gpt2;

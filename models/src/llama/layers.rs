@@ -8,7 +8,8 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::loss::{CrossEntropyLoss, HeadKept, VocabParallelCrossEntropy};
+use crate::blocks::{Embedding, Head, Norm};
+use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_nn::kernels::flash_attention;
@@ -17,7 +18,7 @@ use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
-use ds_nn::parallel::{vocab, Ep, Parallel, Sp, Tp};
+use ds_nn::parallel::{Ep, Parallel, Sp, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
 use super::ops::{
@@ -38,7 +39,16 @@ pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String
     c.check_ep(ep.size())?;
     c.check_sp(p.sp.size(), tp.size())?;
     crate::check_tile(p.tile, tp.size())?;
-    let mut m = Model::new().layer("model", Embedding(c.clone(), tp.clone()));
+    let embedding = Embedding {
+        name: "embed_tokens.weight".into(),
+        init: weight_init(c),
+        vocab: c.vocab_size,
+        hidden: c.hidden_size,
+        positions: None,
+        tp: tp.clone(),
+        sp: p.sp.clone(),
+    };
+    let mut m = Model::new().layer("model", embedding);
     let mut elsewhere = Vec::new();
     let sparse_layers = (0..c.num_hidden_layers).filter(|i| c.sparse_layer(*i).is_some());
     let router_loss = c.moe.as_ref().and_then(|moe| {
@@ -71,7 +81,20 @@ pub fn build(c: &LlamaConfig, p: &Parallel) -> std::result::Result<Model, String
         m = m.layer(&prefix, layer);
     }
     let m = m.held_elsewhere(elsewhere);
-    let head = Head(c.clone(), tp.clone(), p.tile);
+    let head = Head {
+        norm: Norm::Rms {
+            weight: "model.norm.weight".into(),
+            hidden: c.hidden_size,
+            eps: c.rms_norm_eps,
+        },
+        name: "lm_head.weight".into(),
+        init: weight_init(c),
+        tied_to: c.tie_word_embeddings.then(|| EMBED.to_string()),
+        vocab: c.vocab_size,
+        hidden: c.hidden_size,
+        tp: tp.clone(),
+        tile: p.tile,
+    };
     if p.tile.is_some() {
         // a tiled head computes the loss itself
         return Ok(match router_loss {
@@ -148,78 +171,6 @@ pub(super) fn weight_init(c: &LlamaConfig) -> Init {
 /// Token positions in an input of `shape` ([B, T] ids or [B, T, d] activations).
 fn rows(shape: &[usize]) -> usize {
     shape.iter().take(2).product()
-}
-
-/// `embed_tokens`: token ids [B, T] to [B, T, d], split by vocabulary rows.
-struct Embedding(LlamaConfig, Tp);
-
-impl Embedding {
-    fn taped(&self, vb: &VarBuilder, ids: &Tensor) -> Result<Taped> {
-        let (c, tp) = (&self.0, &self.1);
-        let (b, t) = ids.dims2()?;
-        let w = vb.get(
-            (c.vocab_size / tp.size(), c.hidden_size),
-            "embed_tokens.weight",
-        )?;
-        let output = tp.reduce(&vocab::embed(tp, &w, ids)?.reshape((b, t, c.hidden_size))?)?;
-        let tape = EmbeddingTape {
-            c: c.clone(),
-            tp: tp.clone(),
-            ids: ids.flatten_all()?,
-        };
-        Ok(Taped {
-            output,
-            tape: Box::new(tape),
-        })
-    }
-}
-
-impl Layer for Embedding {
-    fn params(&self) -> Vec<ParamSpec> {
-        let c = &self.0;
-        vec![ParamSpec::new(
-            "embed_tokens.weight",
-            &[c.vocab_size, c.hidden_size],
-            weight_init(c),
-        )
-        .split(Split::dim(0))]
-    }
-
-    fn forward(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, ids)?.output)
-    }
-
-    fn forward_taped(&self, vb: &VarBuilder, ids: &Tensor, _: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, ids).map(Some)
-    }
-
-    fn forward_flops(&self, _: &[usize]) -> Option<u64> {
-        Some(0)
-    }
-}
-
-struct EmbeddingTape {
-    c: LlamaConfig,
-    tp: Tp,
-    ids: Tensor,
-}
-
-impl Tape for EmbeddingTape {
-    fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.ids)
-    }
-
-    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (c, tp) = (&self.c, &self.tp);
-        let whole = tp.gather(dy)?;
-        let d = c.hidden_size;
-        let rows = whole.reshape(((), d))?;
-        let w = vb.get((c.vocab_size / tp.size(), d), "embed_tokens.weight")?;
-        Ok(Grads {
-            input: None,
-            params: vec![vocab::embed_backward(tp, &w, &self.ids, &rows)?],
-        })
-    }
 }
 
 /// One decoder layer: `x + attn(norm(x))`, then `+ mlp(norm(.))`, the MLP dense or a
@@ -957,96 +908,5 @@ fn qkv_name(which: &str, kind: &str) -> &'static str {
         ("q", _) => "self_attn.q_proj.bias",
         ("k", _) => "self_attn.k_proj.bias",
         _ => "self_attn.v_proj.bias",
-    }
-}
-
-/// The final norm and `lm_head` (tied to the embedding with `tie_word_embeddings`): [B, T, d]
-/// to logits [B, T, V/tp], split by vocabulary rows.
-/// With a tile size (Note [tiles]) the head ends in the loss: the logits are computed a tile
-/// at a time and never whole.
-struct Head(LlamaConfig, Tp, Option<usize>);
-
-struct HeadTape {
-    c: LlamaConfig,
-    tp: Tp,
-    x: Tensor,
-    r: Tensor,
-    h: HeadKept,
-}
-
-impl Head {
-    fn weights(c: &LlamaConfig, tp: &Tp, vb: &VarBuilder) -> Result<(Tensor, Tensor)> {
-        Ok((
-            vb.get(c.hidden_size, "model.norm.weight")?,
-            vb.get((c.vocab_size / tp.size(), c.hidden_size), "lm_head.weight")?,
-        ))
-    }
-
-    fn taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Taped> {
-        let (c, tp) = (&self.0, &self.1);
-        let (norm, lm_head) = Head::weights(c, tp, vb)?;
-        let x = x.contiguous()?;
-        let (h, r) = rms_norm(&x, &norm, c.rms_norm_eps)?;
-        let (output, h) = HeadKept::forward(tp, h, &lm_head, cx, self.2)?;
-        let tape = HeadTape {
-            c: c.clone(),
-            tp: tp.clone(),
-            x,
-            r,
-            h,
-        };
-        Ok(Taped {
-            output,
-            tape: Box::new(tape),
-        })
-    }
-}
-
-impl Layer for Head {
-    fn params(&self) -> Vec<ParamSpec> {
-        let c = &self.0;
-        let head = ParamSpec::new(
-            "lm_head.weight",
-            &[c.vocab_size, c.hidden_size],
-            weight_init(c),
-        )
-        .split(Split::dim(0));
-        vec![
-            ParamSpec::new("model.norm.weight", &[c.hidden_size], Init::Ones).norm(),
-            match c.tie_word_embeddings {
-                true => head.tied_to(EMBED),
-                false => head,
-            },
-        ]
-    }
-
-    fn forward(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        Ok(self.taped(vb, x, cx)?.output)
-    }
-
-    fn forward_taped(&self, vb: &VarBuilder, x: &Tensor, cx: &Context) -> Result<Option<Taped>> {
-        self.taped(vb, x, cx).map(Some)
-    }
-
-    fn forward_flops(&self, shape: &[usize]) -> Option<u64> {
-        let c = &self.0;
-        Some(2 * (rows(shape) * c.hidden_size * c.vocab_size / self.1.size()) as u64)
-    }
-}
-
-impl Tape for HeadTape {
-    fn activation_bytes(&self) -> usize {
-        tensor_bytes(&self.x) + tensor_bytes(&self.r) + self.h.bytes()
-    }
-
-    fn backward(self: Box<Self>, dy: &Tensor, vb: &VarBuilder) -> Result<Grads> {
-        let (norm, lm_head) = Head::weights(&self.c, &self.tp, vb)?;
-        let (dh, dw_head) = self.h.backward(&self.tp, &lm_head, dy)?;
-        let (dx, dnorm) = rms_norm_backward(&self.x, &self.r, &norm, &dh)?;
-        let dnorm = self.tp.sum_partial_grads(vec![dnorm])?.remove(0);
-        Ok(Grads {
-            input: Some(dx),
-            params: vec![dnorm, dw_head],
-        })
     }
 }

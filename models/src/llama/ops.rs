@@ -1,50 +1,14 @@
-//! The Llama block's elementwise pieces with their backward: RMSNorm (normalised in f32, as
-//! transformers' `LlamaRMSNorm`), the SwiGLU product, grouped-query heads and the
-//! sliding-window softmax. Composed of candle's ops, so they run on every device; RMSNorm
-//! and SwiGLU take ds-engine's fused path where it applies (untracked f32 on the CPU, any
-//! float dtype on a GPU in the cuda build).
+//! The Llama block's elementwise pieces with their backward: the SwiGLU product,
+//! grouped-query heads and the sliding-window softmax (RMSNorm is a shared block,
+//! blocks/norm.rs). Composed of candle's ops, so they run on every device; SwiGLU takes ds-nn's
+//! fused path where it applies (untracked f32 on the CPU, any float dtype on a GPU in the cuda
+//! build).
 
 use candle_core::{DType, Result, Tensor, D};
+
+pub use crate::blocks::{rms_norm, rms_norm_backward};
 use ds_nn::kernels::primitive::softmax_last_dim;
 use ds_nn::kernels::rms_swiglu;
-
-/// `w * (x / sqrt(mean(x^2) + eps))`, the normalisation in f32 and cast back before the
-/// weight; also returns the reciprocal root [.., 1] (f32) for the backward.
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    if let Some(fused) = rms_swiglu::rms_norm(x, w, eps)? {
-        return Ok(fused);
-    }
-    let xf = x.to_dtype(DType::F32)?;
-    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
-        .sqrt()?
-        .recip()?;
-    let n = xf.broadcast_mul(&r)?.to_dtype(x.dtype())?;
-    Ok((n.broadcast_mul(w)?, r))
-}
-
-/// RMSNorm's gradients of the input and the weight, from the input `x`, its reciprocal
-/// root `r` and the output's `dy`: with n = x r, dx = r (w dy - n mean(w dy n)) and
-/// dw = sum over positions of dy n.
-pub fn rms_norm_backward(
-    x: &Tensor,
-    r: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    if let Some(fused) = rms_swiglu::rms_norm_backward(x, r, w, dy)? {
-        return Ok(fused);
-    }
-    let n = x.to_dtype(DType::F32)?.broadcast_mul(r)?;
-    let dn = dy.broadcast_mul(w)?.to_dtype(DType::F32)?;
-    let dot = (&dn * &n)?.mean_keepdim(D::Minus1)?;
-    let dx = (dn - n.broadcast_mul(&dot)?)?.broadcast_mul(r)?;
-    let d = w.dim(0)?;
-    let dw = (dy.to_dtype(DType::F32)? * &n)?
-        .reshape(((), d))?
-        .sum(0)?
-        .to_dtype(w.dtype())?;
-    Ok((dx.to_dtype(x.dtype())?, dw))
-}
 
 /// `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
