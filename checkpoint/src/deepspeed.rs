@@ -2,6 +2,9 @@
 //! size) read as logical tensors, as deepspeed/utils/zero_to_fp32.py reads them, and
 //! imported as a ds-rs checkpoint that resumes in any layout. Note [DeepSpeed's flat groups].
 //!
+//! Why long: DeepSpeed's layouts (ZeRO 1-2 flat groups, ZeRO-3 partitions, pipeline layer
+//! files) read into one logical view and imported; each layout is a section of this file.
+//!
 //! Note [DeepSpeed's flat groups]: a tag directory holds the model states
 //! (`mp_rank_00_model_states.pt` at stage 1-2, `zero_pp_rank_R_mp_rank_00_model_states.pt`
 //! per rank at stage 3: `param_shapes`, one ordered name -> shape map per parameter group,

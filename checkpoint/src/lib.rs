@@ -7,6 +7,10 @@
 //! manifest's logical parameters, their splits and stores map any slice of one layout to the
 //! files of another (Note [resharding]).
 //!
+//! Why one long file: the save protocol, the load by range overlap and the consolidation share
+//! the shard arithmetic and the atomicity rules above, and read best beside them; the formats
+//! of other tools are modules of their own (deepspeed, universal, torch).
+//!
 //! Atomicity: files go to `.<tag>.partial/`, each fsynced; after a barrier rank 0 writes the
 //! manifest, renames the directory to `<tag>` and only then replaces `latest` (write, fsync,
 //! rename). A crash at any moment leaves `latest` naming a complete checkpoint.

@@ -1,5 +1,8 @@
 //! NCCL backend: one rank of an NCCL communicator on one CUDA device.
 //!
+//! Why long: every NCCL call of a collective, its stream, its abort on timeout and its error
+//! mapping, as one unsafe boundary kept in one place.
+//!
 //! Built on cudarc's `nccl::result`/`nccl::sys` layer rather than its safe `Comm`, because `Comm`
 //! keeps the raw communicator private (so `ncclCommGetAsyncError` cannot be reached), only
 //! creates blocking communicators, and panics in `Drop` if `ncclCommAbort` fails.

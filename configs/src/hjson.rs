@@ -4,6 +4,9 @@
 //! follows that call exactly, oddities included (a quoteless value runs to the end of its line,
 //! a broken one-line document falls back to being one string).
 //!
+//! Why long: one grammar (hjson 3.1.0's, quirk for quirk) read in one pass; split, its
+//! states would be harder to hold against the Python reader it follows.
+//!
 //! It is hand-written because the serde-based hjson crates give none of what that needs:
 //! duplicate keys detected on the ordered pairs (DeepSpeed's hook), Python's int/float rule
 //! (`5e8` is an int, `1e10` a float) and a nesting cap in place of a stack overflow.

@@ -2,6 +2,9 @@
 //! its parameter names, so ds-rs and PyTorch/DeepSpeed train the same function from the same
 //! weights. Pre-LayerNorm blocks, fused q|k|v projection, causal attention, tanh-GELU MLP,
 //! untied lm_head, mean cross-entropy.
+//!
+//! Why long: the block's attention and MLP with their written-out backward live here until
+//! they join the shared blocks (blocks/) that the embedding, norms and head already use.
 
 use std::path::Path;
 

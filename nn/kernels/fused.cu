@@ -5,6 +5,8 @@
 // takes five to twenty. src/kernels/gpu/launch.rs computes every launch and documents each
 // kernel's arguments; gpu/cuda.rs launches them on candle's stream; the CPU tests run this
 // same source under kernels/emu (Note [kernels on the host]).
+// Why one long file: the kernels share the row helpers and reductions of common.cuh and
+// shared_tiles.cuh and compile into one PTX module the launcher loads once.
 //
 // Storage is f32, bf16 or f16 (the _f32/_bf16/_f16 entry points); arithmetic is f32, rounded
 // once on the store, as the CPU kernels do. Rows are one block each, with the block's threads

@@ -1,5 +1,9 @@
 //! The training loop of one rank in one compute dtype: layer-wise forward and backward over
 //! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
+//!
+//! Why long: one rank's forward, backward and step over the three stores are one state
+//! machine (what is gathered, reduced and released when); pipe.rs and layers.rs hold the
+//! pipeline's and a layer's parts.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -3,6 +3,10 @@
 //! layer is taped (Note [taped layers] in ds-engine's model API): its backward is written
 //! out and tested against candle's autograd of its forward.
 //!
+//! Why long: the decoder layer's attention (grouped heads, rotary positions, windows, Ulysses)
+//! and MLP with their written-out backward live here until they join the shared blocks
+//! (blocks/) that the embedding, norms and head already use.
+//!
 //! Under tensor parallelism (Megatron-LM's scheme): q, k, v, gate and up are column-parallel
 //! (each rank owns whole query and key/value heads, so grouped-query attention stays local),
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
