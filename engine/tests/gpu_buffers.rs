@@ -214,15 +214,17 @@ fn tensors_and_gpu_buffers_copy_on_the_device() {
 
     let a = Tensor::from_slice(&v[..100], (10, 10), &dev).unwrap();
     let b = Tensor::from_slice(&v[100..107], 7, &dev).unwrap();
-    let (on_gpu, copied) =
-        with_staged_grads::<bf16, _>(&[a, b], |s| Ok((gpu_of(Span::of(s)).is_some(), s.to_vec())))
-            .unwrap()
-            .expect("staged on the GPU");
+    let (on_gpu, copied) = with_staged_grads::<bf16, _, ds_engine::EngineError>(&[a, b], |s| {
+        Ok((gpu_of(Span::of(s)).is_some(), s.to_vec()))
+    })
+    .unwrap()
+    .expect("staged on the GPU");
     assert!(on_gpu, "the staged gradients are in GPU memory");
     assert_eq!(copied, &v[..107]);
     // the kept buffer serves a smaller layer next: its front only, the new values
     let c = Tensor::from_slice(&v[200..250], 50, &dev).unwrap();
-    let again = with_staged_grads::<bf16, _>(&[c], |s| Ok(s.to_vec())).unwrap();
+    let again =
+        with_staged_grads::<bf16, _, ds_engine::EngineError>(&[c], |s| Ok(s.to_vec())).unwrap();
     assert_eq!(again.expect("staged"), &v[200..250]);
 }
 
