@@ -12,7 +12,6 @@
 use std::path::Path;
 
 use ds_comm::Groups;
-
 use ds_config::{Config, FillContext, TrainingArgs, Value};
 
 use crate::parallel::{Parallel, Tp};

@@ -63,7 +63,6 @@ impl Engine {
             program,
             scaler,
             rules: &rules,
-            stores: &stores,
         };
         let core = build_core(parts, &stores, sources, optimizers)?;
         let samples = settings.micro_batch * settings.grad_accum * config.dims.replicas();
@@ -295,7 +294,6 @@ struct Optimizers<'a> {
     program: program::ProgramOptimizer,
     scaler: LossScaler,
     rules: &'a GroupRules<'a>,
-    stores: &'a Stores,
 }
 
 /// The trainer in the run's precision, its stores filled from `sources`.
@@ -309,8 +307,8 @@ fn build_core(
         program,
         scaler,
         rules,
-        stores: s,
     } = o;
+    let s = stores;
     let expert_section = program.optimizer.clone();
     let expert_optimizer = move |owned: Range<usize>, len: usize, place: &Placement| {
         let mut optimizer = crate::optim::build_from_section(&expert_section, len, place)?;
