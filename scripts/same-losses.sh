@@ -24,6 +24,10 @@ gpt-pp2|2|$examples/pipeline.json train --model tiny --pp 2
 mixtral-ep2|2|$examples/zero1.json train --model mixtral-tiny --ep 2
 llama-dp2-z3|2|$examples/zero3.json train --model llama-tiny
 qwen2-tp2|2|$examples/zero1.json train --model qwen2-tiny --tp 2
+gpt-tile|1|$examples/zero0.json train --model tiny --tile 24
+llama-tile-z2|2|$examples/zero2.json train --model llama-tiny --tile 24
+gpt-moe-ep2|2|$examples/zero1.json train --model gpt-moe-tiny --ep 2
+qwen3-moe-tp2|2|$examples/zero1.json train --model qwen3-moe-tiny --tp 2
 EOF
 }
 

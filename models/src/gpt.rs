@@ -12,15 +12,15 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
-use crate::blocks::{Embedding, Head, Norm, Positions};
+use crate::blocks::{
+    Activation, Embedding, Gelu, Head, Linear, MlpGrads, MlpKept, MlpWeights, Norm, Positions,
+};
 use crate::gpt_moe::GptMoe;
-use crate::loss::{tiles, CrossEntropyLoss, VocabParallelCrossEntropy};
+use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use crate::moe::{in_order, MoeLayer, MoeTape};
 
 use ds_nn::kernels::fused_norm_loss::layer_norm_backward;
-use ds_nn::kernels::grad::{
-    bias_backward, gelu_linear_backward, linear, linear_backward, linear_gelu,
-};
+use ds_nn::kernels::grad::{bias_backward, linear, linear_backward};
 use ds_nn::kernels::nn::layer_norm;
 use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_nn::kernels::{cpu_attention, flash_attention};
@@ -407,12 +407,20 @@ fn linear_params(vb: &VarBuilder, n: &str, out: usize, inp: usize) -> Result<(Te
 }
 
 /// The dense MLP's c_fc and c_proj, this rank's slices.
-fn mlp_params(vb: &VarBuilder, d: usize, mlp: usize) -> Result<[(Tensor, Tensor); 2]> {
-    Ok([
-        linear_params(vb, "mlp.c_fc", mlp, d)?,
-        linear_params(vb, "mlp.c_proj", d, mlp)?,
-    ])
+fn mlp_params(vb: &VarBuilder, d: usize, mlp: usize) -> Result<MlpWeights> {
+    let linear = |n: &str, out: usize, inp: usize| -> Result<Linear> {
+        let (w, b) = linear_params(vb, n, out, inp)?;
+        Ok(Linear { w, b: Some(b) })
+    };
+    Ok(MlpWeights {
+        gate: None,
+        up: linear("mlp.c_fc", mlp, d)?,
+        down: linear("mlp.c_proj", d, mlp)?,
+    })
 }
+
+/// The MLP's activation: PyTorch's tanh GELU, as the peer benchmark's model.
+const ACTIVATION: Activation = Activation::Gelu(Gelu::Tanh);
 
 /// What a block's backward reads: the activations of its forward.
 struct BlockTape {
@@ -432,7 +440,7 @@ struct BlockTape {
 /// The MLP's pre-activation and its GELU, or nothing of a tiled MLP (Note [tiles]: computed
 /// again in backward), or the mixture's tape.
 enum MlpTape {
-    Dense { f: Tensor, g: Tensor },
+    Dense(MlpKept),
     Tiled(usize),
     Moe(MoeTape),
 }
@@ -456,25 +464,18 @@ impl Block {
                 cx.add_loss(aux)?;
                 (tp.reduce(&out.reshape(whole.shape())?)?, MlpTape::Moe(tape))
             }
-            None if self.tile.is_some() => {
-                let tile = self.tile.expect("invariant: matched");
-                let [c_fc, c_proj] = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
-                let (b, t, d) = whole.dims3()?;
-                let rows = whole.reshape((b * t, d))?;
-                let mut parts = Vec::new();
-                for r in tiles(b * t, tile) {
-                    let (_, g) = linear_gelu(&rows.narrow(0, r.start, r.len())?, &c_fc.0, &c_fc.1)?;
-                    parts.push(linear(&g, &c_proj.0, None)?);
-                }
-                let partial = Tensor::cat(&parts, 0)?.reshape((b, t, d))?;
-                let out = tp.reduce(&partial)?.broadcast_add(&c_proj.1)?;
-                (out, MlpTape::Tiled(tile))
-            }
             None => {
-                let [c_fc, c_proj] = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
-                let (f, g) = linear_gelu(&whole, &c_fc.0, &c_fc.1)?;
-                let out = row_parallel_linear(tp, &g, &c_proj.0, &c_proj.1)?;
-                (out, MlpTape::Dense { f, g })
+                let w = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
+                match self.tile {
+                    Some(tile) => {
+                        let out = ACTIVATION.tiled_forward(tp, &w, &whole, tile)?;
+                        (out, MlpTape::Tiled(tile))
+                    }
+                    None => {
+                        let (out, kept) = ACTIVATION.forward_rows(tp, &w, &whole)?;
+                        (out, MlpTape::Dense(kept))
+                    }
+                }
             }
         };
         let output = (&x2 + branch)?;
@@ -606,7 +607,7 @@ impl Tape for BlockTape {
     fn activation_bytes(&self) -> usize {
         let a = &self.attn;
         let mlp = match &self.mlp {
-            MlpTape::Dense { f, g } => tensor_bytes(f) + tensor_bytes(g),
+            MlpTape::Dense(kept) => kept.bytes(),
             MlpTape::Tiled(_) => 0,
             MlpTape::Moe(t) => t.activation_bytes(),
         };
@@ -642,32 +643,17 @@ impl Tape for BlockTape {
         } = *self;
         // the MLP branch: y = x2 + mlp(ln_2(x2))
         let (dh2, mlp_grads, proj_bias) = match (mlp, &moe) {
-            (MlpTape::Dense { f, g }, _) => {
-                let mlp = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
-                let (dx, grads) =
-                    mlp_backward(&tp.gather(&h2)?, &tp.gather(dy)?, &mlp, Some((&f, &g)))?;
-                // a column-parallel input's gradient: the sum of every rank's part
-                let proj_bias = bias_backward(dy, &mlp[1].1)?;
-                (tp.reduce(&dx)?, grads.to_vec(), Some(proj_bias))
+            (MlpTape::Dense(kept), _) => {
+                let run = |w: &MlpWeights, h: &Tensor, dout: &Tensor| {
+                    ACTIVATION.backward(w, h, Some(kept), dout)
+                };
+                dense_mlp_backward(vb, &c, &v, &tp, &h2, dy, run)?
             }
             (MlpTape::Tiled(tile), _) => {
-                let mlp = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
-                let (h, dout) = (tp.gather(&h2)?, tp.gather(dy)?);
-                let (b, t, d) = h.dims3()?;
-                let (h, dout) = (h.reshape((b * t, d))?, dout.reshape((b * t, d))?);
-                let (mut dx, mut grads) = (Vec::new(), None::<[Tensor; 3]>);
-                for r in tiles(b * t, tile) {
-                    let rows = |x: &Tensor| x.narrow(0, r.start, r.len());
-                    let (dxr, g) = mlp_backward(&rows(&h)?, &rows(&dout)?, &mlp, None)?;
-                    dx.push(dxr);
-                    grads = Some(match grads {
-                        None => g,
-                        Some([a, b, c]) => [(a + &g[0])?, (b + &g[1])?, (c + &g[2])?],
-                    });
-                }
-                let dx = Tensor::cat(&dx, 0)?.reshape((b, t, d))?;
-                let grads = grads.expect("invariant: at least one position").to_vec();
-                (tp.reduce(&dx)?, grads, Some(bias_backward(dy, &mlp[1].1)?))
+                let run = |w: &MlpWeights, h: &Tensor, dout: &Tensor| {
+                    ACTIVATION.tiled_backward(w, h, dout, tile)
+                };
+                dense_mlp_backward(vb, &c, &v, &tp, &h2, dy, run)?
             }
             (MlpTape::Moe(t), Some(moe)) => {
                 let whole = tp.gather(dy)?;
@@ -731,24 +717,26 @@ impl Tape for BlockTape {
     }
 }
 
-/// The dense MLP's backward from its input `h` [.., d] and its output's gradient `dy`: the
-/// input's gradient (this rank's part under tensor parallelism) and those of c_fc's weight
-/// and bias and c_proj's weight. Its pre-activation and GELU `kept` from forward, else
-/// computed again (Note [tiles]).
-fn mlp_backward(
-    h: &Tensor,
+/// The dense MLP's backward (`run`, from its weights, gathered input and output gradient)
+/// from its input `h2` and output gradient `dy` (this rank's positions): the gradient of its
+/// input, of its weights and biases in declaration order, and c_proj's bias.
+fn dense_mlp_backward(
+    vb: &VarBuilder,
+    c: &GptConfig,
+    v: &GptVariant,
+    tp: &Tp,
+    h2: &Tensor,
     dy: &Tensor,
-    [c_fc, c_proj]: &[(Tensor, Tensor); 2],
-    kept: Option<(&Tensor, &Tensor)>,
-) -> Result<(Tensor, [Tensor; 3])> {
-    let (f, g) = match kept {
-        Some((f, g)) => (f.clone(), g.clone()),
-        None => linear_gelu(h, &c_fc.0, &c_fc.1)?,
+    run: impl FnOnce(&MlpWeights, &Tensor, &Tensor) -> Result<MlpGrads>,
+) -> Result<(Tensor, Vec<Tensor>, Option<Tensor>)> {
+    let w = mlp_params(vb, c.hidden, v.mlp / tp.size())?;
+    let g = run(&w, &tp.gather(h2)?, &tp.gather(dy)?)?;
+    let proj_bias = match &w.down.b {
+        Some(b) => bias_backward(dy, b)?,
+        None => unreachable!("invariant: c_proj has a bias"),
     };
-    let proj = gelu_linear_backward(&g, &f, &c_proj.0, dy)?;
-    let df = proj.dx;
-    let fc = linear_backward(h, &c_fc.0, &df)?;
-    Ok((fc.dx, [fc.dw, bias_backward(&df, &c_fc.1)?, proj.dw]))
+    // a column-parallel input's gradient: the sum of every rank's part
+    Ok((tp.reduce(&g.dx)?, g.declared(), Some(proj_bias)))
 }
 
 /// Causal self-attention with the fused q|k|v projection, and what its backward reads.

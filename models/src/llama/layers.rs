@@ -12,12 +12,12 @@
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::blocks::{Embedding, Head, Norm};
+use crate::blocks::{Activation, Embedding, Head, Linear, MlpGrads, MlpKept, MlpWeights, Norm};
 use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use ds_nn::kernels::flash_attention;
-use ds_nn::kernels::grad::{bias_backward, linear, linear_backward};
+use ds_nn::kernels::grad::{bias_backward, linear_backward};
 use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
 use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
@@ -25,10 +25,7 @@ use ds_nn::model::{
 use ds_nn::parallel::{Ep, Parallel, Sp, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
-use super::ops::{
-    repeat_heads, rms_norm, rms_norm_backward, sum_repeated_heads, swiglu, swiglu_backward,
-    window_softmax,
-};
+use super::ops::{repeat_heads, rms_norm, rms_norm_backward, sum_repeated_heads, window_softmax};
 use super::rope;
 use super::sparse::{self, Experts, RouterLoss, SparseTape};
 
@@ -193,53 +190,21 @@ struct DecoderLayer {
     router_loss: Option<(RouterLoss, usize)>,
 }
 
-/// A linear's weight and optional bias.
-struct Lin {
-    w: Tensor,
-    b: Option<Tensor>,
-}
-
-impl Lin {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear(x, &self.w, self.b.as_ref())
-    }
-
-    /// A row-parallel product: the partial products summed over the group, the replicated
-    /// bias added once after.
-    fn forward_rows(&self, tp: &Tp, x: &Tensor) -> Result<Tensor> {
-        if tp.size() == 1 {
-            return self.forward(x);
-        }
-        let y = tp.reduce(&linear(x, &self.w, None)?)?;
-        match &self.b {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
-    }
-}
-
 /// A decoder layer's parameters but the MLP's, this rank's slices.
 struct LayerParams {
     input_norm: Tensor,
-    q: Lin,
-    k: Lin,
-    v: Lin,
-    o: Lin,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     /// Qwen3's RMSNorm weights over each query and key head [head_dim].
     qk_norm: Option<(Tensor, Tensor)>,
     post_norm: Tensor,
 }
 
-/// The dense MLP's parameters, this rank's slices.
-struct MlpParams {
-    gate: Lin,
-    up: Lin,
-    down: Lin,
-}
-
 impl DecoderLayer {
     /// (name, whole shape, split, has bias) of attention's linears, in declaration order.
-    fn attention_linears(&self) -> [Linear; 4] {
+    fn attention_linears(&self) -> [LinearSpec; 4] {
         let c = &self.c;
         let d = c.hidden_size;
         let (q, kv) = (c.q_width(), c.kv_width());
@@ -254,7 +219,7 @@ impl DecoderLayer {
     }
 
     /// The dense MLP's linears, as `attention_linears`.
-    fn mlp_linears(&self) -> [Linear; 3] {
+    fn mlp_linears(&self) -> [LinearSpec; 3] {
         let c = &self.c;
         let (d, f) = (c.hidden_size, c.intermediate_size);
         [
@@ -265,13 +230,17 @@ impl DecoderLayer {
     }
 
     /// This rank's slice of a linear.
-    fn load_linear(&self, vb: &VarBuilder, (name, [out, inp], split, bias): Linear) -> Result<Lin> {
+    fn load_linear(
+        &self,
+        vb: &VarBuilder,
+        (name, [out, inp], split, bias): LinearSpec,
+    ) -> Result<Linear> {
         let tp = self.tp.size();
         let (out, inp) = match split {
             Split::Dim { dim: 0, .. } => (out / tp, inp),
             _ => (out, inp / tp),
         };
-        Ok(Lin {
+        Ok(Linear {
             w: vb.get((out, inp), &format!("{name}.weight"))?,
             b: match bias {
                 true => Some(vb.get(out, &format!("{name}.bias"))?),
@@ -302,90 +271,29 @@ impl DecoderLayer {
         })
     }
 
-    fn load_mlp(&self, vb: &VarBuilder) -> Result<MlpParams> {
+    fn load_mlp(&self, vb: &VarBuilder) -> Result<MlpWeights> {
         let [gate, up, down] = self.mlp_linears().map(|l| self.load_linear(vb, l));
-        Ok(MlpParams {
-            gate: gate?,
+        Ok(MlpWeights {
+            gate: Some(gate?),
             up: up?,
             down: down?,
         })
     }
 
-    /// The dense MLP's backward from the products its forward kept (`gate`, `up`, `act`),
-    /// its gathered input `h2g` and output gradient `dyg`: its weights' (and column biases')
-    /// gradients into `named`, and the gradient of its input, reduced over the group.
-    fn dense_mlp_backward(
-        &self,
-        vb: &VarBuilder,
-        kept: [&Tensor; 3],
-        h2g: &Tensor,
-        dyg: &Tensor,
-        named: &mut Vec<(String, Tensor)>,
-    ) -> Result<Tensor> {
-        let w = self.load_mlp(vb)?;
-        let dx = dense_mlp_grads(&w, kept, h2g, dyg, named)?;
-        self.tp.reduce(&dx)
-    }
-
-    /// The dense MLP's output [B, T, d] from its gathered input, `tile` positions at a time
-    /// (Note [tiles]): nothing of it kept.
-    fn tiled_mlp(&self, vb: &VarBuilder, h2g: &Tensor, tile: usize) -> Result<Tensor> {
-        let w = self.load_mlp(vb)?;
-        let (b, t, d) = h2g.dims3()?;
-        let rows = h2g.reshape((b * t, d))?;
-        let mut parts = Vec::new();
-        for r in crate::loss::tiles(b * t, tile) {
-            let h = rows.narrow(0, r.start, r.len())?;
-            let act = swiglu(&w.gate.forward(&h)?, &w.up.forward(&h)?)?;
-            parts.push(linear(&act, &w.down.w, None)?);
-        }
-        let y = self
-            .tp
-            .reduce(&Tensor::cat(&parts, 0)?.reshape((b, t, d))?)?;
-        match &w.down.b {
-            Some(bias) => y.broadcast_add(bias),
-            None => Ok(y),
-        }
-    }
-
-    /// `dense_mlp_backward` of a tiled MLP: each tile's products computed again, its weights'
-    /// gradients added up.
-    fn tiled_mlp_backward(
-        &self,
-        vb: &VarBuilder,
-        h2g: &Tensor,
-        dyg: &Tensor,
-        tile: usize,
-        named: &mut Vec<(String, Tensor)>,
-    ) -> Result<Tensor> {
-        let w = self.load_mlp(vb)?;
-        let (b, t, d) = h2g.dims3()?;
-        let (h2g, dyg) = (h2g.reshape((b * t, d))?, dyg.reshape((b * t, d))?);
-        let (mut dx, mut sums) = (Vec::new(), Vec::<(String, Tensor)>::new());
-        for r in crate::loss::tiles(b * t, tile) {
-            let h = h2g.narrow(0, r.start, r.len())?;
-            let (gate, up) = (w.gate.forward(&h)?, w.up.forward(&h)?);
-            let act = swiglu(&gate, &up)?;
-            let mut grads = Vec::new();
-            let dyr = dyg.narrow(0, r.start, r.len())?;
-            dx.push(dense_mlp_grads(
-                &w,
-                [&gate, &up, &act],
-                &h,
-                &dyr,
-                &mut grads,
-            )?);
-            sums = match sums.is_empty() {
-                true => grads,
-                false => sums
-                    .into_iter()
-                    .zip(grads)
-                    .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
-                    .collect::<Result<_>>()?,
-            };
-        }
-        named.extend(sums);
-        self.tp.reduce(&Tensor::cat(&dx, 0)?.reshape((b, t, d))?)
+    /// The dense MLP's weights' (and column biases') gradients into `named`, under their
+    /// names; its input's gradient reduced over the group.
+    fn dense_mlp_grads(&self, g: MlpGrads, named: &mut Vec<(String, Tensor)>) -> Result<Tensor> {
+        let names = self
+            .mlp_linears()
+            .into_iter()
+            .flat_map(|(name, _, _, bias)| {
+                let b = bias.then(|| format!("{name}.bias"));
+                std::iter::once(format!("{name}.weight")).chain(b)
+            });
+        // down's bias, last, is replicated: the caller's
+        let dx = self.tp.reduce(&g.dx)?;
+        named.extend(names.zip(g.declared()));
+        Ok(dx)
     }
 
     /// The dense MLP's replicated down bias, where it has one.
@@ -422,17 +330,18 @@ impl DecoderLayer {
         let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
         let h2g = tp.gather(&h2)?;
         let (y, mlp) = match &self.sparse {
-            None if self.tile.is_some() => {
-                let tile = self.tile.expect("invariant: matched");
-                (self.tiled_mlp(vb, &h2g, tile)?, MlpTape::Tiled(tile))
-            }
             None => {
                 let w = self.load_mlp(vb)?;
-                let gate = w.gate.forward(&h2g)?;
-                let up = w.up.forward(&h2g)?;
-                let act = swiglu(&gate, &up)?;
-                let y = w.down.forward_rows(tp, &act)?;
-                (y, MlpTape::Dense { gate, up, act })
+                match self.tile {
+                    Some(tile) => {
+                        let y = Activation::SwiGlu.tiled_forward(tp, &w, &h2g, tile)?;
+                        (y, MlpTape::Tiled(tile))
+                    }
+                    None => {
+                        let (y, kept) = Activation::SwiGlu.forward_rows(tp, &w, &h2g)?;
+                        (y, MlpTape::Dense(kept))
+                    }
+                }
             }
             Some(m) => {
                 let (partial, tape) = self.experts(m).forward(vb, &h2g)?;
@@ -517,10 +426,10 @@ impl Layer for DecoderLayer {
 }
 
 /// A linear's name, whole shape [out, in], split and whether it has a bias.
-type Linear = (&'static str, [usize; 2], Split, bool);
+type LinearSpec = (&'static str, [usize; 2], Split, bool);
 
 /// A linear's weight and bias specs.
-fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): Linear) -> Vec<ParamSpec> {
+fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): LinearSpec) -> Vec<ParamSpec> {
     let w = ParamSpec::new(&format!("{name}.weight"), &shape, weight_init(c)).split(split);
     if !bias {
         return vec![w];
@@ -715,30 +624,6 @@ impl Attention {
     }
 }
 
-/// The dense MLP's backward from the products its forward kept (`gate`, `up`, `act`), its
-/// gathered input `h2g` and output gradient `dyg`: its weights' (and column biases')
-/// gradients into `named`, and this rank's part of its input's gradient.
-fn dense_mlp_grads(
-    w: &MlpParams,
-    [gate, up, act]: [&Tensor; 3],
-    h2g: &Tensor,
-    dyg: &Tensor,
-    named: &mut Vec<(String, Tensor)>,
-) -> Result<Tensor> {
-    let down = linear_backward(act, &w.down.w, dyg)?;
-    named.push(("mlp.down_proj.weight".into(), down.dw));
-    let (dgate, dup) = swiglu_backward(gate, up, &down.dx)?;
-    let gate = linear_backward(h2g, &w.gate.w, &dgate)?;
-    let up = linear_backward(h2g, &w.up.w, &dup)?;
-    named.push(("mlp.gate_proj.weight".into(), gate.dw));
-    named.push(("mlp.up_proj.weight".into(), up.dw));
-    if let (Some(bg), Some(bu)) = (&w.gate.b, &w.up.b) {
-        named.push(("mlp.gate_proj.bias".into(), bias_backward(&dgate, bg)?));
-        named.push(("mlp.up_proj.bias".into(), bias_backward(&dup, bu)?));
-    }
-    gate.dx + up.dx
-}
-
 /// A projection's output [B, t, n hd] at this rank's positions as heads [B, m, T, hd] of
 /// whole sequences (Note [ulysses]): each head first copied `replicas` times, then this
 /// rank's n replicas / sp of them. Without sequence parallelism: its n heads.
@@ -785,11 +670,7 @@ struct LayerTape {
 
 /// What the MLP's backward needs: the dense one's products, or the experts' tape.
 enum MlpTape {
-    Dense {
-        gate: Tensor,
-        up: Tensor,
-        act: Tensor,
-    },
+    Dense(MlpKept),
     /// Nothing: computed again in backward (Note [tiles]).
     Tiled(usize),
     Sparse(SparseTape),
@@ -800,7 +681,7 @@ impl Tape for LayerTape {
         let a = &self.attn;
         let normed = a.normed.iter().flatten().map(tensor_bytes).sum::<usize>();
         let mlp = match &self.mlp {
-            MlpTape::Dense { gate, up, act } => [gate, up, act].map(tensor_bytes).iter().sum(),
+            MlpTape::Dense(kept) => kept.bytes(),
             MlpTape::Tiled(_) => 0,
             MlpTape::Sparse(t) => t.activation_bytes(),
         };
@@ -824,13 +705,16 @@ impl Tape for LayerTape {
         let dyg = tp.gather(dy)?;
         let h2g = tp.gather(&self.h2)?;
         let dh2 = match self.mlp {
-            MlpTape::Dense { gate, up, act } => {
-                self.layer
-                    .dense_mlp_backward(vb, [&gate, &up, &act], &h2g, &dyg, &mut named)?
+            MlpTape::Dense(kept) => {
+                let w = self.layer.load_mlp(vb)?;
+                let g = Activation::SwiGlu.backward(&w, &h2g, Some(kept), &dyg)?;
+                self.layer.dense_mlp_grads(g, &mut named)?
             }
-            MlpTape::Tiled(tile) => self
-                .layer
-                .tiled_mlp_backward(vb, &h2g, &dyg, tile, &mut named)?,
+            MlpTape::Tiled(tile) => {
+                let w = self.layer.load_mlp(vb)?;
+                let g = Activation::SwiGlu.tiled_backward(&w, &h2g, &dyg, tile)?;
+                self.layer.dense_mlp_grads(g, &mut named)?
+            }
             MlpTape::Sparse(t) => {
                 let m = self
                     .layer

@@ -1,35 +1,11 @@
-//! The Llama block's elementwise pieces with their backward: the SwiGLU product,
-//! grouped-query heads and the sliding-window softmax (RMSNorm is a shared block,
-//! blocks/norm.rs). Composed of candle's ops, so they run on every device; SwiGLU takes ds-nn's
-//! fused path where it applies (untracked f32 on the CPU, any float dtype on a GPU in the cuda
-//! build).
+//! The Llama block's elementwise pieces with their backward: grouped-query heads and the
+//! sliding-window softmax (RMSNorm and SwiGLU are shared blocks, blocks/). Composed of candle's
+//! ops, so they run on every device.
 
 use candle_core::{DType, Result, Tensor, D};
 
 pub use crate::blocks::{rms_norm, rms_norm_backward};
 use ds_nn::kernels::primitive::softmax_last_dim;
-use ds_nn::kernels::rms_swiglu;
-
-/// `silu(gate) * up`.
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if let Some(fused) = rms_swiglu::swiglu(gate, up)? {
-        return Ok(fused);
-    }
-    gate.silu()? * up
-}
-
-/// The gradients of `swiglu`'s gate and up from its output's `dy`:
-/// silu'(g) = s(g) (1 + g (1 - s(g))) with s the logistic function.
-pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-    if let Some(fused) = rms_swiglu::swiglu_backward(gate, up, dy)? {
-        return Ok(fused);
-    }
-    let s = (gate.neg()?.exp()? + 1.0)?.recip()?;
-    let dsilu = (&s * ((gate * (1.0 - &s)?)? + 1.0)?)?;
-    let dgate = ((dy * up)? * dsilu)?;
-    let dup = (dy * gate.silu()?)?;
-    Ok((dgate, dup))
-}
 
 /// Each of `k`'s heads [B, g, T, hd] repeated `n` times in place ([B, g n, T, hd]), as
 /// transformers' `repeat_kv`: query head i reads key head i / n.

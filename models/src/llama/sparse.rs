@@ -27,7 +27,7 @@ use ds_nn::parallel::{Ep, Tp};
 
 use super::config::{Family, LlamaConfig, SparseMlp};
 use super::layers::weight_init;
-use super::ops::{swiglu, swiglu_backward};
+use crate::blocks::Activation;
 use crate::moe::dispatch::{
     counts, route_probs, scatter_route_probs, softmax_backward, Dispatch, DispatchTape, ExpertMlp,
     MixtureGrads, Routes,
@@ -153,7 +153,7 @@ pub(super) struct SparseTape {
     routes: Routes,
     /// The kept probabilities [N, k] (f32).
     kept: Tensor,
-    dispatch: DispatchTape<SwigluRun>,
+    dispatch: DispatchTape,
 }
 
 impl SparseTape {
@@ -162,82 +162,7 @@ impl SparseTape {
             .into_iter()
             .map(tensor_bytes)
             .sum();
-        own + self.dispatch.activation_bytes(SwigluMlp::saved_bytes)
-    }
-}
-
-/// One expert's SwiGLU MLP (gate, up, down; no biases), this rank's slices: under tensor
-/// parallelism gate and up split by output, down by input.
-struct SwigluMlp {
-    family: Family,
-    hidden: usize,
-    /// The expert's width on this rank.
-    width: usize,
-}
-
-/// What an expert's backward reads.
-pub(super) struct SwigluRun {
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
-}
-
-impl SwigluMlp {
-    fn name(&self, e: usize, which: usize) -> String {
-        let (block, names) = self.family.expert_names();
-        format!("{block}.experts.{e}.{}.weight", names[which])
-    }
-
-    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<[Tensor; 3]> {
-        let (d, f) = (self.hidden, self.width);
-        Ok([
-            vb.get((f, d), &self.name(e, 0))?,
-            vb.get((f, d), &self.name(e, 1))?,
-            vb.get((d, f), &self.name(e, 2))?,
-        ])
-    }
-}
-
-impl ExpertMlp for SwigluMlp {
-    type Saved = SwigluRun;
-
-    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, SwigluRun)> {
-        let [wg, wu, wd] = self.weights(vb, e)?;
-        let (gate, up) = (linear(x, &wg, None)?, linear(x, &wu, None)?);
-        let act = swiglu(&gate, &up)?;
-        let y = linear(&act, &wd, None)?;
-        Ok((y, SwigluRun { gate, up, act }))
-    }
-
-    fn backward(
-        &self,
-        vb: &VarBuilder,
-        e: usize,
-        x: &Tensor,
-        run: SwigluRun,
-        dy: &Tensor,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
-        let [wg, wu, wd] = self.weights(vb, e)?;
-        let down = linear_backward(&run.act, &wd, dy)?;
-        let (dgate, dup) = swiglu_backward(&run.gate, &run.up, &down.dx)?;
-        let gate = linear_backward(x, &wg, &dgate)?;
-        let up = linear_backward(x, &wu, &dup)?;
-        Ok(((gate.dx + up.dx)?, vec![gate.dw, up.dw, down.dw]))
-    }
-
-    fn names(&self, e: usize) -> Vec<String> {
-        (0..3).map(|which| self.name(e, which)).collect()
-    }
-
-    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>> {
-        Ok(self.weights(vb, e)?.to_vec())
-    }
-
-    fn saved_bytes(run: &SwigluRun) -> usize {
-        [&run.gate, &run.up, &run.act]
-            .into_iter()
-            .map(tensor_bytes)
-            .sum()
+        own + self.dispatch.activation_bytes()
     }
 }
 
@@ -299,15 +224,21 @@ impl Experts<'_> {
         format!("{}.gate.weight", self.family.expert_names().0)
     }
 
-    fn mlp(&self) -> SwigluMlp {
-        SwigluMlp {
-            family: self.family,
+    /// Each expert: SwiGLU's gate, up and down, no biases.
+    fn mlp(&self) -> ExpertMlp {
+        let (block, names) = self.family.expert_names();
+        ExpertMlp {
+            act: Activation::SwiGlu,
             hidden: self.hidden,
             width: self.m.expert_size / self.tp.size(),
+            prefix: format!("{block}.experts"),
+            linears: names.to_vec(),
+            biases: false,
+            adds_bias: false,
         }
     }
 
-    fn dispatch<'b>(&'b self, mlp: &'b SwigluMlp) -> Dispatch<'b, SwigluMlp> {
+    fn dispatch<'b>(&'b self, mlp: &'b ExpertMlp) -> Dispatch<'b> {
         Dispatch {
             mlp,
             experts: self.m.num_experts,

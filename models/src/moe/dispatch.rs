@@ -14,16 +14,74 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
+
+use crate::blocks::{Activation, Linear, MlpKept, MlpWeights};
+use ds_nn::kernels::grad::bias_backward;
 use ds_nn::kernels::scatter_rows::sum_into_rows;
 use ds_nn::model::tensor_bytes;
 use ds_nn::parallel::{Ep, Tp};
 
-/// One expert's MLP, as a mixture's experts are all built.
-pub(crate) trait ExpertMlp {
-    /// What its backward reads of its forward.
-    type Saved;
+/// One expert's MLP: the shared block on this rank's slices (under tensor parallelism up and
+/// gate split by output, down by input), under the mixture's names: expert e's linear `l` is
+/// `{prefix}.{e}.{linears[l]}`.
+pub(crate) struct ExpertMlp {
+    pub act: Activation,
+    pub hidden: usize,
+    /// The width on this rank.
+    pub width: usize,
+    pub prefix: String,
+    /// The linears' names in declaration order: gate (SwiGLU's), up, down.
+    pub linears: Vec<&'static str>,
+    /// Whether the linears have biases (DeepSpeed-MoE's experts do, Mixtral's not).
+    pub biases: bool,
+    /// Whether this rank adds down's bias (one rank of a tensor-parallel group: the partial
+    /// outputs are summed).
+    pub adds_bias: bool,
+}
+
+impl ExpertMlp {
+    /// Expert `e`'s parameter names, relative to the layer, in declaration order.
+    fn names(&self, e: usize) -> Vec<String> {
+        let mut names = Vec::new();
+        for l in &self.linears {
+            names.push(format!("{}.{e}.{l}.weight", self.prefix));
+            if self.biases {
+                names.push(format!("{}.{e}.{l}.bias", self.prefix));
+            }
+        }
+        names
+    }
+
+    /// Expert `e`'s linears, this rank's slices.
+    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<MlpWeights> {
+        let (d, f) = (self.hidden, self.width);
+        let linear = |name: &str, out: usize, inp: usize| -> Result<Linear> {
+            let at = format!("{}.{e}.{name}", self.prefix);
+            Ok(Linear {
+                w: vb.get((out, inp), &format!("{at}.weight"))?,
+                b: match self.biases {
+                    true => Some(vb.get(out, &format!("{at}.bias"))?),
+                    false => None,
+                },
+            })
+        };
+        let (gate, [up, down]) = match self.linears.as_slice() {
+            [g, u, dn] => (Some(linear(g, f, d)?), [*u, *dn]),
+            [u, dn] => (None, [*u, *dn]),
+            _ => unreachable!("invariant: an expert has two or three linears"),
+        };
+        Ok(MlpWeights {
+            gate,
+            up: linear(up, f, d)?,
+            down: linear(down, d, f)?,
+        })
+    }
+
     /// Expert `e`'s output on rows `x` [n, d] (a partial sum under tensor parallelism).
-    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, MlpKept)> {
+        self.act.forward(&self.weights(vb, e)?, x, self.adds_bias)
+    }
+
     /// From the gradient `dy` of its output: the gradient of `x` (partial under tensor
     /// parallelism) and of expert `e`'s parameters, in the order of `names`.
     fn backward(
@@ -31,14 +89,30 @@ pub(crate) trait ExpertMlp {
         vb: &VarBuilder,
         e: usize,
         x: &Tensor,
-        saved: Self::Saved,
+        kept: MlpKept,
         dy: &Tensor,
-    ) -> Result<(Tensor, Vec<Tensor>)>;
-    /// Expert `e`'s parameter names, relative to the layer.
-    fn names(&self, e: usize) -> Vec<String>;
-    /// Expert `e`'s parameters, this rank's slices (for zero gradients where no token came).
-    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>>;
-    fn saved_bytes(saved: &Self::Saved) -> usize;
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let w = self.weights(vb, e)?;
+        let g = self.act.backward(&w, x, Some(kept), dy)?;
+        let dx = g.dx.clone();
+        let mut grads = g.declared();
+        // down's bias is whole on every rank, and so is `dy`: its full gradient here
+        if let Some(b) = &w.down.b {
+            grads.push(bias_backward(dy, b)?);
+        }
+        Ok((dx, grads))
+    }
+
+    /// Expert `e`'s parameters, this rank's slices, in the order of `names` (for zero
+    /// gradients where no token came).
+    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>> {
+        let w = self.weights(vb, e)?;
+        let linear = |l: Linear| std::iter::once(l.w).chain(l.b);
+        let mut out: Vec<Tensor> = w.gate.into_iter().flat_map(linear).collect();
+        out.extend(linear(w.up));
+        out.extend(linear(w.down));
+        Ok(out)
+    }
 }
 
 /// The routes of `tokens` tokens: per route, its token and its expert.
@@ -48,8 +122,8 @@ pub(crate) struct Routes {
 }
 
 /// A mixture's experts on this rank, and where the others are.
-pub(crate) struct Dispatch<'a, M> {
-    pub mlp: &'a M,
+pub(crate) struct Dispatch<'a> {
+    pub mlp: &'a ExpertMlp,
     /// How many experts the mixture has, on every rank together.
     pub experts: usize,
     pub tp: &'a Tp,
@@ -57,7 +131,7 @@ pub(crate) struct Dispatch<'a, M> {
 }
 
 /// What `Dispatch::forward` keeps for its backward.
-pub(crate) struct DispatchTape<S> {
+pub(crate) struct DispatchTape {
     /// The routes in expert order: their places in the routes' list and their tokens, [R] u32.
     order: Tensor,
     tokens: Tensor,
@@ -70,20 +144,20 @@ pub(crate) struct DispatchTape<S> {
     rows: Tensor,
     /// The experts' outputs per route in expert order, before the weights [R, d].
     outputs: Tensor,
-    ran: Vec<ExpertRun<S>>,
+    ran: Vec<ExpertRun>,
 }
 
 /// One of this rank's experts' forward on the rows routed to it.
-struct ExpertRun<S> {
+struct ExpertRun {
     expert: usize,
     /// Its rows among the received ones, [n] u32.
     rows: Tensor,
-    saved: S,
+    saved: MlpKept,
 }
 
-impl<S> DispatchTape<S> {
-    pub fn activation_bytes(&self, saved_bytes: impl Fn(&S) -> usize) -> usize {
-        let runs: usize = self.ran.iter().map(|r| saved_bytes(&r.saved)).sum();
+impl DispatchTape {
+    pub fn activation_bytes(&self) -> usize {
+        let runs: usize = self.ran.iter().map(|r| r.saved.bytes()).sum();
         [&self.weights, &self.rows, &self.outputs]
             .into_iter()
             .map(tensor_bytes)
@@ -103,7 +177,7 @@ pub(crate) struct DispatchGrads {
     pub params: Vec<(String, Tensor)>,
 }
 
-impl<M: ExpertMlp> Dispatch<'_, M> {
+impl Dispatch<'_> {
     /// Each token of `xs` [N, d] sent to its experts by `routes`, weighted by `weights` [R]
     /// (the compute dtype): the output [N, d] and the tape.
     pub fn forward(
@@ -112,7 +186,7 @@ impl<M: ExpertMlp> Dispatch<'_, M> {
         xs: &Tensor,
         routes: &Routes,
         weights: Tensor,
-    ) -> Result<(Tensor, DispatchTape<M::Saved>)> {
+    ) -> Result<(Tensor, DispatchTape)> {
         let dev = xs.device();
         let e = self.experts;
         // Note [routes to experts]
@@ -180,7 +254,7 @@ impl<M: ExpertMlp> Dispatch<'_, M> {
     pub fn backward(
         &self,
         vb: &VarBuilder,
-        t: DispatchTape<M::Saved>,
+        t: DispatchTape,
         dys: &Tensor,
     ) -> Result<DispatchGrads> {
         let dout = dys.index_select(&t.tokens, 0)?;

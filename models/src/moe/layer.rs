@@ -19,8 +19,7 @@
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_nn::kernels::grad::{bias_backward, linear, linear_backward};
-use ds_nn::kernels::ops::{gelu, gelu_backward};
+use ds_nn::kernels::grad::{linear, linear_backward};
 use ds_nn::kernels::primitive::softmax_last_dim;
 use ds_nn::model::{tensor_bytes, Context, Grads, Init, Layer, ParamSpec, Split, Tape, Taped};
 use ds_nn::parallel::{Ep, Tp};
@@ -30,6 +29,8 @@ use super::dispatch::{
     MixtureGrads, Routes,
 };
 use super::gating::{route, GateConfig, Routing};
+use crate::blocks::Activation;
+pub use crate::blocks::Gelu;
 
 /// How a model spells and starts its MoE layers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,15 +45,6 @@ pub struct MoeStyle {
     /// The linears' and router's start: torch.nn.Linear's (uniform within 1 / sqrt(in), bias
     /// too) or a GPT's (normal weights, zero biases).
     pub init: Option<f64>,
-}
-
-/// Which GELU the experts apply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gelu {
-    /// torch.nn.GELU(): x Phi(x).
-    Erf,
-    /// The tanh approximation (GPT-2's).
-    Tanh,
 }
 
 impl MoeStyle {
@@ -243,16 +235,20 @@ impl MoeLayer {
         .map(ParamSpec::expert)
     }
 
-    fn mlp(&self) -> GeluMlp {
-        GeluMlp {
+    /// Each expert: Linear, GELU, Linear.
+    fn mlp(&self) -> ExpertMlp {
+        ExpertMlp {
+            act: Activation::Gelu(self.style.gelu),
             hidden: self.hidden,
             width: self.ffn / self.tp.size(),
-            style: self.style,
+            prefix: self.style.experts.to_string(),
+            linears: self.style.linears.to_vec(),
+            biases: true,
             adds_bias: self.tp.rank() == 0,
         }
     }
 
-    fn dispatch<'a>(&'a self, mlp: &'a GeluMlp) -> Dispatch<'a, GeluMlp> {
+    fn dispatch<'a>(&'a self, mlp: &'a ExpertMlp) -> Dispatch<'a> {
         Dispatch {
             mlp,
             experts: self.experts,
@@ -448,7 +444,7 @@ pub(crate) struct MoeTape {
     ce: Tensor,
     /// The model's loss seed, when the layer's `l_aux` joined the loss.
     seed: Option<f64>,
-    dispatch: DispatchTape<GeluRun>,
+    dispatch: DispatchTape,
 }
 
 impl MoeTape {
@@ -458,118 +454,12 @@ impl MoeTape {
             .chain(&self.denom)
             .map(tensor_bytes)
             .sum();
-        own + self.dispatch.activation_bytes(GeluMlp::saved_bytes)
+        own + self.dispatch.activation_bytes()
     }
 
     /// The seed of the model's loss, which `aux_coef * l_aux` joined.
     pub fn seed(&mut self, seed: f64) {
         self.seed = Some(seed);
-    }
-}
-
-/// One expert's MLP: Linear, GELU, Linear, this rank's slices.
-struct GeluMlp {
-    hidden: usize,
-    /// The width on this rank.
-    width: usize,
-    style: MoeStyle,
-    /// Whether this rank adds the second linear's bias (one rank of a tensor-parallel group:
-    /// the partial outputs are summed).
-    adds_bias: bool,
-}
-
-/// What an expert's backward reads: its pre-activation.
-pub(crate) struct GeluRun {
-    pre: Tensor,
-    act: Tensor,
-}
-
-impl GeluMlp {
-    fn name(&self, e: usize, linear: usize, what: &str) -> String {
-        format!(
-            "{}.{e}.{}.{what}",
-            self.style.experts, self.style.linears[linear]
-        )
-    }
-
-    fn weights(&self, vb: &VarBuilder, e: usize) -> Result<[Tensor; 4]> {
-        let (d, f) = (self.hidden, self.width);
-        Ok([
-            vb.get((f, d), &self.name(e, 0, "weight"))?,
-            vb.get(f, &self.name(e, 0, "bias"))?,
-            vb.get((d, f), &self.name(e, 1, "weight"))?,
-            vb.get(d, &self.name(e, 1, "bias"))?,
-        ])
-    }
-
-    fn gelu(&self, x: &Tensor) -> Result<Tensor> {
-        match self.style.gelu {
-            Gelu::Tanh => gelu(x),
-            Gelu::Erf => x.gelu_erf(),
-        }
-    }
-
-    fn gelu_backward(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        match self.style.gelu {
-            Gelu::Tanh => gelu_backward(x, dy),
-            // d/dx x Phi(x) = Phi(x) + x phi(x)
-            Gelu::Erf => {
-                let cdf = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)?.affine(0.5, 0.0)?;
-                let pdf = (x.sqr()? * -0.5)?
-                    .exp()?
-                    .affine(1.0 / (2.0 * std::f64::consts::PI).sqrt(), 0.0)?;
-                dy * (cdf + (x * pdf)?)?
-            }
-        }
-    }
-}
-
-impl ExpertMlp for GeluMlp {
-    type Saved = GeluRun;
-
-    fn forward(&self, vb: &VarBuilder, e: usize, x: &Tensor) -> Result<(Tensor, GeluRun)> {
-        let [w1, b1, w2, b2] = self.weights(vb, e)?;
-        let pre = linear(x, &w1, Some(&b1))?;
-        let act = self.gelu(&pre)?;
-        let y = linear(&act, &w2, self.adds_bias.then_some(&b2))?;
-        Ok((y, GeluRun { pre, act }))
-    }
-
-    fn backward(
-        &self,
-        vb: &VarBuilder,
-        e: usize,
-        x: &Tensor,
-        run: GeluRun,
-        dy: &Tensor,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
-        let [w1, b1, w2, b2] = self.weights(vb, e)?;
-        let second = linear_backward(&run.act, &w2, dy)?;
-        let dpre = self.gelu_backward(&run.pre, &second.dx)?;
-        let first = linear_backward(x, &w1, &dpre)?;
-        // the second bias is whole on every rank, and so is `dy`: its full gradient here
-        let grads = vec![
-            first.dw,
-            bias_backward(&dpre, &b1)?,
-            second.dw,
-            bias_backward(dy, &b2)?,
-        ];
-        Ok((first.dx, grads))
-    }
-
-    fn names(&self, e: usize) -> Vec<String> {
-        [(0, "weight"), (0, "bias"), (1, "weight"), (1, "bias")]
-            .into_iter()
-            .map(|(l, what)| self.name(e, l, what))
-            .collect()
-    }
-
-    fn params(&self, vb: &VarBuilder, e: usize) -> Result<Vec<Tensor>> {
-        Ok(self.weights(vb, e)?.to_vec())
-    }
-
-    fn saved_bytes(run: &GeluRun) -> usize {
-        tensor_bytes(&run.pre) + tensor_bytes(&run.act)
     }
 }
 
