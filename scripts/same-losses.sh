@@ -28,6 +28,10 @@ gpt-tile|1|$examples/zero0.json train --model tiny --tile 24
 llama-tile-z2|2|$examples/zero2.json train --model llama-tiny --tile 24
 gpt-moe-ep2|2|$examples/zero1.json train --model gpt-moe-tiny --ep 2
 qwen3-moe-tp2|2|$examples/zero1.json train --model qwen3-moe-tiny --tp 2
+gpt-sp2|2|$examples/zero1.json train --model tiny --sp 2
+llama-sp2|2|$examples/zero2.json train --model llama-tiny --sp 2
+mistral-window|1|$examples/zero0.json train --model mistral-tiny --seq-len 96
+llama-flash|1|$examples/zero0.json train --model llama-tiny --seq-len 1024
 EOF
 }
 
@@ -41,8 +45,10 @@ run() {
         read -r -a words <<<"$rest"
         local config="${words[0]}"
         local program=("${words[@]:1}")
+        # 64 positions unless the case says otherwise (a window or the blockwise attention)
+        [[ " ${program[*]} " == *" --seq-len "* ]] || program+=(--seq-len 64)
         "$bin" launch --nproc_per_node "$ranks" --config "$config" "${program[@]}" \
-            --steps 20 --seq-len 64 --seed 1234 --eval-interval 0 --eval-batches 1 \
+            --steps 20 --seed 1234 --eval-interval 0 --eval-batches 1 \
             --metrics-dir "$work/$name" >"$work/$name.log" 2>&1 ||
             { echo "$name: failed"; tail -5 "$work/$name.log"; exit 1; }
         grep -o '"\(loss\|eval_loss\)":[^,}]*' "$work/$name/metrics.jsonl" >"$out/$name.txt"

@@ -403,7 +403,7 @@ const F32: usize = 4;
 const MIB: f64 = (1 << 20) as f64;
 
 /// Parameters per layer of the GPT, in model order, written out from its definition
-/// (gpt.rs, as ../shared/bench/gpt.py): embeddings wte [V, d] + wpe [T, d]; each
+/// (models/src/gpt, as ../shared/bench/gpt.py): embeddings wte [V, d] + wpe [T, d]; each
 /// block 2 LayerNorms (2d each), q|k|v (3d^2 + 3d), attention projection (d^2 + d), MLP
 /// (4d^2 + 4d and 4d^2 + d): 12d^2 + 13d; head ln_f (2d) + lm_head [V, d]; the loss none.
 fn layer_sizes(c: GptConfig) -> Vec<usize> {

@@ -3,11 +3,14 @@
 //! (GELU or SwiGLU, dense or an expert), the final norm with the LM head (tied or untied, vocabulary-parallel, tiled into the loss). A
 //! family configures them and names their parameters; it does not write them again.
 
+mod attention;
 mod embedding;
 mod head;
 mod mlp;
 mod norm;
+pub mod rope;
 
+pub use attention::{Attention, AttentionGrads, AttentionKept, AttentionWeights, Projection};
 pub use embedding::{Embedding, Positions};
 pub use head::Head;
 pub use mlp::{swiglu, swiglu_backward, Activation, Gelu, Linear, MlpGrads, MlpKept, MlpWeights};

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::rope::Rope;
+use crate::blocks::rope::Rope;
 use crate::fields::{problem, ConfigProblem, Fields};
 
 /// Which transformers class the config describes: the same decoder with different

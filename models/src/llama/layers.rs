@@ -3,30 +3,28 @@
 //! layer is taped (Note [taped layers] in ds-engine's model API): its backward is written
 //! out and tested against candle's autograd of its forward.
 //!
-//! Why long: the decoder layer's attention (grouped heads, rotary positions, windows, Ulysses)
-//! and MLP with their written-out backward live here until they join the shared blocks
-//! (blocks/) that the embedding, norms and head already use.
+//! The layer's attention and dense MLP are the shared blocks (blocks/) configured here;
+//! the mixture of experts is sparse.rs.
 //!
 //! Under tensor parallelism (Megatron-LM's scheme): q, k, v, gate and up are column-parallel
 //! (each rank owns whole query and key/value heads, so grouped-query attention stays local),
 //! o and down row-parallel, the embedding and the LM head vocabulary-parallel; the norms
 //! replicated.
 
-use crate::blocks::{Activation, Embedding, Head, Linear, MlpGrads, MlpKept, MlpWeights, Norm};
+use crate::blocks::{
+    rms_norm, rms_norm_backward, Activation, Attention, AttentionKept, AttentionWeights, Embedding,
+    Head, Linear, MlpGrads, MlpKept, MlpWeights, Norm, Projection,
+};
 use crate::loss::{CrossEntropyLoss, VocabParallelCrossEntropy};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-use ds_nn::kernels::flash_attention;
-use ds_nn::kernels::grad::{bias_backward, linear_backward};
-use ds_nn::kernels::ops::{causal_softmax, causal_softmax_backward};
+use ds_nn::kernels::grad::bias_backward;
 use ds_nn::model::{
     tensor_bytes, Context, Grads, Init, Layer, Model, ParamSpec, Split, Tape, Taped,
 };
 use ds_nn::parallel::{Ep, Parallel, Sp, Tp};
 
 use super::config::{LlamaConfig, SparseMlp};
-use super::ops::{repeat_heads, rms_norm, rms_norm_backward, sum_repeated_heads, window_softmax};
-use super::rope;
 use super::sparse::{self, Experts, RouterLoss, SparseTape};
 
 /// The embedding's name, which a tied LM head reads.
@@ -193,12 +191,8 @@ struct DecoderLayer {
 /// A decoder layer's parameters but the MLP's, this rank's slices.
 struct LayerParams {
     input_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    /// Qwen3's RMSNorm weights over each query and key head [head_dim].
-    qk_norm: Option<(Tensor, Tensor)>,
+    /// Qwen3's attention has RMSNorm weights over each query and key head [head_dim].
+    attn: AttentionWeights,
     post_norm: Tensor,
 }
 
@@ -262,13 +256,30 @@ impl DecoderLayer {
         };
         Ok(LayerParams {
             input_norm: vb.get(d, "input_layernorm.weight")?,
-            q: q?,
-            k: k?,
-            v: v?,
-            o: o?,
-            qk_norm,
+            attn: AttentionWeights {
+                qkv: Projection::Separate([q?, k?, v?]),
+                qk_norm,
+                o: o?,
+            },
             post_norm: vb.get(d, "post_attention_layernorm.weight")?,
         })
+    }
+
+    /// The layer's attention: grouped heads split over the tensor-parallel group, rotary
+    /// positions, the layer's window.
+    fn attention(&self) -> Attention {
+        let (c, tp) = (&self.c, self.tp.size());
+        Attention {
+            heads: c.num_attention_heads / tp,
+            kv_heads: c.num_key_value_heads / tp,
+            head_dim: c.head_dim,
+            kv_copies: c.kv_copies(tp, self.sp.size()),
+            rope: Some(c.rope),
+            norm_eps: c.rms_norm_eps,
+            window: self.window,
+            tp: self.tp.clone(),
+            sp: self.sp.clone(),
+        }
     }
 
     fn load_mlp(&self, vb: &VarBuilder) -> Result<MlpWeights> {
@@ -316,17 +327,13 @@ impl DecoderLayer {
         }
     }
 
-    fn scale(&self) -> f64 {
-        1.0 / (self.c.head_dim as f64).sqrt()
-    }
-
     fn taped(&self, vb: &VarBuilder, x: &Tensor) -> Result<Taped> {
         let (c, tp) = (&self.c, &self.tp);
         let p = self.load(vb)?;
         let x = x.contiguous()?;
         let (h1, r1) = rms_norm(&x, &p.input_norm, c.rms_norm_eps)?;
-        let attn = Attention::forward(self, &p, &tp.gather(&h1)?)?;
-        let x2 = (&x + p.o.forward_rows(tp, &attn.out)?)?;
+        let (attn_out, attn) = self.attention().forward(&p.attn, &h1)?;
+        let x2 = (&x + attn_out)?;
         let (h2, r2) = rms_norm(&x2, &p.post_norm, c.rms_norm_eps)?;
         let h2g = tp.gather(&h2)?;
         let (y, mlp) = match &self.sparse {
@@ -445,223 +452,12 @@ fn linear_specs(c: &LlamaConfig, (name, shape, split, bias): LinearSpec) -> Vec<
     ]
 }
 
-/// What attention's backward reads of its softmax: the probabilities [B, h, T, T], or for
-/// what `flash_attention::wanted` sends through the blockwise path (long sequences on the CPU,
-/// bf16 and f16 on a GPU) each row's log-sum-exp [B, h, T] (the probabilities recomputed in
-/// blocks: memory linear in T).
-enum Softmax {
-    Probs(Tensor),
-    LogSumExp(Tensor),
-}
-
-/// Grouped-query causal attention's forward values, kept for its backward.
-struct Attention {
-    /// Rotated queries [B, h, T, hd] and keys [B, g, T, hd], values [B, g, T, hd].
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    softmax: Softmax,
-    /// Under Qwen3's per-head norms: the queries and keys before them, and their reciprocal
-    /// roots.
-    normed: Option<[Tensor; 4]>,
-    /// The heads side by side [B, T, h hd], o_proj's input (this rank's positions).
-    out: Tensor,
-    /// Under sequence parallelism, attention's own output: whole sequences, this rank's part
-    /// of the heads (Note [ulysses]).
-    heads_out: Option<Tensor>,
-}
-
-impl Attention {
-    fn forward(layer: &DecoderLayer, p: &LayerParams, x: &Tensor) -> Result<Attention> {
-        let c = &layer.c;
-        let tp = layer.tp.size();
-        let (h, g, hd) = (
-            c.num_attention_heads / tp,
-            c.num_key_value_heads / tp,
-            c.head_dim,
-        );
-        let sp = &layer.sp;
-        let r = c.kv_copies(tp, sp.size());
-        let (q, k) = (
-            split_heads(sp, &p.q.forward(x)?, h, hd, 1)?,
-            split_heads(sp, &p.k.forward(x)?, g, hd, r)?,
-        );
-        // the heads attention runs here: all of them, or this rank's part of the sequences'
-        let (b, h, t, _) = q.dims4()?;
-        let g = k.dim(1)?;
-        let (cos, sin) = c.rope.tables(hd, 0, t, x.dtype(), x.device())?;
-        let (q, k, normed) = match &p.qk_norm {
-            Some((wq, wk)) => {
-                let (qn, rq) = rms_norm(&q, wq, c.rms_norm_eps)?;
-                let (kn, rk) = rms_norm(&k, wk, c.rms_norm_eps)?;
-                (qn, kn, Some([q, rq, k, rk]))
-            }
-            None => (q, k, None),
-        };
-        let q = rope::apply(&q, &cos, &sin)?;
-        let k = rope::apply(&k, &cos, &sin)?;
-        let v = split_heads(sp, &p.v.forward(x)?, c.num_key_value_heads / tp, hd, r)?;
-        let window = layer.window.filter(|w| *w < t);
-        if flash_attention::wanted(t, q.device(), q.dtype()) {
-            let s = layer.scale() as f32;
-            if let Some((out, lse)) = flash_attention::forward_grouped(&q, &k, &v, s, window)? {
-                let softmax = Softmax::LogSumExp(lse);
-                return Attention::joined(sp, [q, k, v], softmax, normed, out);
-            }
-        }
-        let scores = q.matmul(&repeat_heads(&k, h / g)?.t()?)?;
-        let probs = match window {
-            Some(w) => window_softmax(&scores, layer.scale(), w)?,
-            None => causal_softmax(&scores, layer.scale())?,
-        };
-        let out = probs
-            .matmul(&repeat_heads(&v, h / g)?)?
-            .transpose(1, 2)?
-            .reshape((b, t, h * hd))?;
-        let softmax = Softmax::Probs(probs);
-        Attention::joined(sp, [q, k, v], softmax, normed, out)
-    }
-
-    /// The forward's values, attention's output `out` [B, T, h hd] back at this rank's
-    /// positions under sequence parallelism.
-    fn joined(
-        sp: &Sp,
-        [q, k, v]: [Tensor; 3],
-        softmax: Softmax,
-        normed: Option<[Tensor; 4]>,
-        out: Tensor,
-    ) -> Result<Attention> {
-        let (h, hd) = (q.dim(1)?, q.dim(3)?);
-        let (out, heads_out) = match sp.size() {
-            1 => (out, None),
-            n => (join_heads(sp, &out, h * n, hd, 1)?, Some(out)),
-        };
-        Ok(Attention {
-            q,
-            k,
-            v,
-            softmax,
-            normed,
-            out,
-            heads_out,
-        })
-    }
-
-    /// The gradients of the rotated queries, the rotated keys and the values from `dout`.
-    fn core_backward(&self, layer: &DecoderLayer, dout: &Tensor) -> Result<[Tensor; 3]> {
-        let (b, h, t, hd) = self.q.dims4()?;
-        let n = h / self.k.dim(1)?;
-        let probs = match &self.softmax {
-            Softmax::LogSumExp(lse) => {
-                let (s, window) = (layer.scale() as f32, layer.window.filter(|w| *w < t));
-                let qkv = (&self.q, &self.k, &self.v);
-                let out = self.heads_out.as_ref().unwrap_or(&self.out);
-                return flash_attention::backward_grouped(qkv, out, lse, dout, s, window)?
-                    .ok_or_else(|| {
-                        candle_core::Error::Msg(
-                            "attention: the blockwise backward declined the forward it ran".into(),
-                        )
-                    });
-            }
-            Softmax::Probs(p) => p,
-        };
-        let dheads = dout.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()?;
-        let (k, v) = (repeat_heads(&self.k, n)?, repeat_heads(&self.v, n)?);
-        let dprobs = dheads.matmul(&v.t()?)?;
-        let dv = sum_repeated_heads(&probs.t()?.matmul(&dheads)?, n)?;
-        let dscores = causal_softmax_backward(probs, &dprobs, layer.scale())?;
-        let dq = dscores.matmul(&k)?;
-        let dk = sum_repeated_heads(&dscores.t()?.matmul(&self.q)?, n)?;
-        Ok([dq, dk, dv])
-    }
-
-    fn softmax_bytes(&self) -> usize {
-        match &self.softmax {
-            Softmax::Probs(p) | Softmax::LogSumExp(p) => tensor_bytes(p),
-        }
-    }
-
-    /// The gradients of the q, k and v projections' outputs [B, T, width] from `dout`, and
-    /// those of the per-head norms' weights (this rank's heads' part) where there are.
-    fn backward(
-        &self,
-        layer: &DecoderLayer,
-        p: &LayerParams,
-        dout: &Tensor,
-    ) -> Result<([Tensor; 3], Option<[Tensor; 2]>)> {
-        let (b, h, t, hd) = self.q.dims4()?;
-        let sp = &layer.sp;
-        let (cos, sin) = layer.c.rope.tables(hd, 0, t, dout.dtype(), dout.device())?;
-        let dout = match sp.size() {
-            1 => dout.clone(),
-            n => {
-                let (_, local, _) = dout.dims3()?;
-                let whole = sp.to_heads(&dout.reshape((b, local, 1, h * n, hd))?)?;
-                whole.reshape((b, t, h * hd))?
-            }
-        };
-        let [dq, dk, dv] = self.core_backward(layer, &dout)?;
-        let dq = rope::apply_backward(&dq, &cos, &sin)?;
-        let dk = rope::apply_backward(&dk, &cos, &sin)?;
-        let (dq, dk, dnorms) = match (&self.normed, &p.qk_norm) {
-            (Some([q, rq, k, rk]), Some((wq, wk))) => {
-                let (dq, dwq) = rms_norm_backward(q, rq, wq, &dq)?;
-                let (dk, dwk) = rms_norm_backward(k, rk, wk, &dk)?;
-                (dq, dk, Some([dwq, dwk]))
-            }
-            _ => (dq, dk, None),
-        };
-        let flat = |g: Tensor| -> Result<Tensor> {
-            let heads = g.dim(1)?;
-            g.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * hd))
-        };
-        let (tp, c) = (layer.tp.size(), &layer.c);
-        let (kv, r) = (c.num_key_value_heads / tp, c.kv_copies(tp, sp.size()));
-        let dq = join_heads(sp, &flat(dq)?, h * sp.size(), hd, 1)?;
-        let dk = join_heads(sp, &flat(dk)?, kv, hd, r)?;
-        let dv = join_heads(sp, &flat(dv)?, kv, hd, r)?;
-        Ok(([dq, dk, dv], dnorms))
-    }
-}
-
-/// A projection's output [B, t, n hd] at this rank's positions as heads [B, m, T, hd] of
-/// whole sequences (Note [ulysses]): each head first copied `replicas` times, then this
-/// rank's n replicas / sp of them. Without sequence parallelism: its n heads.
-fn split_heads(sp: &Sp, y: &Tensor, n: usize, hd: usize, replicas: usize) -> Result<Tensor> {
-    let (b, t, _) = y.dims3()?;
-    let y = y.reshape((b, t, n, 1, hd))?;
-    let y = match replicas {
-        1 => y,
-        r => y.broadcast_as((b, t, n, r, hd))?.contiguous()?,
-    };
-    let y = sp.to_heads(&y.reshape((b, t, 1, n * replicas, hd))?)?;
-    let (_, whole, _, m, _) = y.dims5()?;
-    y.reshape((b, whole, m, hd))?.transpose(1, 2)?.contiguous()
-}
-
-/// The inverse of `split_heads` for [B, T, m hd] (heads side by side): back at this rank's
-/// positions [B, t, n hd], the copies of each head summed (a gradient's).
-fn join_heads(sp: &Sp, y: &Tensor, n: usize, hd: usize, replicas: usize) -> Result<Tensor> {
-    if sp.size() == 1 {
-        return Ok(y.clone());
-    }
-    let (b, whole, width) = y.dims3()?;
-    let y = sp.to_sequence(&y.reshape((b, whole, 1, width / hd, hd))?)?;
-    let t = y.dim(1)?;
-    let y = y.reshape((b, t, n, replicas, hd))?;
-    let y = match replicas {
-        1 => y,
-        _ => y.sum_keepdim(3)?,
-    };
-    y.reshape((b, t, n * hd))
-}
-
 struct LayerTape {
     layer: DecoderLayer,
     x: Tensor,
     r1: Tensor,
     h1: Tensor,
-    attn: Attention,
+    attn: AttentionKept,
     x2: Tensor,
     r2: Tensor,
     h2: Tensor,
@@ -678,22 +474,16 @@ enum MlpTape {
 
 impl Tape for LayerTape {
     fn activation_bytes(&self) -> usize {
-        let a = &self.attn;
-        let normed = a.normed.iter().flatten().map(tensor_bytes).sum::<usize>();
         let mlp = match &self.mlp {
             MlpTape::Dense(kept) => kept.bytes(),
             MlpTape::Tiled(_) => 0,
             MlpTape::Sparse(t) => t.activation_bytes(),
         };
-        [
-            &self.x, &self.r1, &self.h1, &a.q, &a.k, &a.v, &a.out, &self.x2, &self.r2, &self.h2,
-        ]
-        .into_iter()
-        .map(tensor_bytes)
-        .sum::<usize>()
-            + a.heads_out.as_ref().map_or(0, tensor_bytes)
-            + a.softmax_bytes()
-            + normed
+        [&self.x, &self.r1, &self.h1, &self.x2, &self.r2, &self.h2]
+            .into_iter()
+            .map(tensor_bytes)
+            .sum::<usize>()
+            + self.attn.bytes()
             + mlp
     }
 
@@ -731,29 +521,22 @@ impl Tape for LayerTape {
         let (dx2_n, dpost) = rms_norm_backward(&self.x2, &self.r2, &p.post_norm, &dh2)?;
         let dx2 = (dy + dx2_n)?;
         // the attention branch: x2 = x + o(attention(h1))
-        let dx2g = tp.gather(&dx2)?;
-        let o = linear_backward(&self.attn.out, &p.o.w, &dx2g)?;
-        named.push(("self_attn.o_proj.weight".into(), o.dw));
-        let ([dq, dk, dv], dnorms) = self.attn.backward(&self.layer, &p, &o.dx)?;
-        if let Some([dwq, dwk]) = dnorms {
-            // replicated weights over this rank's heads: summed over the group
-            named.push(("self_attn.q_norm.weight".into(), tp.sum(&dwq)?));
-            named.push(("self_attn.k_norm.weight".into(), tp.sum(&dwk)?));
+        let a = self
+            .layer
+            .attention()
+            .backward(&p.attn, self.attn, &self.h1, &dx2)?;
+        named.push(("self_attn.o_proj.weight".into(), a.o_weight));
+        if let Some([dwq, dwk]) = a.qk_norm {
+            named.push(("self_attn.q_norm.weight".into(), dwq));
+            named.push(("self_attn.k_norm.weight".into(), dwk));
         }
-        let h1g = tp.gather(&self.h1)?;
-        let mut dh1: Option<Tensor> = None;
-        for (name, lin, d) in [("q", &p.q, dq), ("k", &p.k, dk), ("v", &p.v, dv)] {
-            let g = linear_backward(&h1g, &lin.w, &d)?;
-            dh1 = Some(match dh1 {
-                Some(acc) => (acc + g.dx)?,
-                None => g.dx,
-            });
-            named.push((qkv_name(name, "weight").into(), g.dw));
-            if let Some(b) = &lin.b {
-                named.push((qkv_name(name, "bias").into(), bias_backward(&d, b)?));
+        for (name, (dw, db)) in ["q", "k", "v"].into_iter().zip(a.qkv) {
+            named.push((qkv_name(name, "weight").into(), dw));
+            if let Some(db) = db {
+                named.push((qkv_name(name, "bias").into(), db));
             }
         }
-        let dh1 = tp.reduce(&dh1.expect("invariant: three projections"))?;
+        let dh1 = a.dx;
         let (dx_n, dinput) = rms_norm_backward(&self.x, &self.r1, &p.input_norm, &dh1)?;
         // the replicated parameters' gradients, from this rank's positions under sequence
         // parallelism: summed over the group
@@ -761,8 +544,8 @@ impl Tape for LayerTape {
             ("input_layernorm.weight", dinput),
             ("post_attention_layernorm.weight", dpost),
         ];
-        if let Some(b) = &p.o.b {
-            replicated.push(("self_attn.o_proj.bias", bias_backward(&dx2, b)?));
+        if let Some(g) = a.o_bias {
+            replicated.push(("self_attn.o_proj.bias", g));
         }
         if let Some(b) = self.layer.dense_down_bias(vb)? {
             replicated.push(("mlp.down_proj.bias", bias_backward(dy, &b)?));

@@ -4,17 +4,15 @@
 
 mod config;
 mod layers;
-pub mod ops;
-pub mod rope;
 mod sparse;
 
 #[cfg(test)]
 mod tests;
 
+pub use crate::blocks::rope::{Rope, Scaling};
 pub use crate::fields::ConfigProblem;
 pub use config::{Family, LlamaConfig, SparseMlp};
 pub use layers::{build, EMBED};
-pub use rope::{Rope, Scaling};
 pub use sparse::top_k;
 
 /// A preset: its name, the config, and the sequence length it trains at by default.
