@@ -11,7 +11,7 @@ use ds_partition::{FlatIndex, Placement, TpRank};
 
 use super::groups::{GroupPlan, GroupRules};
 use super::trainer::{self, Trainer};
-use super::{autotuning, initial, pipe, program, side_stores, tied, update, whole};
+use super::{autotuning, initial, param_store, pipe, program, tied, update, whole};
 use super::{Core, Engine, EngineOptions, Precision, Settings};
 use crate::checkpoint;
 use crate::loss_scale::LossScaler;
@@ -46,7 +46,7 @@ impl Engine {
             model,
             index: stores.index.clone(),
             frozen_index: stores.frozen_index.clone(),
-            experts: (stores.expert_index.numel() > 0).then(|| side_stores::ExpertPart {
+            experts: (stores.expert_index.numel() > 0).then(|| param_store::ExpertPart {
                 index: stores.expert_index.clone(),
                 expert_dp: groups.experts().expert_dp.clone(),
                 ep: groups.experts().ep.clone(),

@@ -1,7 +1,7 @@
 //! The training loop of one rank in one compute dtype: layer-wise forward and backward over
 //! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
 //!
-//! Why long: one rank's forward, backward and step over the three stores are one state
+//! Why long: one rank's forward, backward and step over the parameter groups are one state
 //! machine (what is gathered, reduced and released when); pipe.rs and layers.rs hold the
 //! pipeline's and a layer's parts.
 
@@ -12,14 +12,12 @@ use std::time::Instant;
 use candle_core::{Device, Tensor, WithDType};
 use ds_comm::Group;
 use ds_partition::swap::{IoTotals, SwapIo};
-use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Values, Zero};
+use ds_partition::{FlatIndex, Frozen, InitFn, ParamSwap, Placement, Zero};
 
 use super::layers::{self, Dtype, Kind, LayerGrads, LayerParams};
 use super::memory::{ExpertBytes, MemoryReport, StepPeak};
 use super::offload::OffloadedStates;
-use super::side_stores::{
-    add_expert_grads, ids_of, side_params, ExpertParams, ExpertPart, FrozenParams,
-};
+use super::param_store::{ExpertPart, ParamStore, StoreLayout};
 use super::tied::{self, Tie};
 use super::update::{ShardOptimizer, StepOutcome, Updater, STEP_PIECE};
 use super::{Settings, Timings};
@@ -89,17 +87,14 @@ impl Kept {
 
 pub(crate) struct Trainer<T: Dtype> {
     model: Model,
-    index: FlatIndex,
-    /// The frozen parameters (Model::freeze), when there are.
-    frozen: Option<FrozenParams<T>>,
+    /// The trained parameters but the experts.
+    dense: ParamStore<Zero<T>>,
     /// This rank's experts under expert parallelism, when there are.
-    experts: Option<ExpertParams<T>>,
-    /// Per layer, in its declaration order: which store holds each parameter.
+    experts: Option<ParamStore<Zero<T>>>,
+    /// The frozen parameters (Model::freeze), when there are.
+    frozen: Option<ParamStore<Frozen<T>>>,
+    /// Per layer, in its declaration order: which group holds each parameter.
     layer_kinds: Vec<Vec<Kind>>,
-    /// Per layer: its parameters' ids and their flat range.
-    layer_ids: Vec<Range<usize>>,
-    layer_flat: Vec<Range<usize>>,
-    zero: Zero<T>,
     updater: Updater,
     settings: Settings,
     /// Per layer: forward keeps its whole graph for backward (else backward recomputes it).
@@ -200,10 +195,7 @@ impl<T: Dtype> Trainer<T> {
                 l.params().iter().map(kind).collect()
             })
             .collect();
-        let [layer_ids, frozen_ids, expert_ids] =
-            [Kind::Dense, Kind::Frozen, Kind::Expert].map(|k| ids_of(&layer_kinds, k));
-        let layer_flat: Vec<Range<usize>> =
-            layer_ids.iter().map(|r| index.span(r.clone())).collect();
+        let dense = StoreLayout::plan(index, &layer_kinds, Kind::Dense);
         let rank = dp.global_ranks()[dp.rank()];
         let swap_io = Arc::new(SwapIo::default());
         let param_swap = settings.nvme_params.as_deref().map(|nvme_path| ParamSwap {
@@ -218,25 +210,14 @@ impl<T: Dtype> Trainer<T> {
             // the NVMe tier streams the optimizer's states through host memory
             places.optimizer = Placement::Host;
         }
-        let mut zero = Zero::new(
-            index.numel(),
-            settings.zero,
-            dp.clone(),
-            inits.dense,
-            param_swap,
-            &places,
-        )?;
-        zero.plan_buckets(&layer_flat);
         let copies: Vec<Range<usize>> = ties.iter().filter_map(Tie::copy_range).collect();
-        let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
-        let replicated = replicated
-            .map(|e| e.range())
-            .filter(|r| !copies.contains(r));
-        zero.set_tensor_parallel(tp.clone(), replicated.collect());
-        zero.set_duplicates(copies);
-        if let Some(pp) = &pp {
-            zero.set_pipeline(pp.clone());
-        }
+        let trained = TrainedStore {
+            settings: &settings,
+            places: &places,
+            tp: &tp,
+            pp: pp.as_ref(),
+        };
+        let mut zero = trained.build(&dense, dp.clone(), inits.dense, param_swap, copies)?;
         let mut updater = match &settings.nvme_optimizer {
             None => updater(zero.owned(), zero.owned().len(), &places.optimizer)?,
             Some((path, buffers)) => {
@@ -254,65 +235,40 @@ impl<T: Dtype> Trainer<T> {
         let experts = match experts {
             None => None,
             Some(part) => {
-                let layer_flat: Vec<Range<usize>> = expert_ids
-                    .iter()
-                    .map(|r| part.index.span(r.clone()))
-                    .collect();
-                let mut zero = Zero::new(
-                    part.index.numel(),
-                    settings.zero,
-                    part.expert_dp,
-                    inits.experts,
-                    None,
-                    &places,
-                )?;
-                zero.plan_buckets(&layer_flat);
-                let replicated = part
-                    .index
-                    .entries()
-                    .iter()
-                    .filter(|e| e.split.is_replicated());
-                zero.set_tensor_parallel(tp, replicated.map(|e| e.range()).collect());
-                if let Some(pp) = &pp {
-                    zero.set_pipeline(pp.clone());
-                }
+                let layout = StoreLayout::plan(part.index, &layer_kinds, Kind::Expert);
+                let zero = trained.build(&layout, part.expert_dp, inits.experts, None, vec![])?;
                 let owned = zero.owned();
                 updater.set_experts(expert_optimizer(
                     owned.clone(),
                     owned.len(),
                     &places.optimizer,
                 )?);
-                Some(ExpertParams {
-                    zero,
-                    index: part.index,
-                    layer_ids: expert_ids,
-                    layer_flat,
-                    ep: part.ep,
+                Some(ParamStore {
+                    store: zero,
+                    layout,
+                    spread_over: Some(part.ep),
                 })
             }
         };
         let frozen = match frozen_index.numel() {
             0 => None,
-            n => Some(FrozenParams {
+            n => Some(ParamStore {
                 store: Frozen::new(n, settings.zero, dp.clone(), inits.frozen, &places.params)?,
-                layer_flat: frozen_ids
-                    .iter()
-                    .map(|r| frozen_index.span(r.clone()))
-                    .collect(),
-                layer_ids: frozen_ids,
-                index: frozen_index,
+                layout: StoreLayout::plan(frozen_index, &layer_kinds, Kind::Frozen),
+                spread_over: None,
             }),
         };
-        let keep_graph = keep_graph(&settings, &index, &layer_ids);
+        let keep_graph = keep_graph(&settings, &dense.index, &dense.layer_ids);
         Ok(Trainer {
             model,
-            index,
-            frozen,
+            dense: ParamStore {
+                store: zero,
+                layout: dense,
+                spread_over: None,
+            },
             experts,
+            frozen,
             layer_kinds,
-            layer_ids,
-            layer_flat,
-            zero,
             updater,
             settings,
             keep_graph,
@@ -336,39 +292,14 @@ impl<T: Dtype> Trainer<T> {
 
     /// Materialises layer `i`'s parameters and starts gathering layer `next`'s.
     fn materialise(&mut self, i: usize, next: Option<usize>) -> Result<LayerParams> {
-        let (range, ids) = (self.layer_flat[i].clone(), self.layer_ids[i].clone());
-        let values = match range.is_empty() {
-            true => Values::Lent(&[]),
-            false => self.zero.params(range.clone())?,
-        };
-        // Note [one copy per layer] in layers.rs
-        let params = LayerParams::new::<T>(&self.index, ids, range.start, values, &self.dev)?;
-        if let Some(n) = next {
-            self.zero.prefetch(self.layer_flat[n].clone())?;
-        }
         let dev = &self.dev;
+        let params = self.dense.layer_params(i, next, dev)?;
         let experts = match &mut self.experts {
-            Some(e) => side_params(
-                &mut e.zero,
-                &e.index,
-                &e.layer_ids,
-                &e.layer_flat,
-                i,
-                next,
-                dev,
-            )?,
+            Some(e) => Some(e.layer_params(i, next, dev)?),
             None => None,
         };
         let frozen = match &mut self.frozen {
-            Some(f) => side_params(
-                &mut f.store,
-                &f.index,
-                &f.layer_ids,
-                &f.layer_flat,
-                i,
-                next,
-                dev,
-            )?,
+            Some(f) => Some(f.layer_params(i, next, dev)?),
             None => None,
         };
         Ok(params.with_others(experts, frozen, &self.layer_kinds[i]))
@@ -548,13 +479,9 @@ impl<T: Dtype> Trainer<T> {
             let (dx, mut g, dense) = self.layer_backward(i, kept, dy.as_ref(), seed)?;
             self.peak.layer_grads = self.peak.layer_grads.max(g.bytes());
             let expert_grads = g.split_off(dense);
-            if !g.is_empty() {
-                let range = self.layer_flat[i].clone();
-                let to_gpu = !self.zero.placements().grads.is_host();
-                g.with_parts(to_gpu, |parts| Ok(self.zero.add_grad(range, parts)?))?;
-            }
-            if let Some(e) = self.experts.as_mut().filter(|_| !expert_grads.is_empty()) {
-                add_expert_grads(e, i, expert_grads)?;
+            self.dense.add_grads(i, g)?;
+            if let Some(e) = &mut self.experts {
+                e.add_grads(i, expert_grads)?;
             }
             dy = match (k, dx) {
                 (0, dx) => {
@@ -572,9 +499,9 @@ impl<T: Dtype> Trainer<T> {
         }
         if ends_micro {
             let boundary = self.is_boundary();
-            self.zero.finish_backward(boundary)?;
+            self.dense.store.finish_backward(boundary)?;
             if let Some(e) = &mut self.experts {
-                e.zero.finish_backward(boundary)?;
+                e.store.finish_backward(boundary)?;
             }
             self.micro_steps += 1;
         }
@@ -677,35 +604,37 @@ impl<T: Dtype> Trainer<T> {
         }
         let t0 = Instant::now();
         if !self.ties.is_empty() {
-            match self.zero.whole_grads_mut() {
+            match self.dense.store.whole_grads_mut() {
                 Some(grads) => tied::reduce_tied(&self.ties, grads, self.pp.as_ref())?,
-                None => tied::reduce_tied_sharded(&self.ties, &mut self.zero)?,
+                None => tied::reduce_tied_sharded(&self.ties, &mut self.dense.store)?,
             }
         }
         let experts = match &mut self.experts {
             None => None,
             Some(e) => {
                 // each expert-parallel rank's experts are others: their norms add up
-                let mut sq = [e.zero.grad_norm_sq()? as f32];
-                e.ep.all_reduce(&mut sq, ds_comm::ReduceOp::Sum)?;
-                Some((&mut e.zero, sq[0] as f64))
+                let mut sq = [e.store.grad_norm_sq()? as f32];
+                if let Some(spread) = &e.spread_over {
+                    spread.all_reduce(&mut sq, ds_comm::ReduceOp::Sum)?;
+                }
+                Some((&mut e.store, sq[0] as f64))
             }
         };
         let outcome = self
             .updater
-            .step(&mut self.zero, experts, self.settings.clip)?;
+            .step(&mut self.dense.store, experts, self.settings.clip)?;
         self.timings.step += t0.elapsed();
         Ok(Some(outcome))
     }
 
     pub fn memory_report(&self) -> MemoryReport {
-        let offloaded =
-            self.updater.offloaded().map_or(0, |o| o.bytes()) + self.zero.offloaded_param_bytes();
-        let mut states = self.zero.memory(self.updater.state_bytes());
+        let offloaded = self.updater.offloaded().map_or(0, |o| o.bytes())
+            + self.dense.store.offloaded_param_bytes();
+        let mut states = self.dense.store.memory(self.updater.state_bytes());
         let experts = self
             .experts
             .as_ref()
-            .map(|e| e.zero.memory(self.updater.expert_state_bytes()));
+            .map(|e| e.store.memory(self.updater.expert_state_bytes()));
         if let Some(e) = &experts {
             states.add(e);
         }
@@ -759,7 +688,7 @@ impl<T: Dtype> Trainer<T> {
 
     /// The flat range (padded coordinates) this rank's master copy and optimizer cover.
     pub fn owned(&self) -> Range<usize> {
-        self.zero.owned()
+        self.dense.store.owned()
     }
 
     /// This rank's share of the training state, for a checkpoint.
@@ -767,7 +696,7 @@ impl<T: Dtype> Trainer<T> {
         let opt = self.updater.optimizer().state();
         let (master, buffers) = match self.updater.offloaded() {
             None => (
-                self.zero.master().to_vec(),
+                self.dense.store.master().to_vec(),
                 opt.buffers
                     .iter()
                     .map(|(n, b)| (n.to_string(), b.to_vec()))
@@ -780,7 +709,7 @@ impl<T: Dtype> Trainer<T> {
             }
         };
         Ok(RankState {
-            owned: self.zero.owned(),
+            owned: self.dense.store.owned(),
             master,
             optimizer_step: opt.step,
             buffers,
@@ -790,7 +719,7 @@ impl<T: Dtype> Trainer<T> {
     /// The flat range (padded coordinates of the experts' buffer) this rank's experts'
     /// master copy and optimizer cover, under expert parallelism.
     pub fn expert_owned(&self) -> Option<Range<usize>> {
-        self.experts.as_ref().map(|e| e.zero.owned())
+        self.experts.as_ref().map(|e| e.store.owned())
     }
 
     /// This rank's share of its experts' store, for a checkpoint (the same buffers as the
@@ -799,8 +728,8 @@ impl<T: Dtype> Trainer<T> {
         let e = self.experts.as_ref()?;
         let opt = self.updater.expert_optimizer()?.state();
         Some(RankState {
-            owned: e.zero.owned(),
-            master: e.zero.master().to_vec(),
+            owned: e.store.owned(),
+            master: e.store.master().to_vec(),
             optimizer_step: opt.step,
             buffers: opt
                 .buffers
@@ -825,22 +754,22 @@ impl<T: Dtype> Trainer<T> {
         experts: Option<RankState>,
         counters: Counters,
     ) -> Result<()> {
-        check_owned(Some(&state), Some(self.zero.owned()))?;
+        check_owned(Some(&state), Some(self.dense.store.owned()))?;
         check_owned(experts.as_ref(), self.expert_owned())?;
         self.updater
             .restore(counters, state.optimizer_step, &state.buffers)?;
         if let (Some(s), Some(e)) = (experts, self.experts.as_mut()) {
             self.updater.restore_experts(s.optimizer_step, &s.buffers)?;
-            e.zero.master_mut().copy_from_slice(&s.master);
-            e.zero.publish()?;
+            e.store.master_mut().copy_from_slice(&s.master);
+            e.store.publish()?;
         }
         self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
         self.saved.clear();
         match self.updater.offloaded() {
-            Some(o) => o.restore_master(&state.master, &mut self.zero)?,
+            Some(o) => o.restore_master(&state.master, &mut self.dense.store)?,
             None => {
-                self.zero.master_mut().copy_from_slice(&state.master);
-                self.zero.publish()?;
+                self.dense.store.master_mut().copy_from_slice(&state.master);
+                self.dense.store.publish()?;
             }
         }
         Ok(())
@@ -869,13 +798,13 @@ impl<T: Dtype> Trainer<T> {
     /// Every parameter's fp32 master value, whole, in flat order (a collective).
     pub fn gather_master(&self) -> Result<Vec<f32>> {
         match self.updater.offloaded() {
-            Some(o) => Ok(self.zero.gather(&o.master()?)?),
-            None => Ok(self.zero.gather_master()?),
+            Some(o) => Ok(self.dense.store.gather(&o.master()?)?),
+            None => Ok(self.dense.store.gather_master()?),
         }
     }
 
     pub fn index(&self) -> &FlatIndex {
-        &self.index
+        &self.dense.layout.index
     }
 
     /// The frozen parameters' values, whole, in their flat order, with their layout (a
@@ -883,7 +812,7 @@ impl<T: Dtype> Trainer<T> {
     pub fn gather_frozen(&self) -> Result<Option<(Vec<f32>, &FlatIndex)>> {
         match &self.frozen {
             None => Ok(None),
-            Some(f) => Ok(Some((f.store.gather()?, &f.index))),
+            Some(f) => Ok(Some((f.store.gather()?, &f.layout.index))),
         }
     }
 }
@@ -963,4 +892,40 @@ fn add_at(v: &mut Vec<std::time::Duration>, i: usize, d: std::time::Duration) {
         v.resize(i + 1, std::time::Duration::ZERO);
     }
     v[i] += d;
+}
+
+/// How the trained groups' ZeRO stores are built: the job's settings, placements and groups.
+struct TrainedStore<'a> {
+    settings: &'a Settings,
+    places: &'a ds_partition::Placements,
+    tp: &'a Group,
+    pp: Option<&'a Group>,
+}
+
+impl TrainedStore<'_> {
+    /// A group's store over `dp`, its buckets planned by layer; its replicated parameters
+    /// (but the tied `copies`, which the tie reduces) reduced over the tensor-parallel group.
+    fn build<T: Dtype>(
+        &self,
+        layout: &StoreLayout,
+        dp: Group,
+        init: &mut InitFn<'_, EngineError>,
+        swap: Option<ParamSwap<'_>>,
+        copies: Vec<Range<usize>>,
+    ) -> Result<Zero<T>> {
+        let index = &layout.index;
+        let numel = index.numel();
+        let mut zero = Zero::new(numel, self.settings.zero, dp, init, swap, self.places)?;
+        zero.plan_buckets(&layout.layer_flat);
+        let replicated = index.entries().iter().filter(|e| e.split.is_replicated());
+        let replicated = replicated
+            .map(|e| e.range())
+            .filter(|r| !copies.contains(r));
+        zero.set_tensor_parallel(self.tp.clone(), replicated.collect());
+        zero.set_duplicates(copies);
+        if let Some(pp) = self.pp {
+            zero.set_pipeline(pp.clone());
+        }
+        Ok(zero)
+    }
 }
