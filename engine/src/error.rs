@@ -29,8 +29,31 @@ pub enum EngineError {
     /// A program's closure failed to give the engine its input (a data loader's error).
     #[error(transparent)]
     Input(BoxError),
+    /// A ds_config setting, flag or training argument that cannot be used (the message
+    /// names it: its JSON path or flag, and its value).
     #[error("{0}")]
-    Invalid(String),
+    Setting(String),
+    /// A program drove the engine wrongly: a call out of order, a batch of the wrong shape,
+    /// a config not resolved for the groups given.
+    #[error("{0}")]
+    Call(String),
+    /// A combination of features ds-rs does not build; the message says what works instead.
+    #[error("{0}")]
+    NotBuilt(String),
+    /// The model breaks a contract the engine relies on (a layer's gradients, a tie, a
+    /// replicated parameter that differs between ranks, a model that cannot be built).
+    #[error("{0}")]
+    Model(String),
+    /// A checkpoint or saved state that does not fit this run.
+    #[error("{0}")]
+    Resume(String),
+    /// Training diverged beyond what the engine can recover (the fp16 loss scale at its
+    /// minimum and still overflowing).
+    #[error("{0}")]
+    Diverged(String),
+    /// ds-rs's own invariant broke: a bug to report, not the user's doing.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
 }
 
 /// Any error a program's closure returns to the engine.

@@ -59,7 +59,7 @@ impl Job {
     /// The engine for `model` (built for this job's tensor-parallel group, `tp()`).
     pub fn initialize(&self, model: Model, opts: &EngineOptions) -> Result<Engine> {
         Engine::initialize(model, &self.config, &self.groups, opts)
-            .map_err(|e| EngineError::Invalid(format!("{}: {e}", self.source)))
+            .map_err(|e| EngineError::at(self.source.to_string(), e))
     }
 
     pub fn groups(&self) -> &Groups {

@@ -40,7 +40,7 @@ impl ConfigSource<'_> {
         match self {
             ConfigSource::File(p) => Ok(ds_config::load(p)?),
             ConfigSource::Text { text, name } => ds_config::hjson::parse(text).map_err(|e| {
-                EngineError::at(name.to_string(), EngineError::Invalid(e.to_string()))
+                EngineError::at(name.to_string(), EngineError::Setting(e.to_string()))
             }),
         }
     }
@@ -116,7 +116,7 @@ impl JobPlan {
         let parallel = Parallel::of(groups, self.config.sequence_parallel);
         let layers = model
             .build(&parallel)
-            .map_err(|e| EngineError::at(model.describe(), EngineError::Invalid(e)))?;
+            .map_err(|e| EngineError::at(model.describe(), EngineError::Model(e)))?;
         Engine::initialize(layers, &self.config, groups, &opts)
     }
 }
@@ -163,7 +163,7 @@ fn resolved(
 
 /// The model checked against the config's layout; with a pipeline, the stages it splits into.
 fn check_model(config: &Config, model: &dyn Architecture) -> Result<()> {
-    let named = |e: String| EngineError::at(model.describe(), EngineError::Invalid(e));
+    let named = |e: String| EngineError::at(model.describe(), EngineError::Model(e));
     model.check_layout(config).map_err(named)?;
     if config.dims.pp > 1 {
         let layers = model.build(&Parallel::tensor(Tp::none())).map_err(named)?;
@@ -180,7 +180,7 @@ fn with_sp(doc: &mut Value, sp: usize, name: &str) -> Result<()> {
     };
     let said = root.get("sequence_parallel_size").and_then(|v| v.as_f64());
     if let Some(n) = said.filter(|&n| n != sp as f64) {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Setting(format!(
             "--sp {sp} and {name}'s sequence_parallel_size {n} disagree"
         )));
     }
@@ -196,13 +196,13 @@ pub fn with_ep(mut config: Config, ep: Option<usize>, name: &str) -> Result<Conf
     };
     let from_config = config.expert_parallel.size();
     if from_config > 1 && ep != from_config {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Setting(format!(
             "--ep {ep} and {name}'s expert_parallel.autoep_size {from_config} disagree"
         )));
     }
     config.dims = config
         .dims
         .with_ep(ep)
-        .map_err(|e| EngineError::at(format!("--ep {ep}"), EngineError::Invalid(e)))?;
+        .map_err(|e| EngineError::at(format!("--ep {ep}"), EngineError::Setting(e)))?;
     Ok(config)
 }

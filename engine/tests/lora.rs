@@ -58,7 +58,7 @@ fn finetune(world: usize, stage: u8, base: Arc<PathBuf>, taped: bool) -> Vec<Run
         let m = match taped {
             false => model::build(c, job.tp())?,
             true => ds_models::llama::build(&ds_models_config(&c), &job.parallel())
-                .map_err(ds_engine::EngineError::Invalid)?,
+                .map_err(ds_engine::EngineError::Model)?,
         };
         let opts = EngineOptions {
             init: Some(base.to_path_buf()),

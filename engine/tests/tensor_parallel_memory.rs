@@ -56,7 +56,7 @@ fn memory_report_holds_the_slices() {
             let groups = Groups::new(&comm, dims)?;
             let model = GPT
                 .build_parallel(&Tp::new(groups.tp().clone()))
-                .map_err(ds_engine::EngineError::Invalid)?;
+                .map_err(ds_engine::EngineError::Model)?;
             let e = Engine::initialize(model, &cfg, &groups, &EngineOptions::default())?;
             Ok::<_, ds_engine::EngineError>(e.memory_report())
         })

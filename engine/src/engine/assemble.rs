@@ -87,7 +87,7 @@ impl Engine {
 /// the engine cannot carry out.
 fn check_job(config: &Config, groups: &Groups) -> Result<()> {
     if groups.dims() != config.dims {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Call(format!(
             "the config was resolved for {}, the groups are {}",
             config.dims,
             groups.dims()
@@ -97,7 +97,7 @@ fn check_job(config: &Config, groups: &Groups) -> Result<()> {
     config.check_implemented()?;
     let asked = config.expert_parallel.size();
     if asked > 1 && config.dims.ep != asked {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Call(format!(
             "expert_parallel.autoep_size {asked} is not in the layout ({}): resolve the config with Config::with_expert_parallel, as Job::init does",
             config.dims
         )));
@@ -384,13 +384,13 @@ fn check_experts(frozen: &[ParamSpec], settings: &Settings, expert_parallel: boo
         return Ok(());
     }
     if let Some(p) = frozen.iter().find(|p| p.expert) {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::NotBuilt(format!(
             "{} is a frozen expert: freezing experts under expert parallelism is not built yet",
             p.name
         )));
     }
     if settings.nvme_optimizer.is_some() || settings.nvme_params.is_some() {
-        return Err(EngineError::Invalid(
+        return Err(EngineError::NotBuilt(
             "zero_optimization.offload_optimizer/offload_param to nvme under expert parallelism is not built yet (the experts' store stays in memory): offload to cpu, or train at ep 1".into(),
         ));
     }
@@ -404,7 +404,7 @@ fn check_frozen(specs: &[ParamSpec], pipelined: bool) -> Result<()> {
         return Ok(());
     }
     if specs.iter().all(|p| p.frozen) {
-        return Err(EngineError::Invalid(
+        return Err(EngineError::Model(
             "every parameter of the model is frozen: nothing would train".into(),
         ));
     }
@@ -414,14 +414,14 @@ fn check_frozen(specs: &[ParamSpec], pipelined: bool) -> Result<()> {
         .into_iter()
         .find(|p| p.frozen || frozen(p.value_name()))
     {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::NotBuilt(format!(
             "{} is tied to {}: tied parameters cannot be frozen yet",
             p.name,
             p.value_name()
         )));
     }
     if pipelined {
-        return Err(EngineError::Invalid(
+        return Err(EngineError::NotBuilt(
             "frozen parameters under pipeline parallelism are not supported yet".into(),
         ));
     }

@@ -64,7 +64,7 @@ impl TrialProbe {
             std::fs::write(&partial, metrics.to_string())
                 .and_then(|_| std::fs::rename(&partial, &self.path))
                 .map_err(|e| {
-                    EngineError::Invalid(format!(
+                    EngineError::Setting(format!(
                         "autotuning.metric_path {}: {e}",
                         self.path.display()
                     ))

@@ -69,7 +69,7 @@ impl ParamGroup {
     /// name), at first with the optimizer's own settings.
     pub fn names(pattern: &str) -> Result<ParamGroup> {
         let re = Regex::new(pattern).map_err(|e| {
-            EngineError::Invalid(format!("parameter group pattern {pattern:?}: {e}"))
+            EngineError::Setting(format!("parameter group pattern {pattern:?}: {e}"))
         })?;
         Ok(ParamGroup {
             select: Select::Names(re),
@@ -141,7 +141,7 @@ impl GroupRules<'_> {
     /// Each named group must name a parameter of the model and have sane settings.
     pub fn check(&self, specs: &[ParamSpec]) -> Result<()> {
         for g in self.named {
-            let bad = |what: String| EngineError::Invalid(format!("{}: {what}", g.describe()));
+            let bad = |what: String| EngineError::Setting(format!("{}: {what}", g.describe()));
             if !(g.hyper.lr_scale.is_finite() && g.hyper.lr_scale >= 0.0) {
                 return Err(bad(format!(
                     "lr_scale {} is not a non-negative number",

@@ -182,7 +182,7 @@ impl LayerParams {
     /// experts'; those of frozen parameters are dropped.
     pub fn taped_grads<T: Dtype>(&self, layer: &str, grads: Vec<Tensor>) -> Result<LayerGrads<T>> {
         if grads.len() != self.declared.len() {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Model(format!(
                 "layer {layer}'s backward returned {} gradients for {} parameters",
                 grads.len(),
                 self.declared.len()
@@ -199,7 +199,7 @@ impl LayerParams {
         let grads: Vec<Tensor> = dense.into_iter().chain(experts).collect();
         for ((g, v), name) in grads.iter().zip(&self.tensors).zip(&self.names) {
             if g.dims() != v.dims() {
-                return Err(EngineError::Invalid(format!(
+                return Err(EngineError::Model(format!(
                     "the gradient of {name} has shape {:?}, the parameter {:?}",
                     g.dims(),
                     v.dims()

@@ -178,13 +178,13 @@ impl Engine {
         self.not_pipelined("forward")?;
         let rows = self.settings.micro_batch;
         if let Some((name, dims)) = inputs.not_leading(rows) {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Call(format!(
                 "forward: the batch tensor {name:?} has shape {dims:?}; its leading dimension must be the micro-batch, train_micro_batch_size_per_gpu = {rows}"
             )));
         }
         let inputs = inputs.to_device(&self.device())?;
         let x = inputs.first().cloned().ok_or_else(|| {
-            EngineError::Invalid("forward: the batch holds no tensor for the first layer".into())
+            EngineError::Call("forward: the batch holds no tensor for the first layer".into())
         })?;
         let y = each!(&mut self.core, t => t.forward_stage(x, inputs))?;
         let output = candle_core::Var::from_tensor(&y.detach())?;
@@ -199,20 +199,20 @@ impl Engine {
     pub fn infer(&mut self, inputs: &Inputs) -> Result<candle_core::Tensor> {
         self.not_pipelined("infer")?;
         if self.output.is_some() {
-            return Err(EngineError::Invalid(
+            return Err(EngineError::Call(
                 "infer() between forward() and backward(): finish the micro-batch first".into(),
             ));
         }
         let rows = inputs.first().and_then(|t| t.dims().first().copied());
         if let Some((name, dims)) = rows.and_then(|r| inputs.not_leading(r)) {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Call(format!(
                 "infer: the batch tensor {name:?} has shape {dims:?}, its first dimension differs from the first tensor's ({})",
                 rows.unwrap_or(0)
             )));
         }
         let inputs = inputs.to_device(&self.device())?;
         let x = inputs.first().cloned().ok_or_else(|| {
-            EngineError::Invalid("infer: the batch holds no tensor for the first layer".into())
+            EngineError::Call("infer: the batch holds no tensor for the first layer".into())
         })?;
         let y = each!(&mut self.core, t => t.evaluate_stage(x, inputs))?;
         Ok(y.detach())
@@ -227,9 +227,9 @@ impl Engine {
         let output = self
             .output
             .take()
-            .ok_or_else(|| EngineError::Invalid("backward() needs a forward() first".into()))?;
+            .ok_or_else(|| EngineError::Call("backward() needs a forward() first".into()))?;
         if loss.elem_count() != 1 {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Call(format!(
                 "backward: the loss must be a scalar, it has shape {:?}",
                 loss.dims()
             )));
@@ -237,7 +237,7 @@ impl Engine {
         let seed = each!(&self.core, t => t.loss_seed());
         let grads = loss.affine(seed, 0.0)?.backward()?;
         let dy = grads.get(output.as_tensor()).cloned().ok_or_else(|| {
-            EngineError::Invalid(
+            EngineError::Call(
                 "backward: the loss does not depend on the output of forward(), so on no trainable parameter".into(),
             )
         })?;
@@ -285,7 +285,7 @@ impl Engine {
             losses.push(loss.detach());
         }
         let outcome = self.step()?.ok_or_else(|| {
-            EngineError::Invalid(
+            EngineError::Call(
                 "train_batch: an accumulation window was already open (forward/backward \
                  called without step); finish it with step() first"
                     .into(),
@@ -310,7 +310,7 @@ impl Engine {
         let (sum, outcome) = each!(&mut self.core, t => pipe::train_batch(t, stage, ga, next))
             .map_err(|e| pipe::name_stages(e, stage))?;
         let outcome = outcome.ok_or_else(|| {
-            EngineError::Invalid("pipe schedule: the batch ended without an optimizer step".into())
+            EngineError::Internal("pipe schedule: the batch ended without an optimizer step".into())
         })?;
         let mut loss = [sum / ga as f32];
         stage
@@ -347,7 +347,7 @@ impl Engine {
     fn not_pipelined(&self, what: &str) -> Result<()> {
         match &self.stage {
             None => Ok(()),
-            Some(s) => Err(EngineError::Invalid(format!(
+            Some(s) => Err(EngineError::Call(format!(
                 "{what}() with pipeline parallelism ({} stages): use train_batch / eval_batch, as DeepSpeed's PipelineEngine",
                 s.stages
             ))),
@@ -536,7 +536,7 @@ impl Engine {
     fn checkpoint_params(&self) -> Result<Vec<checkpoint::ParamEntry>> {
         self.checkpoint_params
             .clone()
-            .map_err(|why| EngineError::Invalid(format!("checkpoints: {why}")))
+            .map_err(|why| EngineError::Model(format!("checkpoints: {why}")))
     }
 
     /// This rank's position in the data-parallel group.
@@ -570,7 +570,7 @@ impl Engine {
     /// weights file and the checkpoint of `save_weights` / `save_checkpoint` hold them all).
     pub fn gather_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
         if let ep @ 2.. = self.groups.experts().ep.size() {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::NotBuilt(format!(
                 "gather_params under expert parallelism (ep {ep}) is not built: each rank holds only its experts; save_weights writes the whole model"
             )));
         }
@@ -680,7 +680,7 @@ fn check_replicated(name: &str, held: &[&[f32]], range: std::ops::Range<usize>) 
     };
     match (1..held.len()).find(|&r| bits(held[r]) != bits(held[0])) {
         None => Ok(()),
-        Some(r) => Err(EngineError::Invalid(format!(
+        Some(r) => Err(EngineError::Model(format!(
             "{name} differs between tensor-parallel ranks 0 and {r}: a replicated parameter must stay identical"
         ))),
     }

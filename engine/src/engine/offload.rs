@@ -39,7 +39,7 @@ impl OffloadedStates {
         io: &Arc<SwapIo>,
     ) -> Result<OffloadedStates> {
         let space = SwapSpace::create(nvme_path, rank, "optimizer", io).map_err(|e| {
-            EngineError::Invalid(format!("zero_optimization.offload_optimizer: {e}"))
+            EngineError::Setting(format!("zero_optimization.offload_optimizer: {e}"))
         })?;
         let file = space.file("master", master.len())?;
         for (i, piece) in master.chunks(CHUNK).enumerate() {
@@ -109,7 +109,7 @@ impl OffloadedStates {
                     .states
                     .iter()
                     .find(|(n, _)| *n == name)
-                    .ok_or_else(|| EngineError::Invalid(format!("no offloaded state {name}")))?;
+                    .ok_or_else(|| EngineError::Internal(format!("no offloaded state {name}")))?;
                 Ok((name.to_string(), read_all(file)?))
             })
             .collect()
@@ -133,7 +133,7 @@ impl OffloadedStates {
                 .states
                 .iter()
                 .find(|(n, _)| n == name)
-                .ok_or_else(|| EngineError::Invalid(format!("no offloaded state {name}")))?;
+                .ok_or_else(|| EngineError::Internal(format!("no offloaded state {name}")))?;
             write_all(file, values)?;
         }
         Ok(())
@@ -150,7 +150,7 @@ fn read_all(file: &SwapFile) -> Result<Vec<f32>> {
 
 fn write_all(file: &SwapFile, values: &[f32]) -> Result<()> {
     if values.len() != file.len() {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Resume(format!(
             "{}: {} values for a shard of {}",
             file.path().display(),
             values.len(),

@@ -115,7 +115,7 @@ impl PipeLayout {
 /// over the layers' report names).
 fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>> {
     let method = PartitionMethod::parse(method)
-        .map_err(|e| EngineError::Invalid(format!("pipeline.partition: {e}")))?;
+        .map_err(|e| EngineError::Setting(format!("pipeline.partition: {e}")))?;
     let layers: Vec<LayerInfo> = model
         .layers()
         .iter()
@@ -125,7 +125,7 @@ fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>
         })
         .collect();
     partition_layers(&layers, stages, &method)
-        .map_err(|e| EngineError::Invalid(format!("pipeline: {e}")))
+        .map_err(|e| EngineError::Setting(format!("pipeline: {e}")))
 }
 
 /// The pipeline layout of `model` for a config with `pipeline.stages` > 1, after the checks
@@ -135,7 +135,7 @@ fn stage_layers(model: &Model, stages: usize, method: &str) -> Result<Vec<usize>
 pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<PipeLayout> {
     let stages = config.dims.pp;
     if config.zero_stage().partitions_gradients() {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Setting(format!(
             "zero_optimization.stage = {}: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism ({stages} stages); use stage 0 or 1",
             config.zero_stage()
         )));
@@ -154,7 +154,7 @@ pub fn pipeline_layout(config: &ds_config::Config, model: &Model) -> Result<Pipe
         .max(1) as usize;
     if let Some(shape) = layout.interleaving(micro_batches) {
         shape.check().map_err(|e| {
-            EngineError::Invalid(format!("pipeline.virtual_stages = {chunks}: {e}"))
+            EngineError::Setting(format!("pipeline.virtual_stages = {chunks}: {e}"))
         })?;
     }
     Ok(layout)
@@ -313,7 +313,7 @@ fn train_batch_interleaved<T: Dtype>(
         micro_batches,
     };
     let ticks: Vec<Tick> = interleaved_schedule(shape)
-        .map_err(|e| EngineError::Invalid(format!("pipeline.virtual_stages: {e}")))?
+        .map_err(|e| EngineError::Setting(format!("pipeline.virtual_stages: {e}")))?
         .swap_remove(stage.stage);
     let last_chunk = stage.chunks.len() - 1;
     let mut loader = Loader {
@@ -444,7 +444,7 @@ pub(crate) fn eval_batch<T: Dtype>(
                     pending.send_output(stage, &mut slots[buffer], buffer)?;
                 }
                 other => {
-                    return Err(EngineError::Invalid(format!(
+                    return Err(EngineError::Internal(format!(
                         "inference schedule: unexpected {}",
                         other.name()
                     )))
@@ -486,7 +486,7 @@ fn eval_round<T: Dtype>(t: &mut Trainer<T>, stage: &Stage, batch: &Batch) -> Res
 }
 
 fn missing(what: &str, at: usize) -> EngineError {
-    EngineError::Invalid(format!(
+    EngineError::Internal(format!(
         "pipe schedule: no {what} for buffer or micro-batch {at} (an instruction out of order)"
     ))
 }
@@ -512,7 +512,7 @@ impl Wire {
     fn of(t: &Tensor) -> Result<Wire> {
         let dims = t.dims();
         if dims.len() > HEADER - 2 {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Model(format!(
                 "pipeline: a tensor of {} dimensions cannot be sent (at most {})",
                 dims.len(),
                 HEADER - 2
@@ -524,7 +524,7 @@ impl Wire {
             DType::BF16 => (1.0, Payload::Bf16(flat.to_vec1()?)),
             DType::F16 => (2.0, Payload::F16(flat.to_vec1()?)),
             d => {
-                return Err(EngineError::Invalid(format!(
+                return Err(EngineError::Model(format!(
                     "pipeline: cannot send {d:?} tensors"
                 )))
             }

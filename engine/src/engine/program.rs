@@ -25,7 +25,7 @@ pub(super) fn optimizer_and_schedule(config: &Config) -> Result<ProgramOptimizer
         (Some(section), _) => (section.clone(), DecayGroups::All),
         (None, Some(args)) => (adamw(args), DecayGroups::ExceptBiasesAndNorms),
         (None, None) => {
-            return Err(EngineError::Invalid(
+            return Err(EngineError::Setting(
                 "ds_config has no `optimizer` section, and no training arguments to build one \
                  from (resolve the config with ds_config::resolve_with_args)"
                     .into(),
@@ -70,7 +70,7 @@ fn adamw(args: &TrainingArgs) -> TypedSection {
 fn hf_schedule(args: &TrainingArgs, base_lr: f64, total: Option<i64>) -> Result<LrSchedule> {
     let kind = args.scheduler_type();
     let missing = || {
-        EngineError::Invalid(format!(
+        EngineError::Setting(format!(
             "--lr_scheduler_type {}: the schedule needs its total steps; give --max_steps",
             kind.name()
         ))
@@ -111,7 +111,7 @@ fn base_lr(section: &TypedSection) -> Result<f64> {
     match section.params.as_ref().and_then(|p| p.get("lr")) {
         None => Ok(1e-3),
         Some(v) => v.as_f64().ok_or_else(|| {
-            EngineError::Invalid(format!("optimizer.params.lr: expected a number, got {v}"))
+            EngineError::Setting(format!("optimizer.params.lr: expected a number, got {v}"))
         }),
     }
 }

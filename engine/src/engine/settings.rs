@@ -149,13 +149,13 @@ fn nvme_dir(
         return Ok(None);
     };
     if let Err(needs) = stage {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Setting(format!(
             "{section}.device = \"nvme\" needs {needs}"
         )));
     }
     match path.filter(|p| !p.is_empty()) {
         Some(p) => Ok(Some(p.into())),
-        None => Err(EngineError::Invalid(format!(
+        None => Err(EngineError::Setting(format!(
             "{section}.nvme_path: required with device \"nvme\" (a directory on the disk to swap to)"
         ))),
     }
@@ -202,7 +202,7 @@ fn zero_options(cfg: &Config) -> Result<ZeroOptions> {
 fn positive(v: Option<i64>, path: &str) -> Result<usize> {
     match v {
         Some(n) if n > 0 => Ok(n as usize),
-        _ => Err(EngineError::Invalid(format!(
+        _ => Err(EngineError::Setting(format!(
             "{path}: must be a positive integer, got {v:?}"
         ))),
     }
@@ -210,7 +210,7 @@ fn positive(v: Option<i64>, path: &str) -> Result<usize> {
 
 fn elements(v: i64, path: &str) -> Result<usize> {
     usize::try_from(v)
-        .map_err(|_| EngineError::Invalid(format!("{path}: must not be negative, got {v}")))
+        .map_err(|_| EngineError::Setting(format!("{path}: must not be negative, got {v}")))
 }
 
 fn number(v: &Json, path: &str, default: f64) -> Result<f64> {
@@ -219,7 +219,7 @@ fn number(v: &Json, path: &str, default: f64) -> Result<f64> {
         Json::Bool(b) => Ok(f64::from(u8::from(*b))),
         v => v
             .as_f64()
-            .ok_or_else(|| EngineError::Invalid(format!("{path}: expected a number, got {v}"))),
+            .ok_or_else(|| EngineError::Setting(format!("{path}: expected a number, got {v}"))),
     }
 }
 

@@ -74,14 +74,14 @@ pub(crate) fn ties(
             .iter()
             .position(|p| &p.name == owner_name)
             .ok_or_else(|| {
-                EngineError::Invalid(format!(
+                EngineError::Model(format!(
                     "parameter {} is tied to {owner_name}, which the model does not have",
                     copy.name
                 ))
             })?;
         let owner = &all[o];
         if (&owner.shape, owner.split) != (&copy.shape, copy.split) || owner.tied.is_some() {
-            return Err(EngineError::Invalid(format!(
+            return Err(EngineError::Model(format!(
                 "parameter {} is tied to {owner_name}, which has another shape or split, or is itself tied",
                 copy.name
             )));
@@ -151,7 +151,7 @@ pub(crate) fn reduce_tied_sharded<T: Element>(ties: &[Tie], zero: &mut Zero<T>) 
         match tie {
             Tie::Local { owner, copy } => zero.sum_sharded_pair(owner.clone(), copy.clone())?,
             Tie::Remote { .. } => {
-                return Err(EngineError::Invalid(
+                return Err(EngineError::NotBuilt(
                     "a tie across pipeline stages needs whole gradients (ZeRO 0 or 1)".into(),
                 ))
             }

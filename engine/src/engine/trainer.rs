@@ -440,7 +440,7 @@ impl<T: Dtype> Trainer<T> {
     ) -> Result<Option<Tensor>> {
         let layers = self.running.clone();
         if self.saved.len() != layers.len() || layers.is_empty() {
-            return Err(EngineError::Invalid(
+            return Err(EngineError::Call(
                 "backward() needs a forward() first".into(),
             ));
         }
@@ -490,7 +490,7 @@ impl<T: Dtype> Trainer<T> {
                 }
                 (_, Some(dx)) => Some(dx),
                 (_, None) => {
-                    return Err(EngineError::Invalid(format!(
+                    return Err(EngineError::Model(format!(
                         "layer {i}'s output does not depend on its input"
                     )))
                 }
@@ -850,7 +850,7 @@ impl<T: Dtype> Trainer<T> {
 fn check_owned(state: Option<&RankState>, owned: Option<Range<usize>>) -> Result<()> {
     let covers = state.map(|s| (s.owned.clone(), s.master.len()));
     if covers != owned.clone().map(|o| (o.clone(), o.len())) {
-        return Err(EngineError::Invalid(format!(
+        return Err(EngineError::Resume(format!(
             "checkpoint state covers {:?}, this rank owns {owned:?}",
             state.map(|s| &s.owned)
         )));

@@ -91,7 +91,7 @@ impl Updater {
     /// experts' state.
     pub fn restore_experts(&mut self, step: u64, buffers: &[(String, Vec<f32>)]) -> Result<()> {
         let experts = self.experts.as_mut().ok_or_else(|| {
-            EngineError::Invalid("checkpoint: experts' state for a rank that holds none".into())
+            EngineError::Resume("checkpoint: experts' state for a rank that holds none".into())
         })?;
         let state = OptimizerState {
             step,
@@ -197,10 +197,9 @@ impl Updater {
         let norm = (zero.grad_norm_sq()? + experts_sq).sqrt() / scale;
         let overflow = !norm.is_finite();
         self.global_steps += 1;
-        let scaled = self
-            .scaler
-            .update(overflow)
-            .map_err(|e| EngineError::Invalid(format!("fp16: {e} (loss scale {})", e.cur_scale)))?;
+        let scaled = self.scaler.update(overflow).map_err(|e| {
+            EngineError::Diverged(format!("fp16: {e} (loss scale {})", e.cur_scale))
+        })?;
         let messages = scaled.log.into_iter().map(|l| l.text).collect();
         let outcome = StepOutcome {
             lr,

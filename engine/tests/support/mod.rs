@@ -66,5 +66,5 @@ pub fn markov_loader(engine: &Engine, seq: usize, states: usize, seed: u64) -> D
 
 /// A data error as the engine's, for closures that return the engine's results.
 pub fn data_err(e: impl std::fmt::Display) -> ds_engine::EngineError {
-    ds_engine::EngineError::Invalid(e.to_string())
+    ds_engine::EngineError::input(e.to_string())
 }
