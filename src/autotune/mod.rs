@@ -170,12 +170,7 @@ impl Tuner {
         };
         let fixed = train
             .as_ref()
-            .map_or(space::Fixed::default(), |t| space::Fixed {
-                tp: t.tp,
-                pp: t.pp,
-                ep: t.ep,
-                sp: t.sp,
-            });
+            .map_or(space::Fixed::default(), |t| t.layout.flags());
         let (groups, ranks) = cluster::groups(args)?;
         let at = &user["autotuning"];
         let text = |k: &str, d: &str| at.get(k).and_then(Json::as_str).unwrap_or(d).to_string();

@@ -153,13 +153,7 @@ fn zero_lists(user: &Json) -> Option<Vec<Dimension>> {
 }
 
 /// The degrees the train command's flags fix.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Fixed {
-    pub tp: Option<usize>,
-    pub pp: Option<usize>,
-    pub ep: Option<usize>,
-    pub sp: Option<usize>,
-}
+pub type Fixed = ds_engine::LayoutFlags;
 
 /// Tensor- x pipeline- x expert- x sequence-parallel degrees: the train command's flags, else
 /// the config's integers or lists (the expert-parallel size where its section is enabled).

@@ -50,21 +50,8 @@ pub struct TrainBenchArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1).
-    #[arg(long)]
-    tp: Option<usize>,
-    /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1); the config's
-    /// gradient_accumulation_steps are the micro-batches of a pipeline step.
-    #[arg(long)]
-    pp: Option<usize>,
-    /// Expert-parallel size (default: the config's expert_parallel.autoep_size when
-    /// enabled, else 1).
-    #[arg(long)]
-    ep: Option<usize>,
-    /// With --config: the sequence-parallel size (default: the config's
-    /// sequence_parallel_size, else 1).
-    #[arg(long)]
-    sp: Option<usize>,
+    #[command(flatten)]
+    layout: crate::flags::LayoutArgs,
     /// Positions per tile of the MLPs and the logits and loss (train's --tile).
     #[arg(long)]
     tile: Option<usize>,
@@ -89,12 +76,7 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     env.gpu = args.device.gpu_ordinal();
     // "auto" values and a missing optimizer as `train` fills them
     let overrides = ds_engine::Overrides {
-        layout: ds_engine::LayoutFlags {
-            tp: args.tp,
-            pp: args.pp,
-            ep: args.ep,
-            sp: args.sp,
-        },
+        layout: args.layout.flags(),
         training: Some(args.training.to_args()?),
         run_steps: Some((args.warmup + args.steps) as u64),
     };

@@ -29,20 +29,8 @@ pub struct EstimateArgs {
     /// With --config: the ranks of the job.
     #[arg(long, default_value_t = 1)]
     world_size: usize,
-    /// With --config: the tensor-parallel degree (default: the config's autotp_size).
-    #[arg(long)]
-    tp: Option<usize>,
-    /// With --config: the pipeline stages (default: the config's pipeline.stages).
-    #[arg(long)]
-    pp: Option<usize>,
-    /// With --config: the expert-parallel size (default: the config's
-    /// expert_parallel.autoep_size when enabled, else 1).
-    #[arg(long)]
-    ep: Option<usize>,
-    /// With --config: the sequence-parallel size (default: the config's
-    /// sequence_parallel_size, else 1).
-    #[arg(long)]
-    sp: Option<usize>,
+    #[command(flatten)]
+    layout: crate::flags::LayoutArgs,
     /// With --config: positions per tile of the MLPs and the logits and loss (train's
     /// --tile).
     #[arg(long)]
@@ -78,12 +66,7 @@ fn ds_rs_model(args: &EstimateArgs, path: &std::path::Path) -> anyhow::Result<Ex
     let model = ds_models::ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     // the job `train` would run: its default steps and training arguments
     let overrides = ds_engine::Overrides {
-        layout: ds_engine::LayoutFlags {
-            tp: args.tp,
-            pp: args.pp,
-            ep: args.ep,
-            sp: args.sp,
-        },
+        layout: args.layout.flags(),
         training: Some(ds_config::TrainingArgs::default()),
         run_steps: Some(crate::train::DEFAULT_STEPS),
     };

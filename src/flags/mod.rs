@@ -1,11 +1,13 @@
-//! The flags several commands share, in one place: `--dist_backend`, `--device`, Hugging
-//! Face's training arguments, `--autotuning`. A command's own flags live with the command.
+//! The flags several commands share, in one place: `--dist_backend`, `--device`, the parallel
+//! degrees, Hugging Face's training arguments, `--autotuning`. A command's own flags live with the command.
 
+mod layout;
 mod training_args;
 
 use ds_comm::Backend;
 use ds_engine::device::DeviceChoice;
 
+pub(crate) use layout::LayoutArgs;
 pub(crate) use training_args::TrainingArgsCli;
 
 /// `--autotuning`: tune only, or tune and then run the best configuration.

@@ -68,8 +68,8 @@ impl EvalArgs {
         t.tokenizer = self.tokenizer.clone();
         t.token_width = self.token_width.clone();
         t.init = self.init.clone();
-        t.tp = self.tp;
-        t.pp = self.pp;
+        t.layout.tp = self.tp;
+        t.layout.pp = self.pp;
         t.seed = self.seed;
         t.steps = Some(1);
         t.backend = self.backend.clone();

@@ -21,9 +21,7 @@ use anyhow::Context;
 use ds_comm::{init, options_for, Backend, Communicator, Groups};
 use ds_config::Config;
 use ds_engine::monitor::Monitor;
-use ds_engine::{
-    ConfigSource, Engine, EngineError, EngineOptions, JobPlan, LayoutFlags, Overrides,
-};
+use ds_engine::{ConfigSource, Engine, EngineError, EngineOptions, JobPlan, Overrides};
 use ds_models::ModelSpec;
 
 pub use metrics::{gather_memory, gpu_peak, memory_line, RankMemory};
@@ -134,25 +132,8 @@ pub struct TrainArgs {
     /// resumes from its own newest instead (a restart after the import).
     #[arg(long, requires = "save_dir")]
     resume_from_deepspeed: Option<PathBuf>,
-    /// Tensor-parallel degree (default: the config's tensor_parallel.autotp_size, else 1);
-    /// data parallelism takes the rest of the ranks.
-    #[arg(long)]
-    pub(crate) tp: Option<usize>,
-    /// Pipeline stages (default: the config's pipeline.stages, "auto" = 1).
-    #[arg(long)]
-    pub(crate) pp: Option<usize>,
-    /// Expert-parallel size (DeepSpeed-MoE's ep_size; default: the config's
-    /// expert_parallel.autoep_size when enabled, else 1): the data-parallel ranks in groups of
-    /// this many, among which a mixture of experts' experts are split; it divides the
-    /// data-parallel size and the number of experts.
-    #[arg(long)]
-    pub(crate) ep: Option<usize>,
-    /// Sequence-parallel size (DeepSpeed-Ulysses' sequence_parallel_size; default: the
-    /// config's, else 1): the data-parallel ranks in groups of this many, which read the same
-    /// samples and split each one's positions; it divides the data-parallel size, the
-    /// sequence length and the attention heads.
-    #[arg(long)]
-    pub(crate) sp: Option<usize>,
+    #[command(flatten)]
+    pub(crate) layout: crate::flags::LayoutArgs,
     /// Compute the MLPs and the logits and loss this many positions at a time, their
     /// activations computed again in backward (DeepSpeed's TiledMLP and
     /// TiledFusedLogitsLoss): their memory then no longer grows with the sequence. Off by
@@ -175,7 +156,7 @@ pub(crate) const DEFAULT_STEPS: u64 = 300;
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPlan)> {
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let overrides = Overrides {
-        layout: args.layout(),
+        layout: args.layout.flags(),
         training: Some(args.training.to_args()?),
         // with --epochs the step count needs the data: --max_steps sets the schedule's length
         run_steps: args
@@ -192,18 +173,6 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
         hf_out::check(args, &model, &plan.config)?;
     }
     Ok((model, plan))
-}
-
-impl TrainArgs {
-    /// The parallel degrees the command line asks for.
-    pub(crate) fn layout(&self) -> LayoutFlags {
-        LayoutFlags {
-            tp: self.tp,
-            pp: self.pp,
-            ep: self.ep,
-            sp: self.sp,
-        }
-    }
 }
 
 /// The config `--config` names, else the built-in default (configs/examples/zero2.json).
