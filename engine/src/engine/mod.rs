@@ -448,7 +448,7 @@ impl Engine {
             frozen: self.frozen.clone(),
         };
         let dense = each!(&self.core, t => t.rank_state())?;
-        let experts = each!(&self.core, t => t.expert_state());
+        let experts = each!(&self.core, t => t.expert_state())?;
         // Stage 0 keeps the whole range on every rank of a store's data-parallel group: one
         // copy is enough.
         let partitioned = self.settings.zero.stage.partitions_optimizer();

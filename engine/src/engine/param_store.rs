@@ -3,8 +3,8 @@
 //! store (where its values live and who holds which slice: a ZeRO store over its
 //! data-parallel group, trained, or a frozen one) and a `StoreLayout` (which flat range each
 //! layer reads). The layout is a pure function of the layers' parameter kinds
-//! (`StoreLayout::plan`); materialising a layer, adding its gradients and prefetching the
-//! next are the same code for every group.
+//! (`StoreLayout::plan`); materialising a layer, adding its gradients, prefetching the next,
+//! and a checkpoint's share out and back are the same code for every group.
 //!
 //! Note [expert gradients]: DeepSpeed averages an expert's gradient over the whole
 //! data-parallel world (`_reduce_expert_gradients` divides by its size), though only the
@@ -20,6 +20,9 @@ use ds_comm::Group;
 use ds_partition::{FlatIndex, Frozen, Values, Zero};
 
 use super::layers::{Dtype, Kind, LayerGrads, LayerParams};
+use super::offload::OffloadedStates;
+use crate::checkpoint::RankState;
+use crate::optim::OptimizerState;
 use crate::Result;
 
 /// Which part of a group's flat buffer each layer reads: per layer, the ids of its
@@ -136,6 +139,53 @@ impl<T: Dtype> ParamStore<Zero<T>> {
         let range = self.layer_range(i);
         let to_gpu = !self.store.placements().grads.is_host();
         grads.with_parts(to_gpu, |parts| Ok(self.store.add_grad(range, parts)?))
+    }
+}
+
+impl<T: Dtype> ParamStore<Zero<T>> {
+    /// This rank's share of the group for a checkpoint: its master range and its optimizer's
+    /// state `opt`, read back from disk where `offloaded` holds them (the same files as
+    /// without offload).
+    pub fn rank_state(
+        &self,
+        opt: OptimizerState<'_>,
+        offloaded: Option<&OffloadedStates>,
+    ) -> Result<RankState> {
+        let (master, buffers) = match offloaded {
+            None => (
+                self.store.master().to_vec(),
+                opt.buffers
+                    .iter()
+                    .map(|(n, b)| (n.to_string(), b.to_vec()))
+                    .collect(),
+            ),
+            Some(o) => {
+                let names: Vec<&str> = opt.buffers.iter().map(|(n, _)| *n).collect();
+                (o.master()?, o.states(&names)?)
+            }
+        };
+        Ok(RankState {
+            owned: self.store.owned(),
+            master,
+            optimizer_step: opt.step,
+            buffers,
+        })
+    }
+
+    /// A checkpoint's master range back into the group (through the disk where `offloaded`
+    /// holds it); the compute-dtype parameters follow (a collective).
+    pub fn restore_master(
+        &mut self,
+        master: &[f32],
+        offloaded: Option<&OffloadedStates>,
+    ) -> Result<()> {
+        match offloaded {
+            Some(o) => o.restore_master(master, &mut self.store),
+            None => {
+                self.store.master_mut().copy_from_slice(master);
+                Ok(self.store.publish()?)
+            }
+        }
     }
 }
 

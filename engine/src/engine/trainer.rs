@@ -694,26 +694,7 @@ impl<T: Dtype> Trainer<T> {
     /// This rank's share of the training state, for a checkpoint.
     pub fn rank_state(&self) -> Result<RankState> {
         let opt = self.updater.optimizer().state();
-        let (master, buffers) = match self.updater.offloaded() {
-            None => (
-                self.dense.store.master().to_vec(),
-                opt.buffers
-                    .iter()
-                    .map(|(n, b)| (n.to_string(), b.to_vec()))
-                    .collect(),
-            ),
-            // the same files as without offload, read back from disk
-            Some(o) => {
-                let names: Vec<&str> = opt.buffers.iter().map(|(n, _)| *n).collect();
-                (o.master()?, o.states(&names)?)
-            }
-        };
-        Ok(RankState {
-            owned: self.dense.store.owned(),
-            master,
-            optimizer_step: opt.step,
-            buffers,
-        })
+        self.dense.rank_state(opt, self.updater.offloaded())
     }
 
     /// The flat range (padded coordinates of the experts' buffer) this rank's experts'
@@ -724,19 +705,11 @@ impl<T: Dtype> Trainer<T> {
 
     /// This rank's share of its experts' store, for a checkpoint (the same buffers as the
     /// dense store's; the experts' store never reaches NVMe).
-    pub fn expert_state(&self) -> Option<RankState> {
-        let e = self.experts.as_ref()?;
-        let opt = self.updater.expert_optimizer()?.state();
-        Some(RankState {
-            owned: e.store.owned(),
-            master: e.store.master().to_vec(),
-            optimizer_step: opt.step,
-            buffers: opt
-                .buffers
-                .iter()
-                .map(|(n, b)| (n.to_string(), b.to_vec()))
-                .collect(),
-        })
+    pub fn expert_state(&self) -> Result<Option<RankState>> {
+        match (&self.experts, self.updater.expert_optimizer()) {
+            (Some(e), Some(opt)) => e.rank_state(opt.state(), None).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// The optimizer's state buffer names.
@@ -760,19 +733,12 @@ impl<T: Dtype> Trainer<T> {
             .restore(counters, state.optimizer_step, &state.buffers)?;
         if let (Some(s), Some(e)) = (experts, self.experts.as_mut()) {
             self.updater.restore_experts(s.optimizer_step, &s.buffers)?;
-            e.store.master_mut().copy_from_slice(&s.master);
-            e.store.publish()?;
+            e.restore_master(&s.master, None)?;
         }
         self.micro_steps = counters.global_steps * self.settings.grad_accum as u64;
         self.saved.clear();
-        match self.updater.offloaded() {
-            Some(o) => o.restore_master(&state.master, &mut self.dense.store)?,
-            None => {
-                self.dense.store.master_mut().copy_from_slice(&state.master);
-                self.dense.store.publish()?;
-            }
-        }
-        Ok(())
+        self.dense
+            .restore_master(&state.master, self.updater.offloaded())
     }
 
     /// The device the layers compute on (received activations land there).
