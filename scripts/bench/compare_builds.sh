@@ -30,6 +30,7 @@ for model in ${MODELS:-tiny small}; do
             ra+=("$(tokens "$a" "$model" "$stage")")
             rb+=("$(tokens "$b" "$model" "$stage")")
         done
+        echo "$model zero-$stage rounds: A ${ra[*]} | B ${rb[*]}" >&2
         ma=$(median "${ra[@]}") mb=$(median "${rb[@]}")
         printf "%-6s %-5s %12.0f %12.0f %7.3f\n" "$model" "$stage" "$ma" "$mb" \
             "$(python3 -c "print($mb / $ma)")"
