@@ -205,6 +205,50 @@ fn keep_checkpoints_prunes_the_oldest() {
     );
 }
 
+/// Checkpoint flags without --save-dir once did nothing, silently: each is now refused by
+/// the launcher, naming the flag and the one it needs, before any rank starts or writes.
+#[test]
+fn checkpoint_flags_without_a_save_dir_are_refused_by_name() {
+    let s = Scratch::new("ckpt-flags");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z1.json", &config(1, ""));
+    for flag in ["--resume", "--save-interval 1", "--keep-checkpoints 2"] {
+        let metrics = s.path(&format!("m{}", flag.len()));
+        let cmd = format!("{} {} {flag}", launch(2, &cfg), train(&model, 2, &metrics));
+        let f = run(&cmd, LIMIT);
+        assert!(
+            !f.status.success(),
+            "{flag} without --save-dir was accepted"
+        );
+        let name = flag.split(' ').next().unwrap();
+        assert!(
+            f.stderr.contains(&format!("{name} needs --save-dir")),
+            "{flag}: {}",
+            f.stderr
+        );
+        assert!(!f.stderr.contains("panicked"), "{flag}: {}", f.stderr);
+        assert!(is_empty_dir(&metrics), "{flag}: a rank started");
+    }
+}
+
+/// --resume on a --save-dir without checkpoints says so once and trains from step 0.
+#[test]
+fn resume_on_an_empty_save_dir_says_it_starts_fresh() {
+    let s = Scratch::new("ckpt-fresh");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z1.json", &config(1, ""));
+    let ckpt = s.path("ckpt");
+    let f = ok(&format!(
+        "{} {} --save-dir {} --resume",
+        launch(2, &cfg),
+        train(&model, 2, &s.path("m")),
+        ckpt.display()
+    ));
+    let said = f.stdout.matches("holds no checkpoint yet").count();
+    assert_eq!(said, 1, "said {said} times: {}", f.stdout);
+    assert_eq!(steps(&s.path("m")).len(), 2);
+}
+
 #[test]
 fn damaged_checkpoints_are_named_and_nothing_is_trained() {
     let s = Scratch::new("ckpt-damaged");

@@ -271,7 +271,7 @@ fn bad_input_gives_one_error_line() {
         good.display(),
         missing.display(),
     );
-    let cases: [(String, &[&str]); 6] = [
+    let cases: [(String, &[&str]); 7] = [
         (
             format!("launch --hostfile {hostfile} train"),
             &["line 2", "slots=two"],
@@ -295,6 +295,11 @@ fn bad_input_gives_one_error_line() {
         (
             "launch --nproc_per_node 1 --bind_cores_to_rank --bind_core_list 3-1 true".into(),
             &["--bind_core_list", "3-1"],
+        ),
+        // once ignored: a node rank means nothing without a multi-node launch
+        (
+            format!("launch --nproc_per_node 2 --config {good} --node_rank 1 train"),
+            &["--node_rank 1", "--hostfile"],
         ),
     ];
     for (args, needles) in cases {

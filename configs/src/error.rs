@@ -208,18 +208,16 @@ pub struct NotImplemented {
     pub value: String,
     /// What the value asks for.
     pub feature: &'static str,
-    /// The issue that implements it.
-    pub issue: u32,
     /// The value that asks for nothing.
     pub off: &'static str,
 }
 
 impl NotImplemented {
-    /// `path = value: feature is not implemented yet in ds-rs (issue N)`.
+    /// `path = value: feature is not implemented yet in ds-rs`.
     pub fn describe(&self) -> String {
         format!(
-            "{} = {}: {} is not implemented yet in ds-rs (issue {})",
-            self.path, self.value, self.feature, self.issue
+            "{} = {}: {} is not implemented yet in ds-rs",
+            self.path, self.value, self.feature
         )
     }
 }

@@ -37,7 +37,6 @@ impl Config {
             path: "expert_parallel.autoep_size",
             value: size.to_string(),
             feature: "AutoEP's expert parallelism folded over the tensor-parallel lanes (`--ep`, DeepSpeed-MoE's layout, combines with tensor parallelism)",
-            issue: 37,
             off: "1",
         })
     }
@@ -51,7 +50,6 @@ impl Config {
             path: "activation_checkpointing.partition_activations",
             value: "true".into(),
             feature: "activation checkpoints partitioned over the tensor-parallel ranks",
-            issue: 17,
             off: "false",
         })
     }

@@ -142,6 +142,12 @@ impl LaunchArgs {
 
 pub fn run(args: &LaunchArgs) -> anyhow::Result<ExitCode> {
     let stop = StopFlag::on_signals()?;
+    if let (Some(node), None) = (args.node_rank, &args.world_info) {
+        bail!(
+            "--node_rank {node} needs a multi-node launch: give --hostfile on the head node, \
+             whose launcher starts each node's launcher with its --node_rank"
+        );
+    }
     if let (Some(node), Some(info)) = (args.node_rank, &args.world_info) {
         // A node launcher: the head holds our stdin and closes it when it stops.
         stop.watch_stdin();

@@ -154,6 +154,7 @@ pub(crate) const DEFAULT_STEPS: u64 = 300;
 /// calls it too, so a bad combination is one error line before anything starts): the model,
 /// and the job plan (the resolved config and its layout, checked against the model).
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPlan)> {
+    check_flags(args)?;
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let overrides = Overrides {
         layout: args.layout.flags(),
@@ -173,6 +174,25 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
         hf_out::check(args, &model, &plan.config)?;
     }
     Ok((model, plan))
+}
+
+/// Flags that act only beside another are an error without it, naming the one they need:
+/// never silence.
+fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
+    if args.save_dir.is_none() {
+        let needs_dir = [
+            (args.resume, "--resume"),
+            (args.save_interval > 0, "--save-interval"),
+            (args.keep_checkpoints > 0, "--keep-checkpoints"),
+        ];
+        if let Some((_, flag)) = needs_dir.into_iter().find(|(given, _)| *given) {
+            anyhow::bail!(
+                "{flag} needs --save-dir: the directory the checkpoints are written to and \
+                 resumed from"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The config `--config` names, else the built-in default (configs/examples/zero2.json).

@@ -155,14 +155,18 @@ impl Run<'_> {
     }
 
     pub(super) fn print_summary(&self, v: &serde_json::Value, memory: &[metrics::RankMemory]) {
+        // the first step is warm-up: a run of one step has none timed
+        let speed = match v["median_tokens_per_s"].as_f64() {
+            Some(t) if t.is_finite() => format!("median {t:.0} tokens/s"),
+            _ => "no step after the first to time".to_string(),
+        };
         println!(
-            "done: {} steps ({:.3} epochs), loss {} -> {} (eval {}), median {:.0} tokens/s; summary in {}",
+            "done: {} steps ({:.3} epochs), loss {} -> {} (eval {}), {speed}; summary in {}",
             v["steps"],
             v["data"]["epochs"].as_f64().unwrap_or(0.0),
             v["first_loss"],
             v["final_loss"],
             v["final_eval_loss"],
-            v["median_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
             self.dir.join("summary.json").display()
         );
         if let (Some(d), Some(t)) = (v["median_data_ms"].as_f64(), v["median_step_ms"].as_f64()) {

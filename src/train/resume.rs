@@ -36,6 +36,12 @@ impl Run<'_> {
         }
         let t0 = Instant::now();
         let Some(m) = engine.load_checkpoint(dir, None)? else {
+            if rank0 && self.args.resume && !restarted {
+                println!(
+                    "--resume: {} holds no checkpoint yet; starting from step 0",
+                    dir.display()
+                );
+            }
             return Ok(0);
         };
         if let Some(why) = data.resume_conflict(&m.client_state["data"]) {
