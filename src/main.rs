@@ -9,11 +9,14 @@ mod train;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> ExitCode {
     keep_freed_memory();
-    let args = match cli::Cli::try_parse() {
+    let parsed = flags::both_spellings(cli::Cli::command())
+        .try_get_matches()
+        .and_then(|m| cli::Cli::from_arg_matches(&m));
+    let args = match parsed {
         Ok(args) => args,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };

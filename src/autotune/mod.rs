@@ -400,13 +400,9 @@ fn trial_training_args(
 }
 
 fn parse_train(program: &[String]) -> anyhow::Result<crate::train::TrainArgs> {
-    #[derive(clap::Parser)]
-    struct Train {
-        #[command(flatten)]
-        args: crate::train::TrainArgs,
-    }
-    let t = <Train as clap::Parser>::try_parse_from(program).context("the train arguments")?;
-    Ok(t.args)
+    let (t, _) = crate::flags::parse_args::<crate::train::TrainArgs>("train", program)
+        .context("the train arguments")?;
+    Ok(t)
 }
 
 /// The launcher options of this invocation (its arguments before the program), without the

@@ -408,20 +408,15 @@ impl<'a> Job<'a> {
 /// The bench commands' --nproc: this same command line as `nproc` ranks on this host over
 /// `transport`, their output passed through unchanged (rank 0 prints the report).
 pub fn spawn_local(nproc: usize, transport: &str) -> anyhow::Result<ExitCode> {
-    #[derive(clap::Parser)]
-    struct Launch {
-        #[command(flatten)]
-        args: LaunchArgs,
-    }
     let mut words: Vec<String> = ["launch", "--no_prefix", "--nproc_per_node"]
         .map(String::from)
         .into();
     words.push(nproc.max(1).to_string());
     words.extend(std::env::args().skip(1));
-    let launch = <Launch as clap::Parser>::try_parse_from(words).context("--nproc")?;
+    let (launch, _) = crate::flags::parse_args::<LaunchArgs>("launch", words).context("--nproc")?;
     // Inherited by the ranks; nothing else runs in this process yet.
     std::env::set_var("DS_RS_TRANSPORT", transport);
-    run(&launch.args)
+    run(&launch)
 }
 
 /// Whether the ranks start through the remote path (one launcher per host, or the scheduler's

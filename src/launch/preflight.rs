@@ -31,15 +31,13 @@ pub(super) fn check_train(
     world: usize,
     head: bool,
 ) -> anyhow::Result<()> {
-    use clap::{Args, FromArgMatches};
-    let parser = crate::train::TrainArgs::augment_args(clap::Command::new("train"));
-    let matches = match parser.try_get_matches_from(words) {
-        Ok(m) => m,
+    let parsed = crate::flags::parse_args::<crate::train::TrainArgs>("train", words);
+    let (mut args, matches) = match parsed {
+        Ok(parsed) => parsed,
         // --help, --version: the ranks answer it.
         Err(e) if !e.use_stderr() => return Ok(()),
         Err(e) => bail!("train: {}", first_line(&e.to_string())),
     };
-    let mut args = crate::train::TrainArgs::from_arg_matches(&matches)?;
     let own = matches.value_source("config") == Some(clap::parser::ValueSource::CommandLine);
     let warn = match (own, launcher_config) {
         (false, Some(c)) => {

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Args, FromArgMatches};
 use ds_comm::{init, options_for, Groups};
 use ds_data::{DataLoader, SampleOrder};
 use ds_engine::EngineOptions;
@@ -59,8 +58,7 @@ pub struct EvalArgs {
 impl EvalArgs {
     /// The training arguments that plan the same job (no steps are trained).
     fn as_train(&self) -> anyhow::Result<TrainArgs> {
-        let parser = TrainArgs::augment_args(clap::Command::new("train"));
-        let mut t = TrainArgs::from_arg_matches(&parser.get_matches_from(["train"]))?;
+        let (mut t, _) = crate::flags::parse_args::<TrainArgs>("train", ["train"])?;
         t.config = self.config.clone();
         t.model = self.model.clone();
         t.seq_len = self.seq_len;
