@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{error_lines, losses, read_weights, run, Scratch};
+use common::{config, error_lines, losses, read_weights, run, steps, Scratch, SMALL_MODEL};
 use serde_json::Value as Json;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -268,7 +268,8 @@ fn bad_training_arguments_are_one_error_and_nothing_starts() {
         (clip.clone(), "--max_grad_norm 1.0", "gradient_clipping = 0.5 in the config vs 1.0 from --max_grad_norm"),
         (bf16, "", "bfloat16.enabled: found \"auto\", expected a value: Hugging Face's Trainer does not fill this key and DeepSpeed would take its default, false"),
         (clip.clone(), "--per_device_train_batch_size 0", "--per_device_train_batch_size: found 0, expected a positive integer"),
-        (clip, "--lr_scheduler_type cosin", "--lr_scheduler_type: found 'cosin', expected one of linear, cosine"),
+        (clip.clone(), "--lr_scheduler_type cosin", "--lr_scheduler_type: found 'cosin', expected one of linear, cosine"),
+        (clip, "--max_steps 3", "--steps 2 and --max_steps 3 disagree"),
     ];
     for (i, (cfg, flags, want)) in cases.iter().enumerate() {
         let dir = s.path(&format!("run{i}"));
@@ -287,6 +288,27 @@ fn bad_training_arguments_are_one_error_and_nothing_starts() {
         assert!(errors[0].contains(want), "{flags}: {}", errors[0]);
         assert!(!dir.exists(), "{flags}: a rank started");
     }
+}
+
+/// `--max_steps` is the run's length, as in transformers (it once set only the schedule's
+/// total, and the run trained its default 300 steps).
+#[test]
+fn max_steps_is_the_runs_length() {
+    let s = Scratch::new("max-steps");
+    let cfg = s.write("c.json", &config(1, ""));
+    let model = s.write("model.json", SMALL_MODEL);
+    let dir = s.path("m");
+    let out = run(
+        &format!(
+            "launch --nproc_per_node 2 --config {} train --model {} --max_steps 3 --eval-batches 1 --metrics-dir {}",
+            cfg.display(),
+            model.display(),
+            dir.display()
+        ),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", out.stderr);
+    assert_eq!(steps(&dir).len(), 3);
 }
 
 /// The autotuner on real configs with Adam's betas: trials run, and the optimal config keeps

@@ -74,7 +74,8 @@ pub struct TrainArgs {
     /// Token width of a .bin file: u16 or u32.
     #[arg(long, default_value = "u16")]
     token_width: String,
-    /// Optimizer steps to train (default 300; --epochs overrides).
+    /// Optimizer steps to train (default 300; --epochs overrides); Hugging Face's --max_steps
+    /// says the same.
     #[arg(long)]
     steps: Option<u64>,
     /// Passes over the training data instead of --steps.
@@ -161,7 +162,7 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
         training: Some(args.training.to_args()?),
         // with --epochs the step count needs the data: --max_steps sets the schedule's length
         run_steps: args
-            .steps
+            .run_steps()?
             .or(args.epochs.is_none().then_some(DEFAULT_STEPS)),
     };
     let plan = JobPlan::new(
@@ -174,6 +175,21 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
         hf_out::check(args, &model, &plan.config)?;
     }
     Ok((model, plan))
+}
+
+impl TrainArgs {
+    /// The steps the run trains as the command line says them: `--steps`, or Hugging Face's
+    /// `--max_steps` (the run's length in transformers too); both, differing, are an error.
+    fn run_steps(&self) -> anyhow::Result<Option<u64>> {
+        // transformers' default max_steps is -1: not given
+        let max = self.training.max_steps.filter(|m| *m > 0).map(|m| m as u64);
+        match (self.steps, max) {
+            (Some(s), Some(m)) if s != m => anyhow::bail!(
+                "--steps {s} and --max_steps {m} disagree: both are the run's length; give one"
+            ),
+            (s, m) => Ok(s.or(m)),
+        }
+    }
 }
 
 /// Flags that act only beside another are an error without it, naming the one they need:
@@ -265,7 +281,7 @@ fn run_joined(
         },
         &data::Layout::of(&model, &s, &groups, args.seed),
     )?;
-    let steps = match (args.epochs, args.steps) {
+    let steps = match (args.epochs, args.run_steps()?) {
         (Some(e), _) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
         (None, Some(n)) => n,
         (None, None) => DEFAULT_STEPS,
