@@ -1,7 +1,7 @@
 //! The training loop of one rank in one compute dtype: layer-wise forward and backward over
 //! the parameters a ZeRO stage provides, and the optimizer step on the owned shard.
 //!
-//! Why long: one rank's forward, backward and step over the parameter groups are one state
+//! Why long: one rank's forward, backward and step over the parameter stores are one state
 //! machine (what is gathered, reduced and released when); pipe.rs and layers.rs hold the
 //! pipeline's and a layer's parts.
 
@@ -93,7 +93,7 @@ pub(crate) struct Trainer<T: Dtype> {
     experts: Option<ParamStore<Zero<T>>>,
     /// The frozen parameters (Model::freeze), when there are.
     frozen: Option<ParamStore<Frozen<T>>>,
-    /// Per layer, in its declaration order: which group holds each parameter.
+    /// Per layer, in its declaration order: which store holds each parameter.
     layer_kinds: Vec<Vec<Kind>>,
     updater: Updater,
     settings: Settings,
