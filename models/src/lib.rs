@@ -13,6 +13,8 @@ pub mod llama;
 pub mod loss;
 pub mod moe;
 #[cfg(test)]
+mod seq_len_tests;
+#[cfg(test)]
 mod taped_check;
 
 use std::path::{Path, PathBuf};
@@ -71,6 +73,11 @@ impl Arch {
     }
 }
 
+/// The longest sequence a run takes by default from a Hugging Face config.json, whose
+/// max_position_embeddings can be 131,072 (Llama 3), more than a machine here holds for one
+/// sample's activations; `--seq-len` asks for more.
+pub const DEFAULT_MAX_SEQ: usize = 2048;
+
 /// What `--model` names: an architecture, the sequence length it trains at, and the weights
 /// it starts from (a Hugging Face directory's), if any.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,7 +98,8 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// `spec` is a preset name, a GPT model JSON (`{"V", "T", "d", "H", "L"}`) or a Hugging
     /// Face model directory; `seq_len` (`--seq-len`) overrides the default length: a Hugging
-    /// Face config's `max_position_embeddings`, a preset's own, the GPT's T.
+    /// Face config's `max_position_embeddings` up to `DEFAULT_MAX_SEQ`, a preset's own, the
+    /// GPT's T.
     pub fn resolve(spec: &str, seq_len: Option<usize>) -> Result<ModelSpec, ModelError> {
         let mut source_config = None;
         let (arch, default_len, weights) = if let Some(c) = GptConfig::preset(spec) {
@@ -110,7 +118,7 @@ impl ModelSpec {
                 Arch::Gpt(c) => c.seq_len,
             };
             let w = weights::has_weights(dir).then(|| dir.to_path_buf());
-            (arch, len, w)
+            (arch, len.min(DEFAULT_MAX_SEQ), w)
         } else if spec.ends_with(".json") {
             let c = GptConfig::from_json_file(Path::new(spec)).map_err(|e| err(e.to_string()))?;
             (Arch::Gpt(c), c.seq_len, None)
@@ -133,6 +141,16 @@ impl ModelSpec {
             .check_seq_len()
             .map_err(|e| err(format!("--model {spec}: {e}")))?;
         Ok(spec_ok)
+    }
+
+    /// The most positions the architecture takes: its position table, or a config's
+    /// max_position_embeddings.
+    pub fn max_positions(&self) -> usize {
+        match &self.arch {
+            Arch::Gpt(c) => c.seq_len,
+            Arch::Gpt2(c) => c.gpt.seq_len,
+            Arch::Llama(c) => c.max_position_embeddings,
+        }
     }
 
     fn check_seq_len(&self) -> Result<(), String> {

@@ -42,8 +42,8 @@ pub struct TrainArgs {
     /// its model.safetensors or sharded index, when present, are the starting weights).
     #[arg(long, default_value = "tiny")]
     pub(crate) model: String,
-    /// Tokens per sample (default: the model's: a config.json's max_position_embeddings, a
-    /// preset's own, the GPT's T).
+    /// Tokens per sample (default: the model's: a config.json's max_position_embeddings up to
+    /// 2048, a preset's own, the GPT's T).
     #[arg(long)]
     pub(crate) seq_len: Option<usize>,
     /// markov (learnable, with a known loss floor), uniform (the peer benchmark's tokens), a
@@ -252,6 +252,15 @@ fn run_joined(
     let cfg = &plan.config;
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
         crate::launch::print_config_warnings(cfg);
+    }
+    // a config.json's length capped to ds_models::DEFAULT_MAX_SEQ: said, so it is no surprise
+    let capped = model.source_config.is_some() && model.seq_len < model.max_positions();
+    if comm.rank() == 0 && args.seq_len.is_none() && capped {
+        println!(
+            "sequence length {} by default (the model's config allows {}; --seq-len sets another)",
+            model.seq_len,
+            model.max_positions()
+        );
     }
     if comm.rank() == 0 {
         if let Some(line) = ds_engine::program_optimizer_line(cfg) {
