@@ -15,7 +15,7 @@ use ds_nn::kernels::grad::{
 use ds_nn::kernels::ops::gelu;
 use ds_nn::kernels::rms_swiglu;
 use ds_nn::model::tensor_bytes;
-use ds_nn::parallel::Tp;
+use ds_nn::parallel::{row_parallel_linear, Tp};
 
 use crate::loss::tiles;
 
@@ -47,10 +47,7 @@ impl Linear {
     /// A row-parallel product: the partial products summed over the group, the replicated
     /// bias added once after.
     pub fn forward_rows(&self, tp: &Tp, x: &Tensor) -> Result<Tensor> {
-        if tp.size() == 1 {
-            return self.forward(x);
-        }
-        add_bias(tp.reduce(&linear(x, &self.w, None)?)?, self.b.as_ref())
+        row_parallel_linear(tp, x, &self.w, self.b.as_ref())
     }
 }
 

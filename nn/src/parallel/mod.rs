@@ -29,13 +29,17 @@ use crate::kernels::grad::linear;
 
 /// A row-parallel linear `x W^T + b`: `x` is this rank's part of the input features
 /// [.., in/tp], `w` its columns [out, in/tp]; the partial products are summed over the
-/// tensor-parallel group, then the (replicated) bias is added once. At tp = 1 the plain fused
-/// linear.
-pub fn row_parallel_linear(tp: &Tp, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// tensor-parallel group, then the (replicated) bias, where there is one, is added once. At
+/// tp = 1 the plain fused linear.
+pub fn row_parallel_linear(tp: &Tp, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if tp.size() == 1 {
-        return linear(x, w, Some(b));
+        return linear(x, w, b);
     }
-    tp.reduce(&linear(x, w, None)?)?.broadcast_add(b)
+    let y = tp.reduce(&linear(x, w, None)?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
 }
 
 /// The layout as a model's layers see it: the groups its layers split over, given to the
