@@ -285,14 +285,12 @@ pub fn unused_flags(root: &Dict, args: &TrainingArgs) -> Vec<String> {
         }
     }
     // with no scheduler section these shape the program's schedule, when it builds one
+    // (--max_steps is never without effect: it is the run's length too)
     let program_schedule = args.builds_schedule(optimizer.is_some(), scheduler.is_some());
     if !program_schedule {
         let p = params("scheduler");
         if args.warmup_steps.is_some() && !has(p, "warmup_num_steps") {
             unused.push(("--warmup_steps", "scheduler.params.warmup_num_steps".into()));
-        }
-        if args.max_steps.is_some() && !has(p, "total_num_steps") {
-            unused.push(("--max_steps", "scheduler.params.total_num_steps".into()));
         }
     }
     if scheduler.is_some() && args.lr_scheduler_type.is_some() {

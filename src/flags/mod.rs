@@ -2,6 +2,7 @@
 //! degrees, Hugging Face's training arguments, `--autotuning`. A command's own flags live with the command.
 
 mod layout;
+mod trainer_run;
 mod training_args;
 
 use clap::{Args, FromArgMatches};
@@ -9,6 +10,7 @@ use ds_comm::Backend;
 use ds_engine::device::DeviceChoice;
 
 pub(crate) use layout::LayoutArgs;
+pub(crate) use trainer_run::{hf_bool, Strategy, TrainerRunArgs};
 pub(crate) use training_args::TrainingArgsCli;
 
 /// Every long flag of `cmd` and its subcommands answers to both its dash and its underscore

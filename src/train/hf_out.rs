@@ -124,3 +124,27 @@ pub(crate) fn export_hf_from(
     };
     Ok(export(stream, out, config, opts)?)
 }
+
+/// Where run_clm.py's `trainer.save_model()` goes (`--output_dir`), when this model and
+/// config can be exported; otherwise rank 0 says why not, as the Trainer does when it falls
+/// back to the checkpoint alone.
+pub(super) fn model_export(
+    args: &TrainArgs,
+    model: &ModelSpec,
+    cfg: &Config,
+    rank0: bool,
+) -> Option<std::path::PathBuf> {
+    let dir = args.trainer_plan.save_model.clone()?;
+    match check(args, model, cfg) {
+        Ok(()) => Some(dir),
+        Err(why) => {
+            if rank0 {
+                println!(
+                    "the trained model is not written to {} as a Hugging Face directory: {why}",
+                    dir.display()
+                );
+            }
+            None
+        }
+    }
+}

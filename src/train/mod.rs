@@ -7,6 +7,7 @@ pub(crate) mod chart;
 mod data;
 pub mod eval;
 mod flops;
+mod hf_args;
 pub(crate) mod hf_out;
 mod metrics;
 mod progress;
@@ -74,11 +75,12 @@ pub struct TrainArgs {
     /// Token width of a .bin file: u16 or u32.
     #[arg(long, default_value = "u16")]
     token_width: String,
-    /// Optimizer steps to train (default 300; --epochs overrides); Hugging Face's --max_steps
+    /// Optimizer steps to train (default 300, or --epochs' count); Hugging Face's --max_steps
     /// says the same.
     #[arg(long)]
     steps: Option<u64>,
-    /// Passes over the training data instead of --steps.
+    /// Passes over the training data; --steps or --max_steps, when given, override it (as the
+    /// Trainer's --max_steps overrides --num_train_epochs).
     #[arg(long)]
     epochs: Option<f64>,
     /// Seed of the initial weights and of the Markov data.
@@ -144,6 +146,11 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub(crate) training: crate::flags::TrainingArgsCli,
     #[command(flatten)]
+    pub(crate) trainer: crate::flags::TrainerRunArgs,
+    /// What the Trainer's arguments ask beyond the flags above (set by `resolved`).
+    #[arg(skip)]
+    pub(crate) trainer_plan: hf_args::TrainerPlan,
+    #[command(flatten)]
     pub(crate) backend: crate::flags::BackendArg,
     #[command(flatten)]
     pub(crate) device: crate::flags::DeviceArg,
@@ -155,6 +162,7 @@ pub(crate) const DEFAULT_STEPS: u64 = 300;
 /// calls it too, so a bad combination is one error line before anything starts): the model,
 /// and the job plan (the resolved config and its layout, checked against the model).
 pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPlan)> {
+    let args = &args.resolved()?;
     check_flags(args)?;
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
     let overrides = Overrides {
@@ -224,6 +232,7 @@ pub(crate) fn config_source(path: Option<&Path>) -> ConfigSource<'_> {
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    let args = &args.resolved()?;
     let mut env = options_for(args.backend.dist_backend).context("reading the rank environment")?;
     env.gpu = args.device.gpu_ordinal();
     ds_engine::crash_point::check()?;
@@ -290,16 +299,33 @@ fn run_joined(
         },
         &data::Layout::of(&model, &s, &groups, args.seed),
     )?;
-    let steps = match (args.epochs, args.run_steps()?) {
-        (Some(e), _) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
-        (None, Some(n)) => n,
+    let steps = match (args.run_steps()?, args.epochs) {
+        (Some(n), _) => n,
+        (None, Some(e)) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
         (None, None) => DEFAULT_STEPS,
     };
+    let per_epoch = (1.0 / data.train.epochs(1)).round().max(1.0) as u64;
+    let tp = &args.trainer_plan;
+    let export = args
+        .save_hf
+        .clone()
+        .or_else(|| hf_out::model_export(args, &model, cfg, comm.rank() == 0));
     let run = Run {
         args,
         model,
         cfg,
         steps,
+        eval_every: if tp.eval_each_epoch {
+            per_epoch
+        } else {
+            args.eval_interval
+        },
+        save_every: if tp.save_each_epoch {
+            per_epoch
+        } else {
+            args.save_interval
+        },
+        export,
         dir: metrics_dir(args, comm.rank())?,
         device,
     };
@@ -311,6 +337,11 @@ struct Run<'a> {
     model: ModelSpec,
     cfg: &'a Config,
     steps: u64,
+    /// Evaluate / save every N steps (0: not on a schedule).
+    eval_every: u64,
+    save_every: u64,
+    /// Where the trained model goes as a Hugging Face directory (--save-hf, --output_dir).
+    export: Option<PathBuf>,
     dir: PathBuf,
     /// Where the layers compute (a GPU's name and memory go into the summary).
     device: ds_engine::Device,
@@ -339,7 +370,9 @@ impl Run<'_> {
         };
         let m = &self.cfg.monitor;
         let mut monitor = Monitor::new(&m.tensorboard, &m.csv_monitor, comm.rank())?;
-        let mut progress = Progress::new(self.steps, steps_per_print(self.cfg));
+        let mut trainer_tb = self.trainer_monitor(comm.rank())?;
+        let every = self.args.trainer.logging_steps;
+        let mut progress = Progress::new(self.steps, every.unwrap_or(steps_per_print(self.cfg)));
         if rank0 {
             self.announce(data, comm, &s);
             write_resolved(&self.dir, self.cfg)?;
@@ -373,6 +406,7 @@ impl Run<'_> {
                 unix_ms: unix_ms(),
             };
             monitor.write_events(&monitor_events(&r, samples))?;
+            trainer_tb.write_events(&trainer_events(&r))?;
             if let Some(f) = &mut file {
                 f.write(&r)?;
                 progress.step(&r);
@@ -388,13 +422,14 @@ impl Run<'_> {
                 self.wall_clock(&mut wall, step, &progress);
             }
             records.push(r);
-            let last = step + 1 == self.steps;
-            if last || (self.args.eval_interval > 0 && (step + 1) % self.args.eval_interval == 0) {
+            let last = step + 1 == self.steps && self.args.trainer_plan.final_eval;
+            if last || (self.eval_every > 0 && (step + 1).is_multiple_of(self.eval_every)) {
                 let e = self.evaluate(engine, data, step)?;
                 if let Some(f) = &mut file {
                     f.write(&e)?;
                     let seen = (step + 1) * samples as u64;
                     monitor.write_events(&[("Train/Samples/eval_loss", e.eval_loss, seen)])?;
+                    trainer_tb.write_events(&[("eval/loss", e.eval_loss, step + 1)])?;
                     progress.note(&format!("step {} | eval loss {:.4}", step + 1, e.eval_loss));
                 }
                 evals.push(e);
@@ -411,7 +446,7 @@ impl Run<'_> {
         if let Some(path) = &self.args.save_weights {
             engine.save_weights(path)?;
         }
-        if let Some(dir) = &self.args.save_hf {
+        if let Some(dir) = &self.export {
             hf_out::save(self, engine, data, comm, dir)?;
         }
         let memory = metrics::gather_memory(&comm.world(), &engine.memory_report())?;
@@ -499,6 +534,44 @@ impl Run<'_> {
             },
         )
     }
+}
+
+impl Run<'_> {
+    /// `--report_to tensorboard`: the Trainer's scalars, under its tags and with the global
+    /// step as x (DeepSpeed's own monitor, from the config, counts samples instead).
+    fn trainer_monitor(&self, rank: usize) -> anyhow::Result<Monitor> {
+        use ds_config::monitor::FileMonitorConfig;
+        let off = FileMonitorConfig {
+            enabled: false,
+            output_path: String::new(),
+            job_name: String::new(),
+        };
+        let Some(dir) = &self.args.trainer_plan.tensorboard else {
+            return Ok(Monitor::new(&off, &off, rank)?);
+        };
+        let dir = match dir.as_os_str().is_empty() {
+            true => self.dir.join("runs"),
+            false => dir.clone(),
+        };
+        let tb = FileMonitorConfig {
+            enabled: true,
+            output_path: dir.display().to_string(),
+            job_name: String::new(),
+        };
+        Ok(Monitor::new(&tb, &off, rank)?)
+    }
+}
+
+/// The Trainer's per-step TensorBoard scalars, with throughput beside them.
+fn trainer_events(r: &StepRecord) -> [(&'static str, f64, u64); 5] {
+    let step = r.step + 1;
+    [
+        ("train/loss", r.loss, step),
+        ("train/learning_rate", r.lr, step),
+        ("train/grad_norm", r.grad_norm, step),
+        ("train/tokens_per_second", r.tokens_per_s, step),
+        ("train/tflops", r.tflops, step),
+    ]
 }
 
 /// Whether the launcher that started this rank printed the warnings of this config already.

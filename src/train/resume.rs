@@ -22,6 +22,16 @@ impl Run<'_> {
         rank0: bool,
     ) -> anyhow::Result<u64> {
         let restarted = std::env::var("DS_RS_RESTART_COUNT").is_ok_and(|c| c != "0");
+        if let Some(path) = self
+            .args
+            .trainer_plan
+            .resume_from
+            .as_deref()
+            .filter(|_| !restarted)
+        {
+            let (dir, tag) = super::hf_args::checkpoint_at(path)?;
+            return self.resume_at(engine, data, rank0, &dir, tag.as_deref());
+        }
         let from_deepspeed = self.args.resume_from_deepspeed.as_deref();
         let Some(dir) = self
             .args
@@ -34,8 +44,7 @@ impl Run<'_> {
         if let Some(src) = from_deepspeed {
             import_once(engine, src, dir, rank0)?;
         }
-        let t0 = Instant::now();
-        let Some(m) = engine.load_checkpoint(dir, None)? else {
+        if checkpoint::latest(dir)?.is_none() {
             if rank0 && self.args.resume && !restarted {
                 println!(
                     "--resume: {} holds no checkpoint yet; starting from step 0",
@@ -43,7 +52,23 @@ impl Run<'_> {
                 );
             }
             return Ok(0);
-        };
+        }
+        self.resume_at(engine, data, rank0, dir, None)
+    }
+
+    /// Loads checkpoint `dir/tag` (`tag` None: the newest); returns the step to start from.
+    fn resume_at(
+        &self,
+        engine: &mut Engine,
+        data: &Data,
+        rank0: bool,
+        dir: &Path,
+        tag: Option<&str>,
+    ) -> anyhow::Result<u64> {
+        let t0 = Instant::now();
+        let m = engine
+            .load_checkpoint(dir, tag)?
+            .with_context(|| format!("{}: no checkpoint to resume from", dir.display()))?;
         if let Some(why) = data.resume_conflict(&m.client_state["data"]) {
             anyhow::bail!(
                 "{}: resuming would read other samples than the saved run would have ({why}); \
@@ -81,8 +106,9 @@ impl Run<'_> {
         let Some(dir) = &self.args.save_dir else {
             return Ok(());
         };
-        let every = self.args.save_interval;
-        let due = step + 1 == self.steps || (every > 0 && (step + 1).is_multiple_of(every));
+        let every = self.save_every;
+        let last = step + 1 == self.steps && self.args.trainer_plan.save_last;
+        let due = last || (every > 0 && (step + 1).is_multiple_of(every));
         if !due {
             return Ok(());
         }
