@@ -159,3 +159,54 @@ fn the_autotuner_runs_trials_side_by_side_on_both_hosts() {
     });
     assert!(side_by_side, "no two trials overlapped in time: {spans:?}");
 }
+
+/// torchrun's per-node start: each namespace host runs its own `ds-rs launch --nnodes 2
+/// --node_rank R --master_addr A` (no ssh, no head), and the four ranks train as one host's
+/// four do.
+#[test]
+fn nodes_started_one_by_one_train_like_one_host() {
+    let Some(hosts) = two_hosts("n") else { return };
+    let s = Scratch::new("hosts-per-node");
+    let model = s.write("model.json", SMALL_MODEL);
+    let cfg = s.write("z2.json", &config(2, ""));
+    let (local, nodes) = (s.path("local"), s.path("nodes"));
+    let one_host = format!(
+        "launch --nproc_per_node 4 --config {} {}",
+        cfg.display(),
+        train(&model, 4, &local)
+    );
+    let f = run(&one_host, Duration::from_secs(120));
+    assert!(f.status.success(), "{}", f.stderr);
+    let node = |r: usize| {
+        let launch = format!(
+            "launch --nnodes 2 --node_rank {r} --master_addr {} --master_port 29563 \
+             --rdzv_id job-{} --nproc_per_node 2 --config {} {}",
+            hosts.addrs[0],
+            std::process::id(),
+            cfg.display(),
+            train(&model, 4, &nodes)
+        );
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", &hosts.names[r], BIN]);
+        cmd.args(words(&launch));
+        spawn_captured(&mut cmd)
+    };
+    let (second, first) = (node(1), node(0));
+    let (first, second) = (
+        finish(first, Duration::from_secs(240)),
+        finish(second, Duration::from_secs(240)),
+    );
+    assert!(first.status.success(), "{}", first.stderr);
+    assert!(second.status.success(), "{}", second.stderr);
+    assert!(
+        first.stdout.contains("4 ranks (dp 4 x tp 1 x pp 1)"),
+        "{}",
+        first.stdout
+    );
+    assert_same_losses(
+        &losses(&nodes),
+        &losses(&local),
+        1e-5,
+        "2 nodes started one by one x 2 ranks vs 4 ranks on one host",
+    );
+}

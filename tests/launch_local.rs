@@ -271,7 +271,7 @@ fn bad_input_gives_one_error_line() {
         good.display(),
         missing.display(),
     );
-    let cases: [(String, &[&str]); 7] = [
+    let cases: [(String, &[&str]); 9] = [
         (
             format!("launch --hostfile {hostfile} train"),
             &["line 2", "slots=two"],
@@ -299,7 +299,15 @@ fn bad_input_gives_one_error_line() {
         // once ignored: a node rank means nothing without a multi-node launch
         (
             format!("launch --nproc_per_node 2 --config {good} --node_rank 1 train"),
-            &["--node_rank 1", "--hostfile"],
+            &["--node_rank 1", "--nnodes", "--hostfile"],
+        ),
+        (
+            format!("launch --nnodes 2 --master_addr 127.0.0.1 --config {good} train"),
+            &["--nnodes 2", "--node_rank"],
+        ),
+        (
+            format!("launch --nnodes 2 --node_rank 1 --config {good} train"),
+            &["--nnodes 2", "--master_addr"],
         ),
     ];
     for (args, needles) in cases {
@@ -443,4 +451,71 @@ fn a_dist_backend_this_build_lacks_is_refused_saying_what_would_do() {
             f.stderr
         );
     }
+}
+
+/// `--launcher slurm` without a hostfile takes the allocation's nodes from SLURM_JOB_NODELIST
+/// (a hostlist with ranges) and runs the same srun a hostfile naming them gives; without the
+/// variable it says where the nodes would come from. A stand-in `srun` on PATH records its
+/// arguments (the job token, fresh per launch, aside).
+#[test]
+fn slurm_nodelist_gives_the_plan_a_hostfile_gives() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Scratch::new("launch-slurm");
+    let bin = s.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let srun = s.write(
+        "bin/srun",
+        "#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$SRUN_ARGS\"\n",
+    );
+    std::fs::set_permissions(&srun, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hostfile = s.write(
+        "hostfile",
+        "gpu01 slots=2\ngpu02 slots=2\ngpu03 slots=2\ngpu07 slots=2\n",
+    );
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let srun_args = |extra: &[&str], nodelist: Option<&str>| {
+        let out = s.path("srun.args");
+        let _ = std::fs::remove_file(&out);
+        let mut cmd = Command::new(BIN);
+        cmd.args(["launch", "--launcher", "slurm", "--nproc_per_node", "2"])
+            .args(extra)
+            .arg("true")
+            .env("PATH", &path)
+            .env("SRUN_ARGS", &out)
+            .env_remove("SLURM_NODELIST")
+            .env_remove("DS_RS_JOB_TOKEN");
+        match nodelist {
+            Some(l) => cmd.env("SLURM_JOB_NODELIST", l),
+            None => cmd.env_remove("SLURM_JOB_NODELIST"),
+        };
+        let f = finish(spawn_captured(&mut cmd), Duration::from_secs(30));
+        let args = std::fs::read_to_string(&out).unwrap_or_default();
+        let args: Vec<String> = args
+            .lines()
+            .map(|a| match a.find("DS_RS_JOB_TOKEN=") {
+                Some(i) => a[..i].to_string(),
+                None => a.to_string(),
+            })
+            .collect();
+        (f, args)
+    };
+    let (f, from_nodelist) = srun_args(&[], Some("gpu[01-03,07]"));
+    assert!(f.status.success(), "{}", f.stderr);
+    let hostfile = hostfile.display().to_string();
+    let (f, from_hostfile) = srun_args(&["--hostfile", &hostfile], None);
+    assert!(f.status.success(), "{}", f.stderr);
+    assert!(
+        from_nodelist.contains(&"--nodelist=gpu01,gpu02,gpu03,gpu07".to_string()),
+        "{from_nodelist:?}"
+    );
+    assert!(
+        from_nodelist.contains(&"--ntasks=8".to_string()),
+        "{from_nodelist:?}"
+    );
+    assert_eq!(from_nodelist, from_hostfile);
+    let (f, _) = srun_args(&[], None);
+    assert!(!f.status.success());
+    let errors = error_lines(&f.stderr);
+    assert_eq!(errors.len(), 1, "{}", f.stderr);
+    assert!(errors[0].contains("SLURM_JOB_NODELIST") && errors[0].contains("--hostfile"));
 }

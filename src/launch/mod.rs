@@ -6,6 +6,7 @@
 mod binding;
 mod gang;
 mod hosts;
+mod per_node;
 mod preflight;
 mod relay;
 mod remote;
@@ -17,6 +18,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{bail, Context};
 
 use gang::{Gang, Outcome, Spec};
+use hosts::Host;
 pub use hosts::Hosts;
 use preflight::{check_config, check_train};
 pub use preflight::{print_config_warnings, CONFIG_WARNED};
@@ -102,9 +104,20 @@ pub struct LaunchArgs {
         requires = "bind_cores_to_rank"
     )]
     bind_core_list: Option<String>,
-    /// Set by a head launcher on each host: this host's position.
-    #[arg(long = "node_rank", alias = "node-rank", hide = true)]
+    /// torchrun's per-node start: the job's number of nodes. Each node runs `ds-rs launch
+    /// --nnodes N --node_rank R --master_addr A` itself (no ssh), as Kubernetes operators, Azure
+    /// ML and clusters without ssh start jobs; node R starts ranks R*K .. R*K+K-1 of
+    /// --nproc_per_node K.
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// With --nnodes: this node's position, 0 to N-1 (node 0 holds rank 0, at --master_addr).
+    #[arg(long = "node_rank", alias = "node-rank")]
     node_rank: Option<usize>,
+    /// With --nnodes: the job's id, the same on every node (torchrun's --rdzv_id); it keeps
+    /// ranks of other jobs at the same address out [default: DS_RS_JOB_TOKEN, else the
+    /// scheduler's job id].
+    #[arg(long = "rdzv_id", requires = "nnodes")]
+    rdzv_id: Option<String>,
     /// Set by a head launcher: every host and its slots.
     #[arg(long = "world_info", alias = "world-info", hide = true)]
     world_info: Option<String>,
@@ -142,10 +155,13 @@ impl LaunchArgs {
 
 pub fn run(args: &LaunchArgs) -> anyhow::Result<ExitCode> {
     let stop = StopFlag::on_signals()?;
+    if let Some(nnodes) = args.nnodes {
+        return per_node::run(args, nnodes, &stop);
+    }
     if let (Some(node), None) = (args.node_rank, &args.world_info) {
         bail!(
-            "--node_rank {node} needs a multi-node launch: give --hostfile on the head node, \
-             whose launcher starts each node's launcher with its --node_rank"
+            "--node_rank {node} needs --nnodes (torchrun's start on each node) or a multi-node \
+             launch: give --hostfile on the head node, whose launcher starts each node's launcher"
         );
     }
     if let (Some(node), Some(info)) = (args.node_rank, &args.world_info) {
@@ -184,14 +200,17 @@ struct Job<'a> {
     config: Option<PathBuf>,
     master_addr: String,
     master_port: u16,
-    token: String,
+    /// The secret every rank of the job shares (None: a per-node start given no job id).
+    token: Option<String>,
 }
 
 impl<'a> Job<'a> {
     fn new(args: &'a LaunchArgs, hosts: Hosts) -> anyhow::Result<Job<'a>> {
         let (program, program_args) = resolve_program(&args.program)?;
         let config = args.config.as_deref().map(absolute).transpose()?;
-        let (world, head) = (hosts.world_size(), args.world_info.is_none());
+        // the head prints the config's warnings: node 0 of a per-node start
+        let head = args.world_info.is_none() && args.node_rank.unwrap_or(0) == 0;
+        let world = hosts.world_size();
         if args.program.first().is_some_and(|p| p == "train") {
             check_train(&args.program, config.as_deref(), world, head)?;
         } else if let Some(c) = &config {
@@ -209,8 +228,9 @@ impl<'a> Job<'a> {
             None => free_port()?,
         };
         let token = match std::env::var("DS_RS_JOB_TOKEN") {
-            Ok(t) if args.world_info.is_some() => t,
-            _ => fresh_token()?,
+            Ok(t) if args.world_info.is_some() => Some(t),
+            _ if args.nnodes.is_some() => per_node::token(args),
+            _ => Some(fresh_token()?),
         };
         Ok(Job {
             args,
@@ -285,9 +305,11 @@ impl<'a> Job<'a> {
                 .env("NODE_RANK", node.to_string())
                 .env("MASTER_ADDR", &self.master_addr)
                 .env("MASTER_PORT", self.master_port.to_string())
-                .env("DS_RS_JOB_TOKEN", &self.token)
                 .env("DS_RS_RESTART_COUNT", attempt.to_string())
                 .env("CUDA_VISIBLE_DEVICES", slots.join(","));
+            if let Some(t) = &self.token {
+                cmd.env("DS_RS_JOB_TOKEN", t);
+            }
             // Each rank's compute threads get its share of the cores unless the user chose.
             for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
                 if std::env::var_os(var).is_none() {
@@ -361,7 +383,9 @@ impl<'a> Job<'a> {
         env.retain(|(k, _)| {
             !["DS_RS_JOB_TOKEN", "DS_RS_CONFIG", CONFIG_WARNED].contains(&k.as_str())
         });
-        env.push(("DS_RS_JOB_TOKEN".into(), self.token.clone()));
+        if let Some(t) = &self.token {
+            env.push(("DS_RS_JOB_TOKEN".into(), t.clone()));
+        }
         if let Some(c) = &self.config {
             let c = c.to_string_lossy().into_owned();
             env.push(("DS_RS_CONFIG".into(), c.clone()));
@@ -438,13 +462,7 @@ fn select_hosts(args: &LaunchArgs) -> anyhow::Result<Hosts> {
 /// The hostfile's hosts after --include/--exclude (this host alone without one), and the
 /// ranks per host asked for.
 fn cluster(args: &LaunchArgs) -> anyhow::Result<(Hosts, Option<usize>)> {
-    let per_node = match (args.num_gpus, args.nproc_per_node) {
-        (Some(a), Some(b)) if a != b => bail!("--num_gpus {a} and --nproc_per_node {b} disagree"),
-        (a, b) => a.or(b),
-    };
-    if per_node == Some(0) || args.num_nodes == Some(0) {
-        bail!("--num_gpus, --nproc_per_node and --num_nodes must be at least 1");
-    }
+    let per_node = cluster_per_node(args)?;
     let hostfile = args.hostfile.clone().or_else(|| {
         Path::new(DEFAULT_HOSTFILE)
             .exists()
@@ -452,6 +470,7 @@ fn cluster(args: &LaunchArgs) -> anyhow::Result<(Hosts, Option<usize>)> {
     });
     let mut hosts = match &hostfile {
         Some(path) => Hosts::from_hostfile(path)?,
+        None if args.launcher == Launcher::Slurm => slurm_hosts(per_node.unwrap_or(1))?,
         None => Hosts::single("localhost", per_node.unwrap_or(1)),
     };
     if !args.include.is_empty() && !args.exclude.is_empty() {
@@ -463,6 +482,41 @@ fn cluster(args: &LaunchArgs) -> anyhow::Result<(Hosts, Option<usize>)> {
         hosts = hosts.exclude(&args.exclude)?;
     }
     Ok((hosts, per_node))
+}
+
+/// The ranks per host asked for (--num_gpus or --nproc_per_node).
+fn cluster_per_node(args: &LaunchArgs) -> anyhow::Result<Option<usize>> {
+    let per_node = match (args.num_gpus, args.nproc_per_node) {
+        (Some(a), Some(b)) if a != b => bail!("--num_gpus {a} and --nproc_per_node {b} disagree"),
+        (a, b) => a.or(b),
+    };
+    if per_node == Some(0) || args.num_nodes == Some(0) {
+        bail!("--num_gpus, --nproc_per_node and --num_nodes must be at least 1");
+    }
+    Ok(per_node)
+}
+
+/// `--launcher slurm` without a hostfile: the allocation's nodes, as Slurm names them
+/// (SLURM_JOB_NODELIST, ranges like `node[01-04,07]`), `slots` ranks each.
+fn slurm_hosts(slots: usize) -> anyhow::Result<Hosts> {
+    let (var, list) = ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        .into_iter()
+        .find_map(|v| Some((v, std::env::var(v).ok().filter(|l| !l.is_empty())?)))
+        .context(
+            "--launcher slurm without --hostfile takes the nodes from SLURM_JOB_NODELIST, which \
+             is not set: run inside an allocation (salloc, sbatch), or give --hostfile",
+        )?;
+    let names = ds_comm::env::expand_hostlist(&list)
+        .map_err(|why| anyhow::anyhow!("{var}={list:?}: {why}"))?;
+    Ok(Hosts(
+        names
+            .into_iter()
+            .map(|name| Host {
+                name,
+                slots: (0..slots).collect(),
+            })
+            .collect(),
+    ))
 }
 
 /// `train ...` and the other ds-rs commands run this executable; anything else is a program

@@ -352,7 +352,14 @@ mod tests {
         assert_eq!(a.save_interval, 0);
         let a = folded(&["--output_dir", out, "--save-interval", "4"]).unwrap();
         assert_eq!(a.save_interval, 4);
-        let e = folded(&["--output_dir", out, "--save-interval", "4", "--save_steps", "3"]);
+        let e = folded(&[
+            "--output_dir",
+            out,
+            "--save-interval",
+            "4",
+            "--save_steps",
+            "3",
+        ]);
         assert!(e.unwrap_err().to_string().contains("--save_steps"));
     }
 

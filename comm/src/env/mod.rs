@@ -388,7 +388,7 @@ fn slurm_first_host(vars: &Vars) -> Result<Option<String>, EnvError> {
 
 /// Expands a Slurm hostlist: "node[01-03,07],gpu-a1" → node01, node02, node03,
 /// node07, gpu-a1. Zero padding follows the width of a range's lower bound.
-fn expand_hostlist(list: &str) -> Result<Vec<String>, String> {
+pub fn expand_hostlist(list: &str) -> Result<Vec<String>, String> {
     let mut hosts = Vec::new();
     for item in split_outside_brackets(list)? {
         for host in expand_host(item)? {
