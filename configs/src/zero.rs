@@ -118,6 +118,16 @@ impl OffloadParamConfig {
         }
     }
 
+    /// DeepSpeed's defaults with the parameters on NVMe under `path`.
+    pub fn nvme(path: &str) -> Self {
+        let mut s = Section::empty("");
+        OffloadParamConfig {
+            device: OffloadDevice::Nvme,
+            nvme_path: Some(path.to_string()),
+            ..Self::read(&mut s)
+        }
+    }
+
     fn on_cpu() -> Self {
         let mut s = Section::empty("");
         OffloadParamConfig {
@@ -143,6 +153,16 @@ pub struct OffloadOptimizerConfig {
 }
 
 impl OffloadOptimizerConfig {
+    /// DeepSpeed's defaults with the optimizer states on NVMe under `path`.
+    pub fn nvme(path: &str) -> Self {
+        let mut s = Section::empty("");
+        OffloadOptimizerConfig {
+            device: OffloadDevice::Nvme,
+            nvme_path: Some(path.to_string()),
+            ..Self::read(&mut s)
+        }
+    }
+
     fn read(s: &mut Section) -> Self {
         OffloadOptimizerConfig {
             device: OffloadDevice::parse(&s.choice("device", "none", &DEVICES)),

@@ -1,5 +1,6 @@
 //! `ds-rs data preprocess`: Megatron-LM's `tools/preprocess_data.py`, on every core.
 
+use anyhow::Context;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,6 +64,15 @@ fn run_preprocess(args: &PreprocessArgs) -> anyhow::Result<ExitCode> {
         append_eod: args.append_eod,
         workers,
     };
+    // the prefix's directory, as a user writing `--output-prefix data/corpus` expects
+    if let Some(dir) = args
+        .output_prefix
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--output-prefix: creating {}", dir.display()))?;
+    }
     let start = Instant::now();
     let mut meter = Meter::new(start);
     let report = preprocess(&job, &tokenizer, |docs, bytes| meter.show(docs, bytes))?;

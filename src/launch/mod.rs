@@ -212,7 +212,10 @@ impl<'a> Job<'a> {
         let head = args.world_info.is_none() && args.node_rank.unwrap_or(0) == 0;
         let world = hosts.world_size();
         if args.program.first().is_some_and(|p| p == "train") {
-            check_train(&args.program, config.as_deref(), world, head)?;
+            let node = args.node_rank.unwrap_or(0).min(hosts.0.len() - 1);
+            let first = hosts.first_rank(node);
+            let local = first..first + hosts.0[node].slots.len();
+            check_train(&args.program, config.as_deref(), world, head, local)?;
         } else if let Some(c) = &config {
             check_config(c, world, head)?;
         }
@@ -306,6 +309,7 @@ impl<'a> Job<'a> {
                 .env("MASTER_ADDR", &self.master_addr)
                 .env("MASTER_PORT", self.master_port.to_string())
                 .env("DS_RS_RESTART_COUNT", attempt.to_string())
+                .env(crate::train::MEMORY_CHECKED, "1")
                 .env("CUDA_VISIBLE_DEVICES", slots.join(","));
             if let Some(t) = &self.token {
                 cmd.env("DS_RS_JOB_TOKEN", t);

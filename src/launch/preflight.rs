@@ -30,6 +30,7 @@ pub(super) fn check_train(
     launcher_config: Option<&Path>,
     world: usize,
     head: bool,
+    local: std::ops::Range<usize>,
 ) -> anyhow::Result<()> {
     let parsed = crate::flags::parse_args::<crate::train::TrainArgs>("train", words);
     let (mut args, matches) = match parsed {
@@ -46,11 +47,12 @@ pub(super) fn check_train(
         }
         _ => false,
     };
-    let (_, plan) = crate::train::plan(&args, world)?;
+    let (model, plan) = crate::train::plan(&args, world)?;
     if warn {
         print_config_warnings(&plan.config);
     }
-    Ok(())
+    // this host's ranks, before any starts
+    crate::train::check_fits(&args, &model, &plan, local)
 }
 
 /// A clap error's message without its `error: ` and the usage lines after it.

@@ -6,6 +6,7 @@
 pub(crate) mod chart;
 mod data;
 pub mod eval;
+mod fit;
 mod flops;
 mod hf_args;
 pub(crate) mod hf_out;
@@ -135,6 +136,10 @@ pub struct TrainArgs {
     /// resumes from its own newest instead (a restart after the import).
     #[arg(long, requires = "save_dir")]
     resume_from_deepspeed: Option<PathBuf>,
+    /// Start even when the memory check predicts that this host's ranks need more memory
+    /// than the job may use (the cgroup's limit, the host's available memory).
+    #[arg(long)]
+    pub(crate) skip_memory_check: bool,
     #[command(flatten)]
     pub(crate) layout: crate::flags::LayoutArgs,
     /// Compute the MLPs and the logits and loss this many positions at a time, their
@@ -165,24 +170,70 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
     let args = &args.resolved()?;
     check_flags(args)?;
     let model = ModelSpec::resolve(&args.model, args.seq_len)?.with_tile(args.tile);
-    let overrides = Overrides {
-        layout: args.layout.flags(),
-        training: Some(args.training.to_args()?),
-        // with --epochs the step count needs the data: --max_steps sets the schedule's length
-        run_steps: args
-            .run_steps()?
-            .or(args.epochs.is_none().then_some(DEFAULT_STEPS)),
-    };
-    let plan = JobPlan::new(
-        config_source(args.config.as_deref()),
+    // with --epochs alone the step count needs the data: planned with the default here, and
+    // again with the count once the data is open (`run_joined`)
+    let plan = plan_steps(
+        args,
         world,
-        &overrides,
-        Some(&model),
+        &model,
+        args.run_steps()?.unwrap_or(DEFAULT_STEPS),
     )?;
     if args.save_hf.is_some() {
         hf_out::check(args, &model, &plan.config)?;
     }
     Ok((model, plan))
+}
+
+/// Set by `ds-rs launch` on the ranks it starts: their host's memory was checked already.
+pub const MEMORY_CHECKED: &str = "DS_RS_MEMORY_CHECKED";
+
+/// Refuses, before any rank starts, a run whose ranks `local` (this host's) are predicted to
+/// need more memory than the job may use here (src/train/fit.rs).
+pub fn check_fits(
+    args: &TrainArgs,
+    model: &ModelSpec,
+    plan: &JobPlan,
+    local: std::ops::Range<usize>,
+) -> anyhow::Result<()> {
+    if args.skip_memory_check {
+        return Ok(());
+    }
+    match fit::host_limit() {
+        Some(limit) => fit::check(&args.resolved()?, model, plan, local, &limit),
+        None => Ok(()),
+    }
+}
+
+/// This rank's host's ranks, as the rank environment gives them (this rank alone without one).
+fn ranks_of_this_host() -> std::ops::Range<usize> {
+    match ds_comm::env::RankEnv::from_env() {
+        Ok(Some(e)) => {
+            let first = e.rank.saturating_sub(e.local_rank);
+            first..first + e.local_world_size.max(1)
+        }
+        _ => 0..1,
+    }
+}
+
+/// The job plan of a run of `steps` steps (the schedule's length where "auto" or built by
+/// the program).
+fn plan_steps(
+    args: &TrainArgs,
+    world: usize,
+    model: &ModelSpec,
+    steps: u64,
+) -> anyhow::Result<JobPlan> {
+    let overrides = Overrides {
+        layout: args.layout.flags(),
+        training: Some(args.training.to_args()?),
+        run_steps: Some(steps),
+    };
+    Ok(JobPlan::new(
+        config_source(args.config.as_deref()),
+        world,
+        &overrides,
+        Some(model),
+    )?)
 }
 
 impl TrainArgs {
@@ -224,10 +275,22 @@ pub(crate) fn config_source(path: Option<&Path>) -> ConfigSource<'_> {
     match path {
         Some(p) => ConfigSource::File(p),
         None => ConfigSource::Text {
-            text: DEFAULT_CONFIG,
+            text: default_config(),
             name: "the built-in default config",
         },
     }
+}
+
+/// The built-in config with its schedule as long as the run (`total_num_steps` "auto", which
+/// the run's steps fill): the user chose no config, so `--steps` and `--max_steps` decide.
+fn default_config() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(DEFAULT_CONFIG).expect("the built-in config is JSON");
+        doc["scheduler"]["params"]["total_num_steps"] = "auto".into();
+        doc.to_string()
+    })
 }
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
@@ -237,11 +300,14 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     env.gpu = args.device.gpu_ordinal();
     ds_engine::crash_point::check()?;
     let (model, plan) = plan(args, env.world_size)?;
+    if std::env::var_os(MEMORY_CHECKED).is_none() {
+        check_fits(args, &model, &plan, ranks_of_this_host())?;
+    }
     // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at
     // the end)
     env.comms_logger = plan.config.comms_logger.clone().filter(|c| c.enabled);
     let comm = init(&env).context("joining the job")?;
-    let result = run_joined(args, model, &plan, &comm, started);
+    let result = run_joined(args, model, plan, &comm, started);
     if let (Err(e), Backend::Mpi) = (&result, comm.backend()) {
         // MPI would leave the other ranks waiting for this one: end the job, named.
         eprintln!("error: rank {}: {e:#}", comm.rank());
@@ -254,13 +320,12 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
 fn run_joined(
     args: &TrainArgs,
     model: ModelSpec,
-    plan: &JobPlan,
+    plan: JobPlan,
     comm: &Communicator,
     started: Instant,
 ) -> anyhow::Result<ExitCode> {
-    let cfg = &plan.config;
     if comm.rank() == 0 && !launcher_warned(args.config.as_deref()) {
-        crate::launch::print_config_warnings(cfg);
+        crate::launch::print_config_warnings(&plan.config);
     }
     // a config.json's length capped to ds_models::DEFAULT_MAX_SEQ: said, so it is no surprise
     let capped = model.source_config.is_some() && model.seq_len < model.max_positions();
@@ -272,20 +337,12 @@ fn run_joined(
         );
     }
     if comm.rank() == 0 {
-        if let Some(line) = ds_engine::program_optimizer_line(cfg) {
+        if let Some(line) = ds_engine::program_optimizer_line(&plan.config) {
             println!("{line}");
         }
     }
-    let groups = Groups::new(comm, cfg.dims)?;
-    let device = args.device.open()?;
-    let opts = EngineOptions {
-        seed: args.seed,
-        init: args.init.clone(),
-        device: device.clone(),
-        ..EngineOptions::default()
-    };
-    let mut engine = plan.engine(&model, &groups, opts)?;
-    let s = engine.settings().clone();
+    let groups = Groups::new(comm, plan.config.dims)?;
+    let s = ds_engine::Settings::from_config(&plan.config, false)?;
     let width = data::token_width(&args.token_width)?;
     let data = data::open(
         &data::DataArgs {
@@ -299,11 +356,23 @@ fn run_joined(
         },
         &data::Layout::of(&model, &s, &groups, args.seed),
     )?;
-    let steps = match (args.run_steps()?, args.epochs) {
-        (Some(n), _) => n,
-        (None, Some(e)) => (e / data.train.epochs(1)).ceil().max(1.0) as u64,
-        (None, None) => DEFAULT_STEPS,
+    let (steps, plan) = match (args.run_steps()?, args.epochs) {
+        (Some(n), _) => (n, plan),
+        (None, Some(e)) => {
+            let n = (e / data.train.epochs(1)).ceil().max(1.0) as u64;
+            (n, plan_steps(args, comm.world_size(), &model, n)?)
+        }
+        (None, None) => (DEFAULT_STEPS, plan),
     };
+    let cfg = &plan.config;
+    let device = args.device.open()?;
+    let opts = EngineOptions {
+        seed: args.seed,
+        init: args.init.clone(),
+        device: device.clone(),
+        ..EngineOptions::default()
+    };
+    let mut engine = plan.engine(&model, &groups, opts)?;
     let per_epoch = (1.0 / data.train.epochs(1)).round().max(1.0) as u64;
     let tp = &args.trainer_plan;
     let export = args
