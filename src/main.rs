@@ -24,7 +24,11 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    match cli::run(args) {
+    let result = match std::env::var_os(cli::CHECK_ARGS) {
+        Some(_) => cli::check_args(&args),
+        None => cli::run(args),
+    };
+    match result {
         Ok(code) => code,
         Err(e) => {
             // One line, outermost context first: "error: reading x.json: No such file".

@@ -81,6 +81,23 @@ enum BenchCommand {
     Attention(bench_attention::AttentionArgs),
 }
 
+/// DS_RS_CHECK_ARGS=1: the command line is parsed (with `launch ... train ARGS`, the train
+/// arguments too) and nothing runs. The documentation test checks this way the commands it
+/// cannot run here (other hosts, a GPU, an MPI build).
+pub const CHECK_ARGS: &str = "DS_RS_CHECK_ARGS";
+
+/// Parses what `launch` would hand to `train`; the rest was parsed already.
+pub fn check_args(cli: &Cli) -> anyhow::Result<ExitCode> {
+    if let Command::Launch(args) | Command::Autotune(args) = &cli.command {
+        if args.program.first().is_some_and(|p| p == "train") {
+            crate::flags::parse_args::<crate::train::TrainArgs>("train", &args.program).map_err(
+                |e| anyhow::anyhow!("train: {}", e.to_string().lines().next().unwrap_or("")),
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Config {

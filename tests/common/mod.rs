@@ -288,36 +288,46 @@ pub fn read_weights(path: &Path) -> std::collections::HashMap<String, Vec<f32>> 
 /// Selecting ds-rs beside ds-engine gives the dependencies the features this test was built
 /// with, so cargo reuses them instead of compiling candle a second time.
 pub fn custom_loop_example() -> &'static PathBuf {
-    static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(|| {
-        let me = std::env::current_exe().unwrap();
-        // .../target/<profile dir>/deps/custom_loop-<hash>
-        let dir = me.parent().and_then(|d| d.parent()).unwrap();
-        let profile = match dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "test".to_string(),
-            Some(other) => other.to_string(),
-        };
-        let out = Command::new(env!("CARGO"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--profile", &profile])
-            .args(["-p", "ds-rs", "-p", "ds-engine"])
-            .args([
-                "--example",
-                "custom_loop",
-                "--message-format=json-render-diagnostics",
-            ])
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "building the example failed");
-        let exe = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["target"]["name"] == "custom_loop")
-            .find_map(|v| v["executable"].as_str().map(PathBuf::from));
-        exe.expect("cargo named no custom_loop executable")
-    })
+    example_exe("custom_loop")
+}
+
+/// The engine example `name` (engine/examples), built once per test binary in this profile.
+pub fn example_exe(name: &str) -> &'static PathBuf {
+    static BUILT: OnceLock<std::sync::Mutex<std::collections::HashMap<String, &'static PathBuf>>> =
+        OnceLock::new();
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
+    if let Some(exe) = built.get(name) {
+        return exe;
+    }
+    let me = std::env::current_exe().unwrap();
+    // .../target/<profile dir>/deps/<test>-<hash>
+    let dir = me.parent().and_then(|d| d.parent()).unwrap();
+    let profile = match dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "test".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let out = Command::new(env!("CARGO"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--profile", &profile])
+        .args(["-p", "ds-rs", "-p", "ds-engine"])
+        .args([
+            "--example",
+            name,
+            "--message-format=json-render-diagnostics",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "building the example {name} failed");
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"]["name"] == name)
+        .find_map(|v| v["executable"].as_str().map(PathBuf::from));
+    let exe: &'static PathBuf = Box::leak(Box::new(exe.expect("cargo named no such executable")));
+    built.insert(name.to_string(), exe);
+    exe
 }
 
 /// A tmpfs mounted on a scratch directory, unmounted on drop.
