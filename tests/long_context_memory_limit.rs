@@ -13,8 +13,10 @@
 //! Hugging Face config directory), context and limit: engine/ARCHITECTURE.md records the ~100M model
 //! at 32k positions run that way.
 //!
-//! The sp 1 run must fail because the kernel's OOM killer killed one of its processes (the
-//! cgroup's oom_kill counter), not for any other reason; the sp 4 run must see no OOM kill.
+//! The sp 1 run is refused by the memory check before it starts (naming `--sp` among the
+//! changes that fit); started anyway (`--skip-memory-check`) it must fail because the kernel's
+//! OOM killer killed one of its processes (the cgroup's oom_kill counter), not for any other
+//! reason; the sp 4 run must see no OOM kill.
 
 mod common;
 
@@ -130,10 +132,35 @@ fn a_context_too_long_for_whole_sequences_trains_split_over_four_ranks() {
     );
     drop(cg);
 
-    // sp 1: whole sequences on each rank (data parallelism)
+    // sp 1: whole sequences on each rank (data parallelism). Refused first, before any rank
+    // starts, the memory check naming Ulysses among the changes that fit.
     let cg = Cgroup::new(limit).unwrap();
     let dir1 = s.path("sp1");
     let f = run_in(&cg, &launch(&cfg, &model, seq, 1, &dir1), LIMIT);
+    println!(
+        "sp 1 refused in {:.2} s:\n{}",
+        f.took.as_secs_f64(),
+        f.stderr.trim()
+    );
+    assert!(!f.status.success(), "sp 1 was not refused");
+    assert!(
+        f.took < Duration::from_secs(5),
+        "the refusal took {:?}",
+        f.took
+    );
+    assert!(f.stderr.contains("would not fit"), "{}", f.stderr);
+    assert!(f.stderr.contains("--sp "), "{}", f.stderr);
+    assert_eq!(
+        cg.oom_kills().0.unwrap_or(0),
+        0,
+        "the refusal saw an OOM kill"
+    );
+    drop(cg);
+    // started anyway, the kernel's OOM killer ends it
+    let cg = Cgroup::new(limit).unwrap();
+    let mut anyway = launch(&cfg, &model, seq, 1, &dir1);
+    anyway.push("--skip-memory-check".into());
+    let f = run_in(&cg, &anyway, LIMIT);
     assert!(
         cg.wait_empty(Duration::from_secs(10)),
         "sp 1 left processes: {:?}",

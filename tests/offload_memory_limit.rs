@@ -1,6 +1,7 @@
 //! Beyond memory: under a cgroup memory limit smaller than a model's states, ZeRO-3 with the
-//! optimizer and the parameters on NVMe trains, and the same job without offload is killed by
-//! the kernel's OOM killer (the cgroup's oom_kill count), named by the launcher. The test makes
+//! optimizer and the parameters on NVMe trains; the same job without offload is refused by the
+//! memory check before it starts (naming NVMe offload as what fits) and, started anyway, killed
+//! by the kernel's OOM killer (the cgroup's oom_kill count), named by the launcher. The test makes
 //! its own memory cgroup (tests/common/cgroup.rs) and removes it; it is skipped, saying why,
 //! where it cannot (not root, no memory controller).
 
@@ -86,10 +87,33 @@ fn a_model_whose_states_exceed_the_memory_limit_trains_only_with_offload() {
     }
     drop(cg);
 
+    // without offload: refused before any rank starts, NVMe offload named as what fits
     let cg = Cgroup::new(GROUP_LIMIT).unwrap();
     let without = s.path("without");
     let cfg = s.write("plain.json", &config(""));
     let f = run_in(&cg, &job(&cfg, &without), LIMIT);
+    println!(
+        "without offload, refused in {:.2} s: {}",
+        f.took.as_secs_f64(),
+        f.stderr.trim()
+    );
+    assert!(!f.status.success(), "without offload it was not refused");
+    assert!(
+        f.took < Duration::from_secs(5),
+        "the refusal took {:?}",
+        f.took
+    );
+    assert!(
+        f.stderr.contains("would not fit") && f.stderr.contains("\"nvme\""),
+        "{}",
+        f.stderr
+    );
+    drop(cg);
+    // started anyway, the kernel's OOM killer ends it
+    let cg = Cgroup::new(GROUP_LIMIT).unwrap();
+    let mut anyway = job(&cfg, &without);
+    anyway.push("--skip-memory-check".into());
+    let f = run_in(&cg, &anyway, LIMIT);
     let (kills, hits) = cg.oom_kills();
     assert!(!f.status.success(), "without offload it fit: {}", f.stdout);
     // the OOM killer, not another failure (failcnt where the kernel has no oom_kill count)

@@ -287,23 +287,49 @@ fn changes(
             estimate_run(&all, &tiled, Some(1)),
         );
     }
-    let world = cfg.dims.world_size;
-    if cfg.dims.tp == 1 && world >= 2 && world.is_multiple_of(2) {
+    // another layout of the same ranks: tensor parallelism, or for long sequences Ulysses
+    let replan = |layout: LayoutFlags| {
         let overrides = Overrides {
-            layout: LayoutFlags {
-                tp: Some(2),
-                ..args.layout.flags()
-            },
+            layout,
             training: args.training.to_args().ok(),
             run_steps: Some(super::DEFAULT_STEPS),
         };
         let source = super::config_source(args.config.as_deref());
-        if let Ok(tp) = JobPlan::new(source, world, &overrides, Some(model)) {
+        JobPlan::new(source, cfg.dims.world_size, &overrides, Some(model))
+    };
+    if cfg.dims.tp == 1 {
+        let tp = LayoutFlags {
+            tp: Some(2),
+            ..args.layout.flags()
+        };
+        if let Ok(p) = replan(tp) {
+            let ranks = estimate_run(&p.config, model, None);
             consider(
                 &mut out,
-                "tensor parallelism: --tp 2".into(),
-                estimate_run(&tp.config, model, None),
+                "tensor parallelism (half the replicas: a smaller global batch): --tp 2".into(),
+                ranks,
             );
+        }
+    }
+    if cfg.dims.sp == 1 {
+        // the fewest sequence-parallel ranks that fit
+        for sp in [2, 4, 8]
+            .into_iter()
+            .filter(|sp| cfg.dims.dp().is_multiple_of(*sp))
+        {
+            let layout = LayoutFlags {
+                sp: Some(sp),
+                ..args.layout.flags()
+            };
+            let Ok(p) = replan(layout) else { continue };
+            let ranks = estimate_run(&p.config, model, None);
+            if ranks.as_ref().is_ok_and(|r| host_bytes(r, local) <= limit) {
+                let what = format!(
+                    "each sequence split over {sp} ranks (Ulysses; 1/{sp} of the replicas: a smaller global batch): --sp {sp}"
+                );
+                consider(&mut out, what, ranks);
+                break;
+            }
         }
     }
     out
