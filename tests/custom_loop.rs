@@ -179,3 +179,100 @@ fn a_partition_config_pattern_matching_nothing_is_named() {
     assert!(named.count() >= 1, "{}", f.stderr);
     assert!(!f.stdout.contains("step"), "nothing trained: {}", f.stdout);
 }
+
+/// The library's engine reports as DeepSpeed's does, from the program's ds_config alone: rank
+/// 0's `step=N, skipped=K, lr=[...], mom=[...]` and throughput lines every steps_per_print
+/// steps, the wall_clock_breakdown line, and TensorBoard events (read back by TensorBoard's
+/// own reader when DS_RS_PYTHON names a Python with it) at the samples seen.
+#[test]
+fn the_engine_reports_as_deepspeed_does() {
+    let s = Scratch::new("custom-loop-report");
+    let tb = s.path("tb");
+    let extra = format!(
+        r#", "wall_clock_breakdown": true,
+        "tensorboard": {{"enabled": true, "output_path": "{}", "job_name": "run"}}"#,
+        tb.display()
+    );
+    let cfg = s.write(
+        "ds_config.json",
+        &config(2, &extra).replace(r#""steps_per_print": 1"#, r#""steps_per_print": 2"#),
+    );
+    let launch = format!(
+        "launch --nproc_per_node 2 --config {} {} --steps {STEPS}",
+        cfg.display(),
+        custom_loop_example().display()
+    );
+    let f = run(&launch, LIMIT);
+    assert!(f.status.success(), "{}", f.stderr);
+    let lines = |needle: &str| -> Vec<String> {
+        f.stdout
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(String::from)
+            .collect()
+    };
+    let progress = lines("] step=");
+    assert_eq!(progress.len(), STEPS / 2, "{}", f.stdout);
+    for (i, line) in progress.iter().enumerate() {
+        let want = format!(
+            "[rank0] [Rank 0] step={}, skipped=0, lr=[0.001], mom=[(0.9, 0.95)]",
+            2 * (i + 1)
+        );
+        assert_eq!(line, &want);
+    }
+    assert_eq!(lines("CurrSamplesPerSec=").len(), STEPS / 2, "{}", f.stdout);
+    assert_eq!(lines("time (ms) | fwd:").len(), STEPS / 2, "{}", f.stdout);
+    assert!(
+        !f.stdout.contains("[rank1] [Rank 0]"),
+        "rank 1 printed: {}",
+        f.stdout
+    );
+
+    let files: Vec<_> = std::fs::read_dir(tb.join("run"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let Ok(python) = std::env::var("DS_RS_PYTHON") else {
+        println!(
+            "skipped reading the events back: DS_RS_PYTHON (a Python with tensorboard) is not set"
+        );
+        return;
+    };
+    let reader = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("engine/tests/monitor/read_events.py");
+    let out = Command::new(python)
+        .arg(reader)
+        .arg(&files[0])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let events = read["accumulator"].as_array().unwrap();
+    let of = |tag: &str| -> Vec<(u64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["tag"] == tag)
+            .map(|e| {
+                (
+                    e["step"].as_u64().unwrap(),
+                    e["value"].as_str().unwrap().parse().unwrap(),
+                )
+            })
+            .collect()
+    };
+    // x: the samples seen, train_batch_size (8) a step
+    let xs: Vec<u64> = of("Train/Samples/train_loss")
+        .iter()
+        .map(|(x, _)| *x)
+        .collect();
+    assert_eq!(xs, [8, 16, 24, 32]);
+    for (x, lr) in of("Train/Samples/lr") {
+        assert_eq!(lr as f32, 1e-3f32, "lr at {x}");
+    }
+    assert_eq!(of("Train/Samples/loss_scale").len(), STEPS);
+}

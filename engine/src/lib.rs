@@ -32,7 +32,8 @@ pub mod schedule;
 /// NVMe offload's I/O between two readings (`Timings::swap`).
 pub use ds_partition::swap::IoTotals;
 pub use engine::{
-    check_optimizer, lr_schedule, optimizer_section, pipeline_layout, program_optimizer_line,
+    check_optimizer, lr_schedule, monitor_events, optimizer_section, pipeline_layout,
+    program_optimizer_line, progress_line, steps_per_print, swap_note, wall_clock_line,
     DecayGroups, Dtype, Engine, EngineOptions, MemoryReport, ParamGroup, PipeLayout, Precision,
     Settings, StepOutcome, Timings, STEP_PIECE,
 };

@@ -92,6 +92,8 @@ fn run_rank(args: &TrainBenchArgs) -> anyhow::Result<ExitCode> {
     let opts = EngineOptions {
         init: args.init.clone(),
         device: args.device.open()?,
+        // the benchmark prints its own report, and times the steps itself
+        report: false,
         ..EngineOptions::default()
     };
     let mut engine = plan.engine(&model, &groups, opts)?;

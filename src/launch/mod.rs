@@ -21,7 +21,7 @@ use gang::{Gang, Outcome, Spec};
 use hosts::Host;
 pub use hosts::Hosts;
 use preflight::{check_config, check_train};
-pub use preflight::{print_config_warnings, CONFIG_WARNED};
+pub use preflight::{print_config_warnings, CONFIG_WARNED, MEMORY_CHECKED};
 use relay::Sink;
 use remote::{Launcher, Remote};
 pub(crate) use signals::StopFlag;
@@ -309,7 +309,7 @@ impl<'a> Job<'a> {
                 .env("MASTER_ADDR", &self.master_addr)
                 .env("MASTER_PORT", self.master_port.to_string())
                 .env("DS_RS_RESTART_COUNT", attempt.to_string())
-                .env(crate::train::MEMORY_CHECKED, "1")
+                .env(MEMORY_CHECKED, "1")
                 .env("CUDA_VISIBLE_DEVICES", slots.join(","));
             if let Some(t) = &self.token {
                 cmd.env("DS_RS_JOB_TOKEN", t);

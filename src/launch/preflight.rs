@@ -61,6 +61,10 @@ fn first_line(message: &str) -> &str {
     line.strip_prefix("error: ").unwrap_or(line)
 }
 
+/// Set on every rank the launcher starts: its host's memory was checked already
+/// (`train::check_fits`), so `train` does not check again.
+pub const MEMORY_CHECKED: &str = "DS_RS_MEMORY_CHECKED";
+
 /// Set on every rank the launcher starts with `--config`: the config whose warnings the head
 /// launcher printed, so that `train` reading that same file does not print them again.
 pub const CONFIG_WARNED: &str = "DS_RS_CONFIG_WARNED";

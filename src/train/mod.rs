@@ -184,9 +184,6 @@ pub fn plan(args: &TrainArgs, world: usize) -> anyhow::Result<(ModelSpec, JobPla
     Ok((model, plan))
 }
 
-/// Set by `ds-rs launch` on the ranks it starts: their host's memory was checked already.
-pub const MEMORY_CHECKED: &str = "DS_RS_MEMORY_CHECKED";
-
 /// Refuses, before any rank starts, a run whose ranks `local` (this host's) are predicted to
 /// need more memory than the job may use here (src/train/fit.rs).
 pub fn check_fits(
@@ -300,7 +297,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<ExitCode> {
     env.gpu = args.device.gpu_ordinal();
     ds_engine::crash_point::check()?;
     let (model, plan) = plan(args, env.world_size)?;
-    if std::env::var_os(MEMORY_CHECKED).is_none() {
+    if std::env::var_os(crate::launch::MEMORY_CHECKED).is_none() {
         check_fits(args, &model, &plan, ranks_of_this_host())?;
     }
     // DeepSpeed's comms logger times every collective of rank 0 (its table is printed at
@@ -370,6 +367,8 @@ fn run_joined(
         seed: args.seed,
         init: args.init.clone(),
         device: device.clone(),
+        // rank 0 draws its own progress (progress.rs); the monitors are the engine's
+        report: false,
         ..EngineOptions::default()
     };
     let mut engine = plan.engine(&model, &groups, opts)?;
@@ -437,11 +436,12 @@ impl Run<'_> {
             }
             false => (None, Vec::new(), Vec::new()),
         };
-        let m = &self.cfg.monitor;
-        let mut monitor = Monitor::new(&m.tensorboard, &m.csv_monitor, comm.rank())?;
         let mut trainer_tb = self.trainer_monitor(comm.rank())?;
         let every = self.args.trainer.logging_steps;
-        let mut progress = Progress::new(self.steps, every.unwrap_or(steps_per_print(self.cfg)));
+        let mut progress = Progress::new(
+            self.steps,
+            every.unwrap_or(ds_engine::steps_per_print(self.cfg)),
+        );
         if rank0 {
             self.announce(data, comm, &s);
             write_resolved(&self.dir, self.cfg)?;
@@ -474,7 +474,6 @@ impl Run<'_> {
                 tflops: tokens * flops_per_token / dt / 1e12,
                 unix_ms: unix_ms(),
             };
-            monitor.write_events(&monitor_events(&r, samples))?;
             trainer_tb.write_events(&trainer_events(&r))?;
             if let Some(f) = &mut file {
                 f.write(&r)?;
@@ -497,7 +496,7 @@ impl Run<'_> {
                 if let Some(f) = &mut file {
                     f.write(&e)?;
                     let seen = (step + 1) * samples as u64;
-                    monitor.write_events(&[("Train/Samples/eval_loss", e.eval_loss, seen)])?;
+                    engine.write_events(&[("Train/Samples/eval_loss", e.eval_loss, seen)])?;
                     trainer_tb.write_events(&[("eval/loss", e.eval_loss, step + 1)])?;
                     progress.note(&format!("step {} | eval loss {:.4}", step + 1, e.eval_loss));
                 }
@@ -561,19 +560,11 @@ impl Run<'_> {
     /// DeepSpeed's wall_clock_breakdown line, every steps_per_print steps: the mean forward,
     /// backward and step time of those steps.
     fn wall_clock(&self, wall: &mut ds_engine::Timings, step: u64, progress: &Progress) {
-        let every = steps_per_print(self.cfg);
+        let every = ds_engine::steps_per_print(self.cfg);
         if !self.cfg.wall_clock_breakdown || !(step + 1).is_multiple_of(every) {
             return;
         }
-        let t = std::mem::take(wall);
-        let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / every as f64;
-        progress.note(&format!(
-            "time (ms) | fwd: {:.2} | bwd: {:.2} | step: {:.2}{}",
-            ms(t.forward),
-            ms(t.backward),
-            ms(t.step),
-            swap_note(&t.swap, every)
-        ));
+        progress.note(&ds_engine::wall_clock_line(&std::mem::take(wall), every));
     }
 
     /// The flops profiler's report of the step that starts with `profile_step` steps done
@@ -670,43 +661,8 @@ fn metrics_dir(args: &TrainArgs, rank: usize) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// DeepSpeed's per-step monitor events, with the samples seen so far as the x value.
-fn monitor_events(r: &StepRecord, samples_per_step: f64) -> [(&'static str, f64, u64); 3] {
-    let seen = (r.step + 1) * samples_per_step as u64;
-    [
-        ("Train/Samples/train_loss", r.loss, seen),
-        ("Train/Samples/lr", r.lr, seen),
-        ("Train/Samples/loss_scale", r.loss_scale, seen),
-    ]
-}
-
-/// ds_config `steps_per_print` (DeepSpeed's default 10).
-fn steps_per_print(cfg: &Config) -> u64 {
-    cfg.scalars
-        .steps_per_print
-        .as_f64()
-        .map_or(10, |n| n.max(1.0) as u64)
-}
-
 fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
-}
-
-/// ` | swap: read R MiB, written W MiB in T ms (B MiB/s)` per step over `steps` steps of
-/// NVMe offload's I/O (its time: inside the reads and writes, mostly overlapped with the
-/// update), empty without offload.
-pub(crate) fn swap_note(io: &ds_engine::IoTotals, steps: u64) -> String {
-    if io.read_bytes + io.written_bytes == 0 {
-        return String::new();
-    }
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / steps as f64;
-    format!(
-        " | swap: read {:.0} MiB, written {:.0} MiB in {:.0} ms ({:.0} MiB/s)",
-        mib(io.read_bytes),
-        mib(io.written_bytes),
-        1e3 * io.busy.as_secs_f64() / steps as f64,
-        io.mib_per_s()
-    )
 }

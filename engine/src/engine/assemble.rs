@@ -67,6 +67,12 @@ impl Engine {
         let core = build_core(parts, &stores, sources, optimizers)?;
         let samples = settings.micro_batch * settings.grad_accum * config.dims.replicas();
         let probe = autotuning::TrialProbe::new(config, samples, groups.world().rank() == 0);
+        let reporter = super::report::Reporter::new(
+            config,
+            groups.world().rank(),
+            opts.report,
+            samples as u64,
+        )?;
         Ok(Engine {
             core,
             settings,
@@ -77,6 +83,7 @@ impl Engine {
             all_params: stores.all_params,
             checkpoint_params: stores.checkpoint_params,
             probe,
+            reporter,
             output: None,
             frozen: stores.frozen,
         })

@@ -12,6 +12,7 @@ mod offload;
 mod param_store;
 mod pipe;
 mod program;
+mod report;
 mod settings;
 mod tied;
 mod trainer;
@@ -37,6 +38,7 @@ pub use layers::Dtype;
 pub use memory::MemoryReport;
 pub use pipe::{pipeline_layout, PipeLayout};
 pub use program::{check_optimizer, lr_schedule, optimizer_section, program_optimizer_line};
+pub use report::{monitor_events, progress_line, steps_per_print, swap_note, wall_clock_line};
 pub use settings::{Precision, Settings};
 use trainer::Trainer;
 pub use update::{StepOutcome, STEP_PIECE};
@@ -57,6 +59,11 @@ pub struct EngineOptions {
     /// `param_groups`); the first that names a parameter takes it. `ParamGroup::hf_no_decay()`
     /// is HF's Trainer's second group.
     pub param_groups: Vec<ParamGroup>,
+    /// Report as DeepSpeed's engine does (on by default): rank 0's progress line every
+    /// `steps_per_print` steps and the `wall_clock_breakdown` line (which then takes the
+    /// timings `take_timings` would return); the config's monitors are written either way.
+    /// A program that draws its own progress (`ds-rs train`) turns the lines off.
+    pub report: bool,
 }
 
 impl Default for EngineOptions {
@@ -67,6 +74,7 @@ impl Default for EngineOptions {
             device: Device::Cpu,
             activation_checkpointing: false,
             param_groups: Vec::new(),
+            report: true,
         }
     }
 }
@@ -145,6 +153,8 @@ pub struct Engine {
     checkpoint_params: std::result::Result<Vec<checkpoint::ParamEntry>, String>,
     /// An autotuning trial's step timer (a config with `autotuning.metric_path`).
     probe: Option<autotuning::TrialProbe>,
+    /// DeepSpeed's progress lines and monitor events (report.rs).
+    reporter: report::Reporter,
     /// The output `forward` returned, until `backward` differentiates the loss made from it.
     output: Option<candle_core::Var>,
     /// The frozen parameters and their source, which checkpoints record (they hold only the
@@ -234,6 +244,7 @@ impl Engine {
                 loss.dims()
             )));
         }
+        self.reporter.record_loss(loss);
         let seed = each!(&self.core, t => t.loss_seed());
         let grads = loss.affine(seed, 0.0)?.backward()?;
         let dy = grads.get(output.as_tensor()).cloned().ok_or_else(|| {
@@ -248,13 +259,18 @@ impl Engine {
     pub fn step(&mut self) -> Result<Option<StepOutcome>> {
         self.not_pipelined("step")?;
         let outcome = each!(&mut self.core, t => t.step())?;
-        outcome.map(|o| self.after_step(o)).transpose()
+        outcome.map(|o| self.after_step(o, None)).transpose()
     }
 
-    /// An autotuning trial's probe after each optimizer step: the outcome says when the
-    /// trial's last profiled step is done (the program ends there).
-    fn after_step(&mut self, mut outcome: StepOutcome) -> Result<StepOutcome> {
+    /// After each optimizer step: DeepSpeed's reporting (`loss`: the step's, when the caller
+    /// has it), and an autotuning trial's probe, whose outcome says when the trial's last
+    /// profiled step is done (the program ends there).
+    fn after_step(&mut self, mut outcome: StepOutcome, loss: Option<f64>) -> Result<StepOutcome> {
         let steps = self.global_steps();
+        outcome.skipped_steps = self.skipped_steps();
+        let timings = self.reporter.wants_timings().then(|| self.take_timings());
+        self.reporter
+            .after_step(steps, &mut outcome, loss, timings)?;
         if let Some(probe) = &mut self.probe {
             outcome.trial_complete = probe.after_step(steps)?;
         }
@@ -284,7 +300,7 @@ impl Engine {
             self.backward(&loss)?;
             losses.push(loss.detach());
         }
-        let outcome = self.step()?.ok_or_else(|| {
+        let outcome = each!(&mut self.core, t => t.step())?.ok_or_else(|| {
             EngineError::Call(
                 "train_batch: an accumulation window was already open (forward/backward \
                  called without step); finish it with step() first"
@@ -295,7 +311,9 @@ impl Engine {
         for loss in losses {
             sum += loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         }
-        Ok((self.mean_over_ranks(sum / ga as f32)?, outcome))
+        let loss = self.mean_over_ranks(sum / ga as f32)?;
+        // reported with the loss over every rank, as the program sees it
+        Ok((loss, self.after_step(outcome, Some(loss as f64))?))
     }
 
     /// One pipeline step: DeepSpeed's TrainSchedule over the accumulation steps' micro-batches
@@ -318,7 +336,7 @@ impl Engine {
             .broadcast(&mut loss, stage.last())
             .map_err(|e| pipe::name_stages(e.into(), stage))?;
         let loss = self.mean_over_ranks(loss[0])?;
-        Ok((loss, self.after_step(outcome)?))
+        Ok((loss, self.after_step(outcome, Some(loss as f64))?))
     }
 
     /// The loss of `gradient_accumulation_steps` micro-batches from `next` without
@@ -398,6 +416,12 @@ impl Engine {
     }
 
     /// Forward/backward/step time since the last call.
+    /// Writes `(tag, value, x)` events to the config's monitors (TensorBoard, CSV) on rank 0,
+    /// beside the engine's own, as DeepSpeed's `engine.monitor.write_events`.
+    pub fn write_events(&mut self, events: &[(&str, f64, u64)]) -> Result<()> {
+        self.reporter.write_events(events)
+    }
+
     pub fn take_timings(&mut self) -> Timings {
         each!(&mut self.core, t => t.take_timings())
     }

@@ -29,6 +29,12 @@ pub struct StepOutcome {
     /// This step ended an autotuning trial's profile (its metrics are written): the program
     /// should end here, as DeepSpeed's engine ends the process.
     pub trial_complete: bool,
+    /// Steps skipped so far (fp16 overflows), as DeepSpeed's progress line counts them.
+    pub skipped_steps: u64,
+    /// Wall time since the previous optimizer step (or the engine's start), and the samples
+    /// of the whole job's step (train_batch_size) per second over it.
+    pub step_seconds: f64,
+    pub samples_per_s: f64,
 }
 
 /// Optimizer, LR schedule and loss scaler, with the step counters DeepSpeed keeps.
@@ -208,6 +214,9 @@ impl Updater {
             loss_scale: scale,
             messages,
             trial_complete: false,
+            skipped_steps: 0,
+            step_seconds: 0.0,
+            samples_per_s: 0.0,
         };
         if scaled.skipped {
             self.skipped_steps += 1;
