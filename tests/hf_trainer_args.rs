@@ -122,6 +122,7 @@ fn run_clm_arguments_do_what_they_say() {
     // --report_to tensorboard: an event file under OUTPUT_DIR/runs
     let runs: Vec<_> = std::fs::read_dir(out.join("runs")).unwrap().collect();
     assert_eq!(runs.len(), 1);
+    trainer_tags_read_back(&runs[0].as_ref().unwrap().path(), &losses);
 
     // --resume_from_checkpoint PATH continues from step 6 with the straight run's last loss
     let resumed_dir = s.path("resumed");
@@ -143,6 +144,47 @@ fn run_clm_arguments_do_what_they_say() {
         losses,
         "output_dir resumed vs straight"
     );
+}
+
+/// The event file read back by TensorBoard's own reader (when DS_RS_PYTHON names a Python
+/// with it): the Trainer's tags at the global step, train/loss the losses of metrics.jsonl.
+fn trainer_tags_read_back(file: &Path, losses: &[f64]) {
+    let Ok(python) = std::env::var("DS_RS_PYTHON") else {
+        println!("skipped reading the events back: DS_RS_PYTHON is not set");
+        return;
+    };
+    let reader = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/monitor/read_events.py");
+    let out = std::process::Command::new(python)
+        .arg(reader)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let events = read["accumulator"].as_array().unwrap();
+    let of = |tag: &str| -> Vec<(u64, f32)> {
+        let value = |e: &serde_json::Value| f32::from_bits(e["bits"].as_u64().unwrap() as u32);
+        events
+            .iter()
+            .filter(|e| e["tag"] == tag)
+            .map(|e| (e["step"].as_u64().unwrap(), value(e)))
+            .collect()
+    };
+    let want: Vec<(u64, f32)> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i as u64 + 1, *l as f32))
+        .collect();
+    assert_eq!(of("train/loss"), want);
+    for tag in ["train/learning_rate", "train/grad_norm"] {
+        assert_eq!(of(tag).len(), losses.len(), "{tag}");
+    }
+    let eval = of("eval/loss");
+    assert_eq!(eval.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [7]);
 }
 
 /// Each Trainer argument that would act on nothing without another is refused by name before
