@@ -439,6 +439,7 @@ impl Run<'_> {
         let mut trainer_tb = self.trainer_monitor(comm.rank())?;
         let every = self.args.trainer.logging_steps;
         let mut progress = Progress::new(
+            start,
             self.steps,
             every.unwrap_or(ds_engine::steps_per_print(self.cfg)),
         );
@@ -501,6 +502,10 @@ impl Run<'_> {
                     progress.note(&format!("step {} | eval loss {:.4}", step + 1, e.eval_loss));
                 }
                 evals.push(e);
+                if rank0 {
+                    // redrawn at each evaluation, so a long run's chart is never stale
+                    self.write_chart(data, &records, &evals)?;
+                }
             }
             self.checkpoint(engine, data, step)?;
             if out.trial_complete {
@@ -528,7 +533,7 @@ impl Run<'_> {
                 comm.world_size(),
             );
             metrics::write_summary(&self.dir, &summary)?;
-            self.write_chart(data, &records)?;
+            self.write_chart(data, &records, &evals)?;
             self.print_summary(&summary, &memory);
             if let Some(table) = comm.comms_summary() {
                 println!("{table}");

@@ -116,39 +116,48 @@ impl Run<'_> {
     }
 
     /// Loss (with the data's floor) and throughput over the steps, as DIR/chart.png.
+    /// chart.png: the training loss with the data's floor, the held-out loss, the learning
+    /// rate and the throughput over the steps so far (drawn at each evaluation and at the end).
     pub(super) fn write_chart(
         &self,
         data: &data::Data,
         records: &[StepRecord],
+        evals: &[EvalRecord],
     ) -> anyhow::Result<()> {
-        let loss: Vec<(f64, f64)> = records
+        let by_step = |f: fn(&StepRecord) -> f64| -> Vec<(f64, f64)> {
+            records
+                .iter()
+                .map(|r| ((r.step + 1) as f64, f(r)))
+                .collect()
+        };
+        let (loss, lr, speed) = (
+            by_step(|r| r.loss),
+            by_step(|r| r.lr),
+            by_step(|r| r.tokens_per_s),
+        );
+        let eval: Vec<(f64, f64)> = evals
             .iter()
-            .map(|r| ((r.step + 1) as f64, r.loss))
-            .collect();
-        let speed: Vec<(f64, f64)> = records
-            .iter()
-            .map(|r| ((r.step + 1) as f64, r.tokens_per_s))
+            .map(|e| ((e.step + 1) as f64, e.eval_loss))
             .collect();
         let floor = data.floor.map(|f| (f, "loss floor"));
+        let panel = |title, y_label, points, floor| chart::Series {
+            title,
+            y_label,
+            points,
+            floor,
+        };
         let series = [
-            chart::Series {
-                title: "training loss",
-                y_label: "loss (nats/token)",
-                points: &loss,
-                floor,
-            },
-            chart::Series {
-                title: "throughput",
-                y_label: "tokens/s",
-                points: &speed,
-                floor: None,
-            },
+            panel("training loss", "loss (nats/token)", &loss, floor),
+            panel("held-out loss", "loss (nats/token)", &eval, floor),
+            panel("learning rate", "lr", &lr, None),
+            panel("throughput", "tokens/s", &speed, None),
         ];
         let title = format!(
-            "ds-rs train: {} {}, {} steps",
+            "ds-rs train: {} {}, {} of {} steps",
             self.model.architecture(),
             self.args.model,
-            records.len()
+            records.len(),
+            self.steps
         );
         chart::write_png(&self.dir.join("chart.png"), &title, &series)?;
         Ok(())
