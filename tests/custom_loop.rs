@@ -182,14 +182,14 @@ fn a_partition_config_pattern_matching_nothing_is_named() {
 
 /// The library's engine reports as DeepSpeed's does, from the program's ds_config alone: rank
 /// 0's `step=N, skipped=K, lr=[...], mom=[...]` and throughput lines every steps_per_print
-/// steps, the wall_clock_breakdown line, and TensorBoard events (read back by TensorBoard's
+/// steps, the wall_clock_breakdown line, the comms logger's table, and TensorBoard events (read back by TensorBoard's
 /// own reader when DS_RS_PYTHON names a Python with it) at the samples seen.
 #[test]
 fn the_engine_reports_as_deepspeed_does() {
     let s = Scratch::new("custom-loop-report");
     let tb = s.path("tb");
     let extra = format!(
-        r#", "wall_clock_breakdown": true,
+        r#", "wall_clock_breakdown": true, "comms_logger": {{"enabled": true}},
         "tensorboard": {{"enabled": true, "output_path": "{}", "job_name": "run"}}"#,
         tb.display()
     );

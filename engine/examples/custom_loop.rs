@@ -166,7 +166,7 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<(), Error> {
     // Join the job: alone this is rank 0 of 1; under `ds-rs launch` (or torchrun, mpirun,
     // srun) each rank finds its place from the environment.
-    let comm = ds_comm::init_from_env()?;
+    let mut opts = ds_comm::options_from_env()?;
     let (mut doc, source) = match &args.config {
         Some(path) => (ds_config::load(path)?, path.display().to_string()),
         None => (
@@ -181,17 +181,17 @@ fn run(args: &Args) -> Result<(), Error> {
     }
     // The layout, decided once: the config's tensor-parallel degree, data parallelism over
     // the rest; the groups every collective of the engine runs on.
-    let dims = ds_config::parallel_dims(&doc, comm.world_size(), None, None)
+    let dims = ds_config::parallel_dims(&doc, opts.world_size, None, None)
         .map_err(|e| format!("{source}: {e}"))?;
     let config = ds_config::resolve(&doc, &dims)
         .and_then(ds_config::Config::with_expert_parallel)
         .map_err(|e| format!("{source}: {e}"))?;
+    // DeepSpeed's comms logger, when the config enables it, times every collective (its table
+    // is printed at the end, as deepspeed.comm.log_summary())
+    opts.comms_logger = config.comms_logger.clone().filter(|c| c.enabled);
+    let comm = ds_comm::init(&opts)?;
     let groups = ds_comm::Groups::new(&comm, config.dims)?;
-    let steps_per_print = config
-        .scalars
-        .steps_per_print
-        .as_f64()
-        .map_or(10, |n| n.max(1.0) as u64);
+    let steps_per_print = ds_engine::steps_per_print(&config);
 
     let model = Model::new()
         .layer(
@@ -253,6 +253,9 @@ fn run(args: &Args) -> Result<(), Error> {
         if trial_complete {
             break;
         }
+    }
+    if let Some(table) = comm.comms_summary().filter(|_| comm.rank() == 0) {
+        println!("{table}");
     }
     Ok(())
 }

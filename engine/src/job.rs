@@ -23,6 +23,8 @@ pub struct Job {
     config: Config,
     /// Where the config came from, for messages.
     source: String,
+    /// The communicator `init` made (a program that joins with its own keeps it).
+    comm: Option<Communicator>,
 }
 
 impl Job {
@@ -30,30 +32,37 @@ impl Job {
     /// torchrun, mpirun or srun, its place from the environment. The ds_config is the one
     /// the launcher passed (`ds-rs launch --config`, as DS_RS_CONFIG), else `config`: a
     /// file's path, or the JSON text itself.
+    /// DeepSpeed's comms logger (`comms_logger` in the config) times this rank's collectives;
+    /// `comms_summary` prints its table, as `deepspeed.comm.log_summary()`.
     pub fn init(config: &str) -> Result<Job> {
-        Job::join(&ds_comm::init_from_env()?, config)
+        let mut opts = ds_comm::options_from_env()?;
+        let plan = plan(config, opts.world_size)?;
+        opts.comms_logger = plan.config.comms_logger.clone().filter(|c| c.enabled);
+        let comm = ds_comm::init(&opts)?;
+        let mut job = Job::from_plan(&comm, plan)?;
+        job.comm = Some(comm);
+        Ok(job)
     }
 
     /// As `init`, on a communicator the program made (ranks in threads, tests).
     pub fn join(comm: &Communicator, config: &str) -> Result<Job> {
-        let launched = std::env::var("DS_RS_CONFIG").ok().filter(|c| !c.is_empty());
-        let text = launched.as_deref().unwrap_or(config);
-        let source = match text.trim_start().starts_with('{') {
-            true => ConfigSource::Text {
-                text,
-                name: "the program's ds_config",
-            },
-            false => ConfigSource::File(Path::new(text)),
-        };
-        // the config alone, as deepspeed.initialize reads it; the model arrives with
-        // `initialize`
-        let plan = JobPlan::new(source, comm.world_size(), &Overrides::default(), None)?;
+        Job::from_plan(comm, plan(config, comm.world_size())?)
+    }
+
+    fn from_plan(comm: &Communicator, plan: JobPlan) -> Result<Job> {
         let groups = Groups::new(comm, plan.config.dims)?;
         Ok(Job {
             groups,
             config: plan.config,
             source: plan.source,
+            comm: None,
         })
+    }
+
+    /// The comms logger's table of this rank's collectives (None unless the config's
+    /// `comms_logger` is enabled and `init` made the communicator).
+    pub fn comms_summary(&self) -> Option<String> {
+        self.comm.as_ref()?.comms_summary()
     }
 
     /// The engine for `model` (built for this job's tensor-parallel group, `tp()`).
@@ -90,6 +99,22 @@ impl Job {
     pub fn rank(&self) -> usize {
         self.groups.world().rank()
     }
+}
+
+/// The job's config for `world` ranks: the launcher's (DS_RS_CONFIG), else `config` (a file's
+/// path, or the JSON text itself), alone, as deepspeed.initialize reads it; the model arrives
+/// with `initialize`.
+fn plan(config: &str, world: usize) -> Result<JobPlan> {
+    let launched = std::env::var("DS_RS_CONFIG").ok().filter(|c| !c.is_empty());
+    let text = launched.as_deref().unwrap_or(config);
+    let source = match text.trim_start().starts_with('{') {
+        true => ConfigSource::Text {
+            text,
+            name: "the program's ds_config",
+        },
+        false => ConfigSource::File(Path::new(text)),
+    };
+    JobPlan::new(source, world, &Overrides::default(), None)
 }
 
 #[cfg(test)]
