@@ -299,6 +299,9 @@ fn env_prefix(words: &mut Vec<String>) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Commands a page may use to prepare a file, run with `sh -c`.
+const SHELL_TOOLS: [&str; 4] = ["printf", "echo", "mkdir", "cp"];
+
 /// What CI runs itself rather than this test.
 fn run_by_ci(words: &[String]) -> bool {
     matches!(words.first().map(String::as_str), Some("cargo"))
@@ -322,6 +325,21 @@ fn run_line(line: &Line, dir: &Path, check_only: bool, examples: &dyn Fn(&str) -
     }
     if words[0] == "python" {
         words.remove(0);
+    }
+    // the shell's own small tools (a hostfile written with printf): run as the shell runs them
+    if SHELL_TOOLS.contains(&words[0].as_str()) {
+        let sh = Command::new("sh")
+            .arg("-c")
+            .arg(&line.text)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            sh.status.success(),
+            "{at}: {}",
+            String::from_utf8_lossy(&sh.stderr)
+        );
+        return;
     }
     let Some(exe) = program(&mut words, examples) else {
         // a script of the repository: it must be there to run
