@@ -149,29 +149,14 @@ fn run_clm_arguments_do_what_they_say() {
 /// The event file read back by TensorBoard's own reader (when DS_RS_PYTHON names a Python
 /// with it): the Trainer's tags at the global step, train/loss the losses of metrics.jsonl.
 fn trainer_tags_read_back(file: &Path, losses: &[f64]) {
-    let Ok(python) = std::env::var("DS_RS_PYTHON") else {
-        println!("skipped reading the events back: DS_RS_PYTHON is not set");
+    let Some(scalars) = tensorboard_scalars(file) else {
         return;
     };
-    let reader = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/monitor/read_events.py");
-    let out = std::process::Command::new(python)
-        .arg(reader)
-        .arg(file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let events = read["accumulator"].as_array().unwrap();
     let of = |tag: &str| -> Vec<(u64, f32)> {
-        let value = |e: &serde_json::Value| f32::from_bits(e["bits"].as_u64().unwrap() as u32);
-        events
+        scalars
             .iter()
-            .filter(|e| e["tag"] == tag)
-            .map(|e| (e["step"].as_u64().unwrap(), value(e)))
+            .filter(|(t, _, _)| t == tag)
+            .map(|(_, x, v)| (*x, *v))
             .collect()
     };
     let want: Vec<(u64, f32)> = losses

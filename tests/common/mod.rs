@@ -353,3 +353,37 @@ impl Drop for Tmpfs {
         let _ = std::process::Command::new("umount").arg(&self.0).status();
     }
 }
+
+/// The scalars of a TensorBoard event file as TensorBoard's own reader sees them
+/// (engine/tests/monitor/read_events.py: `(tag, step, value)` in the order EventAccumulator
+/// gives them, the value the stored f32), or None, having said why, when DS_RS_PYTHON (a
+/// Python with the tensorboard package) is not set.
+pub fn tensorboard_scalars(file: &Path) -> Option<Vec<(String, u64, f32)>> {
+    let Ok(python) = std::env::var("DS_RS_PYTHON") else {
+        println!(
+            "skipped reading the events back: DS_RS_PYTHON (a Python with tensorboard) is not set"
+        );
+        return None;
+    };
+    let reader = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/tests/monitor/read_events.py");
+    let out = Command::new(python).arg(reader).arg(file).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let scalar = |e: &serde_json::Value| {
+        let bits = e["bits"].as_u64().unwrap() as u32;
+        let tag = e["tag"].as_str().unwrap().to_string();
+        (tag, e["step"].as_u64().unwrap(), f32::from_bits(bits))
+    };
+    Some(
+        read["accumulator"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(scalar)
+            .collect(),
+    )
+}
