@@ -4,6 +4,7 @@
 mod bench_adam;
 mod bench_attention;
 mod bench_comm;
+mod bench_gemm;
 mod bench_train;
 mod checkpoint;
 mod config_check;
@@ -79,6 +80,9 @@ enum BenchCommand {
     Train(Box<bench_train::TrainBenchArgs>),
     /// Causal attention's forward and backward: the flash path against the T x T path.
     Attention(bench_attention::AttentionArgs),
+    /// The CPU's instruction sets and its single-core f32 GEMM speed on a step's shapes
+    /// (beside PyTorch's with --peer): the ceiling the other figures are read against.
+    Gemm(bench_gemm::GemmArgs),
 }
 
 /// DS_RS_CHECK_ARGS=1: the command line is parsed (with `launch ... train ARGS`, the train
@@ -117,6 +121,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             command: BenchCommand::Adam(args),
         } => bench_adam::run(&args),
+        Command::Bench {
+            command: BenchCommand::Gemm(args),
+        } => bench_gemm::run(&args),
         Command::Bench {
             command: BenchCommand::Train(args),
         } => bench_train::run(&args),
