@@ -11,7 +11,7 @@
 set -euo pipefail
 a=$1 b=$2 rounds=${3:-3}
 here="$(cd "$(dirname "$0")/../.." && pwd)"
-peer="$here/../shared/bench/configs"
+peer="$here/scripts/bench/peer/configs"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 for stage in 0 1 2 3; do
