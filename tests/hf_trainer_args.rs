@@ -152,13 +152,7 @@ fn trainer_tags_read_back(file: &Path, losses: &[f64]) {
     let Some(scalars) = tensorboard_scalars(file) else {
         return;
     };
-    let of = |tag: &str| -> Vec<(u64, f32)> {
-        scalars
-            .iter()
-            .filter(|(t, _, _)| t == tag)
-            .map(|(_, x, v)| (*x, *v))
-            .collect()
-    };
+    let of = |tag: &str| scalars.get(tag).cloned().unwrap_or_default();
     let want: Vec<(u64, f32)> = losses
         .iter()
         .enumerate()

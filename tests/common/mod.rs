@@ -355,10 +355,12 @@ impl Drop for Tmpfs {
 }
 
 /// The scalars of a TensorBoard event file as TensorBoard's own reader sees them
-/// (engine/tests/monitor/read_events.py: `(tag, step, value)` in the order EventAccumulator
-/// gives them, the value the stored f32), or None, having said why, when DS_RS_PYTHON (a
+/// (engine/tests/monitor/read_events.py), by tag: `(step, value)` in the order EventAccumulator
+/// gives them, the value the stored f32; or None, having said why, when DS_RS_PYTHON (a
 /// Python with the tensorboard package) is not set.
-pub fn tensorboard_scalars(file: &Path) -> Option<Vec<(String, u64, f32)>> {
+pub fn tensorboard_scalars(
+    file: &Path,
+) -> Option<std::collections::BTreeMap<String, Vec<(u64, f32)>>> {
     let Ok(python) = std::env::var("DS_RS_PYTHON") else {
         println!(
             "skipped reading the events back: DS_RS_PYTHON (a Python with tensorboard) is not set"
@@ -373,17 +375,14 @@ pub fn tensorboard_scalars(file: &Path) -> Option<Vec<(String, u64, f32)>> {
         String::from_utf8_lossy(&out.stderr)
     );
     let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let scalar = |e: &serde_json::Value| {
-        let bits = e["bits"].as_u64().unwrap() as u32;
+    let mut by_tag = std::collections::BTreeMap::<String, Vec<(u64, f32)>>::new();
+    for e in read["accumulator"].as_array().unwrap() {
+        let value = f32::from_bits(e["bits"].as_u64().unwrap() as u32);
         let tag = e["tag"].as_str().unwrap().to_string();
-        (tag, e["step"].as_u64().unwrap(), f32::from_bits(bits))
-    };
-    Some(
-        read["accumulator"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(scalar)
-            .collect(),
-    )
+        by_tag
+            .entry(tag)
+            .or_default()
+            .push((e["step"].as_u64().unwrap(), value));
+    }
+    Some(by_tag)
 }
