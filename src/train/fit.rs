@@ -158,6 +158,16 @@ pub(crate) fn check(
     anyhow::bail!(text)
 }
 
+/// ZeRO-Infinity: `cfg` at ZeRO-3 with the optimizer states and the parameters on NVMe (the
+/// path does not change the estimate).
+fn infinity(cfg: &Config) -> Config {
+    let mut c = cfg.clone();
+    c.zero_optimization.stage = ZeroStage::Weights;
+    c.zero_optimization.offload_optimizer = Some(OffloadOptimizerConfig::nvme("/local_nvme"));
+    c.zero_optimization.offload_param = Some(OffloadParamConfig::nvme("/local_nvme"));
+    c
+}
+
 fn estimate_run(
     cfg: &Config,
     model: &ModelSpec,
@@ -220,15 +230,10 @@ fn changes(
         .as_ref()
         .is_none_or(|o| o.device.name() != Some("nvme"))
     {
-        let mut nvme = cfg.clone();
-        nvme.zero_optimization.stage = ZeroStage::Weights;
-        nvme.zero_optimization.offload_optimizer =
-            Some(OffloadOptimizerConfig::nvme("/local_nvme"));
-        nvme.zero_optimization.offload_param = Some(OffloadParamConfig::nvme("/local_nvme"));
         consider(&mut out,
             "ZeRO-Infinity: ZeRO-3 with \"offload_optimizer\" and \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": DIR}"
                 .into(),
-            estimate_run(&nvme, model, None),
+            estimate_run(&infinity(cfg), model, None),
         );
     }
     let settings = ds_engine::Settings::from_config(cfg, false);
@@ -270,22 +275,6 @@ fn changes(
             }
         }
         seq /= 2;
-    }
-    if out.is_empty() {
-        // nothing alone: everything that shrinks a rank, together
-        let mut all = cfg.clone();
-        all.zero_optimization.stage = ZeroStage::Weights;
-        all.zero_optimization.offload_optimizer = Some(OffloadOptimizerConfig::nvme("/local_nvme"));
-        all.zero_optimization.offload_param = Some(OffloadParamConfig::nvme("/local_nvme"));
-        let tiled = model.clone().with_tile(Some(256));
-        consider(
-            &mut out,
-            "all together: ZeRO-3 with the optimizer states and parameters on NVMe, \
-             --per_device_train_batch_size 1 with the accumulation steps raised to keep the \
-             global batch, and --tile 256"
-                .into(),
-            estimate_run(&all, &tiled, Some(1)),
-        );
     }
     // another layout of the same ranks: tensor parallelism, or for long sequences Ulysses
     let replan = |layout: LayoutFlags| {
@@ -331,6 +320,18 @@ fn changes(
                 break;
             }
         }
+    }
+    if out.is_empty() {
+        // nothing alone: everything that shrinks a rank, together
+        let tiled = model.clone().with_tile(Some(256));
+        consider(
+            &mut out,
+            "all together: ZeRO-3 with the optimizer states and parameters on NVMe, \
+             --per_device_train_batch_size 1 with the accumulation steps raised to keep the \
+             global batch, and --tile 256"
+                .into(),
+            estimate_run(&infinity(cfg), &tiled, Some(1)),
+        );
     }
     out
 }
